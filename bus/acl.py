@@ -1,0 +1,80 @@
+"""Who may publish and subscribe to what.
+
+An :class:`Acl` is two lists of patterns; a concrete topic is allowed when
+one pattern matches it, and a subscription pattern is allowed when every
+topic it could match is allowed (checked conservatively, token by token).
+Decisions are cached per topic.  An :class:`Identity` is what the bus knows
+of a publisher: its source name, principal and ACL (``None`` = unrestricted,
+for the supervisor's own parts and admins).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import msgspec
+
+from bus.topics import split_pattern, split_topic
+
+__all__ = ("Acl", "Identity", "pattern_covers")
+
+
+def pattern_covers(allowed: str, requested: str) -> bool:
+    """Whether every topic matched by ``requested`` is matched by ``allowed``."""
+    a = split_pattern(allowed)
+    r = split_pattern(requested)
+    for i, token in enumerate(a):
+        if token == ">":
+            return len(r) > i
+        if i >= len(r):
+            return False
+        if r[i] == ">":
+            return False
+        if token != "*" and token != r[i]:
+            return False
+    return len(a) == len(r)
+
+
+class Acl:
+    """Publish and subscribe allow-lists of patterns."""
+
+    __slots__ = ("_pub_cache", "_sub_cache", "publish", "subscribe")
+
+    def __init__(self, publish: Iterable[str] = (), subscribe: Iterable[str] = ()) -> None:
+        self.publish = tuple(publish)
+        self.subscribe = tuple(subscribe)
+        for pattern in (*self.publish, *self.subscribe):
+            split_pattern(pattern)
+        self._pub_cache: dict[str, bool] = {}
+        self._sub_cache: dict[str, bool] = {}
+
+    def may_publish(self, topic: str) -> bool:
+        hit = self._pub_cache.get(topic)
+        if hit is None:
+            split_topic(topic)
+            hit = any(pattern_covers(p, topic) for p in self.publish)
+            if len(self._pub_cache) > 4096:
+                self._pub_cache.clear()
+            self._pub_cache[topic] = hit
+        return hit
+
+    def may_subscribe(self, pattern: str) -> bool:
+        hit = self._sub_cache.get(pattern)
+        if hit is None:
+            hit = any(pattern_covers(p, pattern) for p in self.subscribe)
+            if len(self._sub_cache) > 4096:
+                self._sub_cache.clear()
+            self._sub_cache[pattern] = hit
+        return hit
+
+    def __repr__(self) -> str:
+        return f"Acl(publish={list(self.publish)}, subscribe={list(self.subscribe)})"
+
+
+class Identity(msgspec.Struct, frozen=True):
+    """A publisher or subscriber as the bus knows it (never self-asserted)."""
+
+    source: str
+    principal: str | None = None
+    acl: Acl | None = None
+    uid: int | None = None

@@ -1,0 +1,347 @@
+"""The in-process bus: publish, subscribe, request/reply, ACLs and statistics.
+
+:class:`Bus` matches each published topic against a :class:`TopicTrie` of
+subscribers and hands the envelope to each one's ``deliver``, which never
+blocks (a full in-process queue drops and counts; a remote connection has
+its own slow-consumer rule).  Requests carry a random ``reply_to`` token; a
+reply is routed by that token straight to the waiting requester, so only a
+subscriber that saw the request can answer it.  A request to a topic nobody
+subscribes to fails at once with :class:`NoResponders`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import anyio
+import msgspec
+import structlog
+
+from bus.acl import Identity
+from bus.envelope import Envelope
+from bus.errors import AclDenied, BusClosed, NoResponders, PayloadTooLarge, RequestTimeout
+from bus.subscription import Subscription
+from bus.topics import split_pattern, split_topic
+from bus.trie import TopicTrie
+
+__all__ = ("Bus", "BusStats", "Subscriber", "SubscriptionStats")
+
+log = structlog.get_logger("bus")
+_now = time.time
+
+_encode = msgspec.json.Encoder().encode
+
+
+class Subscriber(Protocol):
+    """Anything the bus can deliver to (an in-process Subscription, a remote one)."""
+
+    pattern: str
+    owner: Identity
+    delivered: int
+    dropped: int
+
+    def deliver(self, envelope: Envelope) -> bool: ...
+
+
+class SubscriptionStats(msgspec.Struct, frozen=True):
+    pattern: str
+    source: str
+    delivered: int
+    dropped: int
+    queued: int
+
+
+class BusStats(msgspec.Struct, frozen=True):
+    published: int
+    delivered: int
+    dropped: int
+    requests: int
+    no_responders: int
+    late_replies: int
+    acl_denied: int
+    subscriptions: int
+    top: list[SubscriptionStats]
+
+
+class _Pending:
+    __slots__ = ("done", "result", "topic")
+
+    def __init__(self, topic: str) -> None:
+        self.topic = topic
+        self.done = anyio.Event()
+        self.result: Envelope | None = None
+
+
+class Bus:
+    """A topic bus in one process.  Not thread-safe: use it from its event loop."""
+
+    def __init__(
+        self,
+        *,
+        max_payload: int = 1024 * 1024,
+        queue_size: int = 1024,
+        request_timeout: float = 5.0,
+    ) -> None:
+        self.max_payload = max_payload
+        self.queue_size = queue_size
+        self.request_timeout = request_timeout
+        self._trie: TopicTrie[Subscriber] = TopicTrie()
+        self._match = self._trie.cache
+        self._valid: set[str] = set()
+        self._ids = itertools.count(1)
+        self._subscribers: dict[int, Subscriber] = {}
+        self._pending: dict[str, _Pending] = {}
+        self._closed = False
+        self._audit_hook: Callable[[str, Identity, dict[str, Any]], None] | None = None
+        self.published = 0
+        self.delivered = 0
+        self.requests = 0
+        self.no_responders = 0
+        self.late_replies = 0
+        self.acl_denied = 0
+        self._dropped_gone = 0
+
+    # -- subscribing -------------------------------------------------------
+
+    def subscribe(self, pattern: str, owner: Identity, *, limit: int | None = None) -> Subscription:
+        """A new bounded subscription to ``pattern``; close it to unsubscribe."""
+        self._check_subscribe(pattern, owner)
+        sub = Subscription(pattern, owner, limit or self.queue_size, on_close=self.remove)
+        self._add(sub)
+        return sub
+
+    def add(self, subscriber: Subscriber) -> None:
+        """Attach a subscriber that is not a Subscription (e.g. a remote one)."""
+        self._check_subscribe(subscriber.pattern, subscriber.owner)
+        self._add(subscriber)
+
+    def remove(self, subscriber: Subscriber) -> None:
+        if self._subscribers.pop(id(subscriber), None) is not None:
+            self._trie.remove(subscriber.pattern, subscriber)
+            self._dropped_gone += subscriber.dropped
+
+    def _add(self, subscriber: Subscriber) -> None:
+        if self._closed:
+            raise BusClosed("the bus is closed")
+        self._trie.insert(subscriber.pattern, subscriber)
+        self._subscribers[id(subscriber)] = subscriber
+
+    def _check_subscribe(self, pattern: str, owner: Identity) -> None:
+        split_pattern(pattern)
+        if owner.acl is not None and not owner.acl.may_subscribe(pattern):
+            self.acl_denied += 1
+            self._on_denied("subscribe", owner, pattern)
+            raise AclDenied(f"{owner.source} may not subscribe to {pattern!r}")
+
+    # -- publishing --------------------------------------------------------
+
+    def publish(
+        self,
+        owner: Identity,
+        topic: str,
+        payload: Any,
+        *,
+        correlation_id: str | None = None,
+    ) -> Envelope:
+        """Publish a Python value (encoded to JSON once) and return its envelope."""
+        return self.publish_raw(owner, topic, _encode(payload), correlation_id=correlation_id)
+
+    def publish_raw(
+        self,
+        owner: Identity,
+        topic: str,
+        payload: bytes,
+        *,
+        correlation_id: str | None = None,
+        reply_to: str | None = None,
+    ) -> Envelope:
+        """Publish JSON text that is already encoded (and valid JSON).
+
+        This is the hot path: checks are inlined and cached by topic.
+        """
+        if self._closed:
+            raise BusClosed("the bus is closed")
+        acl = owner.acl
+        if acl is None:
+            if topic not in self._valid:
+                split_topic(topic)
+                if len(self._valid) > 8192:
+                    self._valid.clear()
+                self._valid.add(topic)
+        elif not acl.may_publish(topic):
+            self.acl_denied += 1
+            self._on_denied("publish", owner, topic)
+            raise AclDenied(f"{owner.source} may not publish to {topic!r}")
+        if len(payload) > self.max_payload:
+            _check_size(payload, self.max_payload)
+        envelope = Envelope(
+            next(self._ids),
+            topic,
+            payload,
+            owner.source,
+            owner.principal,
+            correlation_id,
+            reply_to,
+            _now(),
+        )
+        self.published += 1
+        subs = self._match.get(topic)
+        if subs is None:
+            subs = self._trie.match(topic)
+        n = 0
+        for sub in subs:
+            if sub.deliver(envelope):
+                n += 1
+            elif _is_power_of_ten(sub.dropped):
+                log.warning(
+                    "bus.drop",
+                    pattern=sub.pattern,
+                    subscriber=sub.owner.source,
+                    dropped=sub.dropped,
+                )
+        self.delivered += n
+        return envelope
+
+    def _check_publish(self, owner: Identity, topic: str, payload: bytes) -> None:
+        if self._closed:
+            raise BusClosed("the bus is closed")
+        acl = owner.acl
+        if acl is None:
+            split_topic(topic)
+        elif not acl.may_publish(topic):
+            self.acl_denied += 1
+            self._on_denied("publish", owner, topic)
+            raise AclDenied(f"{owner.source} may not publish to {topic!r}")
+        _check_size(payload, self.max_payload)
+
+    def has_subscribers(self, topic: str) -> bool:
+        return bool(self._trie.match(topic))
+
+    # -- request / reply ---------------------------------------------------
+
+    async def request(
+        self,
+        owner: Identity,
+        topic: str,
+        payload: Any,
+        *,
+        deadline: float | None = None,
+    ) -> Envelope:
+        """Publish a request and wait up to ``deadline`` seconds for the first reply."""
+        return await self.request_raw(owner, topic, _encode(payload), deadline=deadline)
+
+    async def request_raw(
+        self,
+        owner: Identity,
+        topic: str,
+        payload: bytes,
+        *,
+        deadline: float | None = None,
+    ) -> Envelope:
+        token = secrets.token_urlsafe(12)
+        pending = _Pending(topic)
+        self._pending[token] = pending
+        try:
+            self.requests += 1
+            self._check_publish(owner, topic, payload)
+            if not self._trie.match(topic):
+                self.no_responders += 1
+                raise NoResponders(f"no responders on {topic!r}")
+            self.publish_raw(owner, topic, payload, reply_to=token)
+            seconds = self.request_timeout if deadline is None else deadline
+            with anyio.move_on_after(seconds):
+                await pending.done.wait()
+            if pending.result is None:
+                if self._closed:
+                    raise BusClosed("the bus closed while the request waited")
+                raise RequestTimeout(f"no reply on {topic!r} within {seconds:g} s")
+            return pending.result
+        finally:
+            self._pending.pop(token, None)
+
+    def reply(self, owner: Identity, reply_to: str, payload: Any) -> bool:
+        """Answer the request whose token is ``reply_to``; False when nobody waits."""
+        return self.reply_raw(owner, reply_to, _encode(payload))
+
+    def reply_raw(self, owner: Identity, reply_to: str, payload: bytes) -> bool:
+        _check_size(payload, self.max_payload)
+        pending = self._pending.get(reply_to)
+        if pending is None or pending.result is not None:
+            self.late_replies += 1
+            return False
+        pending.result = Envelope(
+            id=next(self._ids),
+            topic=pending.topic,
+            payload=payload,
+            source=owner.source,
+            principal=owner.principal,
+            correlation_id=reply_to,
+            ts=_now(),
+        )
+        pending.done.set()
+        return True
+
+    # -- audit of refusals -------------------------------------------------
+
+    def on_denied(self, hook: Callable[[str, Identity, dict[str, Any]], None]) -> None:
+        """Call ``hook(action, identity, details)`` when an ACL refuses something."""
+        self._audit_hook = hook
+
+    def _on_denied(self, action: str, owner: Identity, topic: str) -> None:
+        log.warning("bus.acl_denied", action=action, source=owner.source, topic=topic)
+        if self._audit_hook is not None:
+            self._audit_hook(action, owner, {"topic": topic})
+
+    # -- statistics and lifetime -------------------------------------------
+
+    @property
+    def dropped(self) -> int:
+        return self._dropped_gone + sum(s.dropped for s in self._subscribers.values())
+
+    def stats(self, top: int = 10) -> BusStats:
+        subs = sorted(
+            self._subscribers.values(), key=lambda s: (s.dropped, s.delivered), reverse=True
+        )
+        return BusStats(
+            published=self.published,
+            delivered=self.delivered,
+            dropped=self.dropped,
+            requests=self.requests,
+            no_responders=self.no_responders,
+            late_replies=self.late_replies,
+            acl_denied=self.acl_denied,
+            subscriptions=len(self._subscribers),
+            top=[
+                SubscriptionStats(
+                    pattern=s.pattern,
+                    source=s.owner.source,
+                    delivered=s.delivered,
+                    dropped=s.dropped,
+                    queued=len(s) if isinstance(s, Subscription) else 0,
+                )
+                for s in subs[:top]
+            ],
+        )
+
+    def close(self) -> None:
+        """Refuse new work and end every in-process subscription."""
+        self._closed = True
+        for sub in list(self._subscribers.values()):
+            if isinstance(sub, Subscription):
+                sub.close()
+        for pending in self._pending.values():
+            pending.done.set()
+
+
+def _check_size(payload: bytes, limit: int) -> None:
+    if len(payload) > limit:
+        raise PayloadTooLarge(f"payload of {len(payload)} bytes is over the limit of {limit}")
+
+
+def _is_power_of_ten(n: int) -> bool:
+    return n > 0 and 10 ** round(math.log10(n)) == n

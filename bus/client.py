@@ -1,0 +1,330 @@
+"""An async client of the bus server, for the CLI, remote capsules and astrid-emit.
+
+``async with BusClient.connect(path, role="cli") as client:`` opens the
+socket, sends the hello and waits for the welcome.  One reader task routes
+incoming frames: messages to their subscription, results to the waiting
+request, pongs to :meth:`BusClient.flush`.  Outgoing frames are coalesced
+into one buffer that a single writer sends, so many publishes cost few
+system calls.  Errors the server reports come back as the same
+:class:`BusError` subclasses the server raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import anyio.abc
+import msgspec
+
+from bus.envelope import Envelope
+from bus.errors import BusClosed, BusError, ConnectionLost, error_for_code
+from bus.wire import (
+    Err,
+    FrameReader,
+    FrameTooLarge,
+    Hello,
+    Msg,
+    Ok,
+    Ping,
+    Pong,
+    Pub,
+    Reply,
+    Req,
+    Result,
+    Sub,
+    Unsub,
+    Welcome,
+    decode_server_frame,
+    encode_into,
+)
+
+__all__ = ("BusClient", "RemoteSubscription")
+
+_encode = msgspec.json.Encoder().encode
+
+
+class RemoteSubscription:
+    """Envelopes for one pattern, received from the server."""
+
+    def __init__(self, client: BusClient, sid: int, pattern: str) -> None:
+        self.client = client
+        self.sid = sid
+        self.pattern = pattern
+        self._queue: deque[Envelope] = deque()
+        self._wake = anyio.Event()
+        self._closed = False
+        self._error: BusError | None = None
+
+    def _put(self, envelope: Envelope) -> None:
+        self._queue.append(envelope)
+        self._wake.set()
+
+    def _end(self, error: BusError | None) -> None:
+        self._closed = True
+        self._error = error
+        self._wake.set()
+
+    async def get(self) -> Envelope:
+        while not self._queue:
+            if self._closed:
+                if self._error is not None:
+                    raise self._error
+                raise anyio.EndOfStream
+            self._wake = anyio.Event()
+            await self._wake.wait()
+        return self._queue.popleft()
+
+    def __aiter__(self) -> RemoteSubscription:
+        return self
+
+    async def __anext__(self) -> Envelope:
+        try:
+            return await self.get()
+        except anyio.EndOfStream:
+            raise StopAsyncIteration from None
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._end(None)
+            self.client._subs.pop(self.sid, None)
+            with contextlib.suppress(BusError):
+                self.client._send(Unsub(self.sid))
+
+
+class BusClient:
+    """A connected client.  Use :meth:`connect`."""
+
+    def __init__(self, stream: anyio.abc.ByteStream, max_frame: int) -> None:
+        self._stream = stream
+        self._reader = FrameReader(max_frame)
+        self._out = bytearray()
+        self._wake = anyio.Event()
+        self._subs: dict[int, RemoteSubscription] = {}
+        self._waiting: dict[tuple[str, int], tuple[anyio.Event, list[Any]]] = {}
+        self._ids = itertools.count(1)
+        self._errors: list[BusError] = []
+        self._closed: BusError | None = None
+        self.welcome: Welcome | None = None
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def connect(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        role: str = "cli",
+        name: str | None = None,
+        principal: str | None = None,
+        max_frame: int = 1024 * 1024 + 64 * 1024,
+        hello_deadline: float = 5.0,
+    ) -> AsyncIterator[BusClient]:
+        """Connect to the server at ``path`` and complete the hello."""
+        try:
+            stream = await anyio.connect_unix(path)
+        except FileNotFoundError as exc:
+            raise ConnectionLost(
+                f"no supervisor socket at {os.fspath(path)} (is it running?)"
+            ) from exc
+        except ConnectionRefusedError as exc:
+            raise ConnectionLost(
+                f"supervisor at {os.fspath(path)} refused the connection (not running?)"
+            ) from exc
+        except PermissionError as exc:
+            raise ConnectionLost(f"permission denied on {os.fspath(path)}") from exc
+        async with cls.attach(
+            stream,
+            role=role,
+            name=name,
+            principal=principal,
+            max_frame=max_frame,
+            hello_deadline=hello_deadline,
+        ) as client:
+            yield client
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def attach(
+        cls,
+        stream: anyio.abc.ByteStream,
+        *,
+        role: str = "cli",
+        name: str | None = None,
+        principal: str | None = None,
+        max_frame: int = 1024 * 1024 + 64 * 1024,
+        hello_deadline: float = 5.0,
+    ) -> AsyncIterator[BusClient]:
+        """Run the client over an already connected stream (e.g. a socketpair)."""
+        client = cls(stream, max_frame)
+        async with stream, anyio.create_task_group() as tg:
+            tg.start_soon(client._writer)
+            tg.start_soon(client._read_loop)
+            try:
+                client._send(Hello(role=role, name=name, principal=principal))
+                with anyio.fail_after(hello_deadline):
+                    client.welcome = await client._wait("welcome", 0)
+                yield client
+            except TimeoutError as exc:
+                raise ConnectionLost("the supervisor did not answer the hello") from exc
+            finally:
+                tg.cancel_scope.cancel()
+
+    # -- operations ---------------------------------------------------------
+
+    def publish(self, topic: str, payload: Any, *, correlation_id: str | None = None) -> None:
+        """Queue a publish; errors come back on the next :meth:`flush`."""
+        self.publish_raw(topic, _encode(payload), correlation_id=correlation_id)
+
+    def publish_raw(self, topic: str, payload: bytes, *, correlation_id: str | None = None) -> None:
+        self._send(Pub(topic, msgspec.Raw(payload), correlation_id))
+
+    async def flush(self) -> None:
+        """Wait until the server has handled everything sent so far; raise its errors."""
+        n = next(self._ids)
+        self._send(Ping(n))
+        await self._wait("pong", n)
+        self._raise_errors()
+
+    async def subscribe(self, pattern: str) -> RemoteSubscription:
+        sid = next(self._ids)
+        sub = RemoteSubscription(self, sid, pattern)
+        self._subs[sid] = sub
+        self._send(Sub(sid, pattern))
+        try:
+            await self._wait("sub", sid)
+        except BusError:
+            self._subs.pop(sid, None)
+            raise
+        return sub
+
+    async def request(self, topic: str, payload: Any, *, deadline: float | None = None) -> Envelope:
+        return await self.request_raw(topic, _encode(payload), deadline=deadline)
+
+    async def request_raw(
+        self, topic: str, payload: bytes, *, deadline: float | None = None
+    ) -> Envelope:
+        rid = next(self._ids)
+        self._send(Req(rid, topic, msgspec.Raw(payload), deadline))
+        result: Result = await self._wait("result", rid)
+        if result.env is None:
+            raise error_for_code(result.code or "bus_error", result.message or "request failed")
+        return result.env.to_envelope()
+
+    def reply(self, request: Envelope, payload: Any) -> None:
+        if request.reply_to is None:
+            raise BusError("the envelope is not a request (no reply_to)")
+        self._send(Reply(request.reply_to, msgspec.Raw(_encode(payload))))
+
+    # -- plumbing -------------------------------------------------------------
+
+    def _raise_errors(self) -> None:
+        if self._errors:
+            error = self._errors[0]
+            self._errors.clear()
+            raise error
+
+    def _send(self, frame: Hello | Pub | Sub | Unsub | Req | Reply | Ping) -> None:
+        if self._closed is not None:
+            raise self._closed
+        encode_into(frame, self._out)
+        self._wake.set()
+
+    async def _wait(self, kind: str, key: int) -> Any:
+        if self._closed is not None:
+            raise self._closed
+        event = anyio.Event()
+        slot: list[Any] = []
+        self._waiting[(kind, key)] = (event, slot)
+        try:
+            await event.wait()
+        finally:
+            self._waiting.pop((kind, key), None)
+        value = slot[0]
+        if isinstance(value, BusError):
+            raise value
+        return value
+
+    def _resolve(self, kind: str, key: int, value: Any) -> None:
+        waiter = self._waiting.pop((kind, key), None)
+        if waiter is not None:
+            waiter[1].append(value)
+            waiter[0].set()
+
+    async def _writer(self) -> None:
+        while True:
+            if not self._out:
+                self._wake = anyio.Event()
+                await self._wake.wait()
+                continue
+            data, self._out = self._out, bytearray()
+            try:
+                await self._stream.send(bytes(data))
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                self._fail(ConnectionLost("the connection to the supervisor broke"))
+                return
+
+    async def _read_loop(self) -> None:
+        error: BusError = ConnectionLost("the supervisor closed the connection")
+        try:
+            while True:
+                try:
+                    data = await self._stream.receive(262144)
+                except (
+                    anyio.EndOfStream,
+                    anyio.BrokenResourceError,
+                    anyio.ClosedResourceError,
+                    OSError,
+                ):
+                    break
+                for item in self._reader.feed(data):
+                    if isinstance(item, FrameTooLarge):
+                        self._errors.append(BusError(f"server sent a frame of {item.size} bytes"))
+                        continue
+                    fatal = self._dispatch(decode_server_frame(item))
+                    if fatal is not None:
+                        error = fatal
+        except BusError as exc:
+            error = exc
+        self._fail(error)
+
+    def _dispatch(self, frame: object) -> BusError | None:
+        if isinstance(frame, Msg):
+            sub = self._subs.get(frame.sid)
+            if sub is not None:
+                sub._put(frame.env.to_envelope())
+        elif isinstance(frame, Pong):
+            self._resolve("pong", frame.n, None)
+        elif isinstance(frame, Result):
+            self._resolve("result", frame.rid, frame)
+        elif isinstance(frame, Ok):
+            self._resolve("sub", frame.sid, None)
+        elif isinstance(frame, Welcome):
+            self._resolve("welcome", 0, frame)
+        elif isinstance(frame, Err):
+            error = error_for_code(frame.code, frame.message)
+            if frame.fatal:
+                return error
+            if frame.sid is not None and ("sub", frame.sid) in self._waiting:
+                self._resolve("sub", frame.sid, error)
+            else:
+                self._errors.append(error)
+        return None
+
+    def _fail(self, error: BusError) -> None:
+        if self._closed is None:
+            self._closed = error
+        for event, slot in list(self._waiting.values()):
+            slot.append(self._closed)
+            event.set()
+        self._waiting.clear()
+        for sub in self._subs.values():
+            sub._end(self._closed)
+
+    async def aclose(self) -> None:
+        self._fail(BusClosed("the client was closed"))
+        await self._stream.aclose()

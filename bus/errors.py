@@ -1,0 +1,114 @@
+"""The bus's own error hierarchy, rooted at :class:`BusError`.
+
+The bus is a library that knows nothing of sage, so it has its own root.
+Every error has a short machine ``code`` that travels in error frames, so a
+remote client re-raises the same class the server raised.
+"""
+
+from __future__ import annotations
+
+__all__ = (
+    "AclDenied",
+    "BusClosed",
+    "BusError",
+    "ConnectionLost",
+    "FrameError",
+    "NoResponders",
+    "NotAuthorized",
+    "PayloadTooLarge",
+    "RequestTimeout",
+    "SlowConsumer",
+    "TopicError",
+    "error_for_code",
+)
+
+
+class BusError(Exception):
+    """Root of every error the bus raises."""
+
+    code = "bus_error"
+
+
+class TopicError(BusError):
+    """A topic or pattern breaks the grammar, or a wildcard was published to."""
+
+    code = "bad_topic"
+
+
+class PayloadTooLarge(BusError):
+    """A payload is larger than the configured limit."""
+
+    code = "payload_too_large"
+
+
+class AclDenied(BusError):
+    """The publisher or subscriber may not use this topic."""
+
+    code = "acl_denied"
+
+
+class NoResponders(BusError):
+    """A request was sent to a topic nobody subscribes to."""
+
+    code = "no_responders"
+
+
+class RequestTimeout(BusError):
+    """A request got no reply before its deadline."""
+
+    code = "timeout"
+
+
+class NotAuthorized(BusError):
+    """The peer may not connect, or may not act for the principal it named."""
+
+    code = "not_authorized"
+
+
+class FrameError(BusError):
+    """A wire frame was malformed, oversized or of an unknown type."""
+
+    code = "bad_frame"
+
+
+class SlowConsumer(BusError):
+    """A remote subscriber fell behind past its deadline and was disconnected."""
+
+    code = "slow_consumer"
+
+
+class BusClosed(BusError):
+    """The bus or connection was closed by us."""
+
+    code = "closed"
+
+
+class ConnectionLost(BusError):
+    """The connection broke underneath us."""
+
+    code = "connection_lost"
+
+
+_BY_CODE: dict[str, type[BusError]] = {
+    cls.code: cls
+    for cls in (
+        AclDenied,
+        BusClosed,
+        ConnectionLost,
+        FrameError,
+        NoResponders,
+        NotAuthorized,
+        PayloadTooLarge,
+        RequestTimeout,
+        SlowConsumer,
+        TopicError,
+    )
+}
+for _code in ("frame_too_large", "unknown_type", "bad_hello", "bad_payload"):
+    _BY_CODE[_code] = FrameError
+
+
+def error_for_code(code: str, message: str) -> BusError:
+    """The exception a remote error frame stands for."""
+    err = _BY_CODE.get(code, BusError)(message)
+    return err

@@ -1,0 +1,505 @@
+"""The bus's Unix-socket server: one task group per connection, frames in and out.
+
+The server binds a path socket (never the abstract namespace) in a private
+directory, under umask 0077, after taking a lock file so that a stale socket
+is replaced only when no other server holds it.  Each peer's uid comes from
+``SO_PEERCRED``; an ``authorize`` callback maps it (and the principal the
+hello asks for) to an :class:`Identity`, so a client never asserts who it
+is.  Delivery to a remote subscriber goes through the connection's outbox,
+which one writer task flushes in batches; a connection whose outbox stays
+over its limit past the slow-consumer deadline is disconnected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import socket
+import stat
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import anyio.abc
+import structlog
+from anyio.abc import SocketAttribute
+
+from bus.acl import Identity
+from bus.broker import Bus
+from bus.envelope import Envelope
+from bus.errors import BusError, FrameError, NotAuthorized, SlowConsumer
+from bus.wire import (
+    Err,
+    FrameReader,
+    FrameTooLarge,
+    Hello,
+    Msg,
+    Ok,
+    Ping,
+    Pong,
+    Pub,
+    Reply,
+    Req,
+    Result,
+    Sub,
+    Unsub,
+    Welcome,
+    decode_client_frame,
+    encode_into,
+)
+
+__all__ = ("BusServer", "PeerCred", "SocketLock", "peer_credentials")
+
+log = structlog.get_logger("bus.server")
+
+MAX_SUBSCRIPTIONS_PER_CONNECTION = 1024
+_OUTBOX_HARD_LIMIT = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class PeerCred:
+    pid: int
+    uid: int
+    gid: int
+
+
+def peer_credentials(sock: socket.socket) -> PeerCred:
+    """The peer's pid, uid and gid as the kernel reports them."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return PeerCred(pid, uid, gid)
+
+
+Authorize = Callable[[PeerCred, Hello], Identity]
+"""Map a verified peer and its hello to an identity, or raise NotAuthorized."""
+
+
+class SocketLock:
+    """The lock file beside a socket: held while a server owns the path."""
+
+    def __init__(self, socket_path: Path) -> None:
+        self.path = socket_path.with_name(socket_path.name + ".lock")
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise BusError(
+                    f"another server holds {self.path} (is the supervisor already running?)"
+                ) from exc
+            raise
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def prepare_socket_dir(path: Path, group: int | None) -> None:
+    """Create the socket's directory 0700 (0750 with a group), refuse an unsafe one."""
+    directory = path.parent
+    old = os.umask(0o077)
+    try:
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    finally:
+        os.umask(old)
+    info = directory.lstat()
+    if not stat.S_ISDIR(info.st_mode):
+        raise BusError(f"{directory} is not a directory")
+    if info.st_uid != os.getuid():
+        raise BusError(f"{directory} belongs to uid {info.st_uid}, not to us")
+    want = 0o750 if group is not None else 0o700
+    if stat.S_IMODE(info.st_mode) & 0o027 or stat.S_IMODE(info.st_mode) != want:
+        os.chmod(directory, want)
+    if group is not None:
+        os.chown(directory, -1, group)
+
+
+def bind_unix_socket(path: Path, group: int | None) -> socket.socket:
+    """Bind ``path`` under umask 0077; 0600, or 0660 with a group."""
+    if len(os.fsencode(path)) > 107:
+        raise BusError(f"socket path too long (over 107 bytes): {path}")
+    with contextlib.suppress(FileNotFoundError):
+        info = path.lstat()
+        if not stat.S_ISSOCK(info.st_mode):
+            raise BusError(f"{path} exists and is not a socket; refusing to replace it")
+        path.unlink()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o077)
+    try:
+        sock.bind(os.fspath(path))
+    except OSError:
+        sock.close()
+        raise
+    finally:
+        os.umask(old)
+    if group is not None:
+        os.chown(path, -1, group)
+        os.chmod(path, 0o660)
+    else:
+        os.chmod(path, 0o600)
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+class _RemoteSubscription:
+    __slots__ = ("conn", "delivered", "dropped", "owner", "pattern", "sid")
+
+    def __init__(self, conn: _Connection, sid: int, pattern: str, owner: Identity) -> None:
+        self.conn = conn
+        self.sid = sid
+        self.pattern = pattern
+        self.owner = owner
+        self.delivered = 0
+        self.dropped = 0
+
+    def deliver(self, envelope: Envelope) -> bool:
+        if self.conn.push(Msg(self.sid, envelope.to_wire())):
+            self.delivered += 1
+            return True
+        self.dropped += 1
+        return False
+
+
+class _Connection:
+    """One client connection: its identity, subscriptions and outbox."""
+
+    def __init__(self, server: BusServer, stream: anyio.abc.SocketStream, peer: PeerCred) -> None:
+        self.server = server
+        self.stream = stream
+        self.peer = peer
+        self.identity: Identity | None = None
+        self.subs: dict[int, _RemoteSubscription] = {}
+        self.requests = 0
+        self._out = bytearray()
+        self._queued = 0
+        self._wake = anyio.Event()
+        self._full_since: float | None = None
+        self._closing = False
+        self.scope = anyio.CancelScope()
+
+    # -- outbound ---------------------------------------------------------
+
+    def push(self, frame: Msg | Result | Ok | Err | Pong | Welcome) -> bool:
+        """Queue a frame; False if the connection is closing or was cut off as slow."""
+        if self._closing:
+            return False
+        limit = self.server.bus.queue_size
+        if self._queued >= limit:
+            now = time.monotonic()
+            if self._full_since is None:
+                self._full_since = now
+            elif (
+                now - self._full_since > self.server.slow_consumer_timeout
+                or len(self._out) > _OUTBOX_HARD_LIMIT
+            ):
+                self.kill(SlowConsumer(f"outbox over {limit} frames past the deadline"))
+                return False
+        encode_into(frame, self._out)
+        self._queued += 1
+        self._wake.set()
+        return True
+
+    async def writer(self) -> None:
+        while True:
+            if not self._out:
+                if self._closing:
+                    return
+                self._wake = anyio.Event()
+                await self._wake.wait()
+                continue
+            data, self._out = self._out, bytearray()
+            self._queued = 0
+            self._full_since = None
+            await self.stream.send(bytes(data))
+
+    def kill(self, reason: BusError) -> None:
+        """Cut the connection off now (slow consumer, fatal error)."""
+        if self._closing:
+            return
+        log.warning(
+            "bus.disconnect",
+            uid=self.peer.uid,
+            pid=self.peer.pid,
+            reason=str(reason),
+            code=reason.code,
+        )
+        self._closing = True
+        self.drop_subscriptions()
+        self.server.disconnected_slow += isinstance(reason, SlowConsumer)
+        self.scope.cancel()
+
+    def drop_subscriptions(self) -> None:
+        for sub in self.subs.values():
+            self.server.bus.remove(sub)
+        self.subs.clear()
+
+    # -- inbound ----------------------------------------------------------
+
+    async def run(self) -> None:
+        reader = FrameReader(self.server.max_frame)
+        async with anyio.create_task_group() as outer:
+            outer.start_soon(self.writer)
+            try:
+                async with anyio.create_task_group() as tg:
+                    self.tg = tg
+                    await self._read_loop(reader)
+                    tg.cancel_scope.cancel()
+            finally:
+                self._closing = True
+                self.drop_subscriptions()
+                self._wake.set()
+                # the writer flushes what is queued (e.g. a fatal error), briefly
+                outer.cancel_scope.deadline = anyio.current_time() + 1.0
+
+    async def _read_loop(self, reader: FrameReader) -> None:
+        server = self.server
+        while not self._closing:
+            if self.identity is None:
+                timeout: float | None = server.hello_timeout
+            elif self.subs or self.requests:
+                timeout = None
+            else:
+                timeout = server.idle_timeout
+            data = b""
+            with anyio.move_on_after(timeout if timeout is not None else float("inf")):
+                try:
+                    data = await self.stream.receive(262144)
+                except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
+                    return
+            if not data:
+                what = "hello" if self.identity is None else "activity"
+                self.push(Err("timeout", f"no {what} within {timeout:g} s", fatal=True))
+                return
+            for item in reader.feed(data):
+                if isinstance(item, FrameTooLarge):
+                    self.push(
+                        Err(
+                            "frame_too_large",
+                            f"frame of {item.size} bytes is over the limit of {item.limit}",
+                        )
+                    )
+                    continue
+                if not self._handle(item):
+                    return
+
+    def _handle(self, body: bytes) -> bool:
+        """Act on one frame; False ends the connection."""
+        try:
+            frame = decode_client_frame(body)
+        except FrameError as exc:
+            if self.identity is None:
+                self.push(Err("bad_hello", f"expected a hello frame first: {exc}", fatal=True))
+                return False
+            self.push(Err(exc.code, str(exc)))
+            return True
+        if self.identity is None:
+            return self._hello(frame)
+        identity = self.identity
+        bus = self.server.bus
+        try:
+            if isinstance(frame, Pub):
+                bus.publish_raw(
+                    identity, frame.topic, bytes(frame.payload), correlation_id=frame.cid
+                )
+            elif isinstance(frame, Sub):
+                self._subscribe(frame, identity)
+            elif isinstance(frame, Unsub):
+                sub = self.subs.pop(frame.sid, None)
+                if sub is not None:
+                    bus.remove(sub)
+            elif isinstance(frame, Req):
+                self.requests += 1
+                self.tg.start_soon(self._request, frame, identity)
+            elif isinstance(frame, Reply):
+                bus.reply_raw(identity, frame.to, bytes(frame.payload))
+            elif isinstance(frame, Ping):
+                self.push(Pong(frame.n))
+            else:
+                self.push(Err("bad_frame", "hello may be sent only once"))
+        except BusError as exc:
+            sid = frame.sid if isinstance(frame, Sub) else None
+            self.push(Err(exc.code, str(exc), sid=sid))
+        return True
+
+    def _subscribe(self, frame: Sub, identity: Identity) -> None:
+        if frame.sid in self.subs:
+            raise FrameError(f"subscription id {frame.sid} is already in use")
+        if len(self.subs) >= MAX_SUBSCRIPTIONS_PER_CONNECTION:
+            raise FrameError(f"more than {MAX_SUBSCRIPTIONS_PER_CONNECTION} subscriptions")
+        sub = _RemoteSubscription(self, frame.sid, frame.pattern, identity)
+        self.server.bus.add(sub)
+        self.subs[frame.sid] = sub
+        self.push(Ok(frame.sid))
+
+    async def _request(self, frame: Req, identity: Identity) -> None:
+        try:
+            env = await self.server.bus.request_raw(
+                identity, frame.topic, bytes(frame.payload), deadline=frame.timeout
+            )
+        except BusError as exc:
+            self.push(Result(frame.rid, code=exc.code, message=str(exc)))
+        else:
+            self.push(Result(frame.rid, env=env.to_wire()))
+        finally:
+            self.requests -= 1
+
+    def _hello(self, frame: object) -> bool:
+        if not isinstance(frame, Hello):
+            self.push(Err("bad_hello", "the first frame must be a hello", fatal=True))
+            return False
+        try:
+            identity = self.server.authorize(self.peer, frame)
+        except NotAuthorized as exc:
+            log.warning(
+                "bus.refused",
+                uid=self.peer.uid,
+                pid=self.peer.pid,
+                role=frame.role,
+                reason=str(exc),
+            )
+            self.push(Err(exc.code, str(exc), fatal=True))
+            return False
+        except BusError as exc:
+            self.push(Err("bad_hello", str(exc), fatal=True))
+            return False
+        self.identity = identity
+        self.push(
+            Welcome(
+                uid=self.peer.uid,
+                source=identity.source,
+                principal=identity.principal,
+                principals=sorted(self.server.principals_of(self.peer.uid)),
+                max_payload=self.server.bus.max_payload,
+                max_frame=self.server.max_frame,
+            )
+        )
+        log.info(
+            "bus.connected",
+            uid=self.peer.uid,
+            pid=self.peer.pid,
+            role=frame.role,
+            source=identity.source,
+        )
+        return True
+
+
+class BusServer:
+    """Serves a :class:`Bus` to remote clients over a Unix socket."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        path: Path,
+        authorize: Authorize,
+        *,
+        principals_of: Callable[[int], frozenset[str]] = lambda uid: frozenset(),
+        group: int | None = None,
+        hello_timeout: float = 5.0,
+        idle_timeout: float = 600.0,
+        slow_consumer_timeout: float = 2.0,
+        max_connections_per_uid: int = 64,
+    ) -> None:
+        self.bus = bus
+        self.path = path
+        self.authorize = authorize
+        self.principals_of = principals_of
+        self.group = group
+        self.hello_timeout = hello_timeout
+        self.idle_timeout = idle_timeout
+        self.slow_consumer_timeout = slow_consumer_timeout
+        self.max_connections_per_uid = max_connections_per_uid
+        self.max_frame = bus.max_payload + 64 * 1024
+        self.connections: set[_Connection] = set()
+        self._per_uid: dict[int, int] = {}
+        self.accepted = 0
+        self.refused = 0
+        self.disconnected_slow = 0
+
+    async def serve(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Bind, signal readiness, accept until cancelled; then remove the socket."""
+        prepare_socket_dir(self.path, self.group)
+        lock = SocketLock(self.path)
+        lock.acquire()
+        try:
+            sock = bind_unix_socket(self.path, self.group)
+            listener = await anyio.abc.SocketListener.from_socket(sock)
+            async with listener, anyio.create_task_group() as tg:
+                task_status.started()
+                log.info("bus.listening", path=str(self.path))
+                while True:
+                    stream = await listener.accept()
+                    tg.start_soon(self._serve_stream, stream)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+            lock.release()
+
+    async def _serve_stream(self, stream: anyio.abc.SocketStream) -> None:
+        raw = stream.extra(SocketAttribute.raw_socket)
+        try:
+            peer = peer_credentials(raw)
+        except OSError:
+            await stream.aclose()
+            return
+        await self.serve_connection(stream, peer)
+
+    async def serve_connection(self, stream: anyio.abc.SocketStream, peer: PeerCred) -> None:
+        """Serve one already-connected stream (also used for inherited socketpairs)."""
+        count = self._per_uid.get(peer.uid, 0)
+        if count >= self.max_connections_per_uid:
+            self.refused += 1
+            buf = bytearray()
+            encode_into(
+                Err(
+                    "not_authorized",
+                    f"uid {peer.uid} has {count} connections (limit {self.max_connections_per_uid})",
+                    fatal=True,
+                ),
+                buf,
+            )
+            with contextlib.suppress(Exception):
+                with anyio.move_on_after(1):
+                    await stream.send(bytes(buf))
+            await stream.aclose()
+            return
+        self._per_uid[peer.uid] = count + 1
+        self.accepted += 1
+        conn = _Connection(self, stream, peer)
+        self.connections.add(conn)
+        try:
+            with conn.scope:
+                await conn.run()
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            pass
+        finally:
+            conn.drop_subscriptions()
+            self.connections.discard(conn)
+            left = self._per_uid.get(peer.uid, 1) - 1
+            if left:
+                self._per_uid[peer.uid] = left
+            else:
+                self._per_uid.pop(peer.uid, None)
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "connections": len(self.connections),
+            "accepted": self.accepted,
+            "refused": self.refused,
+            "disconnected_slow": self.disconnected_slow,
+        }

@@ -1,0 +1,124 @@
+"""Bounded delivery to one subscriber.
+
+A :class:`Subscription` owns a bounded queue.  Delivery never blocks the
+publisher: when the queue is full the envelope is dropped and counted.  The
+consumer iterates with ``async for``; closing the subscription ends the
+iteration once the queue is drained.  States: OPEN -> CLOSED, once.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import anyio
+
+from bus.envelope import Envelope
+
+if TYPE_CHECKING:
+    from bus.acl import Identity
+
+__all__ = ("Subscription", "SubscriptionState")
+
+
+class SubscriptionState(enum.Enum):
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class Subscription:
+    """One pattern's bounded queue of envelopes."""
+
+    __slots__ = (
+        "_on_close",
+        "_queue",
+        "_waiter",
+        "delivered",
+        "dropped",
+        "limit",
+        "owner",
+        "pattern",
+        "state",
+    )
+
+    def __init__(
+        self,
+        pattern: str,
+        owner: Identity,
+        limit: int,
+        on_close: Callable[[Subscription], None] | None = None,
+    ) -> None:
+        self.pattern = pattern
+        self.owner = owner
+        self.limit = limit
+        self.delivered = 0
+        self.dropped = 0
+        self.state = SubscriptionState.OPEN
+        self._queue: deque[Envelope] = deque()
+        self._waiter: anyio.Event | None = None
+        self._on_close = on_close
+
+    def deliver(self, envelope: Envelope) -> bool:
+        """Queue ``envelope``; False (and counted) when full or closed."""
+        queue = self._queue
+        if len(queue) >= self.limit or self.state is SubscriptionState.CLOSED:
+            self.dropped += 1
+            return False
+        queue.append(envelope)
+        self.delivered += 1
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            waiter.set()
+        return True
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def get_nowait(self) -> Envelope | None:
+        return self._queue.popleft() if self._queue else None
+
+    def drain(self) -> list[Envelope]:
+        """Everything queued now, oldest first."""
+        items = list(self._queue)
+        self._queue.clear()
+        return items
+
+    async def get(self) -> Envelope:
+        """The next envelope; raises EndOfStream once closed and drained."""
+        while not self._queue:
+            if self.state is SubscriptionState.CLOSED:
+                raise anyio.EndOfStream
+            waiter = self._waiter
+            if waiter is None:
+                waiter = self._waiter = anyio.Event()
+            await waiter.wait()
+        return self._queue.popleft()
+
+    def __aiter__(self) -> Subscription:
+        return self
+
+    async def __anext__(self) -> Envelope:
+        try:
+            return await self.get()
+        except anyio.EndOfStream:
+            raise StopAsyncIteration from None
+
+    def close(self) -> None:
+        """Stop delivery; a waiting consumer finishes what is queued, then stops."""
+        if self.state is SubscriptionState.CLOSED:
+            return
+        self.state = SubscriptionState.CLOSED
+        if self._on_close is not None:
+            self._on_close(self)
+        if self._waiter is not None:
+            self._waiter.set()
+            self._waiter = None
+
+    def __enter__(self) -> Subscription:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,247 @@
+"""The bus wire protocol over a stream socket, sans-IO.
+
+A frame is a 4-byte big-endian length followed by that many bytes of JSON,
+one object tagged by its ``t`` field.  :class:`FrameReader` turns received
+bytes into frame bodies; a frame whose length is over the hard limit is
+reported and its body skipped as it arrives, so the connection survives.
+Decoding a body yields a typed frame or raises :class:`FrameError` whose
+code says what was wrong (``bad_frame``, ``unknown_type``).
+
+Client -> server: Hello (first), Pub, Sub, Unsub, Req, Reply, Ping.
+Server -> client: Welcome, Msg, Result, Ok, Err, Pong.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Literal
+
+import msgspec
+
+from bus.envelope import WireEnvelope
+from bus.errors import FrameError
+
+__all__ = (
+    "PROTOCOL_VERSION",
+    "ClientFrame",
+    "Err",
+    "FrameReader",
+    "FrameTooLarge",
+    "Hello",
+    "Msg",
+    "Ok",
+    "Ping",
+    "Pong",
+    "Pub",
+    "Reply",
+    "Req",
+    "Result",
+    "Role",
+    "ServerFrame",
+    "Sub",
+    "Unsub",
+    "Welcome",
+    "decode_client_frame",
+    "decode_server_frame",
+    "encode",
+)
+
+PROTOCOL_VERSION = 1
+_LEN = struct.Struct(">I")
+HEADER_SIZE = _LEN.size
+
+Role = Literal["cli", "capsule", "emit"]
+
+
+class _Frame(msgspec.Struct, tag_field="t", omit_defaults=True, forbid_unknown_fields=False):
+    pass
+
+
+# -- client -> server --------------------------------------------------------
+
+
+class Hello(_Frame, tag="hello"):
+    role: str
+    version: int = PROTOCOL_VERSION
+    name: str | None = None
+    """Free-form client name, for logs (never used for identity)."""
+    principal: str | None = None
+    """The principal to act for; checked against the peer's uid."""
+
+
+class Pub(_Frame, tag="pub"):
+    topic: str
+    payload: msgspec.Raw
+    cid: str | None = None
+
+
+class Sub(_Frame, tag="sub"):
+    sid: int
+    pattern: str
+
+
+class Unsub(_Frame, tag="unsub"):
+    sid: int
+
+
+class Req(_Frame, tag="req"):
+    rid: int
+    topic: str
+    payload: msgspec.Raw
+    timeout: float | None = None
+
+
+class Reply(_Frame, tag="reply"):
+    to: str
+    payload: msgspec.Raw
+
+
+class Ping(_Frame, tag="ping"):
+    n: int = 0
+
+
+ClientFrame = Hello | Pub | Sub | Unsub | Req | Reply | Ping
+
+
+# -- server -> client --------------------------------------------------------
+
+
+class Welcome(_Frame, tag="welcome"):
+    uid: int
+    source: str
+    principal: str | None
+    principals: list[str]
+    max_payload: int
+    max_frame: int
+    version: int = PROTOCOL_VERSION
+
+
+class Msg(_Frame, tag="msg"):
+    sid: int
+    env: WireEnvelope
+
+
+class Result(_Frame, tag="result"):
+    rid: int
+    env: WireEnvelope | None = None
+    code: str | None = None
+    message: str | None = None
+
+
+class Ok(_Frame, tag="ok"):
+    sid: int
+
+
+class Err(_Frame, tag="err"):
+    code: str
+    message: str
+    sid: int | None = None
+    """The subscription the error is about, if any."""
+    fatal: bool = False
+    """The server closes the connection after a fatal error."""
+
+
+class Pong(_Frame, tag="pong"):
+    n: int = 0
+
+
+ServerFrame = Welcome | Msg | Result | Ok | Err | Pong
+
+_encoder = msgspec.json.Encoder()
+_client_decoder = msgspec.json.Decoder(ClientFrame)
+_server_decoder = msgspec.json.Decoder(ServerFrame)
+
+
+def encode(frame: _Frame) -> bytes:
+    """One frame: length prefix and JSON body."""
+    body = _encoder.encode(frame)
+    return _LEN.pack(len(body)) + body
+
+
+def encode_into(frame: _Frame, buffer: bytearray) -> None:
+    """Append one frame to ``buffer`` (no intermediate copies of the body)."""
+    start = len(buffer)
+    buffer.extend(b"\0\0\0\0")
+    _encoder.encode_into(frame, buffer, -1)
+    _LEN.pack_into(buffer, start, len(buffer) - start - HEADER_SIZE)
+
+
+def _decode(
+    decoder: msgspec.json.Decoder[ClientFrame] | msgspec.json.Decoder[ServerFrame],
+    body: bytes | memoryview,
+) -> object:
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        if "at `$.t`" in text or "Object missing required field `t`" in text:
+            err = FrameError(f"unknown frame type: {text}")
+            err.code = "unknown_type"
+            raise err from exc
+        raise FrameError(f"invalid frame: {text}") from exc
+    except msgspec.DecodeError as exc:
+        raise FrameError(f"frame is not valid JSON: {exc}") from exc
+
+
+def decode_client_frame(body: bytes | memoryview) -> ClientFrame:
+    return _decode(_client_decoder, body)  # type: ignore[return-value]
+
+
+def decode_server_frame(body: bytes | memoryview) -> ServerFrame:
+    return _decode(_server_decoder, body)  # type: ignore[return-value]
+
+
+class FrameTooLarge(msgspec.Struct, frozen=True):
+    """Reported by FrameReader for a frame over the limit; its body is skipped."""
+
+    size: int
+    limit: int
+
+
+class FrameReader:
+    """Bytes in, frame bodies out.  Pure: no I/O, no clock."""
+
+    __slots__ = ("_buffer", "_skip", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._buffer = bytearray()
+        self._skip = 0
+
+    def feed(self, data: bytes) -> list[bytes | FrameTooLarge]:
+        out: list[bytes | FrameTooLarge] = []
+        if self._skip:
+            if len(data) <= self._skip:
+                self._skip -= len(data)
+                return out
+            data = data[self._skip :]
+            self._skip = 0
+        buf = self._buffer
+        buf.extend(data)
+        pos = 0
+        end = len(buf)
+        limit = self.limit
+        unpack = _LEN.unpack_from
+        while end - pos >= HEADER_SIZE:
+            (size,) = unpack(buf, pos)
+            if size > limit:
+                out.append(FrameTooLarge(size, limit))
+                available = end - pos - HEADER_SIZE
+                if available >= size:
+                    pos += HEADER_SIZE + size
+                    continue
+                self._skip = size - available
+                pos = end
+                break
+            if end - pos - HEADER_SIZE < size:
+                break
+            start = pos + HEADER_SIZE
+            out.append(bytes(buf[start : start + size]))
+            pos = start + size
+        if pos:
+            del buf[:pos]
+        return out
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buffer)

@@ -1,0 +1,228 @@
+"""Configuration: ``supervisor.toml`` decoded into frozen msgspec Structs.
+
+Every default lives here, next to its field, and the repository's
+``supervisor.toml`` spells out the same values (a test keeps them equal).
+The config is validated once, at start, and passed explicitly; nothing reads
+it from a global.  A bad file ends start-up with one line naming the field
+and the problem (:class:`sage.errors.ConfigError`).
+
+Relative paths in a file resolve against the directory holding the file; the
+embedded defaults resolve against the current directory, which is what
+``make run`` wants (state in ``./.state``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+
+from bus import BusError, split_pattern
+from sage.errors import ConfigError
+
+__all__ = (
+    "AuditConfig",
+    "BusConfig",
+    "ClaudeConfig",
+    "Config",
+    "LimitsConfig",
+    "PrincipalConfig",
+    "SocketConfig",
+    "SupervisorConfig",
+    "decode_config",
+    "load_config",
+)
+
+NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+_NAME = re.compile(NAME_PATTERN)
+
+PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+Uid = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
+Name = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN)]
+
+
+class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class SupervisorConfig(_Section):
+    state_dir: str = ".state"
+    """Folder for the audit log, state store, keys and (by default) the socket."""
+    socket: str = ""
+    """Path of the control socket; empty means ``<state_dir>/run/astrid.sock``."""
+    admins: list[Uid] = []
+    """Uids that may act for every principal (the supervisor's own uid always may)."""
+    shutdown_grace: PositiveFloat = 5.0
+    """Seconds a graceful stop may take before remaining work is cancelled."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Lowest level written to the JSON log on stderr."""
+
+
+class BusConfig(_Section):
+    max_payload: Annotated[int, msgspec.Meta(gt=0, le=64 * 1024 * 1024)] = 1024 * 1024
+    """Largest encoded payload a publisher may send, in bytes (NATS: 1 MiB)."""
+    queue_size: Annotated[int, msgspec.Meta(gt=0, le=1_000_000)] = 1024
+    """Envelopes a subscription may hold before new ones are dropped."""
+    request_timeout: PositiveFloat = 5.0
+    """Default deadline of a request/reply, in seconds."""
+    slow_consumer_timeout: PositiveFloat = 2.0
+    """A remote subscriber whose queue stays full this long is disconnected."""
+    user_publish: list[str] = msgspec.field(
+        default_factory=lambda: ["sage.v1.request.>", "sage.v1.hook.>", "llm.v1.request.>", "demo.>"]
+    )
+    """What a non-admin user (a uid mapped to a principal) may publish to."""
+    user_subscribe: list[str] = msgspec.field(
+        default_factory=lambda: ["sage.v1.event.>", "hook.v1.event.>", "llm.v1.stream.>", "demo.>"]
+    )
+    """What a non-admin user may subscribe to."""
+
+    def __post_init__(self) -> None:
+        for pattern in (*self.user_publish, *self.user_subscribe):
+            try:
+                split_pattern(pattern)
+            except BusError as exc:
+                raise ValueError(str(exc)) from None
+
+
+class SocketConfig(_Section):
+    hello_timeout: PositiveFloat = 5.0
+    """Seconds a new connection has to send its hello."""
+    idle_timeout: PositiveFloat = 600.0
+    """A connection with no subscription that sends nothing for this long is closed."""
+    max_connections_per_uid: Annotated[int, msgspec.Meta(gt=0, le=10_000)] = 64
+    """Concurrent connections one local uid may hold."""
+    group: str = ""
+    """A group whose members may connect: socket 0660, directory 0750. Empty: owner only."""
+
+
+class AuditConfig(_Section):
+    checkpoint_every: PositiveInt = 1000
+    """Write a signed checkpoint after this many entries ..."""
+    checkpoint_seconds: PositiveFloat = 60.0
+    """... or after this many seconds with unsigned entries, whichever is first."""
+    batch_max: Annotated[int, msgspec.Meta(gt=0, le=100_000)] = 1024
+    """Most entries one group commit writes."""
+
+
+class ClaudeConfig(_Section):
+    binary: str = ""
+    """Path of the ``claude`` binary; empty means the one ``make setup`` installed, else PATH."""
+    version: str = "2.1.328"
+    """The Claude Code version this release of sage was tested against."""
+    env: dict[str, str] = {}
+    """Extra environment for every ``claude`` child (e.g. ANTHROPIC_BASE_URL)."""
+
+
+class LimitsConfig(_Section):
+    max_sessions_per_principal: Annotated[int, msgspec.Meta(gt=0, le=1000)] = 4
+    """Live sessions one principal may have."""
+    max_line_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 16 * 1024 * 1024
+    """Longest stdout line accepted from ``claude``; longer ends the session."""
+    init_timeout: PositiveFloat = 60.0
+    """Seconds ``claude`` has to answer ``initialize``."""
+    stop_grace: PositiveFloat = 5.0
+    """Seconds between closing a session's input and SIGTERM, and SIGTERM and SIGKILL."""
+
+
+class PrincipalConfig(_Section):
+    name: Name
+    """The principal's id, ``[A-Za-z0-9_-]{1,64}``."""
+    uids: list[Uid] = []
+    """Local uids that may act for this principal."""
+
+
+class Config(_Section):
+    supervisor: SupervisorConfig = SupervisorConfig()
+    bus: BusConfig = BusConfig()
+    socket: SocketConfig = SocketConfig()
+    audit: AuditConfig = AuditConfig()
+    claude: ClaudeConfig = ClaudeConfig()
+    limits: LimitsConfig = LimitsConfig()
+    principals: list[PrincipalConfig] = []
+    base_dir: str = ""
+    """Where relative paths resolve; set by the loader, not written in files."""
+
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for principal in self.principals:
+            if principal.name in seen:
+                raise ValueError(f"principal {principal.name!r} is declared twice")
+            seen.add(principal.name)
+        if self.supervisor.socket and len(os.fsencode(self.socket_path)) > 107:
+            raise ValueError("supervisor.socket: path longer than 107 bytes")
+
+    def _resolve(self, value: str) -> Path:
+        path = Path(value).expanduser()
+        if not path.is_absolute():
+            path = Path(self.base_dir or os.getcwd()) / path
+        return path
+
+    @property
+    def state_dir(self) -> Path:
+        return self._resolve(self.supervisor.state_dir)
+
+    @property
+    def socket_path(self) -> Path:
+        if self.supervisor.socket:
+            return self._resolve(self.supervisor.socket)
+        return self.state_dir / "run" / "astrid.sock"
+
+    @property
+    def audit_path(self) -> Path:
+        return self.state_dir / "audit.db"
+
+    @property
+    def state_db_path(self) -> Path:
+        return self.state_dir / "state.db"
+
+    @property
+    def keys_dir(self) -> Path:
+        return self.state_dir / "keys"
+
+    def principals_for_uid(self, uid: int) -> frozenset[str]:
+        """Names of the principals ``uid`` may act for (admins: all of them)."""
+        if self.is_admin(uid):
+            return frozenset(p.name for p in self.principals)
+        return frozenset(p.name for p in self.principals if uid in p.uids)
+
+    def is_admin(self, uid: int) -> bool:
+        return uid in self.supervisor.admins or uid == os.getuid()
+
+
+def _path_of(message: str) -> str:
+    match = re.search(r"at `\$\.?([^`]*)`", message)
+    return match.group(1) if match else ""
+
+
+def decode_config(data: bytes | str, *, source: str = "<config>", base_dir: str = "") -> Config:
+    """Decode TOML text into a :class:`Config`, or raise one clear ConfigError."""
+    try:
+        config = msgspec.toml.decode(data, type=Config)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        field = _path_of(text)
+        reason = re.sub(r"\s*-\s*at `[^`]*`$", "", text)
+        where = f"{field}: " if field else ""
+        raise ConfigError(f"{source}: {where}{reason}") from exc
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"{source}: not valid TOML: {exc}") from exc
+    if config.base_dir:
+        raise ConfigError(f"{source}: base_dir: set by the loader, not allowed in a file")
+    return msgspec.structs.replace(config, base_dir=base_dir)
+
+
+def load_config(path: str | os.PathLike[str] | None = None) -> Config:
+    """Load ``path``, or ``$ASTRID_CONFIG``, or the embedded defaults."""
+    chosen = os.fspath(path) if path is not None else os.environ.get("ASTRID_CONFIG", "")
+    if not chosen:
+        return Config()
+    file = Path(chosen)
+    try:
+        data = file.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{chosen}: cannot read: {exc.strerror}") from exc
+    return decode_config(data, source=chosen, base_dir=str(file.resolve().parent))
