@@ -63,7 +63,6 @@ class RemoteSubscription:
 
     def _put(self, envelope: Envelope) -> None:
         self._queue.append(envelope)
-        self._wake.set()
 
     def _end(self, error: BusError | None) -> None:
         self._closed = True
@@ -106,6 +105,7 @@ class BusClient:
         self._out = bytearray()
         self._wake = anyio.Event()
         self._subs: dict[int, RemoteSubscription] = {}
+        self._touched: set[RemoteSubscription] = set()
         self._waiting: dict[tuple[str, int], tuple[anyio.Event, list[Any]]] = {}
         self._ids = itertools.count(1)
         self._errors: list[BusError] = []
@@ -161,16 +161,33 @@ class BusClient:
     ) -> AsyncIterator[BusClient]:
         """Run the client over an already connected stream (e.g. a socketpair)."""
         client = cls(stream, max_frame)
+        try:
+            async with client._run(stream, role, name, principal, hello_deadline) as ready:
+                yield ready
+        except BaseExceptionGroup as group:
+            # the caller's error surfaces as itself, not wrapped by our task group
+            raise _sole(group) from None
+
+    @contextlib.asynccontextmanager
+    async def _run(
+        self,
+        stream: anyio.abc.ByteStream,
+        role: str,
+        name: str | None,
+        principal: str | None,
+        hello_deadline: float,
+    ) -> AsyncIterator[BusClient]:
+        client = self
         async with stream, anyio.create_task_group() as tg:
             tg.start_soon(client._writer)
             tg.start_soon(client._read_loop)
             try:
                 client._send(Hello(role=role, name=name, principal=principal))
-                with anyio.fail_after(hello_deadline):
+                with anyio.move_on_after(hello_deadline):
                     client.welcome = await client._wait("welcome", 0)
+                if client.welcome is None:
+                    raise ConnectionLost("the supervisor did not answer the hello")
                 yield client
-            except TimeoutError as exc:
-                raise ConnectionLost("the supervisor did not answer the hello") from exc
             finally:
                 tg.cancel_scope.cancel()
 
@@ -281,6 +298,7 @@ class BusClient:
                     OSError,
                 ):
                     break
+                touched = self._touched
                 for item in self._reader.feed(data):
                     if isinstance(item, FrameTooLarge):
                         self._errors.append(BusError(f"server sent a frame of {item.size} bytes"))
@@ -288,6 +306,9 @@ class BusClient:
                     fatal = self._dispatch(decode_server_frame(item))
                     if fatal is not None:
                         error = fatal
+                for sub in touched:
+                    sub._wake.set()
+                touched.clear()
         except BusError as exc:
             error = exc
         self._fail(error)
@@ -297,6 +318,7 @@ class BusClient:
             sub = self._subs.get(frame.sid)
             if sub is not None:
                 sub._put(frame.env.to_envelope())
+                self._touched.add(sub)
         elif isinstance(frame, Pong):
             self._resolve("pong", frame.n, None)
         elif isinstance(frame, Result):
@@ -328,3 +350,18 @@ class BusClient:
     async def aclose(self) -> None:
         self._fail(BusClosed("the client was closed"))
         await self._stream.aclose()
+
+
+def _sole(group: BaseExceptionGroup) -> BaseException:
+    """The one real error inside a task group's exception group, else the group."""
+    leaves: list[BaseException] = []
+
+    def walk(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for inner in exc.exceptions:
+                walk(inner)
+        elif not isinstance(exc, anyio.get_cancelled_exc_class()):
+            leaves.append(exc)
+
+    walk(group)
+    return leaves[0] if len(leaves) == 1 else group

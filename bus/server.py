@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import anyio
 import anyio.abc
@@ -34,11 +35,11 @@ from bus.broker import Bus
 from bus.envelope import Envelope
 from bus.errors import BusError, FrameError, NotAuthorized, SlowConsumer
 from bus.wire import (
+    PROTOCOL_VERSION,
     Err,
     FrameReader,
     FrameTooLarge,
     Hello,
-    Msg,
     Ok,
     Ping,
     Pong,
@@ -51,6 +52,7 @@ from bus.wire import (
     Welcome,
     decode_client_frame,
     encode_into,
+    encode_msg_into,
 )
 
 __all__ = ("BusServer", "PeerCred", "SocketLock", "peer_credentials")
@@ -58,6 +60,8 @@ __all__ = ("BusServer", "PeerCred", "SocketLock", "peer_credentials")
 log = structlog.get_logger("bus.server")
 
 MAX_SUBSCRIPTIONS_PER_CONNECTION = 1024
+MAX_REQUEST_DEADLINE = 300.0
+"""The longest deadline a remote client may ask for, in seconds."""
 _OUTBOX_HARD_LIMIT = 64 * 1024 * 1024
 
 
@@ -165,7 +169,11 @@ class _RemoteSubscription:
         self.dropped = 0
 
     def deliver(self, envelope: Envelope) -> bool:
-        if self.conn.push(Msg(self.sid, envelope.to_wire())):
+        conn = self.conn
+        if conn.admit():
+            encode_msg_into(self.sid, envelope, conn.outbox)
+            conn.queued += 1
+            conn.wake.set()
             self.delivered += 1
             return True
         self.dropped += 1
@@ -182,47 +190,57 @@ class _Connection:
         self.identity: Identity | None = None
         self.subs: dict[int, _RemoteSubscription] = {}
         self.requests = 0
-        self._out = bytearray()
-        self._queued = 0
-        self._wake = anyio.Event()
+        self.outbox = bytearray()
+        self.queued = 0
+        self.wake = anyio.Event()
         self._full_since: float | None = None
         self._closing = False
         self.scope = anyio.CancelScope()
 
     # -- outbound ---------------------------------------------------------
 
-    def push(self, frame: Msg | Result | Ok | Err | Pong | Welcome) -> bool:
-        """Queue a frame; False if the connection is closing or was cut off as slow."""
+    def admit(self) -> bool:
+        """Whether one more frame may be queued; cuts off a consumer slow past its deadline."""
         if self._closing:
             return False
-        limit = self.server.bus.queue_size
-        if self._queued >= limit:
+        if self.queued >= self.server.bus.queue_size:
             now = time.monotonic()
             if self._full_since is None:
                 self._full_since = now
             elif (
                 now - self._full_since > self.server.slow_consumer_timeout
-                or len(self._out) > _OUTBOX_HARD_LIMIT
+                or len(self.outbox) > _OUTBOX_HARD_LIMIT
             ):
-                self.kill(SlowConsumer(f"outbox over {limit} frames past the deadline"))
+                self.kill(
+                    SlowConsumer(
+                        f"outbox over {self.server.bus.queue_size} frames past the deadline"
+                    )
+                )
                 return False
-        encode_into(frame, self._out)
-        self._queued += 1
-        self._wake.set()
+        return True
+
+    def push(self, frame: Result | Ok | Err | Pong | Welcome) -> bool:
+        """Queue a frame; False if the connection is closing or was cut off as slow."""
+        if not self.admit():
+            return False
+        encode_into(frame, self.outbox)
+        self.queued += 1
+        self.wake.set()
         return True
 
     async def writer(self) -> None:
         while True:
-            if not self._out:
+            if not self.outbox:
                 if self._closing:
                     return
-                self._wake = anyio.Event()
-                await self._wake.wait()
+                self.wake = anyio.Event()
+                await self.wake.wait()
                 continue
-            data, self._out = self._out, bytearray()
-            self._queued = 0
+            data, self.outbox = self.outbox, bytearray()
+            self.queued = 0
             self._full_since = None
-            await self.stream.send(bytes(data))
+            # a fresh buffer took its place, so nothing mutates ``data`` while it is sent
+            await self.stream.send(cast(bytes, data))
 
     def kill(self, reason: BusError) -> None:
         """Cut the connection off now (slow consumer, fatal error)."""
@@ -259,7 +277,7 @@ class _Connection:
             finally:
                 self._closing = True
                 self.drop_subscriptions()
-                self._wake.set()
+                self.wake.set()
                 # the writer flushes what is queued (e.g. a fatal error), briefly
                 outer.cancel_scope.deadline = anyio.current_time() + 1.0
 
@@ -294,7 +312,7 @@ class _Connection:
                 if not self._handle(item):
                     return
 
-    def _handle(self, body: bytes) -> bool:
+    def _handle(self, body: memoryview) -> bool:
         """Act on one frame; False ends the connection."""
         try:
             frame = decode_client_frame(body)
@@ -346,7 +364,12 @@ class _Connection:
     async def _request(self, frame: Req, identity: Identity) -> None:
         try:
             env = await self.server.bus.request_raw(
-                identity, frame.topic, bytes(frame.payload), deadline=frame.timeout
+                identity,
+                frame.topic,
+                bytes(frame.payload),
+                deadline=None
+                if frame.timeout is None
+                else min(max(frame.timeout, 0.0), MAX_REQUEST_DEADLINE),
             )
         except BusError as exc:
             self.push(Result(frame.rid, code=exc.code, message=str(exc)))
@@ -358,6 +381,15 @@ class _Connection:
     def _hello(self, frame: object) -> bool:
         if not isinstance(frame, Hello):
             self.push(Err("bad_hello", "the first frame must be a hello", fatal=True))
+            return False
+        if frame.version != PROTOCOL_VERSION:
+            self.push(
+                Err(
+                    "bad_hello",
+                    f"protocol version {frame.version} is not supported (server speaks {PROTOCOL_VERSION})",
+                    fatal=True,
+                )
+            )
             return False
         try:
             identity = self.server.authorize(self.peer, frame)
@@ -373,6 +405,10 @@ class _Connection:
             return False
         except BusError as exc:
             self.push(Err("bad_hello", str(exc), fatal=True))
+            return False
+        except Exception:
+            log.exception("bus.authorize_failed", uid=self.peer.uid, pid=self.peer.pid)
+            self.push(Err("not_authorized", "the server could not authorize this peer", fatal=True))
             return False
         self.identity = identity
         self.push(
@@ -434,8 +470,10 @@ class BusServer:
         prepare_socket_dir(self.path, self.group)
         lock = SocketLock(self.path)
         lock.acquire()
+        bound = False
         try:
             sock = bind_unix_socket(self.path, self.group)
+            bound = True
             listener = await anyio.abc.SocketListener.from_socket(sock)
             async with listener, anyio.create_task_group() as tg:
                 task_status.started()
@@ -444,8 +482,10 @@ class BusServer:
                     stream = await listener.accept()
                     tg.start_soon(self._serve_stream, stream)
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
+            # only our own socket: a path bind refused (e.g. a regular file) is left alone
+            if bound:
+                with contextlib.suppress(FileNotFoundError):
+                    self.path.unlink()
             lock.release()
 
     async def _serve_stream(self, stream: anyio.abc.SocketStream) -> None:

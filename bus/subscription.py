@@ -28,6 +28,9 @@ class SubscriptionState(enum.Enum):
     CLOSED = "closed"
 
 
+_CLOSED = SubscriptionState.CLOSED
+
+
 class Subscription:
     """One pattern's bounded queue of envelopes."""
 
@@ -63,7 +66,8 @@ class Subscription:
     def deliver(self, envelope: Envelope) -> bool:
         """Queue ``envelope``; False (and counted) when full or closed."""
         queue = self._queue
-        if len(queue) >= self.limit or self.state is SubscriptionState.CLOSED:
+        # a module constant: SubscriptionState.CLOSED costs an enum lookup per delivery
+        if len(queue) >= self.limit or self.state is _CLOSED:
             self.dropped += 1
             return False
         queue.append(envelope)
@@ -101,6 +105,9 @@ class Subscription:
         return self
 
     async def __anext__(self) -> Envelope:
+        queue = self._queue
+        if queue:  # fast path: no second coroutine per envelope when one is queued
+            return queue.popleft()
         try:
             return await self.get()
         except anyio.EndOfStream:

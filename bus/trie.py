@@ -53,11 +53,10 @@ class TopicTrie(Generic[T]):
         for token in tokens[:-1]:
             node = self._child(node, token)
         last = tokens[-1]
-        if last == ">":
-            node.rest[id(value)] = value
-        else:
-            self._child(node, last).here[id(value)] = value
-        self._count += 1
+        slot = node.rest if last == ">" else self._child(node, last).here
+        if id(value) not in slot:
+            self._count += 1
+        slot[id(value)] = value
         self._cache.clear()
 
     def remove(self, pattern: str, value: T) -> bool:

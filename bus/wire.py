@@ -18,7 +18,7 @@ from typing import Literal
 
 import msgspec
 
-from bus.envelope import WireEnvelope
+from bus.envelope import Envelope, WireEnvelope
 from bus.errors import FrameError
 
 __all__ = (
@@ -44,6 +44,8 @@ __all__ = (
     "decode_client_frame",
     "decode_server_frame",
     "encode",
+    "encode_into",
+    "encode_msg_into",
 )
 
 PROTOCOL_VERSION = 1
@@ -166,6 +168,49 @@ def encode_into(frame: _Frame, buffer: bytearray) -> None:
     _LEN.pack_into(buffer, start, len(buffer) - start - HEADER_SIZE)
 
 
+class _EnvelopeMeta(msgspec.Struct, omit_defaults=True, gc=False):
+    """An envelope's fields but the payload, for splicing the payload in as raw JSON."""
+
+    id: int
+    topic: str
+    source: str
+    principal: str | None = None
+    correlation_id: str | None = None
+    reply_to: str | None = None
+    ts: float = 0.0
+
+
+_last_msg: list[object] = [None, b""]
+
+
+def encode_msg_into(sid: int, envelope: Envelope, buffer: bytearray) -> None:
+    """Append a Msg frame for ``envelope`` (the same bytes ``encode(Msg(...))`` decodes to).
+
+    The envelope's part of the body is built once and reused while the same
+    envelope fans out to several remote subscribers; the payload's JSON text
+    is spliced in as it is, never re-encoded.
+    """
+    if _last_msg[0] is not envelope:
+        meta = _encoder.encode(
+            _EnvelopeMeta(
+                envelope.id,
+                envelope.topic,
+                envelope.source,
+                envelope.principal,
+                envelope.correlation_id,
+                envelope.reply_to,
+                envelope.ts,
+            )
+        )
+        _last_msg[0] = envelope
+        _last_msg[1] = b',"env":{"payload":' + envelope.payload + b"," + meta[1:] + b"}"
+    tail: bytes = _last_msg[1]  # type: ignore[assignment]
+    head = b'{"t":"msg","sid":%d' % sid
+    buffer += _LEN.pack(len(head) + len(tail))
+    buffer += head
+    buffer += tail
+
+
 def _decode(
     decoder: msgspec.json.Decoder[ClientFrame] | msgspec.json.Decoder[ServerFrame],
     body: bytes | memoryview,
@@ -208,22 +253,28 @@ class FrameReader:
         self._buffer = bytearray()
         self._skip = 0
 
-    def feed(self, data: bytes) -> list[bytes | FrameTooLarge]:
-        out: list[bytes | FrameTooLarge] = []
+    def feed(self, data: bytes) -> list[memoryview | FrameTooLarge]:
+        """Frame bodies completed by ``data``, as views into one immutable copy."""
+        out: list[memoryview | FrameTooLarge] = []
         if self._skip:
             if len(data) <= self._skip:
                 self._skip -= len(data)
                 return out
             data = data[self._skip :]
             self._skip = 0
-        buf = self._buffer
-        buf.extend(data)
+        if self._buffer:
+            self._buffer.extend(data)
+            whole = bytes(self._buffer)
+            self._buffer.clear()
+        else:
+            whole = data
+        view = memoryview(whole)
         pos = 0
-        end = len(buf)
+        end = len(whole)
         limit = self.limit
         unpack = _LEN.unpack_from
         while end - pos >= HEADER_SIZE:
-            (size,) = unpack(buf, pos)
+            (size,) = unpack(whole, pos)
             if size > limit:
                 out.append(FrameTooLarge(size, limit))
                 available = end - pos - HEADER_SIZE
@@ -233,13 +284,13 @@ class FrameReader:
                 self._skip = size - available
                 pos = end
                 break
-            if end - pos - HEADER_SIZE < size:
-                break
             start = pos + HEADER_SIZE
-            out.append(bytes(buf[start : start + size]))
+            if end - start < size:
+                break
             pos = start + size
-        if pos:
-            del buf[:pos]
+            out.append(view[start:pos])
+        if pos < end:
+            self._buffer.extend(view[pos:])
         return out
 
     @property

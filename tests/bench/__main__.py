@@ -12,7 +12,9 @@ from tests.bench.report import Report
 def main(argv: list[str]) -> int:
     import tests.bench as pkg
 
-    names = sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if m.name.startswith("bench_"))
+    names = sorted(
+        m.name for m in pkgutil.iter_modules(pkg.__path__) if m.name.startswith("bench_")
+    )
     if argv:
         names = [n for n in names if any(a in n for a in argv)]
     report = Report()

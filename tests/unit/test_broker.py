@@ -1,0 +1,334 @@
+"""The in-process Bus: delivery, identity, drops, ACLs, limits, request/reply, stats."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+from structlog.testing import capture_logs
+
+from bus.acl import Acl, Identity
+from bus.broker import Bus
+from bus.envelope import Envelope
+from bus.errors import (
+    AclDenied,
+    BusClosed,
+    NoResponders,
+    PayloadTooLarge,
+    RequestTimeout,
+    TopicError,
+)
+from bus.subscription import SubscriptionState
+
+ADMIN = Identity("supervisor")
+ALICE = Identity("cli:alice", principal="alice")
+
+
+def test_publish_delivers_to_matching_subscriptions_only() -> None:
+    """An envelope reaches every subscription whose pattern matches, and no other."""
+    bus = Bus()
+    exact = bus.subscribe("a.b", ADMIN)
+    star = bus.subscribe("a.*", ADMIN)
+    rest = bus.subscribe("a.>", ADMIN)
+    other = bus.subscribe("x.>", ADMIN)
+    env = bus.publish(ALICE, "a.b", {"n": 1})
+    assert exact.drain() == [env]
+    assert star.drain() == [env]
+    assert rest.drain() == [env]
+    assert other.drain() == []
+    assert env.data() == {"n": 1}
+    assert bus.delivered == 3
+    assert bus.published == 1
+
+
+def test_source_and_principal_come_from_the_identity() -> None:
+    """The bus stamps source and principal from the publisher's Identity."""
+    bus = Bus()
+    sub = bus.subscribe(">", ADMIN)
+    bob = Identity("capsule:web", principal="bob")
+    bus.publish_raw(bob, "t", b'{"source":"forged","principal":"root"}')
+    (env,) = sub.drain()
+    assert env.source == "capsule:web"
+    assert env.principal == "bob"
+    assert env.data() == {"source": "forged", "principal": "root"}
+    assert env.ts > 0
+    assert env.reply_to is None
+
+
+def test_envelope_ids_increase() -> None:
+    """Envelope ids are a strictly increasing sequence."""
+    bus = Bus()
+    ids = [bus.publish(ADMIN, "t", i).id for i in range(5)]
+    assert ids == sorted(set(ids))
+
+
+def test_correlation_id_is_carried() -> None:
+    """A correlation_id given to publish is in the delivered envelope."""
+    bus = Bus()
+    sub = bus.subscribe("t", ADMIN)
+    bus.publish(ADMIN, "t", None, correlation_id="c-7")
+    assert sub.drain()[0].correlation_id == "c-7"
+
+
+def test_full_queue_drops_and_counts_without_blocking() -> None:
+    """Past the queue limit publish returns at once; the extra envelopes are dropped and counted."""
+    bus = Bus(queue_size=3)
+    slow = bus.subscribe("t", ADMIN)
+    roomy = bus.subscribe("t", ADMIN, limit=100)
+    with capture_logs() as logs:
+        for i in range(10):
+            bus.publish(ADMIN, "t", i)
+    assert [e.data() for e in slow.drain()] == [0, 1, 2]
+    assert slow.dropped == 7
+    assert slow.delivered == 3
+    assert len(roomy) == 10
+    assert bus.dropped == 7
+    assert bus.delivered == 13
+    drops = [entry for entry in logs if entry["event"] == "bus.drop"]
+    assert [d["dropped"] for d in drops] == [1]
+
+
+def test_drops_stay_counted_after_unsubscribe() -> None:
+    """Drops of a subscription that has since closed still count in bus.dropped."""
+    bus = Bus(queue_size=1)
+    sub = bus.subscribe("t", ADMIN)
+    bus.publish(ADMIN, "t", 1)
+    bus.publish(ADMIN, "t", 2)
+    sub.close()
+    assert bus.dropped == 1
+    assert bus.stats().subscriptions == 0
+
+
+def test_closed_subscription_gets_nothing() -> None:
+    """Closing a subscription unsubscribes it from the bus."""
+    bus = Bus()
+    sub = bus.subscribe("t", ADMIN)
+    sub.close()
+    assert sub.state is SubscriptionState.CLOSED
+    bus.publish(ADMIN, "t", 1)
+    assert len(sub) == 0
+    assert bus.delivered == 0
+
+
+@pytest.mark.anyio
+async def test_consumer_receives_in_order_and_stops_after_close() -> None:
+    """async-for yields envelopes in publish order and ends once closed and drained."""
+    bus = Bus()
+    sub = bus.subscribe("t", ADMIN)
+    got: list[int] = []
+
+    async def consume() -> None:
+        async for env in sub:
+            got.append(env.data())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(consume)
+        await anyio.wait_all_tasks_blocked()
+        for i in range(5):
+            bus.publish(ADMIN, "t", i)
+        await anyio.wait_all_tasks_blocked()
+        bus.publish(ADMIN, "t", 5)
+        sub.close()
+    assert got == [0, 1, 2, 3, 4, 5]
+
+
+def test_malformed_or_wildcard_topic_is_refused() -> None:
+    """Publishing to a malformed topic or a wildcard raises TopicError and delivers nothing."""
+    bus = Bus()
+    sub = bus.subscribe(">", ADMIN)
+    for topic in ("a.*", "a.>", "a..b", ""):
+        with pytest.raises(TopicError):
+            bus.publish(ADMIN, topic, 1)
+    assert len(sub) == 0
+    with pytest.raises(TopicError):
+        bus.subscribe("a.>.b", ADMIN)
+
+
+def test_acl_refuses_publish_and_subscribe() -> None:
+    """A restricted identity gets AclDenied outside its lists; refusals are counted and hooked."""
+    bus = Bus()
+    seen: list[tuple[str, str, str]] = []
+    bus.on_denied(lambda action, who, details: seen.append((action, who.source, details["topic"])))
+    web = Identity("capsule:web", acl=Acl(publish=["tool.web.>"], subscribe=["tool.web.*"]))
+    everything = bus.subscribe(">", ADMIN)
+    bus.publish(web, "tool.web.result", 1)
+    with pytest.raises(AclDenied):
+        bus.publish(web, "tool.shell.result", 1)
+    bus.subscribe("tool.web.call", web)
+    with pytest.raises(AclDenied):
+        bus.subscribe("tool.>", web)
+    with pytest.raises(TopicError):
+        bus.publish(web, "tool.web.*", 1)
+    assert [e.topic for e in everything.drain()] == ["tool.web.result"]
+    assert bus.acl_denied == 2
+    assert seen == [
+        ("publish", "capsule:web", "tool.shell.result"),
+        ("subscribe", "capsule:web", "tool.>"),
+    ]
+    assert bus.stats().acl_denied == 2
+
+
+def test_payload_over_limit_is_refused() -> None:
+    """A payload larger than max_payload raises PayloadTooLarge; one at the limit passes."""
+    bus = Bus(max_payload=10)
+    sub = bus.subscribe("t", ADMIN)
+    bus.publish_raw(ADMIN, "t", b'"' + b"x" * 8 + b'"')
+    with pytest.raises(PayloadTooLarge):
+        bus.publish_raw(ADMIN, "t", b'"' + b"x" * 9 + b'"')
+    with pytest.raises(PayloadTooLarge):
+        bus.publish(ADMIN, "t", "x" * 100)
+    assert len(sub) == 1
+
+
+def _responder(bus: Bus, pattern: str, who: Identity) -> object:
+    sub = bus.subscribe(pattern, who)
+
+    async def serve() -> None:
+        async for env in sub:
+            assert env.reply_to is not None
+            bus.reply(who, env.reply_to, {"echo": env.data()})
+
+    return serve
+
+
+@pytest.mark.anyio
+async def test_request_gets_the_reply() -> None:
+    """request() returns the responder's reply, stamped with the responder's identity."""
+    bus = Bus()
+    svc = Identity("capsule:echo", principal="svc")
+    serve = _responder(bus, "svc.echo", svc)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(serve)  # type: ignore[arg-type]
+        reply = await bus.request(ALICE, "svc.echo", [1, 2], deadline=2)
+        tg.cancel_scope.cancel()
+    assert reply.data() == {"echo": [1, 2]}
+    assert reply.source == "capsule:echo"
+    assert reply.principal == "svc"
+    assert reply.topic == "svc.echo"
+    assert bus.requests == 1
+
+
+@pytest.mark.anyio
+async def test_request_without_subscribers_fails_at_once() -> None:
+    """A request nobody listens to raises NoResponders without waiting for the deadline."""
+    bus = Bus(request_timeout=30)
+    with anyio.fail_after(1):
+        with pytest.raises(NoResponders):
+            await bus.request(ADMIN, "nobody.home", 1)
+    assert bus.no_responders == 1
+    assert bus.stats().no_responders == 1
+
+
+@pytest.mark.anyio
+async def test_request_times_out_and_late_reply_is_counted() -> None:
+    """No reply by the deadline raises RequestTimeout; a reply after that returns False and counts."""
+    bus = Bus()
+    sub = bus.subscribe("svc.slow", ADMIN)
+    with pytest.raises(RequestTimeout):
+        await bus.request(ALICE, "svc.slow", 1, deadline=0.05)
+    (env,) = sub.drain()
+    assert env.reply_to is not None
+    assert bus.reply(ADMIN, env.reply_to, "too late") is False
+    assert bus.late_replies == 1
+
+
+@pytest.mark.anyio
+async def test_second_reply_is_late() -> None:
+    """Only the first reply to a request counts; the second is a late reply."""
+    bus = Bus()
+    sub = bus.subscribe("svc", ADMIN)
+    results: list[bool] = []
+
+    async def answer_twice() -> None:
+        env = await sub.get()
+        assert env.reply_to is not None
+        results.append(bus.reply(ADMIN, env.reply_to, 1))
+        results.append(bus.reply(ADMIN, env.reply_to, 2))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(answer_twice)
+        reply = await bus.request(ADMIN, "svc", 0, deadline=2)
+    assert reply.data() == 1
+    assert results == [True, False]
+    assert bus.late_replies == 1
+
+
+@pytest.mark.anyio
+async def test_only_the_reply_token_routes_a_reply() -> None:
+    """A reply to a guessed token or the topic is refused; tokens are long and distinct."""
+    bus = Bus()
+    sub = bus.subscribe("svc", ADMIN)
+    tokens: list[str] = []
+    guessed: list[bool] = []
+
+    async def answer() -> None:
+        for _ in range(2):
+            env = await sub.get()
+            assert env.reply_to is not None
+            tokens.append(env.reply_to)
+            guessed.append(bus.reply(ADMIN, "svc", "guess"))
+            guessed.append(bus.reply(ADMIN, str(env.id), "guess"))
+            bus.reply(ADMIN, env.reply_to, "real")
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(answer)
+        first = await bus.request(ADMIN, "svc", 0, deadline=2)
+        second = await bus.request(ADMIN, "svc", 0, deadline=2)
+    assert first.data() == second.data() == "real"
+    assert guessed == [False] * 4
+    assert len(set(tokens)) == 2
+    assert all(len(t) >= 16 for t in tokens)
+
+
+@pytest.mark.anyio
+async def test_request_is_acl_checked() -> None:
+    """A request to a topic the identity may not publish to raises AclDenied."""
+    bus = Bus()
+    bus.subscribe("svc", ADMIN)
+    limited = Identity("capsule:x", acl=Acl(publish=["other"]))
+    with pytest.raises(AclDenied):
+        await bus.request(limited, "svc", 1, deadline=1)
+
+
+@pytest.mark.anyio
+async def test_close_ends_waiting_requests_and_refuses_work() -> None:
+    """Closing the bus wakes a waiting request with BusClosed and refuses new publishes."""
+    bus = Bus()
+    sub = bus.subscribe("svc", ADMIN)
+
+    async def close_soon() -> None:
+        await sub.get()
+        bus.close()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(close_soon)
+        with pytest.raises(BusClosed):
+            await bus.request(ADMIN, "svc", 1, deadline=5)
+    assert sub.state is SubscriptionState.CLOSED
+    with pytest.raises(BusClosed):
+        bus.publish(ADMIN, "svc", 1)
+    with pytest.raises(BusClosed):
+        bus.subscribe("svc", ADMIN)
+
+
+def test_stats_report_counts_and_top_subscriptions() -> None:
+    """stats() reports totals and subscriptions ordered by drops, then deliveries."""
+    bus = Bus(queue_size=2)
+    quiet = bus.subscribe("q", Identity("quiet"))
+    busy = bus.subscribe("b", Identity("busy"), limit=100)
+    lossy = bus.subscribe("b", Identity("lossy"))
+    for _ in range(5):
+        bus.publish(ADMIN, "b", 0)
+    stats = bus.stats()
+    assert stats.published == 5
+    assert stats.delivered == 7
+    assert stats.dropped == 3
+    assert stats.subscriptions == 3
+    assert [(s.source, s.delivered, s.dropped, s.queued) for s in stats.top] == [
+        ("lossy", 2, 3, 2),
+        ("busy", 5, 0, 5),
+        ("quiet", 0, 0, 0),
+    ]
+    assert len(bus.stats(top=1).top) == 1
+    assert quiet.pattern == "q"
+    assert isinstance(busy.drain()[0], Envelope)
+    assert len(lossy) == 2
