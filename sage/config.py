@@ -49,7 +49,7 @@ class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     pass
 
 
-class SupervisorConfig(_Section):
+class SupervisorConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     state_dir: str = ".state"
     """Folder for the audit log, state store, keys and (by default) the socket."""
     socket: str = ""
@@ -60,9 +60,11 @@ class SupervisorConfig(_Section):
     """Seconds a graceful stop may take before remaining work is cancelled."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Lowest level written to the JSON log on stderr."""
+    capsules: list[str] = msgspec.field(default_factory=lambda: ["echo"])
+    """Capsules to start: built-in names (folders of the ``capsules`` package) or paths."""
 
 
-class BusConfig(_Section):
+class BusConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     max_payload: Annotated[int, msgspec.Meta(gt=0, le=64 * 1024 * 1024)] = 1024 * 1024
     """Largest encoded payload a publisher may send, in bytes (NATS: 1 MiB)."""
     queue_size: Annotated[int, msgspec.Meta(gt=0, le=1_000_000)] = 1024
@@ -72,7 +74,12 @@ class BusConfig(_Section):
     slow_consumer_timeout: PositiveFloat = 2.0
     """A remote subscriber whose queue stays full this long is disconnected."""
     user_publish: list[str] = msgspec.field(
-        default_factory=lambda: ["sage.v1.request.>", "sage.v1.hook.>", "llm.v1.request.>", "demo.>"]
+        default_factory=lambda: [
+            "sage.v1.request.>",
+            "sage.v1.hook.>",
+            "llm.v1.request.>",
+            "demo.>",
+        ]
     )
     """What a non-admin user (a uid mapped to a principal) may publish to."""
     user_subscribe: list[str] = msgspec.field(
@@ -88,7 +95,7 @@ class BusConfig(_Section):
                 raise ValueError(str(exc)) from None
 
 
-class SocketConfig(_Section):
+class SocketConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     hello_timeout: PositiveFloat = 5.0
     """Seconds a new connection has to send its hello."""
     idle_timeout: PositiveFloat = 600.0
@@ -99,7 +106,7 @@ class SocketConfig(_Section):
     """A group whose members may connect: socket 0660, directory 0750. Empty: owner only."""
 
 
-class AuditConfig(_Section):
+class AuditConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     checkpoint_every: PositiveInt = 1000
     """Write a signed checkpoint after this many entries ..."""
     checkpoint_seconds: PositiveFloat = 60.0
@@ -108,7 +115,7 @@ class AuditConfig(_Section):
     """Most entries one group commit writes."""
 
 
-class ClaudeConfig(_Section):
+class ClaudeConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     binary: str = ""
     """Path of the ``claude`` binary; empty means the one ``make setup`` installed, else PATH."""
     version: str = "2.1.328"
@@ -117,7 +124,7 @@ class ClaudeConfig(_Section):
     """Extra environment for every ``claude`` child (e.g. ANTHROPIC_BASE_URL)."""
 
 
-class LimitsConfig(_Section):
+class LimitsConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     max_sessions_per_principal: Annotated[int, msgspec.Meta(gt=0, le=1000)] = 4
     """Live sessions one principal may have."""
     max_line_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 16 * 1024 * 1024
@@ -128,14 +135,14 @@ class LimitsConfig(_Section):
     """Seconds between closing a session's input and SIGTERM, and SIGTERM and SIGKILL."""
 
 
-class PrincipalConfig(_Section):
+class PrincipalConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     name: Name
     """The principal's id, ``[A-Za-z0-9_-]{1,64}``."""
     uids: list[Uid] = []
     """Local uids that may act for this principal."""
 
 
-class Config(_Section):
+class Config(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     supervisor: SupervisorConfig = SupervisorConfig()
     bus: BusConfig = BusConfig()
     socket: SocketConfig = SocketConfig()

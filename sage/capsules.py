@@ -1,0 +1,233 @@
+"""In-process capsules: manifests, a bus handle bound to each capsule's ACL, restarts.
+
+A capsule is a folder with a ``Capsule.toml``::
+
+    [package]
+    name = "echo"
+    version = "0.1.0"
+    entry = "capsules.echo:run"      # module:function, an async function (ctx)
+
+    [publish]
+    patterns = ["demo.v1.echo.>"]
+    [subscribe]
+    patterns = ["demo.v1.echo"]
+
+The supervisor starts the capsules named in ``[supervisor] capsules`` (folders
+under the built-in ``capsules`` package, or paths).  Each runs with a
+:class:`CapsuleContext` whose identity carries an ACL made from its manifest,
+so the bus refuses anything it did not declare.  A capsule that raises is
+restarted with exponential backoff; after ``max_restarts`` in ``window``
+seconds it is given up (state ``failed``) and that is audited.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import structlog
+
+from bus import Acl, Bus, Envelope, Identity, Subscription
+from sage.config import NAME_PATTERN
+from sage.errors import ConfigError
+
+__all__ = (
+    "CapsuleContext",
+    "CapsuleManifest",
+    "CapsuleRunner",
+    "CapsuleState",
+    "RestartPolicy",
+    "load_manifest",
+)
+
+log = structlog.get_logger("sage.capsules")
+
+
+class _Package(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str = msgspec.field(default="")
+    version: str = "0.0.0"
+    entry: str = ""
+    description: str = ""
+
+
+class _Patterns(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    patterns: list[str] = []
+
+
+class CapsuleManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    package: _Package
+    publish: _Patterns = _Patterns()
+    subscribe: _Patterns = _Patterns()
+
+    @property
+    def name(self) -> str:
+        return self.package.name
+
+
+def load_manifest(folder: Path) -> CapsuleManifest:
+    """Read and check ``folder/Capsule.toml``; raise ConfigError naming what is wrong."""
+    import re
+
+    from bus import BusError
+
+    path = folder / "Capsule.toml"
+    try:
+        manifest = msgspec.toml.decode(path.read_bytes(), type=CapsuleManifest)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+    if not re.match(NAME_PATTERN, manifest.name):
+        raise ConfigError(f"{path}: package.name must match {NAME_PATTERN}")
+    if ":" not in manifest.package.entry:
+        raise ConfigError(f"{path}: package.entry must be 'module:function'")
+    try:
+        Acl(manifest.publish.patterns, manifest.subscribe.patterns)
+    except BusError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+    return manifest
+
+
+class CapsuleState(enum.Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    BACKOFF = "backoff"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@dataclass
+class RestartPolicy:
+    """When to restart a crashed capsule (pure: the caller passes the clock)."""
+
+    max_restarts: int = 5
+    window: float = 60.0
+    base_delay: float = 0.1
+    max_delay: float = 10.0
+    crashes: list[float] = field(default_factory=list)
+
+    def on_crash(self, now: float) -> float | None:
+        """Seconds to wait before the next start, or None to give up."""
+        self.crashes = [t for t in self.crashes if now - t < self.window]
+        self.crashes.append(now)
+        if len(self.crashes) > self.max_restarts:
+            return None
+        return float(min(self.max_delay, self.base_delay * 2 ** (len(self.crashes) - 1)))
+
+
+class CapsuleContext:
+    """What a capsule's code gets: the bus, as the capsule, within its ACL."""
+
+    def __init__(self, bus: Bus, identity: Identity, manifest: CapsuleManifest) -> None:
+        self.bus = bus
+        self.identity = identity
+        self.manifest = manifest
+        self.log = log.bind(capsule=manifest.name)
+
+    def publish(self, topic: str, payload: Any) -> Envelope:
+        return self.bus.publish(self.identity, topic, payload)
+
+    def subscribe(self, pattern: str) -> Subscription:
+        return self.bus.subscribe(pattern, self.identity)
+
+    def reply(self, request: Envelope, payload: Any) -> bool:
+        if request.reply_to is None:
+            return False
+        return self.bus.reply(self.identity, request.reply_to, payload)
+
+    async def request(self, topic: str, payload: Any, *, deadline: float | None = None) -> Envelope:
+        return await self.bus.request(self.identity, topic, payload, deadline=deadline)
+
+
+CapsuleMain = Callable[[CapsuleContext], Awaitable[None]]
+
+
+class CapsuleRunner:
+    """Runs one capsule and restarts it by its policy."""
+
+    def __init__(
+        self, bus: Bus, manifest: CapsuleManifest, audit: Callable[[str, dict[str, Any]], None]
+    ) -> None:
+        self.manifest = manifest
+        self.state = CapsuleState.STARTING
+        self.restarts = 0
+        self.last_error = ""
+        self.policy = RestartPolicy()
+        self._bus = bus
+        self._audit = audit
+        self.identity = Identity(
+            source=f"capsule:{manifest.name}",
+            acl=Acl(manifest.publish.patterns, manifest.subscribe.patterns),
+        )
+        self._main = self._entry()
+
+    def _entry(self) -> CapsuleMain:
+        module_name, _, func = self.manifest.package.entry.partition(":")
+        try:
+            main: CapsuleMain = getattr(importlib.import_module(module_name), func)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError(
+                f"capsule {self.manifest.name}: cannot load {self.manifest.package.entry}: {exc}"
+            ) from exc
+        return main
+
+    async def run(self) -> None:
+        main = self._main
+        name = self.manifest.name
+        while True:
+            self.state = CapsuleState.RUNNING
+            log.info("capsule.started", capsule=name, restarts=self.restarts)
+            try:
+                await main(CapsuleContext(self._bus, self.identity, self.manifest))
+            except anyio.get_cancelled_exc_class():
+                self.state = CapsuleState.STOPPED
+                raise
+            except Exception as exc:
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.error(
+                    "capsule.crashed",
+                    capsule=name,
+                    error=self.last_error,
+                    trace=traceback.format_exc(limit=5),
+                )
+            else:
+                self.state = CapsuleState.STOPPED
+                log.info("capsule.finished", capsule=name)
+                return
+            delay = self.policy.on_crash(time.monotonic())
+            if delay is None:
+                self.state = CapsuleState.FAILED
+                self._audit(
+                    "sage.v1.audit.capsule_failed",
+                    {"capsule": name, "restarts": self.restarts, "error": self.last_error},
+                )
+                return
+            self.state = CapsuleState.BACKOFF
+            self.restarts += 1
+            await anyio.sleep(delay)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.manifest.name,
+            "version": self.manifest.package.version,
+            "state": self.state.value,
+            "restarts": self.restarts,
+            "last_error": self.last_error,
+        }
+
+
+def capsule_folder(name_or_path: str) -> Path:
+    """A built-in capsule's folder by name, or a folder given as a path."""
+    if "/" in name_or_path:
+        return Path(name_or_path)
+    import capsules
+
+    return Path(capsules.__file__).parent / name_or_path

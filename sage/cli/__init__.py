@@ -1,0 +1,70 @@
+"""The ``astrid`` command line.
+
+One module per command group registers its sub-commands with
+:func:`argparse`; :func:`main` parses, runs the chosen handler and turns every
+:class:`sage.errors.SageError` (and bus error) into one line on stderr with a
+non-zero exit.  A handler is a plain function ``(args) -> int`` or a
+coroutine function, run under anyio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+
+from bus import BusError
+from sage.errors import SageError
+
+__all__ = ("build_parser", "main")
+
+
+def _groups() -> list[Any]:
+    from sage.cli import audit, bus_cmd, config_cmd, status, supervisor_cmd
+
+    return [supervisor_cmd, config_cmd, status, bus_cmd, audit]
+
+
+def add_common(parser: argparse.ArgumentParser, *, json_output: bool = True) -> None:
+    """Give a command the flags every command takes."""
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help="supervisor.toml to use (default: $ASTRID_CONFIG, else the embedded defaults)",
+    )
+    if json_output:
+        parser.add_argument("--json", action="store_true", help="print JSON for programs")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="astrid",
+        description="Drive the sage supervisor: bus, audit log, sessions.",
+        epilog="Each command takes --config FILE (or ASTRID_CONFIG). See `astrid COMMAND --help`.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for group in _groups():
+        group.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler = args.handler
+    try:
+        is_async = inspect.iscoroutinefunction(handler)
+        code = anyio.run(handler, args) if is_async else handler(args)
+    except (SageError, BusError) as exc:
+        print(f"astrid: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+    return int(code or 0)

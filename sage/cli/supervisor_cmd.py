@@ -1,0 +1,36 @@
+"""``astrid supervisor run``: the daemon in the foreground."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from sage.cli._connect import config_of
+
+
+def register(sub: Any) -> None:
+    from sage.cli import add_common
+
+    group = sub.add_parser("supervisor", help="run the sage supervisor")
+    commands = group.add_subparsers(dest="action", metavar="ACTION", required=True)
+    run = commands.add_parser(
+        "run",
+        help="run the supervisor in the foreground (JSON logs on stderr)",
+        description=(
+            "Start the state store, audit log, bus, socket server and capsules, then serve "
+            "until SIGTERM or SIGINT. SIGHUP reloads the config file. Under systemd "
+            "(Type=notify) readiness and the watchdog are reported through NOTIFY_SOCKET."
+        ),
+    )
+    add_common(run, json_output=False)
+    run.set_defaults(handler=_run)
+
+
+async def _run(args: argparse.Namespace) -> int:
+    from sage.logs import configure_logging
+    from sage.supervisor import Supervisor
+
+    config = config_of(args)
+    configure_logging(config.supervisor.log_level)
+    await Supervisor(config, args.config).run()
+    return 0

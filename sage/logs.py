@@ -1,0 +1,55 @@
+"""Structured logging: JSON lines on stderr for journald, via structlog.
+
+Context (capsule, principal, session) is bound, not formatted into
+messages.  A processor strips values of keys that name secrets, so a token
+or key never reaches a log line even when a caller passes one by mistake.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from collections.abc import MutableMapping
+from typing import Any
+
+import structlog
+
+__all__ = ("configure_logging", "redact_secrets")
+
+_SECRET_KEY = re.compile(
+    r"(?:^|[_\-.])(?:token|api_?key|secret|password|passwd|authorization|credentials?)(?:$|[_\-.])"
+)
+_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+}
+
+
+def redact_secrets(
+    _logger: Any, _method: str, event: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    """Replace the value of every key that names a secret with ``<redacted>``."""
+    for key in event:
+        if _SECRET_KEY.search(key.lower()):
+            event[key] = "<redacted>"
+    return event
+
+
+def configure_logging(level: str = "info") -> None:
+    """JSON lines on stderr at ``level`` and above."""
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            redact_secrets,
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )

@@ -1,0 +1,339 @@
+"""The supervisor: boots the parts of sage, serves until told to stop, stops them in order.
+
+Start-up order: state folder (0700), audit log, bus, socket server, the
+audit sink (every envelope on ``*.v1.audit.>`` is appended), the status
+responder, capsules.  Readiness is reported through ``task_status.started()``
+and sd_notify ``READY=1``.  SIGTERM or SIGINT stops everything within
+``shutdown_grace`` seconds (``STOPPING=1``), removing the socket; SIGHUP
+reloads what can be reloaded (principals, admins, user ACLs, log level) and
+keeps the running config when the new file is bad.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+import msgspec
+import structlog
+
+from bus import Acl, Bus, Envelope, FrameError, Identity, NotAuthorized
+from bus.server import BusServer, PeerCred
+from bus.wire import Hello
+from sage.audit import AuditLog, load_signing_key
+from sage.capsules import CapsuleRunner, capsule_folder, load_manifest
+from sage.config import Config, load_config
+from sage.errors import AuditError, ConfigError, SageError
+from sage.logs import configure_logging
+from sage.sdnotify import Notifier, watchdog_interval
+
+__all__ = ("ROLES", "Supervisor")
+
+log = structlog.get_logger("sage.supervisor")
+
+ROLES = ("cli", "capsule", "emit")
+STATUS_TOPIC = "sage.v1.request.status"
+AUDIT_PATTERN = "*.v1.audit.>"
+VERSION = "0.1.0"
+
+
+class _AuditSink:
+    """A bus subscriber that hands every audit envelope to the audit log; never drops."""
+
+    def __init__(self, audit: AuditLog) -> None:
+        self.pattern = AUDIT_PATTERN
+        self.owner = Identity("audit")
+        self.delivered = 0
+        self.dropped = 0
+        self._audit = audit
+
+    def deliver(self, envelope: Envelope) -> bool:
+        try:
+            data: Any = msgspec.json.decode(envelope.payload)
+        except msgspec.DecodeError:
+            data = envelope.payload.decode(errors="replace")
+        session = data.get("session_id", "") if isinstance(data, dict) else ""
+        try:
+            self._audit.submit(
+                envelope.topic,
+                envelope.principal or "",
+                session if isinstance(session, str) else "",
+                {"source": envelope.source, "payload": data},
+            )
+        except AuditError as exc:
+            self.dropped += 1
+            log.error("audit.not_recorded", topic=envelope.topic, error=str(exc))
+            return False
+        self.delivered += 1
+        return True
+
+
+class Supervisor:
+    """One running sage daemon."""
+
+    def __init__(self, config: Config, config_path: str | None = None) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.identity = Identity("supervisor")
+        self.bus = Bus(
+            max_payload=config.bus.max_payload,
+            queue_size=config.bus.queue_size,
+            request_timeout=config.bus.request_timeout,
+        )
+        self.server: BusServer | None = None
+        self.audit: AuditLog | None = None
+        self.started_at = 0.0
+        self.notifier = Notifier()
+        self.reloads = 0
+        self._outer: anyio.CancelScope | None = None
+        self.capsules = [
+            CapsuleRunner(self.bus, load_manifest(capsule_folder(name)), self._publish_audit)
+            for name in config.supervisor.capsules
+        ]
+        names = [c.manifest.name for c in self.capsules]
+        if len(set(names)) != len(names):
+            raise ConfigError("supervisor.capsules: a capsule is named twice")
+
+    # -- identity -----------------------------------------------------------
+
+    def authorize(self, peer: PeerCred, hello: Hello) -> Identity:
+        """Map a verified peer uid and its hello to what it may do on the bus."""
+        config = self.config
+        if hello.role not in ROLES:
+            raise FrameError(f"unknown role {hello.role!r} (expected one of {', '.join(ROLES)})")
+        admin = config.is_admin(peer.uid)
+        allowed = config.principals_for_uid(peer.uid)
+        if not admin and not allowed:
+            raise NotAuthorized(f"uid {peer.uid} may not act for any principal")
+        principal = hello.principal
+        if principal is not None and principal not in allowed:
+            raise NotAuthorized(f"uid {peer.uid} may not act for principal {principal!r}")
+        if principal is None and not admin and len(allowed) == 1:
+            (principal,) = allowed
+        source = f"{hello.role}:{peer.uid}"
+        if hello.role == "emit":
+            acl: Acl | None = Acl(publish=["sage.v1.hook.>"], subscribe=[])
+        elif hello.role == "capsule" and not admin:
+            raise NotAuthorized("only an admin uid may connect a capsule over the socket")
+        elif admin:
+            acl = None
+        else:
+            acl = Acl(config.bus.user_publish, config.bus.user_subscribe)
+        return Identity(source=source, principal=principal, acl=acl, uid=peer.uid)
+
+    # -- running ------------------------------------------------------------
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        config = self.config
+        _make_private_dir(config.state_dir)
+        key = load_signing_key(config.keys_dir)
+        self.started_at = time.time()
+        try:
+            with anyio.CancelScope() as self._outer:
+                async with AuditLog.open(config.audit_path, key, config.audit) as audit:
+                    self.audit = audit
+                    await self._serve(audit, task_status)
+        finally:
+            self.bus.close()
+            self.notifier.close()
+            log.info("supervisor.stopped")
+
+    async def _serve(self, audit: AuditLog, task_status: anyio.abc.TaskStatus[None]) -> None:
+        config = self.config
+        group = _group_id(config.socket.group)
+        self.server = BusServer(
+            self.bus,
+            config.socket_path,
+            self.authorize,
+            principals_of=lambda uid: self.config.principals_for_uid(uid),
+            group=group,
+            hello_timeout=config.socket.hello_timeout,
+            idle_timeout=config.socket.idle_timeout,
+            slow_consumer_timeout=config.bus.slow_consumer_timeout,
+            max_connections_per_uid=config.socket.max_connections_per_uid,
+        )
+        self.bus.add(_AuditSink(audit))
+        self.bus.on_denied(self._audit_denied)
+        async with anyio.create_task_group() as tg:
+            await tg.start(self.server.serve)
+            status = self.bus.subscribe(STATUS_TOPIC, self.identity)
+            tg.start_soon(self._answer_status, status)
+            await tg.start(self._handle_signals, tg.cancel_scope)
+            for capsule in self.capsules:
+                tg.start_soon(capsule.run)
+            interval = watchdog_interval()
+            if interval:
+                tg.start_soon(self._watchdog, interval)
+            self.bus.publish(
+                self.identity,
+                "sage.v1.audit.supervisor_started",
+                {"pid": os.getpid(), "version": VERSION, "socket": str(config.socket_path)},
+            )
+            self.notifier.notify("READY=1", f"STATUS=serving on {config.socket_path}")
+            log.info(
+                "supervisor.ready",
+                pid=os.getpid(),
+                socket=str(config.socket_path),
+                state_dir=str(config.state_dir),
+                startup_ms=round((time.time() - self.started_at) * 1000, 1),
+            )
+            task_status.started()
+        # reached when a stop signal cancelled the task group
+        self.bus.publish(self.identity, "sage.v1.audit.supervisor_stopped", {"pid": os.getpid()})
+
+    async def _handle_signals(
+        self, scope: anyio.CancelScope, *, task_status: anyio.abc.TaskStatus[None]
+    ) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            task_status.started()
+            async for signum in signals:
+                if signum == signal.SIGHUP:
+                    self.reload()
+                    continue
+                log.info("supervisor.stopping", signal=signal.Signals(signum).name)
+                self.notifier.notify("STOPPING=1")
+                # whatever is still running after the grace is cut off
+                if self._outer is not None:
+                    self._outer.deadline = (
+                        anyio.current_time() + self.config.supervisor.shutdown_grace
+                    )
+                scope.cancel()
+                return
+
+    async def _watchdog(self, interval: float) -> None:
+        while True:
+            self.notifier.notify("WATCHDOG=1")
+            await anyio.sleep(interval)
+
+    def reload(self) -> None:
+        """Re-read the config file; apply the parts that can change while running."""
+        if self.config_path is None and not os.environ.get("ASTRID_CONFIG"):
+            log.info("supervisor.reload", result="nothing to reload (embedded defaults)")
+            return
+        try:
+            new = load_config(self.config_path)
+        except ConfigError as exc:
+            log.error("supervisor.reload_failed", error=str(exc))
+            self.bus.publish(
+                self.identity, "sage.v1.audit.config_reload_failed", {"error": str(exc)}
+            )
+            return
+        old = self.config
+        fixed = sorted(
+            name
+            for name, before, after in (
+                ("bus (except user ACLs)", _bus_without_acl(old), _bus_without_acl(new)),
+                ("socket", old.socket, new.socket),
+                ("audit", old.audit, new.audit),
+                ("supervisor.state_dir", old.supervisor.state_dir, new.supervisor.state_dir),
+                ("supervisor.socket", old.supervisor.socket, new.supervisor.socket),
+                ("supervisor.capsules", old.supervisor.capsules, new.supervisor.capsules),
+                (
+                    "supervisor.shutdown_grace",
+                    old.supervisor.shutdown_grace,
+                    new.supervisor.shutdown_grace,
+                ),
+            )
+            if before != after
+        )
+        # what cannot change while running keeps its running value
+        new = msgspec.structs.replace(
+            new,
+            base_dir=old.base_dir,
+            socket=old.socket,
+            audit=old.audit,
+            bus=msgspec.structs.replace(
+                old.bus, user_publish=new.bus.user_publish, user_subscribe=new.bus.user_subscribe
+            ),
+            supervisor=msgspec.structs.replace(
+                old.supervisor,
+                admins=new.supervisor.admins,
+                log_level=new.supervisor.log_level,
+            ),
+        )
+        self.config = new
+        configure_logging(new.supervisor.log_level)
+        self.reloads += 1
+        log.info("supervisor.reloaded", restart_needed_for=fixed)
+        self.bus.publish(
+            self.identity,
+            "sage.v1.audit.config_reloaded",
+            {"principals": [p.name for p in new.principals], "restart_needed_for": fixed},
+        )
+
+    def _publish_audit(self, topic: str, payload: dict[str, Any]) -> None:
+        self.bus.publish(self.identity, topic, payload)
+
+    def _audit_denied(self, action: str, identity: Identity, details: dict[str, Any]) -> None:
+        self.bus.publish(
+            self.identity,
+            "sage.v1.audit.acl_denied",
+            {
+                "action": action,
+                "source": identity.source,
+                "principal": identity.principal,
+                **details,
+            },
+        )
+
+    # -- status -------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        audit = self.audit
+        return {
+            "version": VERSION,
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - self.started_at, 3),
+            "started_at": self.started_at,
+            "socket": str(self.config.socket_path),
+            "state_dir": str(self.config.state_dir),
+            "config": self.config_path or os.environ.get("ASTRID_CONFIG") or "<embedded defaults>",
+            "principals": [p.name for p in self.config.principals],
+            "capsules": [c.describe() for c in self.capsules],
+            "bus": msgspec.to_builtins(self.bus.stats()),
+            "connections": self.server.stats() if self.server else {},
+            "audit": audit.stats() if audit is not None else {},
+            "reloads": self.reloads,
+        }
+
+    async def _answer_status(self, requests: Any) -> None:
+        async for request in requests:
+            if request.reply_to:
+                self.bus.reply(self.identity, request.reply_to, self.status())
+
+
+def _bus_without_acl(config: Config) -> object:
+    return msgspec.structs.replace(config.bus, user_publish=[], user_subscribe=[])
+
+
+def _make_private_dir(path: Path) -> None:
+    old = os.umask(0o077)
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as exc:
+        raise SageError(f"cannot create state folder {path}: {exc.strerror}") from exc
+    finally:
+        os.umask(old)
+    info = path.stat()
+    if info.st_uid != os.getuid():
+        raise SageError(f"state folder {path} belongs to uid {info.st_uid}, not to us")
+    if info.st_mode & 0o077:
+        os.chmod(path, 0o700)
+
+
+def _group_id(name: str) -> int | None:
+    if not name:
+        return None
+    import grp
+
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise ConfigError(f"socket.group: no group named {name!r}") from None

@@ -1,0 +1,86 @@
+"""A real supervisor process for tests: started with a config in a temp folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ASTRID = [sys.executable, "-m", "sage.cli"]
+
+
+def short_dir() -> Path:
+    """A temp folder with a short path (AF_UNIX paths are limited to 107 bytes)."""
+    return Path(tempfile.mkdtemp(prefix="sg", dir="/tmp"))
+
+
+class Daemon:
+    def __init__(self, root: Path, extra: str = "", env: dict[str, str] | None = None) -> None:
+        self.root = root
+        self.config = root / "supervisor.toml"
+        self.config.write_text(f'[supervisor]\nstate_dir = "state"\n{extra}')
+        self.socket = root / "state" / "run" / "astrid.sock"
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.startup_s = 0.0
+
+    def start(self, timeout: float = 15.0) -> Daemon:
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(
+            [*ASTRID, "supervisor", "run", "--config", str(self.config)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=self.env,
+        )
+        assert self.proc.stderr is not None
+        deadline = t0 + timeout
+        for line in self.proc.stderr:
+            if b'"supervisor.ready"' in line:
+                self.startup_s = time.monotonic() - t0
+                return self
+            if time.monotonic() > deadline:
+                break
+        self.stop()
+        raise AssertionError("supervisor did not become ready")
+
+    def astrid(
+        self, *args: str, input: bytes | None = None, timeout: float = 20.0
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*ASTRID, *args, "--config", str(self.config)],
+            input=input.decode() if input is not None else None,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=self.env,
+        )
+
+    def status(self) -> Any:
+        result = self.astrid("status", "--json")
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)
+
+    def signal(self, signum: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signum)
+
+    def stop(self, timeout: float = 15.0) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                stream.close()
+        return code

@@ -1,0 +1,83 @@
+"""Who a connecting peer is: uid -> principals, admins, roles and their ACLs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from bus import FrameError, NotAuthorized
+from bus.server import PeerCred
+from bus.wire import Hello
+from sage.config import decode_config
+from sage.supervisor import Supervisor
+
+ME = os.getuid()
+ALICE = ME + 1001
+BOTH = ME + 1002
+ADMIN = ME + 1003
+NOBODY = ME + 1004
+
+
+@pytest.fixture
+def supervisor() -> Supervisor:
+    config = decode_config(
+        f"[supervisor]\nadmins = [{ADMIN}]\ncapsules = []\n"
+        f'[[principals]]\nname = "alice"\nuids = [{ALICE}, {BOTH}]\n'
+        f'[[principals]]\nname = "bob"\nuids = [{BOTH}]\n'
+    )
+    return Supervisor(config)
+
+
+def _peer(uid: int) -> PeerCred:
+    return PeerCred(pid=1, uid=uid, gid=uid)
+
+
+def test_single_principal_uid_acts_for_it(supervisor: Supervisor) -> None:
+    """A uid mapped to one principal acts for it, with the user ACL."""
+    identity = supervisor.authorize(_peer(ALICE), Hello(role="cli"))
+    assert identity.principal == "alice"
+    assert identity.source == f"cli:{ALICE}"
+    assert identity.acl is not None
+    assert identity.acl.may_publish("sage.v1.request.spawn")
+    assert not identity.acl.may_publish("sage.v1.audit.spawn")
+    assert not identity.acl.may_subscribe(">")
+
+
+def test_claimed_principal_is_checked(supervisor: Supervisor) -> None:
+    """A hello may name a principal only if the peer's uid may act for it."""
+    assert supervisor.authorize(_peer(BOTH), Hello(role="cli", principal="bob")).principal == "bob"
+    assert supervisor.authorize(_peer(BOTH), Hello(role="cli")).principal is None
+    with pytest.raises(NotAuthorized, match="may not act for principal 'bob'"):
+        supervisor.authorize(_peer(ALICE), Hello(role="cli", principal="bob"))
+
+
+def test_unmapped_uid_is_refused(supervisor: Supervisor) -> None:
+    """A uid that is neither admin nor mapped to a principal may not connect."""
+    with pytest.raises(NotAuthorized, match="may not act for any principal"):
+        supervisor.authorize(_peer(NOBODY), Hello(role="cli"))
+
+
+def test_admins_and_own_uid_are_unrestricted(supervisor: Supervisor) -> None:
+    """Configured admins and the supervisor's own uid get no ACL and may act for anyone."""
+    for uid in (ADMIN, ME):
+        identity = supervisor.authorize(_peer(uid), Hello(role="cli", principal="bob"))
+        assert identity.acl is None
+        assert identity.principal == "bob"
+
+
+def test_emit_role_may_only_publish_hooks(supervisor: Supervisor) -> None:
+    """astrid-emit connections may publish sage.v1.hook.> and nothing else."""
+    identity = supervisor.authorize(_peer(ADMIN), Hello(role="emit"))
+    assert identity.acl is not None
+    assert identity.acl.may_publish("sage.v1.hook.PreToolUse")
+    assert not identity.acl.may_publish("demo.x")
+    assert not identity.acl.may_subscribe("sage.v1.hook.>")
+
+
+def test_unknown_role_and_socket_capsule_refused(supervisor: Supervisor) -> None:
+    """An unknown role is a bad hello; a capsule over the socket needs an admin uid."""
+    with pytest.raises(FrameError, match="unknown role"):
+        supervisor.authorize(_peer(ALICE), Hello(role="root"))
+    with pytest.raises(NotAuthorized, match="only an admin"):
+        supervisor.authorize(_peer(ALICE), Hello(role="capsule"))

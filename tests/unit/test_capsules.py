@@ -1,0 +1,117 @@
+"""In-process capsules: manifest checks, restart backoff, ACLs from the manifest."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+
+from bus import AclDenied, Bus, Identity
+from sage.capsules import CapsuleRunner, CapsuleState, RestartPolicy, capsule_folder, load_manifest
+from sage.errors import ConfigError
+
+
+def _write(folder: Path, text: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "Capsule.toml").write_text(text)
+    return folder
+
+
+def test_builtin_echo_manifest_loads() -> None:
+    """The example capsule's manifest is valid and names its entry point."""
+    manifest = load_manifest(capsule_folder("echo"))
+    assert manifest.name == "echo"
+    assert manifest.subscribe.patterns == ["demo.v1.echo"]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('[package]\nname = "../x"\nentry = "m:f"\n', "package.name"),
+        ('[package]\nname = "x"\nentry = "nocolon"\n', "module:function"),
+        ('[package]\nname = "x"\nentry = "m:f"\n[publish]\npatterns = ["a.>.b"]\n', "last token"),
+        ('[package]\nname = "x"\nentry = "m:f"\n[wat]\n', "unknown field"),
+    ],
+)
+def test_bad_manifest_is_refused(tmp_path: Path, text: str, expected: str) -> None:
+    """A manifest with a bad name, entry, pattern or section is a ConfigError naming it."""
+    with pytest.raises(ConfigError, match=expected):
+        load_manifest(_write(tmp_path / "c", text))
+
+
+def test_missing_manifest_is_refused(tmp_path: Path) -> None:
+    """A folder without Capsule.toml is a ConfigError, not a traceback."""
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_manifest(tmp_path)
+
+
+def test_restart_policy_backs_off_then_gives_up() -> None:
+    """Delays double per crash inside the window; one crash too many gives up."""
+    policy = RestartPolicy(max_restarts=3, window=10.0, base_delay=0.5, max_delay=1.5)
+    assert policy.on_crash(0.0) == 0.5
+    assert policy.on_crash(1.0) == 1.0
+    assert policy.on_crash(2.0) == 1.5
+    assert policy.on_crash(3.0) is None
+
+
+def test_restart_policy_forgets_old_crashes() -> None:
+    """Crashes older than the window no longer count."""
+    policy = RestartPolicy(max_restarts=1, window=10.0, base_delay=1.0)
+    assert policy.on_crash(0.0) == 1.0
+    assert policy.on_crash(20.0) == 1.0
+
+
+@pytest.mark.anyio
+async def test_capsule_acl_comes_from_manifest() -> None:
+    """A capsule may subscribe only to what its manifest declares."""
+    bus = Bus()
+    runner = CapsuleRunner(bus, load_manifest(capsule_folder("echo")), lambda t, p: None)
+    with pytest.raises(AclDenied):
+        bus.subscribe("demo.other", runner.identity)
+    with pytest.raises(AclDenied):
+        bus.publish(runner.identity, "sage.v1.audit.fake", {})
+
+
+@pytest.mark.anyio
+async def test_echo_capsule_answers_requests() -> None:
+    """The echo capsule replies to a request with the payload it got."""
+    bus = Bus()
+    runner = CapsuleRunner(bus, load_manifest(capsule_folder("echo")), lambda t, p: None)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(runner.run)
+        await anyio.wait_all_tasks_blocked()
+        reply = await bus.request(Identity("test"), "demo.v1.echo", {"hi": 1}, deadline=2)
+        assert reply.data() == {"echo": {"hi": 1}}
+        assert reply.source == "capsule:echo"
+        assert runner.state is CapsuleState.RUNNING
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_crashing_capsule_is_restarted_then_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A capsule that keeps raising is restarted, then marked failed and audited."""
+    module = tmp_path / "crashy_capsule.py"
+    module.write_text("async def run(ctx):\n    raise RuntimeError('boom')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    folder = _write(
+        tmp_path / "crashy", '[package]\nname = "crashy"\nentry = "crashy_capsule:run"\n'
+    )
+    audited: list[tuple[str, dict[str, object]]] = []
+    runner = CapsuleRunner(Bus(), load_manifest(folder), lambda t, p: audited.append((t, p)))
+    runner.policy = RestartPolicy(max_restarts=2, base_delay=0.01)
+    with anyio.fail_after(5):
+        await runner.run()
+    assert runner.state is CapsuleState.FAILED
+    assert runner.restarts == 2
+    assert "boom" in runner.last_error
+    assert audited[0][0] == "sage.v1.audit.capsule_failed"
+
+
+def test_unloadable_entry_fails_at_construction(tmp_path: Path) -> None:
+    """An entry that does not import is refused before anything runs."""
+    folder = _write(tmp_path / "x", '[package]\nname = "x"\nentry = "no_such_module_here:run"\n')
+    with pytest.raises(ConfigError, match="cannot load"):
+        CapsuleRunner(Bus(), load_manifest(folder), lambda t, p: None)

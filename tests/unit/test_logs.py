@@ -1,0 +1,51 @@
+"""Logging: JSON lines on stderr, secret-named values redacted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import structlog
+
+from sage.logs import configure_logging, redact_secrets
+
+
+def test_redacts_secret_named_keys() -> None:
+    """Values of token, api_key, password-like keys never reach the output."""
+    event = {
+        "event": "x",
+        "hook_token": "abc",
+        "ANTHROPIC_API_KEY": "sk-1",
+        "password": "p",
+        "user": "alice",
+        "input_tokens": 12,
+    }
+    out = redact_secrets(None, "info", event)
+    assert out == {
+        "event": "x",
+        "hook_token": "<redacted>",
+        "ANTHROPIC_API_KEY": "<redacted>",
+        "password": "<redacted>",
+        "user": "alice",
+        "input_tokens": 12,
+    }
+
+
+def test_json_lines_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each log call is one JSON object with level and timestamp; debug is filtered at info."""
+    configure_logging("info")
+    try:
+        log = structlog.get_logger("t")
+        log.debug("hidden")
+        log.info("shown", principal="alice", token="s3cret")
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1
+        record = json.loads(lines[0])
+        assert record["event"] == "shown"
+        assert record["level"] == "info"
+        assert record["principal"] == "alice"
+        assert record["token"] == "<redacted>"
+        assert "s3cret" not in lines[0]
+        assert "timestamp" in record
+    finally:
+        structlog.reset_defaults()
