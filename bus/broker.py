@@ -99,7 +99,7 @@ class Bus:
         self._closed = False
         self._audit_hook: Callable[[str, Identity, dict[str, Any]], None] | None = None
         self.published = 0
-        self.delivered = 0
+        self._delivered_gone = 0
         self.requests = 0
         self.no_responders = 0
         self.late_replies = 0
@@ -124,6 +124,7 @@ class Bus:
         if self._subscribers.pop(id(subscriber), None) is not None:
             self._trie.remove(subscriber.pattern, subscriber)
             self._dropped_gone += subscriber.dropped
+            self._delivered_gone += subscriber.delivered
 
     def _add(self, subscriber: Subscriber) -> None:
         if self._closed:
@@ -193,18 +194,14 @@ class Bus:
         subs = self._match.get(topic)
         if subs is None:
             subs = self._trie.match(topic)
-        n = 0
         for sub in subs:
-            if sub.deliver(envelope):
-                n += 1
-            elif _is_power_of_ten(sub.dropped):
+            if not sub.deliver(envelope) and _is_power_of_ten(sub.dropped):
                 log.warning(
                     "bus.drop",
                     pattern=sub.pattern,
                     subscriber=sub.owner.source,
                     dropped=sub.dropped,
                 )
-        self.delivered += n
         return envelope
 
     def _check_publish(self, owner: Identity, topic: str, payload: bytes) -> None:
@@ -298,6 +295,11 @@ class Bus:
             self._audit_hook(action, owner, {"topic": topic})
 
     # -- statistics and lifetime -------------------------------------------
+
+    @property
+    def delivered(self) -> int:
+        """Envelopes handed to subscribers, counted by the subscribers themselves."""
+        return self._delivered_gone + sum(s.delivered for s in self._subscribers.values())
 
     @property
     def dropped(self) -> int:
