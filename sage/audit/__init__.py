@@ -35,7 +35,15 @@ from sage.audit.keys import (
     public_key_pem,
     public_key_raw_b64,
 )
-from sage.audit.store import AuditLog, AuditReceipt, LogState, last_seq, tail, verify_audit
+from sage.audit.store import (
+    AuditLog,
+    AuditReceipt,
+    LogState,
+    last_seq,
+    max_unsigned_for,
+    tail,
+    verify_audit,
+)
 
 __all__ = (
     "GENESIS_HASH",
@@ -60,6 +68,7 @@ __all__ = (
     "last_seq",
     "load_public_key",
     "load_signing_key",
+    "max_unsigned_for",
     "parse_public_key",
     "public_key_pem",
     "public_key_raw_b64",

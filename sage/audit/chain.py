@@ -338,11 +338,17 @@ def verify_chain(
     rows: Iterable[EntryRow],
     checkpoints: Iterable[CheckpointRow],
     public_key: Ed25519PublicKey,
+    *,
+    max_unsigned: int | None = None,
 ) -> VerifyReport:
     """Walk ``rows`` (ordered by seq) and ``checkpoints``; report the first failure.
 
     Checkpoints are checked in order of size, each right after the entry at
     its size, so the failure reported is the one with the smallest seq.
+    ``max_unsigned`` is the most entries the writer's policy can leave after
+    the last checkpoint (even after a crash); a longer unsigned tail means
+    checkpoints were removed (e.g. to rewrite the chain) and is reported as
+    ``bad_checkpoint`` at the first entry past what the policy allows.
     """
     pending: Iterator[CheckpointRow] = iter(sorted(checkpoints, key=lambda c: c[0]))
     cp = next(pending, None)
@@ -465,6 +471,17 @@ def verify_chain(
                 kind=FailureKind.MISSING,
                 seq=checked + 1,
                 reason=f"a checkpoint covers {cp[0]} entries but only {checked} exist",
+            )
+        )
+    if max_unsigned is not None and checked - signed_upto > max_unsigned:
+        return report(
+            VerifyFailure(
+                kind=FailureKind.BAD_CHECKPOINT,
+                seq=signed_upto + max_unsigned + 1,
+                reason=(
+                    f"{checked - signed_upto} entries after the last checkpoint, but the policy"
+                    f" signs at least every {max_unsigned}: checkpoints are missing"
+                ),
             )
         )
     return report(None)

@@ -6,11 +6,12 @@ is in WAL mode with ``synchronous=FULL``; tables ``entries`` and
 UPDATE and DELETE), and an exclusive ``flock`` on ``<file>.lock`` keeps a
 second writer out.  :class:`AuditLog` runs one writer task in a task group
 it owns: it drains up to ``batch_max`` pending entries in submission order,
-links their hashes, inserts them with one ``executemany`` in one
-transaction, commits, and only then resolves every waiter, so an
-acknowledged seq is durable.  A signed checkpoint joins a batch's
-transaction after ``checkpoint_every`` unsigned entries, is written alone
-after ``checkpoint_seconds`` with unsigned entries, and once more at a clean
+links their hashes, writes them in one transaction (one multi-row INSERT
+in autocommit mode, or BEGIN/executemany/COMMIT for batches over 512), and
+only once it has committed resolves every waiter, so an acknowledged seq is
+durable.  A signed checkpoint follows the batch that reaches
+``checkpoint_every`` unsigned entries, is written alone after
+``checkpoint_seconds`` with unsigned entries, and once more at a clean
 close.  On open the head is resumed from the last row, whose hash is
 recomputed.  Payloads are redacted before hashing (see
 :func:`sage.audit.chain.encode_payload`).  Reading is separate and needs no
@@ -24,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import fcntl
+import functools
 import math
 import os
 import sqlite3
@@ -90,9 +92,17 @@ BEGIN SELECT RAISE(ABORT, 'audit checkpoints are append-only'); END;
 """
 _ENTRY_COLUMNS: Final = "seq, ts, kind, principal, session, payload, prev_hash, hash"
 _INSERT_ENTRY: Final = f"INSERT INTO entries ({_ENTRY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+_MULTI_ROW_MAX: Final = 512
+"""Batches up to this size are one multi-row INSERT: one statement, one thread hop."""
 _INSERT_CHECKPOINT: Final = (
     "INSERT INTO checkpoints (size, head_hash, signature, ts) VALUES (?, ?, ?, ?)"
 )
+
+
+@functools.cache
+def _insert_rows_sql(count: int) -> str:
+    values = ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?)"] * count)
+    return f"INSERT INTO entries ({_ENTRY_COLUMNS}) VALUES {values}"
 
 
 class LogState(enum.Enum):
@@ -200,7 +210,7 @@ class AuditLog:
         lock_fd = _lock(path)
         db: aiosqlite.Connection | None = None
         try:
-            db = await aiosqlite.connect(path)
+            db = await aiosqlite.connect(path, isolation_level=None)  # explicit transactions
             mode = await db.execute_fetchall("PRAGMA journal_mode=WAL")
             if [tuple(r) for r in mode] != [("wal",)]:
                 raise AuditError(f"{path}: cannot switch the audit log to WAL mode")
@@ -211,7 +221,6 @@ class AuditLog:
                 raise AuditError(f"{path}: audit schema version {version} is newer than ours")
             await db.executescript(_SCHEMA)
             await db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-            await db.commit()
             builder, unsigned = await _resume(path, db)
         except BaseException as exc:
             if db is not None:
@@ -358,13 +367,14 @@ class AuditLog:
         start_seq, start_hash = self._builder.head_seq, self._builder.head_hash
         link = self._builder.link
         rows = [link(ts, kind, pr, se, data).as_row() for ts, kind, pr, se, data, _ in items]
-        unsigned = self._unsigned + count
-        checkpoint = self._sign() if self._checkpoint_due(unsigned) else None
         try:
-            await self._db.executemany(_INSERT_ENTRY, rows)
-            if checkpoint is not None:
-                await self._db.execute(_INSERT_CHECKPOINT, checkpoint.as_row())
-            await self._db.commit()
+            if count <= _MULTI_ROW_MAX:
+                # autocommit: the statement is its own transaction, durable on return
+                await self._db.execute(_insert_rows_sql(count), [v for r in rows for v in r])
+            else:
+                await self._db.execute("BEGIN IMMEDIATE")
+                await self._db.executemany(_INSERT_ENTRY, rows)
+                await self._db.execute("COMMIT")
         except (sqlite3.Error, ValueError, OSError) as exc:
             self._builder.reset(start_seq, start_hash)
             error = AuditError(f"{self._path}: audit write failed: {exc}")
@@ -373,21 +383,19 @@ class AuditLog:
             await self._fail(error)
             return
         self._batches += 1
-        if checkpoint is not None:
-            self._checkpoint_written()
-        else:
-            if self._unsigned == 0:
-                self._first_unsigned_at = anyio.current_time()
-            self._unsigned = unsigned
+        if self._unsigned == 0:
+            self._first_unsigned_at = anyio.current_time()
+        self._unsigned += count
         for row, item in zip(rows, items, strict=True):
-            item[5]._seq = row[0]
+            item[5]._seq = row[0]  # committed: durable even if the checkpoint below fails
+        if self._checkpoint_due(self._unsigned):
+            await self._write_checkpoint()
         self._notify()
 
     async def _write_checkpoint(self) -> None:
         checkpoint = self._sign()
         try:
             await self._db.execute(_INSERT_CHECKPOINT, checkpoint.as_row())
-            await self._db.commit()
         except (sqlite3.Error, ValueError, OSError) as exc:
             await self._fail(AuditError(f"{self._path}: audit checkpoint failed: {exc}"))
             return
@@ -410,8 +418,9 @@ class AuditLog:
         while self._pending:
             self._pending.popleft()[5]._error = error
         self._notify()
-        with contextlib.suppress(sqlite3.Error, ValueError):
-            await self._db.rollback()
+        if self._db.in_transaction:
+            with contextlib.suppress(sqlite3.Error, ValueError):
+                await self._db.execute("ROLLBACK")
 
 
 # --- opening helpers ---------------------------------------------------------------------
@@ -481,8 +490,17 @@ def _connect_ro(path: str | os.PathLike[str]) -> sqlite3.Connection:
     return conn
 
 
-def verify_audit(path: str | os.PathLike[str], public_key: Ed25519PublicKey) -> VerifyReport:
-    """Verify the whole log at ``path`` read-only, in one consistent snapshot."""
+def verify_audit(
+    path: str | os.PathLike[str],
+    public_key: Ed25519PublicKey,
+    *,
+    max_unsigned: int | None = None,
+) -> VerifyReport:
+    """Verify the whole log at ``path`` read-only, in one consistent snapshot.
+
+    ``max_unsigned``: see :func:`sage.audit.chain.verify_chain`; use
+    :func:`max_unsigned_for` to derive it from the audit config.
+    """
     conn = _connect_ro(path)
     try:
         conn.execute("BEGIN")
@@ -490,13 +508,20 @@ def verify_audit(path: str | os.PathLike[str], public_key: Ed25519PublicKey) -> 
             "SELECT size, head_hash, signature, ts FROM checkpoints ORDER BY size"
         ).fetchall()
         rows: Any = conn.execute(f"SELECT {_ENTRY_COLUMNS} FROM entries ORDER BY seq")
-        report = verify_chain(rows, checkpoints, public_key)
+        report = verify_chain(rows, checkpoints, public_key, max_unsigned=max_unsigned)
         conn.execute("COMMIT")
     except sqlite3.Error as exc:
         raise AuditError(f"{path}: cannot read the audit log: {exc}") from exc
     finally:
         conn.close()
     return report
+
+
+def max_unsigned_for(config: AuditConfig) -> int:
+    """The longest unsigned tail the writer can leave: a checkpoint is due after
+    ``checkpoint_every`` entries, and one group commit of ``batch_max`` may land
+    before it (a crash right then leaves both unsigned)."""
+    return config.checkpoint_every + config.batch_max
 
 
 def last_seq(path: str | os.PathLike[str]) -> int:

@@ -24,6 +24,7 @@ from sage.audit import (
     VerifyReport,
     last_seq,
     load_public_key,
+    max_unsigned_for,
     parse_public_key,
     public_key_pem,
     public_key_raw_b64,
@@ -145,7 +146,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         key = parse_public_key(data, source=args.pubkey)
     else:
         key = load_public_key(config.keys_dir)
-    report = verify_audit(path, key)
+    report = verify_audit(path, key, max_unsigned=max_unsigned_for(config.audit))
     if args.json:
         _print_json(_report_json(path, report))
     else:

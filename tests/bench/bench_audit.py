@@ -4,7 +4,7 @@
 synchronous=FULL, group commit) with 64 concurrent appenders, against a
 plain ``sqlite3`` loop that does the same work: the same payload encoding
 and redaction, the same chain hashing, the same batch size (our measured
-mean batch), the same checkpoints, one commit per batch; best of three
+mean batch), the same checkpoints, one commit per batch; best of five
 alternating rounds each.  (b) Entries/s of
 :func:`sage.audit.verify_audit` against a plain loop that reads the same
 rows and recomputes the same hashes and signatures.  Set ``SAGE_BENCH_DIR``
@@ -42,7 +42,7 @@ from tests.bench.report import Report
 APPENDERS = 64
 TOTAL = 20_000
 VERIFY_ENTRIES = 200_000
-ROUNDS = 3
+ROUNDS = 5
 CONFIG = AuditConfig()  # checkpoint_every=1000, batch_max=1024
 
 

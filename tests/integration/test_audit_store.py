@@ -27,6 +27,7 @@ from sage.audit import (
     entry_hash,
     load_public_key,
     load_signing_key,
+    max_unsigned_for,
     parse_public_key,
     public_key_raw_b64,
     tail,
@@ -140,6 +141,20 @@ async def test_submitted_entries_are_flushed_at_close(
     assert report.entries_checked == 25
     assert report.unsigned_tail == 0
     assert log.state is LogState.CLOSED
+
+
+@pytest.mark.anyio
+async def test_large_batches_commit_in_one_transaction(
+    db_path: Path, key: Ed25519PrivateKey
+) -> None:
+    """Batches beyond the multi-row INSERT size are written whole and in order."""
+    config = AuditConfig(checkpoint_every=1000, checkpoint_seconds=60.0, batch_max=2000)
+    async with AuditLog.open(db_path, key, config) as log:
+        receipts = [log.submit("k", "p", "", {"i": i}) for i in range(1500)]
+        assert await receipts[-1].wait() == 1500
+        assert log.stats()["batches"] == 1
+    assert [json.loads(r[5])["i"] for r in rows(db_path)] == list(range(1500))  # type: ignore[arg-type]
+    assert verify_audit(db_path, key.public_key()).ok
 
 
 @pytest.mark.anyio
@@ -303,6 +318,42 @@ async def test_rewritten_chain_is_reported_bad_checkpoint(
     report = verify_audit(db_path, key.public_key())
     assert report.failure is not None
     assert (report.failure.kind, report.failure.seq) == (FailureKind.BAD_CHECKPOINT, 10)
+
+
+@pytest.mark.anyio
+async def test_rewrite_with_checkpoints_deleted_is_caught_by_policy(
+    db_path: Path, key: Ed25519PrivateKey
+) -> None:
+    """Deleting every checkpoint and rewriting the chain leaves an unsigned tail the policy forbids."""
+    config = AuditConfig(checkpoint_every=10, checkpoint_seconds=60.0, batch_max=5)
+    await fill(db_path, key, 40, config)
+    original = rows(db_path)
+    conn = raw(db_path)
+    conn.execute("DELETE FROM checkpoints")
+    conn.execute("DELETE FROM entries")
+    builder = ChainBuilder()
+    for _seq, ts, kind, principal, session, _payload, _prev, _hash in original:
+        e = builder.link(ts, kind, principal, session, b'{"i":"rewritten"}')  # type: ignore[arg-type]
+        conn.execute("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?)", e.as_row())
+    conn.close()
+    assert verify_audit(db_path, key.public_key()).ok  # the bare chain alone cannot tell
+    limit = max_unsigned_for(config)
+    report = verify_audit(db_path, key.public_key(), max_unsigned=limit)
+    assert report.failure is not None
+    assert (report.failure.kind, report.failure.seq) == (FailureKind.BAD_CHECKPOINT, limit + 1)
+    assert "checkpoints are missing" in report.failure.reason
+
+
+@pytest.mark.anyio
+async def test_unsigned_tail_within_policy_verifies(db_path: Path, key: Ed25519PrivateKey) -> None:
+    """The tail a crash can leave (up to checkpoint_every + batch_max) still verifies."""
+    config = AuditConfig(checkpoint_every=10, checkpoint_seconds=60.0, batch_max=5)
+    await fill(db_path, key, 12, config)
+    conn = raw(db_path)
+    conn.execute("DELETE FROM checkpoints WHERE size > 10")
+    conn.close()
+    report = verify_audit(db_path, key.public_key(), max_unsigned=max_unsigned_for(config))
+    assert report.ok, report.failure
 
 
 @pytest.mark.anyio
