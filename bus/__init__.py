@@ -21,6 +21,7 @@ from bus.errors import (
     RequestTimeout,
     SlowConsumer,
     TopicError,
+    sole_error,
 )
 from bus.subscription import Subscription, SubscriptionState
 from bus.topics import pattern_matches, split_pattern, split_topic
@@ -51,6 +52,7 @@ __all__ = (
     "WireEnvelope",
     "pattern_covers",
     "pattern_matches",
+    "sole_error",
     "split_pattern",
     "split_topic",
 )

@@ -23,7 +23,7 @@ import anyio.abc
 import msgspec
 
 from bus.envelope import Envelope
-from bus.errors import BusClosed, BusError, ConnectionLost, error_for_code
+from bus.errors import BusClosed, BusError, ConnectionLost, error_for_code, sole_error
 from bus.wire import (
     Err,
     FrameReader,
@@ -42,6 +42,7 @@ from bus.wire import (
     Welcome,
     decode_server_frame,
     encode_into,
+    frame_limit,
 )
 
 __all__ = ("BusClient", "RemoteSubscription")
@@ -121,7 +122,7 @@ class BusClient:
         role: str = "cli",
         name: str | None = None,
         principal: str | None = None,
-        max_frame: int = 1024 * 1024 + 64 * 1024,
+        max_frame: int = frame_limit(1024 * 1024),
         hello_deadline: float = 5.0,
     ) -> AsyncIterator[BusClient]:
         """Connect to the server at ``path`` and complete the hello."""
@@ -156,7 +157,7 @@ class BusClient:
         role: str = "cli",
         name: str | None = None,
         principal: str | None = None,
-        max_frame: int = 1024 * 1024 + 64 * 1024,
+        max_frame: int = frame_limit(1024 * 1024),
         hello_deadline: float = 5.0,
     ) -> AsyncIterator[BusClient]:
         """Run the client over an already connected stream (e.g. a socketpair)."""
@@ -166,7 +167,7 @@ class BusClient:
                 yield ready
         except BaseExceptionGroup as group:
             # the caller's error surfaces as itself, not wrapped by our task group
-            raise _sole(group) from None
+            raise sole_error(group) from None
 
     @contextlib.asynccontextmanager
     async def _run(
@@ -350,18 +351,3 @@ class BusClient:
     async def aclose(self) -> None:
         self._fail(BusClosed("the client was closed"))
         await self._stream.aclose()
-
-
-def _sole(group: BaseExceptionGroup) -> BaseException:
-    """The one real error inside a task group's exception group, else the group."""
-    leaves: list[BaseException] = []
-
-    def walk(exc: BaseException) -> None:
-        if isinstance(exc, BaseExceptionGroup):
-            for inner in exc.exceptions:
-                walk(inner)
-        elif not isinstance(exc, anyio.get_cancelled_exc_class()):
-            leaves.append(exc)
-
-    walk(group)
-    return leaves[0] if len(leaves) == 1 else group

@@ -20,6 +20,7 @@ __all__ = (
     "SlowConsumer",
     "TopicError",
     "error_for_code",
+    "sole_error",
 )
 
 
@@ -112,3 +113,24 @@ def error_for_code(code: str, message: str) -> BusError:
     """The exception a remote error frame stands for."""
     err = _BY_CODE.get(code, BusError)(message)
     return err
+
+
+def sole_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The one real error inside a task group's exception group, else the group.
+
+    Cancellations are not counted: they are how the group stopped its other
+    tasks, not what went wrong.
+    """
+    import anyio
+
+    leaves: list[BaseException] = []
+
+    def walk(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for inner in exc.exceptions:
+                walk(inner)
+        elif not isinstance(exc, anyio.get_cancelled_exc_class()):
+            leaves.append(exc)
+
+    walk(group)
+    return leaves[0] if len(leaves) == 1 else group

@@ -53,6 +53,7 @@ from bus.wire import (
     decode_client_frame,
     encode_into,
     encode_msg_into,
+    frame_limit,
 )
 
 __all__ = ("BusServer", "PeerCred", "SocketLock", "peer_credentials")
@@ -62,7 +63,7 @@ log = structlog.get_logger("bus.server")
 MAX_SUBSCRIPTIONS_PER_CONNECTION = 1024
 MAX_REQUEST_DEADLINE = 300.0
 """The longest deadline a remote client may ask for, in seconds."""
-_OUTBOX_HARD_LIMIT = 64 * 1024 * 1024
+_OUTBOX_MIN_BYTES = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -109,12 +110,19 @@ class SocketLock:
             self._fd = None
 
 
-def prepare_socket_dir(path: Path, group: int | None) -> None:
-    """Create the socket's directory 0700 (0750 with a group), refuse an unsafe one."""
-    directory = path.parent
+def ensure_private_dir(directory: Path, *, group: int | None = None) -> None:
+    """Make ``directory`` ours and private: created 0700 (0750 with a group).
+
+    A folder this call creates gets exactly that mode.  One that already
+    exists is tightened only if it is ours and nobody else can write to it;
+    a folder others can write to (``/tmp``, say) is refused, never chmod'ed.
+    """
+    existed = directory.exists()
     old = os.umask(0o077)
     try:
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as exc:
+        raise BusError(f"cannot create {directory}: {exc.strerror}") from exc
     finally:
         os.umask(old)
     info = directory.lstat()
@@ -122,11 +130,19 @@ def prepare_socket_dir(path: Path, group: int | None) -> None:
         raise BusError(f"{directory} is not a directory")
     if info.st_uid != os.getuid():
         raise BusError(f"{directory} belongs to uid {info.st_uid}, not to us")
+    mode = stat.S_IMODE(info.st_mode)
+    if existed and mode & 0o022:
+        raise BusError(f"{directory} is writable by others (mode {mode:04o}); use a private folder")
     want = 0o750 if group is not None else 0o700
-    if stat.S_IMODE(info.st_mode) & 0o027 or stat.S_IMODE(info.st_mode) != want:
+    if mode != want:
         os.chmod(directory, want)
     if group is not None:
         os.chown(directory, -1, group)
+
+
+def prepare_socket_dir(path: Path, group: int | None) -> None:
+    """The socket's directory: private, see :func:`ensure_private_dir`."""
+    ensure_private_dir(path.parent, group=group)
 
 
 def bind_unix_socket(path: Path, group: int | None) -> socket.socket:
@@ -203,14 +219,14 @@ class _Connection:
         """Whether one more frame may be queued; cuts off a consumer slow past its deadline."""
         if self._closing:
             return False
+        if len(self.outbox) > self.server.outbox_limit:
+            self.kill(SlowConsumer(f"outbox over {self.server.outbox_limit} bytes"))
+            return False
         if self.queued >= self.server.bus.queue_size:
             now = time.monotonic()
             if self._full_since is None:
                 self._full_since = now
-            elif (
-                now - self._full_since > self.server.slow_consumer_timeout
-                or len(self.outbox) > _OUTBOX_HARD_LIMIT
-            ):
+            elif now - self._full_since > self.server.slow_consumer_timeout:
                 self.kill(
                     SlowConsumer(
                         f"outbox over {self.server.bus.queue_size} frames past the deadline"
@@ -240,7 +256,13 @@ class _Connection:
             self.queued = 0
             self._full_since = None
             # a fresh buffer took its place, so nothing mutates ``data`` while it is sent
-            await self.stream.send(cast(bytes, data))
+            try:
+                await self.stream.send(cast(bytes, data))
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                self._closing = True
+                self.drop_subscriptions()
+                self.scope.cancel()
+                return
 
     def kill(self, reason: BusError) -> None:
         """Cut the connection off now (slow consumer, fatal error)."""
@@ -283,9 +305,11 @@ class _Connection:
 
     async def _read_loop(self, reader: FrameReader) -> None:
         server = self.server
+        hello_by = anyio.current_time() + server.hello_timeout
         while not self._closing:
             if self.identity is None:
-                timeout: float | None = server.hello_timeout
+                # one deadline for the whole handshake, however the bytes trickle in
+                timeout: float | None = max(0.0, hello_by - anyio.current_time())
             elif self.subs or self.requests:
                 timeout = None
             else:
@@ -297,8 +321,11 @@ class _Connection:
                 except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
                     return
             if not data:
-                what = "hello" if self.identity is None else "activity"
-                self.push(Err("timeout", f"no {what} within {timeout:g} s", fatal=True))
+                if self.identity is None:
+                    message = f"no hello within {server.hello_timeout:g} s"
+                else:
+                    message = f"no activity within {timeout:g} s"
+                self.push(Err("timeout", message, fatal=True))
                 return
             for item in reader.feed(data):
                 if isinstance(item, FrameTooLarge):
@@ -456,7 +483,9 @@ class BusServer:
         self.idle_timeout = idle_timeout
         self.slow_consumer_timeout = slow_consumer_timeout
         self.max_connections_per_uid = max_connections_per_uid
-        self.max_frame = bus.max_payload + 64 * 1024
+        self.max_frame = frame_limit(bus.max_payload)
+        self.outbox_limit = max(_OUTBOX_MIN_BYTES, 4 * self.max_frame)
+        """Bytes a connection's outbox may hold before it is cut off as a slow consumer."""
         self.connections: set[_Connection] = set()
         self._per_uid: dict[int, int] = {}
         self.accepted = 0
@@ -523,8 +552,11 @@ class BusServer:
         try:
             with conn.scope:
                 await conn.run()
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-            pass
+        except* (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            pass  # the peer went away underneath us
+        except* Exception:
+            # one connection's bug must never take the server down
+            log.exception("bus.connection_failed", uid=peer.uid, pid=peer.pid)
         finally:
             conn.drop_subscriptions()
             self.connections.discard(conn)

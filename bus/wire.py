@@ -46,6 +46,7 @@ __all__ = (
     "encode",
     "encode_into",
     "encode_msg_into",
+    "frame_limit",
 )
 
 PROTOCOL_VERSION = 1
@@ -154,6 +155,15 @@ _client_decoder = msgspec.json.Decoder(ClientFrame)
 _server_decoder = msgspec.json.Decoder(ServerFrame)
 
 
+FRAME_OVERHEAD = 64 * 1024
+"""Room in a frame for everything but the payload."""
+
+
+def frame_limit(max_payload: int) -> int:
+    """The hard frame limit for a bus whose payloads may be ``max_payload`` bytes."""
+    return max_payload + FRAME_OVERHEAD
+
+
 def encode(frame: _Frame) -> bytes:
     """One frame: length prefix and JSON body."""
     body = _encoder.encode(frame)
@@ -226,6 +236,8 @@ def _decode(
         raise FrameError(f"invalid frame: {text}") from exc
     except msgspec.DecodeError as exc:
         raise FrameError(f"frame is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise FrameError("frame is nested too deeply") from exc
 
 
 def decode_client_frame(body: bytes | memoryview) -> ClientFrame:

@@ -131,12 +131,22 @@ class CapsuleContext:
         self.identity = identity
         self.manifest = manifest
         self.log = log.bind(capsule=manifest.name)
+        self._subscriptions: list[Subscription] = []
 
     def publish(self, topic: str, payload: Any) -> Envelope:
         return self.bus.publish(self.identity, topic, payload)
 
     def subscribe(self, pattern: str) -> Subscription:
-        return self.bus.subscribe(pattern, self.identity)
+        """A subscription that lasts until the capsule's run ends (or it is closed)."""
+        sub = self.bus.subscribe(pattern, self.identity)
+        self._subscriptions.append(sub)
+        return sub
+
+    def close(self) -> None:
+        """End every subscription this run opened (called by the runner)."""
+        for sub in self._subscriptions:
+            sub.close()
+        self._subscriptions.clear()
 
     def reply(self, request: Envelope, payload: Any) -> bool:
         if request.reply_to is None:
@@ -185,8 +195,9 @@ class CapsuleRunner:
         while True:
             self.state = CapsuleState.RUNNING
             log.info("capsule.started", capsule=name, restarts=self.restarts)
+            ctx = CapsuleContext(self._bus, self.identity, self.manifest)
             try:
-                await main(CapsuleContext(self._bus, self.identity, self.manifest))
+                await main(ctx)
             except anyio.get_cancelled_exc_class():
                 self.state = CapsuleState.STOPPED
                 raise
@@ -202,6 +213,8 @@ class CapsuleRunner:
                 self.state = CapsuleState.STOPPED
                 log.info("capsule.finished", capsule=name)
                 return
+            finally:
+                ctx.close()
             delay = self.policy.on_crash(time.monotonic())
             if delay is None:
                 self.state = CapsuleState.FAILED

@@ -36,7 +36,7 @@ __all__ = (
     "load_config",
 )
 
-NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}\Z"
 _NAME = re.compile(NAME_PATTERN)
 
 PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
@@ -159,8 +159,18 @@ class Config(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
             if principal.name in seen:
                 raise ValueError(f"principal {principal.name!r} is declared twice")
             seen.add(principal.name)
-        if self.supervisor.socket and len(os.fsencode(self.socket_path)) > 107:
-            raise ValueError("supervisor.socket: path longer than 107 bytes")
+        if len(os.fsencode(self.socket_path)) > 107:
+            raise ValueError(
+                f"supervisor.socket: {self.socket_path} is longer than 107 bytes"
+                " (set a shorter socket or state_dir)"
+            )
+        if self.socket.group:
+            import grp
+
+            try:
+                grp.getgrnam(self.socket.group)
+            except KeyError:
+                raise ValueError(f"socket.group: no group named {self.socket.group!r}") from None
 
     def _resolve(self, value: str) -> Path:
         path = Path(value).expanduser()

@@ -30,7 +30,7 @@ from sage.errors import SageError
 __all__ = ("main",)
 
 DEADLINE = 2.0
-_EVENT = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_EVENT = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def _build(event: str, raw: bytes) -> dict[str, Any]:
@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         event = event.removeprefix("sage.v1.hook.")
     if not event and isinstance(envelope["payload"], dict):
         event = envelope["payload"].get("hook_event_name")
-    if not isinstance(event, str) or not _EVENT.match(event):
+    if not isinstance(event, str) or not _EVENT.fullmatch(event):
         print(f"astrid-emit: no valid hook event name ({event!r}); nothing sent", file=sys.stderr)
         return 0
     envelope["hook"] = event

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -22,8 +21,8 @@ import anyio.abc
 import msgspec
 import structlog
 
-from bus import Acl, Bus, Envelope, FrameError, Identity, NotAuthorized
-from bus.server import BusServer, PeerCred
+from bus import Acl, Bus, BusError, Envelope, FrameError, Identity, NotAuthorized
+from bus.server import BusServer, PeerCred, ensure_private_dir
 from bus.wire import Hello
 from sage.audit import AuditLog, load_signing_key
 from sage.capsules import CapsuleRunner, capsule_folder, load_manifest
@@ -55,7 +54,7 @@ class _AuditSink:
     def deliver(self, envelope: Envelope) -> bool:
         try:
             data: Any = msgspec.json.decode(envelope.payload)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             data = envelope.payload.decode(errors="replace")
         session = data.get("session_id", "") if isinstance(data, dict) else ""
         try:
@@ -113,7 +112,12 @@ class Supervisor:
         principal = hello.principal
         if principal is not None and principal not in allowed:
             raise NotAuthorized(f"uid {peer.uid} may not act for principal {principal!r}")
-        if principal is None and not admin and len(allowed) == 1:
+        if principal is None and not admin:
+            if len(allowed) != 1:
+                names = ", ".join(sorted(allowed))
+                raise NotAuthorized(
+                    f"uid {peer.uid} acts for several principals; name one of: {names}"
+                )
             (principal,) = allowed
         source = f"{hello.role}:{peer.uid}"
         if hello.role == "emit":
@@ -132,7 +136,10 @@ class Supervisor:
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         config = self.config
-        _make_private_dir(config.state_dir)
+        try:
+            ensure_private_dir(config.state_dir)
+        except BusError as exc:
+            raise SageError(f"state folder: {exc}") from exc
         key = load_signing_key(config.keys_dir)
         self.started_at = time.time()
         try:
@@ -311,21 +318,6 @@ class Supervisor:
 
 def _bus_without_acl(config: Config) -> object:
     return msgspec.structs.replace(config.bus, user_publish=[], user_subscribe=[])
-
-
-def _make_private_dir(path: Path) -> None:
-    old = os.umask(0o077)
-    try:
-        path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    except OSError as exc:
-        raise SageError(f"cannot create state folder {path}: {exc.strerror}") from exc
-    finally:
-        os.umask(old)
-    info = path.stat()
-    if info.st_uid != os.getuid():
-        raise SageError(f"state folder {path} belongs to uid {info.st_uid}, not to us")
-    if info.st_mode & 0o077:
-        os.chmod(path, 0o700)
 
 
 def _group_id(name: str) -> int | None:

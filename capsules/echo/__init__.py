@@ -5,10 +5,14 @@ Try it with the supervisor running: ``astrid bus request demo.v1.echo '{"hi": 1}
 
 from __future__ import annotations
 
+from bus import PayloadTooLarge
 from sage.capsules import CapsuleContext
 
 
 async def run(ctx: CapsuleContext) -> None:
-    with ctx.subscribe("demo.v1.echo") as requests:
-        async for request in requests:
+    async for request in ctx.subscribe("demo.v1.echo"):
+        try:
             ctx.reply(request, {"echo": request.data()})
+        except PayloadTooLarge as exc:
+            # a bad request gets an answer that says so; it never crashes the capsule
+            ctx.reply(request, {"error": str(exc)})

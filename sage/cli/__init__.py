@@ -17,7 +17,7 @@ from typing import Any
 
 import anyio
 
-from bus import BusError
+from bus import BusError, sole_error
 from sage.errors import SageError
 
 __all__ = ("build_parser", "main")
@@ -58,8 +58,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     handler = args.handler
     try:
-        is_async = inspect.iscoroutinefunction(handler)
-        code = anyio.run(handler, args) if is_async else handler(args)
+        try:
+            is_async = inspect.iscoroutinefunction(handler)
+            code = anyio.run(handler, args) if is_async else handler(args)
+        except BaseExceptionGroup as group:
+            raise sole_error(group) from None
     except (SageError, BusError) as exc:
         print(f"astrid: {exc}", file=sys.stderr)
         return 1

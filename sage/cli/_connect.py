@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 
 from bus.client import BusClient
+from bus.wire import frame_limit
 from sage.config import Config, load_config
 
 _json = msgspec.json.Encoder()
@@ -28,7 +29,7 @@ async def connect(args: argparse.Namespace, *, role: str = "cli") -> AsyncIterat
         role=role,
         name="astrid",
         principal=getattr(args, "principal", None),
-        max_frame=config.bus.max_payload + 64 * 1024,
+        max_frame=frame_limit(config.bus.max_payload),
     ) as client:
         yield client
 

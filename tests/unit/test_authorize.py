@@ -47,9 +47,14 @@ def test_single_principal_uid_acts_for_it(supervisor: Supervisor) -> None:
 def test_claimed_principal_is_checked(supervisor: Supervisor) -> None:
     """A hello may name a principal only if the peer's uid may act for it."""
     assert supervisor.authorize(_peer(BOTH), Hello(role="cli", principal="bob")).principal == "bob"
-    assert supervisor.authorize(_peer(BOTH), Hello(role="cli")).principal is None
     with pytest.raises(NotAuthorized, match="may not act for principal 'bob'"):
         supervisor.authorize(_peer(ALICE), Hello(role="cli", principal="bob"))
+
+
+def test_uid_of_several_principals_must_name_one(supervisor: Supervisor) -> None:
+    """A non-admin uid mapped to several principals must say which; it never acts as none."""
+    with pytest.raises(NotAuthorized, match="name one of: alice, bob"):
+        supervisor.authorize(_peer(BOTH), Hello(role="cli"))
 
 
 def test_unmapped_uid_is_refused(supervisor: Supervisor) -> None:

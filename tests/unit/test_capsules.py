@@ -115,3 +115,42 @@ def test_unloadable_entry_fails_at_construction(tmp_path: Path) -> None:
     folder = _write(tmp_path / "x", '[package]\nname = "x"\nentry = "no_such_module_here:run"\n')
     with pytest.raises(ConfigError, match="cannot load"):
         CapsuleRunner(Bus(), load_manifest(folder), lambda t, p: None)
+
+
+@pytest.mark.anyio
+async def test_echo_survives_a_reply_over_the_limit() -> None:
+    """A request whose echo would be too large gets an error reply; the capsule keeps running."""
+    bus = Bus(max_payload=100)
+    runner = CapsuleRunner(bus, load_manifest(capsule_folder("echo")), lambda t, p: None)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(runner.run)
+        await anyio.wait_all_tasks_blocked()
+        big = {"x": "a" * 90}
+        reply = await bus.request(Identity("test"), "demo.v1.echo", big, deadline=2)
+        assert "over the limit" in reply.data()["error"]
+        again = await bus.request(Identity("test"), "demo.v1.echo", {"ok": 1}, deadline=2)
+        assert again.data() == {"echo": {"ok": 1}}
+        assert runner.restarts == 0
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_crashed_run_leaves_no_subscription(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Subscriptions a crashed run opened are closed before the restart."""
+    module = tmp_path / "leaky_capsule.py"
+    module.write_text(
+        "async def run(ctx):\n    ctx.subscribe('demo.v1.echo')\n    raise RuntimeError('x')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    folder = _write(
+        tmp_path / "leaky",
+        '[package]\nname = "leaky"\nentry = "leaky_capsule:run"\n[subscribe]\npatterns = ["demo.v1.echo"]\n',
+    )
+    bus = Bus()
+    runner = CapsuleRunner(bus, load_manifest(folder), lambda t, p: None)
+    runner.policy = RestartPolicy(max_restarts=3, base_delay=0.01)
+    with anyio.fail_after(5):
+        await runner.run()
+    assert bus.stats().subscriptions == 0

@@ -1,0 +1,144 @@
+"""Peers that misbehave never take the supervisor down (found in review, pinned here)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from bus import BusError
+from bus.server import ensure_private_dir
+from tests.integration.daemon import ASTRID, Daemon, short_dir
+
+
+def _frame(obj: object) -> bytes:
+    body = obj if isinstance(obj, bytes) else msgspec.json.encode(obj)
+    return struct.pack(">I", len(body)) + body
+
+
+def _connect(path: Path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(str(path))
+    return sock
+
+
+@pytest.fixture
+def daemon() -> Iterator[Daemon]:
+    d = Daemon(short_dir()).start()
+    yield d
+    assert d.proc is not None
+    assert d.proc.poll() is None, "the supervisor died"
+    assert d.stop() == 0
+
+
+def test_many_peers_that_hang_up_at_once(daemon: Daemon) -> None:
+    """Fifty peers that send a bad first frame and close at once leave the daemon serving."""
+    socks = [_connect(daemon.socket) for _ in range(50)]
+    for sock in socks:
+        sock.sendall(_frame({"t": "pub", "topic": "a", "payload": 1}))
+    for sock in socks:
+        sock.close()
+    time.sleep(0.3)
+    assert daemon.status()["pid"]
+
+
+def test_deeply_nested_frame_is_a_bad_frame(daemon: Daemon) -> None:
+    """A frame nested thousands deep is refused with an error, before or after hello."""
+    deep = b'{"t":"pub","topic":"demo.x","payload":' + b"[" * 5000 + b"]" * 5000 + b"}"
+    sock = _connect(daemon.socket)
+    sock.sendall(
+        _frame({"t": "hello", "role": "cli"}) + _frame(deep) + _frame({"t": "ping", "n": 9})
+    )
+    sock.settimeout(5)
+    data = b""
+    while b'"pong"' not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed; got {data!r}"
+        data += chunk
+    assert b"nested too deeply" in data
+    sock.close()
+    raw = _connect(daemon.socket)
+    raw.sendall(_frame(deep))
+    raw.close()
+    time.sleep(0.2)
+    assert daemon.status()["pid"]
+
+
+def test_subscriber_that_leaves_with_unread_messages(daemon: Daemon) -> None:
+    """A subscriber that closes while messages are queued for it does not crash the daemon."""
+    for _ in range(3):
+        sub = subprocess.Popen(
+            [*ASTRID, "bus", "sub", "demo.>", "-n", "1", "--config", str(daemon.config)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        time.sleep(0.5)
+        payload = '{"x": "' + "y" * 50000 + '"}'
+        pubs = [
+            subprocess.Popen(
+                [*ASTRID, "bus", "pub", "demo.flood", payload, "--config", str(daemon.config)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for _ in range(4)
+        ]
+        for pub in pubs:
+            pub.wait(20)
+        sub.wait(20)
+    assert daemon.status()["pid"]
+
+
+def test_hello_trickled_byte_by_byte_still_times_out() -> None:
+    """The hello deadline is for the whole handshake, not for each read."""
+    d = Daemon(short_dir(), extra="[socket]\nhello_timeout = 0.6\n").start()
+    try:
+        sock = _connect(d.socket)
+        sock.settimeout(0.2)
+        hello = _frame({"t": "hello", "role": "cli"})
+        start = time.monotonic()
+        closed = False
+        for byte in hello[:-1]:
+            sock.sendall(bytes([byte]))
+            try:
+                if sock.recv(65536) == b"":
+                    closed = True
+                    break
+            except TimeoutError:
+                pass
+            except ConnectionResetError:
+                closed = True
+                break
+            if time.monotonic() - start > 3:
+                break
+        assert closed, "a trickled hello kept the connection open past the deadline"
+        assert time.monotonic() - start < 2.5
+        sock.close()
+    finally:
+        assert d.stop() == 0
+
+
+def test_world_writable_folder_is_refused_not_chmodded(tmp_path: Path) -> None:
+    """An existing folder others can write to is refused and left as it was."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    with pytest.raises(BusError, match="writable by others"):
+        ensure_private_dir(shared)
+    assert shared.stat().st_mode & 0o7777 == 0o1777
+
+
+def test_new_folder_is_created_private(tmp_path: Path) -> None:
+    """A folder the supervisor creates is 0700; an existing private one is kept."""
+    target = tmp_path / "a" / "run"
+    ensure_private_dir(target)
+    assert target.stat().st_mode & 0o777 == 0o700
+    os.chmod(target, 0o750)
+    ensure_private_dir(target)
+    assert target.stat().st_mode & 0o777 == 0o700
