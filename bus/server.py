@@ -20,7 +20,7 @@ import socket
 import stat
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -370,7 +370,11 @@ class _Connection:
             elif isinstance(frame, Reply):
                 bus.reply_raw(identity, frame.to, bytes(frame.payload))
             elif isinstance(frame, Ping):
-                self.push(Pong(frame.n))
+                if self.server.before_pong is None:
+                    self.push(Pong(frame.n))
+                else:
+                    self.requests += 1
+                    self.tg.start_soon(self._pong_when_settled, frame.n)
             else:
                 self.push(Err("bad_frame", "hello may be sent only once"))
         except BusError as exc:
@@ -402,6 +406,19 @@ class _Connection:
             self.push(Result(frame.rid, code=exc.code, message=str(exc)))
         else:
             self.push(Result(frame.rid, env=env.to_wire()))
+        finally:
+            self.requests -= 1
+
+    async def _pong_when_settled(self, n: int) -> None:
+        """Answer a ping once the server's barrier says everything before it is settled."""
+        try:
+            hook = self.server.before_pong
+            if hook is not None:
+                try:
+                    await hook()
+                except BusError as exc:
+                    self.push(Err(exc.code, str(exc)))
+            self.push(Pong(n))
         finally:
             self.requests -= 1
 
@@ -473,8 +490,12 @@ class BusServer:
         idle_timeout: float = 600.0,
         slow_consumer_timeout: float = 2.0,
         max_connections_per_uid: int = 64,
+        before_pong: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.bus = bus
+        self.before_pong = before_pong
+        """Awaited before each pong, so a client's flush() means "all I sent is settled"
+        (the supervisor makes it wait for audit entries to be committed)."""
         self.path = path
         self.authorize = authorize
         self.principals_of = principals_of

@@ -24,7 +24,7 @@ import structlog
 from bus import Acl, Bus, BusError, Envelope, FrameError, Identity, NotAuthorized
 from bus.server import BusServer, PeerCred, ensure_private_dir
 from bus.wire import Hello
-from sage.audit import AuditLog, load_signing_key
+from sage.audit import AuditLog, AuditReceipt, load_signing_key
 from sage.capsules import CapsuleRunner, capsule_folder, load_manifest
 from sage.config import Config, load_config
 from sage.errors import AuditError, ConfigError, SageError
@@ -50,6 +50,7 @@ class _AuditSink:
         self.delivered = 0
         self.dropped = 0
         self._audit = audit
+        self._last: AuditReceipt | None = None
 
     def deliver(self, envelope: Envelope) -> bool:
         try:
@@ -58,7 +59,7 @@ class _AuditSink:
             data = envelope.payload.decode(errors="replace")
         session = data.get("session_id", "") if isinstance(data, dict) else ""
         try:
-            self._audit.submit(
+            self._last = self._audit.submit(
                 envelope.topic,
                 envelope.principal or "",
                 session if isinstance(session, str) else "",
@@ -70,6 +71,15 @@ class _AuditSink:
             return False
         self.delivered += 1
         return True
+
+    async def settled(self) -> None:
+        """Wait until every entry handed over so far is committed (entries commit in order)."""
+        last = self._last
+        if last is not None and not last.done():
+            try:
+                await last.wait()
+            except AuditError as exc:
+                raise BusError(f"audit log failed: {exc}") from exc
 
 
 class Supervisor:
@@ -155,6 +165,7 @@ class Supervisor:
     async def _serve(self, audit: AuditLog, task_status: anyio.abc.TaskStatus[None]) -> None:
         config = self.config
         group = _group_id(config.socket.group)
+        sink = _AuditSink(audit)
         self.server = BusServer(
             self.bus,
             config.socket_path,
@@ -166,7 +177,8 @@ class Supervisor:
             slow_consumer_timeout=config.bus.slow_consumer_timeout,
             max_connections_per_uid=config.socket.max_connections_per_uid,
         )
-        self.bus.add(_AuditSink(audit))
+        self.server.before_pong = sink.settled
+        self.bus.add(sink)
         self.bus.on_denied(self._audit_denied)
         async with anyio.create_task_group() as tg:
             await tg.start(self.server.serve)

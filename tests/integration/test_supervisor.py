@@ -9,6 +9,7 @@ import socket
 import sqlite3
 import stat
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -255,3 +256,61 @@ def test_audit_records_supervisor_events_and_verifies(daemon: Daemon) -> None:
     broken = daemon.astrid("audit", "verify")
     assert broken.returncode != 0
     assert "tampered" in broken.stdout + broken.stderr
+
+
+_ACKING_CLIENT = """
+import sys, anyio
+from bus.client import BusClient
+
+async def main(path):
+    async with BusClient.connect(path) as client:
+        i = 0
+        while True:
+            client.publish("demo.v1.audit.acked", {"i": i})
+            await client.flush()
+            print(i, flush=True)
+            i += 1
+
+anyio.run(main, sys.argv[1])
+"""
+
+
+def test_sigkill_of_supervisor_loses_no_acknowledged_audit_entry() -> None:
+    """An audit publish acknowledged by flush() survives SIGKILL of the supervisor; the chain verifies."""
+    d = Daemon(short_dir()).start()
+    assert d.proc is not None
+    client = subprocess.Popen(
+        [sys.executable, "-c", _ACKING_CLIENT, str(d.socket)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert client.stdout is not None
+    acked: list[int] = []
+    for line in client.stdout:
+        acked.append(int(line))
+        if len(acked) >= 300:
+            break
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait(10)
+    rest, _ = client.communicate(timeout=10)
+    acked += [int(line) for line in rest.split()]
+    d.stop()
+    db = sqlite3.connect(f"file:{d.root / 'state' / 'audit.db'}?mode=ro", uri=True)
+    stored = {
+        json.loads(payload)["payload"]["i"]
+        for (payload,) in db.execute(
+            "SELECT payload FROM entries WHERE kind = 'demo.v1.audit.acked'"
+        )
+    }
+    db.close()
+    assert set(acked) <= stored
+    assert d.astrid("audit", "verify").returncode == 0
+    again = Daemon(d.root)  # the stale socket is replaced and the chain resumes
+    again.config = d.config
+    again.start()
+    try:
+        assert again.astrid("bus", "pub", "demo.v1.audit.after", "{}").returncode == 0
+    finally:
+        assert again.stop() == 0
+    assert again.astrid("audit", "verify").returncode == 0
