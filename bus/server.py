@@ -204,6 +204,7 @@ class _Connection:
         self.stream = stream
         self.peer = peer
         self.identity: Identity | None = None
+        self.hello: Hello | None = None
         self.subs: dict[int, _RemoteSubscription] = {}
         self.requests = 0
         self.outbox = bytearray()
@@ -455,6 +456,7 @@ class _Connection:
             self.push(Err("not_authorized", "the server could not authorize this peer", fatal=True))
             return False
         self.identity = identity
+        self.hello = frame
         self.push(
             Welcome(
                 uid=self.peer.uid,
@@ -588,6 +590,39 @@ class BusServer:
                 self._per_uid.pop(peer.uid, None)
             with anyio.CancelScope(shield=True):
                 await stream.aclose()
+
+    def reauthorize(self) -> int:
+        """Check every live connection again (after a change of access rules).
+
+        A connection whose identity would now differ, or that would be
+        refused, is cut off; it may reconnect under the new rules.  Returns
+        how many were cut off.
+        """
+        cut = 0
+        for conn in list(self.connections):
+            if conn.identity is None or conn.hello is None:
+                continue
+            try:
+                now = self.authorize(conn.peer, conn.hello)
+            except BusError as exc:
+                conn.kill(NotAuthorized(f"access changed: {exc}"))
+                cut += 1
+                continue
+            before = conn.identity
+            same_acl = (before.acl is None) == (now.acl is None) and (
+                before.acl is None
+                or now.acl is None
+                or (before.acl.publish, before.acl.subscribe)
+                == (now.acl.publish, now.acl.subscribe)
+            )
+            if (before.source, before.principal, before.uid) != (
+                now.source,
+                now.principal,
+                now.uid,
+            ) or not same_acl:
+                conn.kill(NotAuthorized("access changed by a reload; reconnect"))
+                cut += 1
+        return cut
 
     def stats(self) -> dict[str, int]:
         return {

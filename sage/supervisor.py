@@ -280,11 +280,16 @@ class Supervisor:
         self.config = new
         configure_logging(new.supervisor.log_level)
         self.reloads += 1
-        log.info("supervisor.reloaded", restart_needed_for=fixed)
+        cut = self.server.reauthorize() if self.server is not None else 0
+        log.info("supervisor.reloaded", restart_needed_for=fixed, connections_cut=cut)
         self.bus.publish(
             self.identity,
             "sage.v1.audit.config_reloaded",
-            {"principals": [p.name for p in new.principals], "restart_needed_for": fixed},
+            {
+                "principals": [p.name for p in new.principals],
+                "restart_needed_for": fixed,
+                "connections_cut": cut,
+            },
         )
 
     def _publish_audit(self, topic: str, payload: dict[str, Any]) -> None:

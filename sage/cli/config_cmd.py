@@ -33,6 +33,15 @@ def register(sub: Any) -> None:
     show.set_defaults(handler=_show)
 
 
+def _shown(config: object) -> object:
+    """The config as builtins, with ``[claude] env`` values hidden: they may hold keys."""
+    data = msgspec.to_builtins(config)
+    env = data.get("claude", {}).get("env", {})
+    for key in env:
+        env[key] = "<hidden>"
+    return data
+
+
 def _check(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.file)
@@ -43,12 +52,12 @@ def _check(args: argparse.Namespace) -> int:
             print(f"astrid: {exc}", file=sys.stderr)
         return 1
     if args.json:
-        print_json({"ok": True, "config": msgspec.to_builtins(config)})
+        print_json({"ok": True, "config": _shown(config)})
     else:
         print(f"{args.file}: ok ({len(config.principals)} principals, socket {config.socket_path})")
     return 0
 
 
 def _show(args: argparse.Namespace) -> int:
-    print_json(msgspec.to_builtins(load_config(args.config)))
+    print_json(_shown(load_config(args.config)))
     return 0

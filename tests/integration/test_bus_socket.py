@@ -524,3 +524,24 @@ async def test_client_sees_server_shutdown(sock_path: Path) -> None:
             server_scope.cancel()
             with anyio.fail_after(5), pytest.raises(ConnectionLost):
                 await sub.get()
+
+
+@pytest.mark.anyio
+async def test_reauthorize_cuts_connections_whose_access_changed(sock_path: Path) -> None:
+    """After the rules change, a connection that would now be refused is cut off; others stay."""
+    gate = Gate()
+    async with (
+        serving(sock_path, authorize=gate) as server,
+        BusClient.connect(sock_path, principal="ops") as ops,
+        BusClient.connect(sock_path, principal="alice") as alice,
+    ):
+        sub = await ops.subscribe("demo.>")
+        await alice.subscribe("demo.>")
+        assert server.reauthorize() == 0
+        gate.allowed = {os.getuid(): ("alice",)}  # "ops" is taken away
+        assert server.reauthorize() == 1
+        with pytest.raises(BusError):
+            with anyio.fail_after(5):
+                await sub.get()
+        alice.publish("demo.still", {})
+        await alice.flush()

@@ -314,3 +314,18 @@ def test_sigkill_of_supervisor_loses_no_acknowledged_audit_entry() -> None:
     finally:
         assert again.stop() == 0
     assert again.astrid("audit", "verify").returncode == 0
+
+
+def test_config_show_hides_claude_env_values() -> None:
+    """config show and config check --json never print [claude] env values (they may be keys)."""
+    root = short_dir()
+    config = root / "s.toml"
+    config.write_text('[claude]\nenv = { ANTHROPIC_API_KEY = "sk-secret-value" }\n')
+    for args in (
+        ("config", "show", "--config", str(config)),
+        ("config", "check", str(config), "--json"),
+    ):
+        result = subprocess.run([*ASTRID, *args], capture_output=True, text=True, timeout=20)
+        assert result.returncode == 0, result.stderr
+        assert "sk-secret-value" not in result.stdout
+        assert "ANTHROPIC_API_KEY" in result.stdout
