@@ -63,7 +63,7 @@ log = structlog.get_logger("bus.server")
 MAX_SUBSCRIPTIONS_PER_CONNECTION = 1024
 MAX_REQUEST_DEADLINE = 300.0
 """The longest deadline a remote client may ask for, in seconds."""
-_OUTBOX_MIN_BYTES = 16 * 1024 * 1024
+_OUTBOX_MIN_BYTES = 64 * 1024 * 1024  # like NATS's default pending limit
 
 
 @dataclass(frozen=True)
