@@ -1,6 +1,6 @@
 """The supervisor: boots the parts of sage, serves until told to stop, stops them in order.
 
-Start-up order: state folder (0700), audit log, bus, socket server, the
+Start-up order: state folder (0700), state store, audit log, bus, socket server, the
 audit sink (every envelope on ``*.v1.audit.>`` is appended), the status
 responder, capsules.  Readiness is reported through ``task_status.started()``
 and sd_notify ``READY=1``.  SIGTERM or SIGINT stops everything within
@@ -30,6 +30,7 @@ from sage.config import Config, load_config
 from sage.errors import AuditError, ConfigError, SageError
 from sage.logs import configure_logging
 from sage.sdnotify import Notifier, watchdog_interval
+from sage.state import StateStore
 
 __all__ = ("ROLES", "Supervisor")
 
@@ -96,6 +97,8 @@ class Supervisor:
         )
         self.server: BusServer | None = None
         self.audit: AuditLog | None = None
+        self.state: StateStore | None = None
+        """Records that outlive the supervisor (sessions, settings, tokens: later issues)."""
         self.started_at = 0.0
         self.notifier = Notifier()
         self.reloads = 0
@@ -154,7 +157,11 @@ class Supervisor:
         self.started_at = time.time()
         try:
             with anyio.CancelScope() as self._outer:
-                async with AuditLog.open(config.audit_path, key, config.audit) as audit:
+                async with (
+                    StateStore.open(config.state_db_path) as state,
+                    AuditLog.open(config.audit_path, key, config.audit) as audit,
+                ):
+                    self.state = state
                     self.audit = audit
                     await self._serve(audit, task_status)
         finally:
@@ -324,6 +331,7 @@ class Supervisor:
             "bus": msgspec.to_builtins(self.bus.stats()),
             "connections": self.server.stats() if self.server else {},
             "audit": audit.stats() if audit is not None else {},
+            "state_store": str(self.state.path) if self.state is not None else "",
             "reloads": self.reloads,
         }
 

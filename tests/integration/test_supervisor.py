@@ -43,6 +43,8 @@ def test_status_shows_uptime_capsules_and_bus(daemon: Daemon) -> None:
     assert [c["name"] for c in data["capsules"]] == ["echo"]
     assert data["capsules"][0]["state"] == "running"
     assert data["bus"]["subscriptions"] >= 2
+    assert data["state_store"] == str(daemon.root / "state" / "state.db")
+    assert (daemon.root / "state" / "state.db").exists()
     text = daemon.astrid("status")
     assert text.returncode == 0
     assert "capsules   1" in text.stdout
