@@ -8,18 +8,17 @@ or key never reaches a log line even when a caller passes one by mistake.
 from __future__ import annotations
 
 import logging
-import re
 import sys
 from collections.abc import MutableMapping
 from typing import Any
 
 import structlog
 
+from sage.redaction import REDACTED, is_secret_key, redact
+
 __all__ = ("configure_logging", "redact_secrets")
 
-_SECRET_KEY = re.compile(
-    r"(?:^|[_\-.])(?:token|api_?key|secret|password|passwd|authorization|credentials?)(?:$|[_\-.])"
-)
+
 _LEVELS = {
     "debug": logging.DEBUG,
     "info": logging.INFO,
@@ -31,10 +30,12 @@ _LEVELS = {
 def redact_secrets(
     _logger: Any, _method: str, event: MutableMapping[str, Any]
 ) -> MutableMapping[str, Any]:
-    """Replace the value of every key that names a secret with ``<redacted>``."""
-    for key in event:
-        if _SECRET_KEY.search(key.lower()):
-            event[key] = "<redacted>"
+    """Hide the value of every key that names a secret, at any depth (sage.redaction)."""
+    for key, value in event.items():
+        if is_secret_key(key):
+            event[key] = REDACTED
+        elif isinstance(value, dict | list):
+            event[key] = redact(value)
     return event
 
 

@@ -41,19 +41,17 @@ recomputed hashes is self-consistent and is caught only by checkpoints.
 from __future__ import annotations
 
 import enum
-import functools
 import hashlib
-import itertools
-import re
 import struct
 from collections.abc import Iterable, Iterator
-from typing import Any, Final
+from typing import Final
 
 import msgspec
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from sage.errors import AuditError
+from sage.redaction import REDACTED, redact
 
 __all__ = (
     "ENTRY_DOMAIN",
@@ -78,7 +76,6 @@ __all__ = (
 ENTRY_DOMAIN: Final = b"sage.audit.entry.v1\x00"
 CHECKPOINT_DOMAIN: Final = b"sage.audit.checkpoint.v1\x00"
 GENESIS_HASH: Final = bytes(32)
-REDACTED: Final = "<redacted>"
 
 _HEAD = struct.Struct(">Qq")
 _LEN = struct.Struct(">I")
@@ -183,35 +180,6 @@ def checkpoint_message(size: int, head_hash: bytes) -> bytes:
     if len(head_hash) != 32:
         raise AuditError("checkpoint head hash must be 32 bytes")
     return CHECKPOINT_DOMAIN + _SIZE.pack(size) + head_hash
-
-
-_SECRET_WORDS: Final = frozenset(
-    {"token", "secret", "password", "passwd", "authorization", "credential", "credentials"}
-)
-_SECRET_JOINED: Final = frozenset({"apikey", "privatekey", "accesstoken", "authtoken"})
-_SECRET_PAIRS: Final = frozenset({("api", "key"), ("private", "key")})
-_CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
-_SPLIT = re.compile(r"[\s_.\-]+")
-
-
-@functools.lru_cache(maxsize=4096)
-def _is_secret_key(key: str) -> bool:
-    words = [w.lower() for w in _SPLIT.split(_CAMEL.sub("_", key)) if w]
-    if any(w in _SECRET_WORDS or w in _SECRET_JOINED for w in words):
-        return True
-    return any(pair in _SECRET_PAIRS for pair in itertools.pairwise(words))
-
-
-def redact(value: Any) -> Any:
-    """A copy of JSON builtins ``value`` with the values of secret-named keys replaced."""
-    if isinstance(value, dict):
-        return {
-            k: (REDACTED if isinstance(k, str) and _is_secret_key(k) else redact(v))
-            for k, v in value.items()
-        }
-    if isinstance(value, list):
-        return [redact(v) for v in value]
-    return value
 
 
 def _may_hold_secrets(data: bytes) -> bool:

@@ -19,6 +19,7 @@ def test_redacts_secret_named_keys() -> None:
         "password": "p",
         "user": "alice",
         "input_tokens": 12,
+        "nested": {"privateKey": "k", "ok": 1},
     }
     out = redact_secrets(None, "info", event)
     assert out == {
@@ -28,6 +29,7 @@ def test_redacts_secret_named_keys() -> None:
         "password": "<redacted>",
         "user": "alice",
         "input_tokens": 12,
+        "nested": {"privateKey": "<redacted>", "ok": 1},
     }
 
 
