@@ -245,3 +245,29 @@ def test_spliced_msg_frame_decodes_like_encoded_one() -> None:
     assert isinstance(frames[1], Msg)
     assert frames[1].sid == 4
     assert frames[1].env.to_envelope() == envelope
+
+
+def test_fast_and_general_decoders_agree() -> None:
+    """A pub or msg frame decodes the same whether "t" comes first (fast path) or not."""
+    from bus.wire import Msg, Pub, decode_client_frame, decode_server_frame
+
+    first = b'{"t":"pub","topic":"a.b","payload":{"x":[1]}}'
+    later = b'{"topic":"a.b","payload":{"x":[1]},"t":"pub"}'
+    assert decode_client_frame(first) == decode_client_frame(later)
+    assert isinstance(decode_client_frame(first), Pub)
+    msg_first = b'{"t":"msg","sid":2,"env":{"id":1,"topic":"a","payload":3,"source":"s"}}'
+    msg_later = b'{"sid":2,"env":{"id":1,"topic":"a","payload":3,"source":"s"},"t":"msg"}'
+    assert decode_server_frame(msg_first) == decode_server_frame(msg_later)
+    assert isinstance(decode_server_frame(msg_first), Msg)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b'{"t":"pub","topic":1,"payload":2}', b'{"t":"pub",', b'{"t":"pub","payload":1}'],
+)
+def test_fast_path_errors_are_frame_errors(body: bytes) -> None:
+    """A broken frame on the fast path is a FrameError like any other, never a crash."""
+    from bus.wire import decode_client_frame
+
+    with pytest.raises(FrameError):
+        decode_client_frame(body)
