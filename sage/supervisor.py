@@ -32,7 +32,7 @@ from sage.logs import configure_logging
 from sage.sdnotify import Notifier, watchdog_interval
 from sage.state import StateStore
 
-__all__ = ("ROLES", "Supervisor")
+__all__ = ("ROLES", "DenialLimiter", "Supervisor")
 
 log = structlog.get_logger("sage.supervisor")
 
@@ -103,6 +103,7 @@ class Supervisor:
         self.notifier = Notifier()
         self.reloads = 0
         self._outer: anyio.CancelScope | None = None
+        self._denials = DenialLimiter()
         self.capsules = [
             CapsuleRunner(self.bus, load_manifest(capsule_folder(name)), self._publish_audit)
             for name in config.supervisor.capsules
@@ -303,6 +304,10 @@ class Supervisor:
         self.bus.publish(self.identity, topic, payload)
 
     def _audit_denied(self, action: str, identity: Identity, details: dict[str, Any]) -> None:
+        """Audit an ACL refusal; past a rate per source, count instead of writing each one."""
+        suppressed = self._denials.admit(identity.source, time.monotonic())
+        if suppressed is None:
+            return
         self.bus.publish(
             self.identity,
             "sage.v1.audit.acl_denied",
@@ -310,6 +315,7 @@ class Supervisor:
                 "action": action,
                 "source": identity.source,
                 "principal": identity.principal,
+                "suppressed_before": suppressed,
                 **details,
             },
         )
@@ -339,6 +345,33 @@ class Supervisor:
         async for request in requests:
             if request.reply_to:
                 self.bus.reply(self.identity, request.reply_to, self.status())
+
+
+class DenialLimiter:
+    """At most ``burst`` audited refusals per source per ``window`` seconds (pure: caller's clock).
+
+    A peer that hammers a topic it may not use would otherwise fill the audit
+    log; the refusals past the limit are counted, and the next audited one
+    says how many were not written one by one.
+    """
+
+    def __init__(self, burst: int = 20, window: float = 60.0) -> None:
+        self.burst = burst
+        self.window = window
+        self._seen: dict[str, tuple[float, int, int]] = {}
+
+    def admit(self, source: str, now: float) -> int | None:
+        """None: do not audit this one. Else audit it, noting this many suppressed before it."""
+        start, count, suppressed = self._seen.get(source, (now, 0, 0))
+        if now - start >= self.window:
+            start, count = now, 0
+        if count >= self.burst:
+            self._seen[source] = (start, count, suppressed + 1)
+            return None
+        if len(self._seen) > 10_000:
+            self._seen.clear()
+        self._seen[source] = (start, count + 1, 0)
+        return suppressed
 
 
 def _bus_without_acl(config: Config) -> object:

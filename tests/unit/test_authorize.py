@@ -86,3 +86,17 @@ def test_unknown_role_and_socket_capsule_refused(supervisor: Supervisor) -> None
         supervisor.authorize(_peer(ALICE), Hello(role="root"))
     with pytest.raises(NotAuthorized, match="only an admin"):
         supervisor.authorize(_peer(ALICE), Hello(role="capsule"))
+
+
+def test_denial_audits_are_rate_limited_per_source() -> None:
+    """Past the burst, refusals are counted, and the next audited one reports how many."""
+    from sage.supervisor import DenialLimiter
+
+    limiter = DenialLimiter(burst=2, window=10.0)
+    assert limiter.admit("cli:1", 0.0) == 0
+    assert limiter.admit("cli:1", 1.0) == 0
+    assert limiter.admit("cli:1", 2.0) is None
+    assert limiter.admit("cli:1", 3.0) is None
+    assert limiter.admit("cli:2", 3.0) == 0  # other sources are not affected
+    assert limiter.admit("cli:1", 10.5) == 2  # a new window: the suppressed count is reported
+    assert limiter.admit("cli:1", 11.0) == 0
