@@ -246,7 +246,7 @@ class Bus:
         try:
             self.requests += 1
             self._check_publish(owner, topic, payload)
-            if not self._trie.match(topic):
+            if not self.has_subscribers(topic):
                 self.no_responders += 1
                 raise NoResponders(f"no responders on {topic!r}")
             self.publish_raw(owner, topic, payload, reply_to=token)

@@ -29,6 +29,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PublicKey,
 )
 
+from bus import BusError
+from bus.server import ensure_private_dir
 from sage.errors import AuditError
 
 __all__ = (
@@ -47,12 +49,9 @@ PUBLIC_KEY_FILENAME: Final = "audit_ed25519.pub"
 
 def _ensure_dir(keys_dir: Path) -> None:
     try:
-        keys_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        info = keys_dir.stat()
-        if stat.S_IMODE(info.st_mode) & 0o077 and info.st_uid == os.geteuid():
-            os.chmod(keys_dir, 0o700)
-    except OSError as exc:
-        raise AuditError(f"{keys_dir}: cannot create the keys directory: {exc.strerror}") from exc
+        ensure_private_dir(keys_dir)
+    except BusError as exc:
+        raise AuditError(f"keys directory: {exc}") from exc
 
 
 def _fsync_dir(path: Path) -> None:

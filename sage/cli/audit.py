@@ -32,7 +32,7 @@ from sage.audit import (
     verify_audit,
 )
 from sage.cli import add_common
-from sage.config import Config, load_config
+from sage.cli._connect import config_of, print_json
 from sage.errors import AuditError
 
 __all__ = ("register",)
@@ -117,25 +117,16 @@ def _non_negative(text: str) -> int:
     return value
 
 
-def _config(args: argparse.Namespace) -> Config:
-    return load_config(args.config)
-
-
 def _require_log(path: Path) -> None:
     if not path.exists():
         raise AuditError(f"{path}: no audit log there (the supervisor creates it on first start)")
-
-
-def _print_json(obj: Any) -> None:
-    sys.stdout.write(msgspec.json.encode(obj).decode() + "\n")
-    sys.stdout.flush()
 
 
 # --- verify ------------------------------------------------------------------------------
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    config = _config(args)
+    config = config_of(args)
     path = config.audit_path
     _require_log(path)
     if args.pubkey:
@@ -148,7 +139,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         key = load_public_key(config.keys_dir)
     report = verify_audit(path, key, max_unsigned=max_unsigned_for(config.audit))
     if args.json:
-        _print_json(_report_json(path, report))
+        print_json(_report_json(path, report))
     else:
         print(_report_text(path, report))
     return 0 if report.ok else EXIT_BROKEN
@@ -199,13 +190,13 @@ def _report_text(path: Path, report: VerifyReport) -> str:
 
 
 async def cmd_tail(args: argparse.Namespace) -> int:
-    config = _config(args)
+    config = config_of(args)
     path = config.audit_path
     _require_log(path)
     after = max(0, last_seq(path) - args.lines)
     async for entry in tail(path, after, args.follow):
         if args.json:
-            _print_json(entry_json(entry))
+            print_json(entry_json(entry))
         else:
             sys.stdout.write(entry_line(entry) + "\n")
             sys.stdout.flush()
@@ -248,10 +239,10 @@ def entry_line(entry: Entry) -> str:
 
 
 def cmd_pubkey(args: argparse.Namespace) -> int:
-    config = _config(args)
+    config = config_of(args)
     key = load_public_key(config.keys_dir)
     if args.json:
-        _print_json({"pem": public_key_pem(key), "raw": public_key_raw_b64(key)})
+        print_json({"pem": public_key_pem(key), "raw": public_key_raw_b64(key)})
     elif args.raw:
         print(public_key_raw_b64(key))
     else:
