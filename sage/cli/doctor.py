@@ -1,0 +1,364 @@
+"""``astrid doctor``: is this host ready to run the supervisor, and is it running?
+
+Each check is one :class:`Check` row, ``ok``, ``warn`` or ``fail`` with a
+one-line detail: the config's source, the ``claude`` binary and its version,
+a real bubblewrap sandbox, the permissions of the state folder, its keys and
+the control socket, and, when the socket exists, whether the supervisor
+answers a status request.  The file checks only look (``lstat``), they never
+create or chmod anything.  Nothing from ``[claude] env`` is printed: its
+values may be credentials.  The exit status is 1 when any check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import stat
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+import msgspec
+
+from bus import BusError
+from bus.client import BusClient
+from bus.wire import frame_limit
+from sage.audit.keys import KEY_FILENAME, PUBLIC_KEY_FILENAME
+from sage.bwrap import probe_bwrap
+from sage.claude_binary import (
+    TESTED_VERSIONS,
+    is_tested,
+    read_claude_version,
+    resolve_claude_binary,
+)
+from sage.cli._connect import print_json
+from sage.config import Config, load_config
+from sage.errors import ConfigError, ProcessError
+
+Status = Literal["ok", "warn", "fail"]
+
+_STATUS_TOPIC = "sage.v1.request.status"
+_ASK_TIMEOUT = 3.0
+
+_EPILOG = """\
+checks:
+  config      where the config came from (--config FILE, $ASTRID_CONFIG or the
+              embedded defaults) and how many principals it declares; fail: it
+              does not load (fix what the line names)
+  claude      the claude binary sessions will run (claude.binary, else the one
+              `make setup` installs in .tools/, else PATH) and its version; warn:
+              not a tested version; fail: none found or it does not run
+  bwrap       bubblewrap really runs a minimal sandbox; fail: forged tools cannot
+              run (install bubblewrap, allow user namespaces)
+  state       state_dir is yours, mode 0700 (0750 with socket.group); warn: not
+              created yet (the supervisor does on first start); fail: owned by
+              another uid or open to others (chmod/chown it)
+  keys        state_dir/keys is 0700, the audit key 0600 (its .pub 0644 at most)
+  socket      the control socket is 0600 (0660 with socket.group) in a 0700
+              (0750) folder; warn: absent, the supervisor is not running
+  supervisor  (when the socket exists) the supervisor answers a status request;
+              warn: it does not (a stale socket left by a killed supervisor?)
+
+exit status: 0 when no check fails (warnings allowed), 1 otherwise.
+"""
+
+
+class Check(msgspec.Struct, frozen=True, kw_only=True):
+    """One row of the report."""
+
+    name: str
+    status: Status
+    detail: str
+    """One line for a human."""
+    facts: dict[str, Any] = {}
+    """Machine-readable extras, merged into the row in ``--json`` output."""
+
+
+def register(sub: Any) -> None:
+    from sage.cli import add_common
+
+    doctor = sub.add_parser(
+        "doctor",
+        help="check that this host can run the supervisor",
+        description="Check the config, the claude binary, bubblewrap, the state folder,\n"
+        "its keys and the control socket; print one row per check: ok, warn or fail.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_common(doctor)
+    doctor.set_defaults(handler=_doctor)
+
+
+async def _doctor(args: argparse.Namespace) -> int:
+    checks = await run_checks(args.config)
+    ok = all(check.status != "fail" for check in checks)
+    if args.json:
+        rows = [{"name": c.name, "status": c.status, "detail": c.detail, **c.facts} for c in checks]
+        print_json({"checks": rows, "ok": ok})
+    else:
+        width = max(9, *(len(check.name) + 1 for check in checks))
+        for check in checks:
+            print(f"{check.status:<6}{check.name:<{width}}{check.detail}")
+    return 0 if ok else 1
+
+
+async def run_checks(config_file: str | None) -> list[Check]:
+    """Every check, in report order; a config that does not load skips those that need it."""
+    config_check, config = _check_config(config_file)
+    checks = [config_check]
+    if config is not None:
+        checks.append(await _check_claude(config))
+    checks.append(await _check_bwrap())
+    if config is None:
+        return checks
+    checks.append(_check_state(config))
+    checks.append(_check_keys(config))
+    socket_check, listening = _check_socket(config)
+    checks.append(socket_check)
+    if listening:
+        checks.append(await _check_supervisor(config))
+    return checks
+
+
+# -- the checks -------------------------------------------------------------
+
+
+def _check_config(config_file: str | None) -> tuple[Check, Config | None]:
+    if config_file:
+        source = config_file
+    elif os.environ.get("ASTRID_CONFIG"):
+        source = f"{os.environ['ASTRID_CONFIG']} (from $ASTRID_CONFIG)"
+    else:
+        source = "embedded defaults"
+    try:
+        config = load_config(config_file)
+    except ConfigError as exc:
+        return Check(name="config", status="fail", detail=str(exc), facts={"source": source}), None
+    count = len(config.principals)
+    return (
+        Check(
+            name="config",
+            status="ok",
+            detail=f"{source}, {count} principal{'' if count == 1 else 's'}",
+            facts={"source": source, "principals": count},
+        ),
+        config,
+    )
+
+
+async def _check_claude(config: Config) -> Check:
+    try:
+        path = resolve_claude_binary(config)
+    except ConfigError as exc:
+        return Check(name="claude", status="fail", detail=str(exc))
+    try:
+        version = await read_claude_version(path)
+    except ProcessError as exc:
+        return Check(name="claude", status="fail", detail=str(exc), facts={"path": str(path)})
+    tested = is_tested(version, config)
+    facts = {"path": str(path), "version": version, "tested": tested}
+    if tested:
+        return Check(name="claude", status="ok", detail=f"{path} {version} (tested)", facts=facts)
+    known = ", ".join(sorted({config.claude.version, *TESTED_VERSIONS}))
+    return Check(
+        name="claude",
+        status="warn",
+        detail=f"{path} {version} (not tested; sage is tested with {known})",
+        facts=facts,
+    )
+
+
+async def _check_bwrap() -> Check:
+    probe = await probe_bwrap()
+    facts = {"path": probe.path, "version": probe.version}
+    if probe.ok:
+        return Check(name="bwrap", status="ok", detail=f"{probe.path} {probe.version}", facts=facts)
+    return Check(
+        name="bwrap",
+        status="fail",
+        detail=f"{probe.reason}; forged tools cannot run",
+        facts=facts,
+    )
+
+
+def _check_state(config: Config) -> Check:
+    path = config.state_dir
+    want = 0o750 if config.socket.group else 0o700
+    info, problem = _lstat(path)
+    if info is None:
+        if problem:
+            return Check(name="state", status="fail", detail=problem)
+        return Check(
+            name="state",
+            status="warn",
+            detail=f"{path} does not exist yet (the supervisor creates it 0700 on first start)",
+            facts={"path": str(path)},
+        )
+    problems = _dir_problems(path, info, want)
+    return _verdict("state", path, info, problems)
+
+
+def _check_keys(config: Config) -> Check:
+    path = config.keys_dir
+    info, problem = _lstat(path)
+    if info is None:
+        if problem:
+            return Check(name="keys", status="fail", detail=problem)
+        return Check(
+            name="keys",
+            status="warn",
+            detail=f"{path} does not exist yet (the supervisor creates it and the audit key"
+            " on first start)",
+            facts={"path": str(path)},
+        )
+    problems = _dir_problems(path, info, 0o700)
+    files: list[str] = []
+    if not problems:
+        try:
+            names = sorted(os.listdir(path))
+        except OSError as exc:
+            names = []
+            problems.append(f"cannot list {path}: {exc.strerror}")
+        for name in names:
+            file = path / name
+            file_info, file_problem = _lstat(file)
+            if file_info is None:
+                continue  # gone since the listing (a key being written)
+            if file_problem:
+                problems.append(file_problem)
+            elif not stat.S_ISREG(file_info.st_mode):
+                problems.append(f"{file} is not a regular file")
+            else:
+                allowed = 0o644 if name == PUBLIC_KEY_FILENAME else 0o600
+                problems += _owner_and_mode(file, file_info, allowed, need=0o400)
+                files.append(f"{name} {stat.S_IMODE(file_info.st_mode):04o}")
+    check = _verdict("keys", path, info, problems, extra=", ".join(files))
+    if check.status == "ok" and not (path / KEY_FILENAME).exists():
+        return msgspec.structs.replace(
+            check,
+            status="warn",
+            detail=f"{check.detail}; no {KEY_FILENAME} yet (created on first start)",
+        )
+    return check
+
+
+def _check_socket(config: Config) -> tuple[Check, bool]:
+    """The socket row, and whether a socket file is there to talk to."""
+    path = config.socket_path
+    grouped = bool(config.socket.group)
+    problems: list[str] = []
+    folder_info, problem = _lstat(path.parent)
+    if problem:
+        problems.append(problem)
+    elif folder_info is not None:
+        problems += _dir_problems(path.parent, folder_info, 0o750 if grouped else 0o700)
+    info, problem = _lstat(path)
+    facts: dict[str, Any] = {"path": str(path)}
+    if problem:
+        problems.append(problem)
+    if info is None:
+        if problems:
+            return Check(
+                name="socket", status="fail", detail="; ".join(problems), facts=facts
+            ), False
+        return (
+            Check(
+                name="socket",
+                status="warn",
+                detail=f"{path} absent (the supervisor is not running)",
+                facts=facts,
+            ),
+            False,
+        )
+    if not stat.S_ISSOCK(info.st_mode):
+        problems.append(f"{path} is not a socket (the supervisor refuses to replace it)")
+        return Check(name="socket", status="fail", detail="; ".join(problems), facts=facts), False
+    problems += _owner_and_mode(path, info, 0o660 if grouped else 0o600, need=0o600)
+    return _verdict("socket", path, info, problems), True
+
+
+async def _check_supervisor(config: Config) -> Check:
+    try:
+        with anyio.fail_after(_ASK_TIMEOUT):
+            async with BusClient.connect(
+                config.socket_path,
+                role="cli",
+                name="astrid-doctor",
+                max_frame=frame_limit(config.bus.max_payload),
+                hello_deadline=_ASK_TIMEOUT,
+            ) as client:
+                reply = await client.request(_STATUS_TOPIC, {}, deadline=_ASK_TIMEOUT)
+        data = reply.data()
+        pid, version = int(data["pid"]), str(data["version"])
+        uptime = float(data.get("uptime_s", 0.0))
+    except TimeoutError:
+        reason = f"no status answer within {_ASK_TIMEOUT:g} s"
+    except (BusError, OSError) as exc:
+        reason = str(exc) or type(exc).__name__
+    except (KeyError, TypeError, ValueError, msgspec.DecodeError) as exc:
+        reason = f"odd status answer: {exc!r}"
+    else:
+        return Check(
+            name="supervisor",
+            status="ok",
+            detail=f"pid {pid}, sage {version}, up {round(uptime)} s",
+            facts={"pid": pid, "version": version, "uptime_s": uptime},
+        )
+    return Check(
+        name="supervisor",
+        status="warn",
+        detail=f"{reason} (a stale socket left by a killed supervisor?)",
+    )
+
+
+# -- file permissions -------------------------------------------------------
+
+
+def _lstat(path: Path) -> tuple[os.stat_result | None, str]:
+    """``(info, "")``, ``(None, "")`` when absent, or ``(None, problem)``."""
+    try:
+        return path.lstat(), ""
+    except FileNotFoundError:
+        return None, ""
+    except OSError as exc:
+        return None, f"cannot look at {path}: {exc.strerror}"
+
+
+def _dir_problems(path: Path, info: os.stat_result, allowed: int) -> list[str]:
+    if stat.S_ISLNK(info.st_mode):
+        return [f"{path} is a symlink; the supervisor wants a real directory"]
+    if not stat.S_ISDIR(info.st_mode):
+        return [f"{path} is not a directory"]
+    return _owner_and_mode(path, info, allowed, need=0o700)
+
+
+def _owner_and_mode(path: Path, info: os.stat_result, allowed: int, *, need: int) -> list[str]:
+    """What is wrong with who owns ``path`` and who may use it (empty: nothing)."""
+    problems = []
+    me = os.getuid()
+    if info.st_uid != me:
+        problems.append(
+            f"{path} belongs to uid {info.st_uid}, not to uid {me} (you); chown it to the"
+            " supervisor's user, and run astrid doctor as that user"
+        )
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & ~allowed:
+        can = "write to" if mode & 0o022 & ~allowed else "read"
+        who = f"group or others can {can} it"
+        problems.append(
+            f"{path} has mode {mode:04o}, {who} (want {allowed:04o}); run `chmod {allowed:o} {path}`"
+        )
+    elif mode & need != need:
+        problems.append(f"{path} has mode {mode:04o}, the owner lacks {need:04o}")
+    return problems
+
+
+def _verdict(
+    name: str, path: Path, info: os.stat_result, problems: list[str], *, extra: str = ""
+) -> Check:
+    mode = stat.S_IMODE(info.st_mode)
+    facts = {"path": str(path), "mode": f"{mode:04o}", "uid": info.st_uid}
+    if problems:
+        return Check(name=name, status="fail", detail="; ".join(problems), facts=facts)
+    detail = f"{path} {mode:04o}" + (f", {extra}" if extra else "")
+    return Check(name=name, status="ok", detail=detail, facts=facts)
