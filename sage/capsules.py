@@ -36,8 +36,9 @@ import msgspec
 import structlog
 
 from bus import Acl, Bus, Envelope, Identity, Subscription
-from sage.config import NAME_PATTERN
-from sage.errors import ConfigError
+from sage.config import NAME_PATTERN, Config
+from sage.errors import ConfigError, StateError
+from sage.state import StateStore
 
 __all__ = (
     "CapsuleContext",
@@ -126,12 +127,35 @@ class RestartPolicy:
 class CapsuleContext:
     """What a capsule's code gets: the bus, as the capsule, within its ACL."""
 
-    def __init__(self, bus: Bus, identity: Identity, manifest: CapsuleManifest) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        identity: Identity,
+        manifest: CapsuleManifest,
+        *,
+        config_of: Callable[[], Config] = Config,
+        state_of: Callable[[], StateStore | None] = lambda: None,
+    ) -> None:
         self.bus = bus
         self.identity = identity
         self.manifest = manifest
         self.log = log.bind(capsule=manifest.name)
         self._subscriptions: list[Subscription] = []
+        self._config_of = config_of
+        self._state_of = state_of
+
+    @property
+    def config(self) -> Config:
+        """The supervisor's config as it is now (a reload replaces it)."""
+        return self._config_of()
+
+    @property
+    def state(self) -> StateStore:
+        """The supervisor's state store, for records that outlive a restart."""
+        store = self._state_of()
+        if store is None:
+            raise StateError("the state store is not open")
+        return store
 
     def publish(self, topic: str, payload: Any) -> Envelope:
         return self.bus.publish(self.identity, topic, payload)
@@ -164,8 +188,16 @@ class CapsuleRunner:
     """Runs one capsule and restarts it by its policy."""
 
     def __init__(
-        self, bus: Bus, manifest: CapsuleManifest, audit: Callable[[str, dict[str, Any]], None]
+        self,
+        bus: Bus,
+        manifest: CapsuleManifest,
+        audit: Callable[[str, dict[str, Any]], None],
+        *,
+        config_of: Callable[[], Config] = Config,
+        state_of: Callable[[], StateStore | None] = lambda: None,
     ) -> None:
+        self._config_of = config_of
+        self._state_of = state_of
         self.manifest = manifest
         self.state = CapsuleState.STARTING
         self.restarts = 0
@@ -195,7 +227,13 @@ class CapsuleRunner:
         while True:
             self.state = CapsuleState.RUNNING
             log.info("capsule.started", capsule=name, restarts=self.restarts)
-            ctx = CapsuleContext(self._bus, self.identity, self.manifest)
+            ctx = CapsuleContext(
+                self._bus,
+                self.identity,
+                self.manifest,
+                config_of=self._config_of,
+                state_of=self._state_of,
+            )
             try:
                 await main(ctx)
             except anyio.get_cancelled_exc_class():

@@ -30,6 +30,7 @@ __all__ = (
     "Config",
     "LimitsConfig",
     "PrincipalConfig",
+    "SessionsConfig",
     "SocketConfig",
     "SupervisorConfig",
     "decode_config",
@@ -60,7 +61,7 @@ class SupervisorConfig(_Section, frozen=True, kw_only=True, forbid_unknown_field
     """Seconds a graceful stop may take before remaining work is cancelled."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Lowest level written to the JSON log on stderr."""
-    capsules: list[str] = msgspec.field(default_factory=lambda: ["echo"])
+    capsules: list[str] = msgspec.field(default_factory=lambda: ["echo", "runner"])
     """Capsules to start: built-in names (folders of the ``capsules`` package) or paths."""
 
 
@@ -122,6 +123,13 @@ class ClaudeConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     """The Claude Code version this release of sage was tested against."""
     env: dict[str, str] = {}
     """Extra environment for every ``claude`` child (e.g. ANTHROPIC_BASE_URL)."""
+    api_key_file: str = ""
+    """File holding the Anthropic API key for ``api_key`` principals.
+
+    Empty: ``$CREDENTIALS_DIRECTORY/anthropic-api-key`` (systemd
+    ``LoadCredential=``), else the supervisor's own ``ANTHROPIC_API_KEY``.
+    The key reaches the child in its environment only, never in argv, logs
+    or events."""
 
 
 class LimitsConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -133,6 +141,22 @@ class LimitsConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     """Seconds ``claude`` has to answer ``initialize``."""
     stop_grace: PositiveFloat = 5.0
     """Seconds between closing a session's input and SIGTERM, and SIGTERM and SIGKILL."""
+    approval_timeout: PositiveFloat = 60.0
+    """Seconds a ``can_use_tool`` prompt waits for an answer on the bus; then: deny."""
+    tool_timeout: PositiveFloat = 60.0
+    """Seconds an MCP ``tools/call`` waits for ``sage.v1.tool.result.<cid>``."""
+    stdin_quota: Annotated[int, msgspec.Meta(ge=1024)] = 1024 * 1024
+    """Largest encoded user line a ``send`` may write to a session (1 MiB)."""
+
+
+class SessionsConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    resume: bool = False
+    """After a supervisor restart, respawn interrupted sessions with ``--resume``;
+    false: they end with reason ``supervisor_restart``."""
+    homes: str = "homes"
+    """Folder of principals' homes (a principal's ``home`` overrides); relative to state_dir."""
+    max_respawns: Annotated[int, msgspec.Meta(ge=0, le=100)] = 5
+    """Respawn attempts (identity refresh) per session before giving up."""
 
 
 class PrincipalConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -140,6 +164,18 @@ class PrincipalConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields
     """The principal's id, ``[A-Za-z0-9_-]{1,64}``."""
     uids: list[Uid] = []
     """Local uids that may act for this principal."""
+    home: str = ""
+    """HOME and working folder of the principal's sessions; empty: ``<homes>/<name>``."""
+    model: str = ""
+    """``--model`` for the principal's sessions; empty: the CLI's default."""
+    max_turns: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """``--max-turns`` per user turn; 0: no limit given."""
+    interaction_mode: Literal["headless", "repl"] = "headless"
+    """``headless`` sessions run under the runner; ``repl`` principals use a terminal."""
+    auth_mode: Literal["api_key", "subscription"] = "api_key"
+    """``api_key``: the child gets ANTHROPIC_API_KEY; ``subscription``: the CLI's own login."""
+    identity: str = ""
+    """Text appended to the system prompt; empty: a short default (audited as a fallback)."""
 
 
 class Config(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -149,6 +185,7 @@ class Config(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     audit: AuditConfig = AuditConfig()
     claude: ClaudeConfig = ClaudeConfig()
     limits: LimitsConfig = LimitsConfig()
+    sessions: SessionsConfig = SessionsConfig()
     principals: list[PrincipalConfig] = []
     base_dir: str = ""
     """Where relative paths resolve; set by the loader, not written in files."""
@@ -199,6 +236,19 @@ class Config(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     @property
     def keys_dir(self) -> Path:
         return self.state_dir / "keys"
+
+    def principal(self, name: str) -> PrincipalConfig | None:
+        for principal in self.principals:
+            if principal.name == name:
+                return principal
+        return None
+
+    def home_of(self, principal: PrincipalConfig) -> Path:
+        if principal.home:
+            return self._resolve(principal.home)
+        homes = Path(self.sessions.homes).expanduser()
+        base = homes if homes.is_absolute() else self.state_dir / homes
+        return base / principal.name
 
     def principals_for_uid(self, uid: int) -> frozenset[str]:
         """Names of the principals ``uid`` may act for (admins: all of them)."""

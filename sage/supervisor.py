@@ -105,7 +105,13 @@ class Supervisor:
         self._outer: anyio.CancelScope | None = None
         self._denials = DenialLimiter()
         self.capsules = [
-            CapsuleRunner(self.bus, load_manifest(capsule_folder(name)), self._publish_audit)
+            CapsuleRunner(
+                self.bus,
+                load_manifest(capsule_folder(name)),
+                self._publish_audit,
+                config_of=lambda: self.config,
+                state_of=lambda: self.state,
+            )
             for name in config.supervisor.capsules
         ]
         names = [c.manifest.name for c in self.capsules]

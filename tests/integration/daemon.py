@@ -27,27 +27,33 @@ class Daemon:
         self.config.write_text(f'[supervisor]\nstate_dir = "state"\n{extra}')
         self.socket = root / "state" / "run" / "astrid.sock"
         self.env = {**os.environ, **(env or {})}
+        self.log_path = root / "daemon.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.startup_s = 0.0
 
     def start(self, timeout: float = 15.0) -> Daemon:
         t0 = time.monotonic()
+        # the log goes to a file: a pipe nobody drains would block the daemon
+        self._log = self.log_path.open("ab")
+        offset = self._log.tell()  # a restarted daemon appends to the same log
         self.proc = subprocess.Popen(
             [*ASTRID, "supervisor", "run", "--config", str(self.config)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=self._log,
             env=self.env,
         )
-        assert self.proc.stderr is not None
         deadline = t0 + timeout
-        for line in self.proc.stderr:
-            if b'"supervisor.ready"' in line:
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if b'"supervisor.ready"' in self.log_path.read_bytes()[offset:]:
                 self.startup_s = time.monotonic() - t0
                 return self
-            if time.monotonic() > deadline:
-                break
+            time.sleep(0.01)
         self.stop()
-        raise AssertionError("supervisor did not become ready")
+        raise AssertionError(f"supervisor did not become ready; log:\n{self.log()[-4000:]}")
+
+    def log(self) -> str:
+        """What the supervisor wrote to stderr so far (JSON lines)."""
+        return self.log_path.read_text(errors="replace")
 
     def astrid(
         self, *args: str, input: bytes | None = None, timeout: float = 20.0
@@ -80,7 +86,5 @@ class Daemon:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             code = self.proc.wait()
-        for stream in (self.proc.stdout, self.proc.stderr):
-            if stream is not None:
-                stream.close()
+        self._log.close()
         return code

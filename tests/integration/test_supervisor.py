@@ -40,14 +40,14 @@ def test_status_shows_uptime_capsules_and_bus(daemon: Daemon) -> None:
     data = daemon.status()
     assert data["pid"] == daemon.proc.pid
     assert data["uptime_s"] >= 0
-    assert [c["name"] for c in data["capsules"]] == ["echo"]
+    assert [c["name"] for c in data["capsules"]] == ["echo", "runner"]
     assert data["capsules"][0]["state"] == "running"
     assert data["bus"]["subscriptions"] >= 2
     assert data["state_store"] == str(daemon.root / "state" / "state.db")
     assert (daemon.root / "state" / "state.db").exists()
     text = daemon.astrid("status")
     assert text.returncode == 0
-    assert "capsules   1" in text.stdout
+    assert "capsules   2" in text.stdout
 
 
 def test_sub_prints_what_pub_publishes(daemon: Daemon) -> None:
@@ -312,7 +312,8 @@ def test_sigkill_of_supervisor_loses_no_acknowledged_audit_entry() -> None:
     again.config = d.config
     again.start()
     try:
-        assert again.astrid("bus", "pub", "demo.v1.audit.after", "{}").returncode == 0
+        result = again.astrid("bus", "pub", "demo.v1.audit.after", "{}")
+        assert result.returncode == 0, (result.stderr, again.log()[-3000:])
     finally:
         assert again.stop() == 0
     assert again.astrid("audit", "verify").returncode == 0

@@ -1,0 +1,175 @@
+"""How a session's ``claude`` process is started: argv, environment, files.
+
+Everything here is decided before the process exists, so it is plain code
+with no I/O except the two files a launch needs (the identity file, written
+atomically, and the API key, read).  :func:`flags_hash` fingerprints the
+argv for the ``spawn`` audit: SHA-256 over each element followed by a NUL.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from sage.config import Config, PrincipalConfig
+from sage.errors import ConfigError
+
+__all__ = (
+    "MCP_CONFIG",
+    "Launch",
+    "build_launch",
+    "flags_hash",
+    "hash_token",
+    "mint_token",
+    "read_api_key",
+    "write_private",
+)
+
+MCP_CONFIG = '{"mcpServers":{"sage":{"type":"sdk","name":"sage"}}}'
+API_KEY_CREDENTIAL = "anthropic-api-key"
+LOCALE_VARS = ("LANG", "LC_ALL", "LC_CTYPE")
+DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
+DEFAULT_IDENTITY = (
+    "You are {principal}, an agent run by the sage supervisor in session {session}. "
+    "Use the tools offered to you; every tool call is checked and audited."
+)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One ``claude`` start: what to run, with what, where."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: Path
+    identity_file: Path
+    claude_session: str
+    flags_hash: str
+    identity_fallback: bool
+
+
+def flags_hash(argv: Sequence[str]) -> str:
+    digest = hashlib.sha256()
+    for arg in argv:
+        digest.update(os.fsencode(arg))
+        digest.update(b"\0")
+    return f"sha256:{digest.hexdigest()}"
+
+
+def mint_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def read_api_key(config: Config, environ: dict[str, str] | None = None) -> str | None:
+    """The API key for ``api_key`` principals, from the first place that has one."""
+    env = os.environ if environ is None else environ
+    candidates: list[Path] = []
+    if config.claude.api_key_file:
+        candidates.append(config._resolve(config.claude.api_key_file))
+    if env.get("CREDENTIALS_DIRECTORY"):
+        candidates.append(Path(env["CREDENTIALS_DIRECTORY"]) / API_KEY_CREDENTIAL)
+    for path in candidates:
+        try:
+            key = path.read_text().strip()
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise ConfigError(f"cannot read the API key file {path}: {exc.strerror}") from exc
+        if key:
+            return key
+    key = env.get("ANTHROPIC_API_KEY", "").strip()
+    return key or None
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Write ``path`` atomically (temp file, fsync, rename), mode 0600."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def build_launch(
+    config: Config,
+    principal: PrincipalConfig,
+    *,
+    session_id: str,
+    claude_session: str,
+    binary: Path,
+    token: str,
+    api_key: str | None,
+    identity: str | None,
+    resume: bool = False,
+) -> Launch:
+    """Decide argv and environment, make the home, write the identity file."""
+    home = config.home_of(principal)
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    identity_file = config.state_dir / "sessions" / session_id / "identity.md"
+    fallback = not identity
+    text = identity or DEFAULT_IDENTITY.format(principal=principal.name, session=session_id)
+    write_private(identity_file, text.encode())
+    argv = [
+        str(binary),
+        "-p",
+        "--input-format",
+        "stream-json",
+        "--output-format",
+        "stream-json",
+        "--verbose",
+        "--include-partial-messages",
+        "--mcp-config",
+        MCP_CONFIG,
+        "--strict-mcp-config",
+        "--tools",
+        "",
+        "--permission-prompt-tool",
+        "stdio",
+        "--append-system-prompt-file",
+        str(identity_file),
+    ]
+    if principal.model:
+        argv += ["--model", principal.model]
+    if principal.max_turns:
+        argv += ["--max-turns", str(principal.max_turns)]
+    # one token each, so an id can never be read as a flag
+    argv.append(f"--resume={claude_session}" if resume else f"--session-id={claude_session}")
+    env = {
+        "HOME": str(home),
+        "PATH": os.environ.get("PATH") or DEFAULT_PATH,
+        "ASTRID_PRINCIPAL_ID": principal.name,
+        "ASTRID_SESSION_ID": session_id,
+        "ASTRID_HOOK_TOKEN": token,
+        "ASTRID_SOCKET": str(config.socket_path),
+    }
+    for name in LOCALE_VARS:
+        if os.environ.get(name):
+            env[name] = os.environ[name]
+    env.setdefault("LANG", "C.UTF-8")
+    if principal.auth_mode == "api_key" and api_key:
+        env["ANTHROPIC_API_KEY"] = api_key
+    env.update(config.claude.env)
+    return Launch(
+        argv=argv,
+        env=env,
+        cwd=home,
+        identity_file=identity_file,
+        claude_session=claude_session,
+        flags_hash=flags_hash(argv),
+        identity_fallback=fallback,
+    )

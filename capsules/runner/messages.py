@@ -1,0 +1,70 @@
+"""Payloads of the runner's requests, as msgspec types (docs/topics.md lists them)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+from sage.config import NAME_PATTERN
+
+__all__ = (
+    "ApprovalResponse",
+    "IdentitySaved",
+    "SendRequest",
+    "SpawnRequest",
+    "ToolResult",
+    "ToolsChanged",
+    "ToolsList",
+)
+
+SessionId = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN)]
+
+
+class SpawnRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``sage.v1.request.spawn``."""
+
+    principal_id: str
+    session_id: str | None = None
+    initial_message: str | None = None
+
+
+class SendRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``sage.v1.request.send.<sid>``: one user turn."""
+
+    text: str
+    session_id: str | None = None
+
+
+class ApprovalResponse(msgspec.Struct, frozen=True):
+    """``approval.v1.response.<cid>``."""
+
+    allowed: bool
+    reason: str | None = None
+
+
+class ToolResult(msgspec.Struct, frozen=True, rename={"is_error": "isError"}):
+    """``sage.v1.tool.result.<cid>`` from the tool bridge."""
+
+    content: list[dict[str, Any]] = []
+    is_error: bool = False
+
+
+class ToolsList(msgspec.Struct, frozen=True):
+    """``sage.v1.tools.list``: the catalogue (names prefixed ``mcp__sage__``)."""
+
+    tools: list[dict[str, Any]] = []
+
+
+class ToolsChanged(msgspec.Struct, frozen=True):
+    """``sage.v1.tools.changed``: tell sessions (one, or all) to list tools again."""
+
+    session_id: str | None = None
+    names: list[str] = []
+
+
+class IdentitySaved(msgspec.Struct, frozen=True):
+    """``tool.v1.execute.save_identity.result``."""
+
+    success: bool = False
+    principal_id: str | None = None  # informational only: the publisher's identity decides

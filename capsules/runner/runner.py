@@ -1,0 +1,692 @@
+"""The session runner: spawn, send, stop, interrupt and list sessions over the bus.
+
+Requests (each answered with ``{"ok": true, ...}`` or ``{"ok": false,
+"error": CODE, "message": TEXT}``):
+
+- ``sage.v1.request.spawn`` ``{principal_id, session_id?, initial_message?}``
+- ``sage.v1.request.send.<sid>`` ``{text}``
+- ``sage.v1.request.stop.<sid>``, ``sage.v1.request.interrupt.<sid>``
+- ``sage.v1.request.sessions`` ``{}``: the caller's sessions (all for an admin)
+
+Who may do what: a request carries the principal the bus verified for the
+caller's connection (``None`` for an admin uid or an in-process capsule).
+A caller acts only for its own principal; an admin for any.
+
+Every check of a spawn (id, principal, mode, duplicate, per-principal cap)
+happens before the first ``await``, and the new session takes its place in
+the table at once, so two spawns cannot both pass the cap.  Each session
+runs as a task of the runner; its ``exited`` event is published exactly
+once, after the child is reaped.  Records in the state store outlive the
+supervisor: on start, sessions that were live are resumed (``[sessions]
+resume = true``) or ended with reason ``supervisor_restart``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+import msgspec
+import structlog
+
+from bus import BusError, Envelope
+from capsules.runner.command import Launch, build_launch, hash_token, mint_token, read_api_key
+from capsules.runner.mcp import McpServer
+from capsules.runner.messages import (
+    ApprovalResponse,
+    IdentitySaved,
+    SendRequest,
+    SpawnRequest,
+    ToolsChanged,
+)
+from capsules.runner.session import ClaudeProcess, Ending, SessionError
+from sage.capsules import CapsuleContext
+from sage.claude_binary import read_claude_version, resolve_claude_binary
+from sage.config import NAME_PATTERN, Config, PrincipalConfig
+from sage.errors import ProcessError, SageError
+from sage.protocol import CanUseToolRequest, HookCallbackRequest, HookMatcher, McpMessageRequest
+
+__all__ = ("Runner", "SessionRecord", "run")
+
+log = structlog.get_logger("sage.runner")
+
+LIVE = ("running", "interrupted")
+HOOK_NAMES = {
+    "PreToolUse": "before_tool_call",
+    "PostToolUse": "after_tool_call",
+    "UserPromptSubmit": "message_received",
+    "Stop": "session_end",
+    "SubagentStop": "subagent_stop",
+}
+HOOKS = {
+    name: [HookMatcher(None, [f"hook_{name}"])]
+    for name in ("PreToolUse", "PostToolUse", "UserPromptSubmit", "Stop", "SubagentStop")
+}
+
+
+class SessionRecord(msgspec.Struct, kw_only=True):
+    """What the state store keeps of a session (namespace ``sessions``)."""
+
+    session_id: str
+    principal_id: str
+    claude_session: str
+    state: str = "running"  # running | interrupted | ended
+    pid: int | None = None
+    started_at: float = 0.0
+    ended_at: float | None = None
+    turns: int = 0
+    cost_usd: float = 0.0
+    flags_hash: str = ""
+    reason: str = ""
+
+
+@dataclass
+class _Session:
+    record: SessionRecord
+    principal: PrincipalConfig
+    proc: ClaudeProcess | None = None
+    respawn_reason: str | None = None
+    respawns: int = 0
+    token_hash: str = ""
+    ending: Ending | None = None
+    done: anyio.Event = field(default_factory=anyio.Event)
+
+    @property
+    def id(self) -> str:
+        return self.record.session_id
+
+
+def _check_id(value: str) -> bool:
+    import re
+
+    return re.match(NAME_PATTERN, value) is not None
+
+
+class Runner:
+    """The runner capsule's state and handlers; see the module docstring."""
+
+    def __init__(self, ctx: CapsuleContext) -> None:
+        self.ctx = ctx
+        self.sessions: dict[str, _Session] = {}
+        self.mcp = McpServer(self)
+        self.binary: Path | None = None
+        self.version = ""
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    @property
+    def config(self) -> Config:
+        return self.ctx.config
+
+    # -- life -------------------------------------------------------------
+
+    async def run(self) -> None:
+        ctx = self.ctx
+        subscriptions = {
+            "sage.v1.request.spawn": self._spawn,
+            "sage.v1.request.send.*": self._send,
+            "sage.v1.request.stop.*": self._stop,
+            "sage.v1.request.interrupt.*": self._interrupt,
+            "sage.v1.request.sessions": self._list,
+        }
+        self._resolve_binary()
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            await self._reconcile()
+            for pattern, handler in subscriptions.items():
+                tg.start_soon(self._serve, ctx.subscribe(pattern), handler)
+            tg.start_soon(self._tools_changed, ctx.subscribe("sage.v1.tools.changed"))
+            tg.start_soon(self.mcp.follow, ctx.subscribe("sage.v1.tools.list"))
+            tg.start_soon(
+                self._identity_saved, ctx.subscribe("tool.v1.execute.save_identity.result")
+            )
+            tg.start_soon(self._check_version)
+
+    async def _serve(self, requests: Any, handler: Any) -> None:
+        async for request in requests:
+            # each request in its own task: a slow stop does not hold up a spawn
+            assert self._tg is not None
+            self._tg.start_soon(self._answer, request, handler)
+
+    async def _answer(self, request: Envelope, handler: Any) -> None:
+        try:
+            reply = await handler(request)
+        except SessionError as exc:
+            reply = {"ok": False, "error": exc.code, "message": str(exc)}
+        except msgspec.ValidationError as exc:
+            reply = {"ok": False, "error": "bad_request", "message": str(exc)}
+        except msgspec.DecodeError as exc:
+            reply = {"ok": False, "error": "bad_request", "message": f"not JSON: {exc}"}
+        if request.reply_to:
+            try:
+                self.ctx.reply(request, reply)
+            except BusError as exc:
+                log.warning("runner.reply_failed", topic=request.topic, error=str(exc))
+
+    def _publish(self, topic: str, payload: dict[str, Any]) -> None:
+        try:
+            self.ctx.publish(topic, payload)
+        except BusError as exc:
+            log.error("runner.publish_failed", topic=topic, error=str(exc))
+
+    def audit(self, kind: str, payload: dict[str, Any]) -> None:
+        self._publish(f"sage.v1.audit.{kind}", payload)
+
+    def _resolve_binary(self) -> None:
+        try:
+            self.binary = resolve_claude_binary(self.config)
+        except SageError as exc:
+            log.error("runner.claude_missing", error=str(exc))
+
+    async def _check_version(self) -> None:
+        """Audit a binary whose version is not the one this release was tested with."""
+        if self.binary is None:
+            return
+        try:
+            self.version = await read_claude_version(self.binary)
+        except SageError as exc:
+            log.error("runner.claude_unusable", binary=str(self.binary), error=str(exc))
+            return
+        tested = self.config.claude.version
+        log.info("runner.claude", binary=str(self.binary), version=self.version, tested=tested)
+        if self.version != tested:
+            self.audit(
+                "claude_version_drift",
+                {"binary": str(self.binary), "version": self.version, "tested": tested},
+            )
+
+    # -- records --------------------------------------------------------------
+
+    async def _save(self, record: SessionRecord) -> None:
+        try:
+            await self.ctx.state.put("sessions", record.session_id, msgspec.to_builtins(record))
+        except SageError as exc:
+            log.error("runner.record_failed", session_id=record.session_id, error=str(exc))
+
+    async def _reconcile(self) -> None:
+        """Sessions the last supervisor left live: resume them or end them."""
+        store = self.ctx.state
+        records = [
+            msgspec.convert(value, SessionRecord) for _, value in await store.items("sessions")
+        ]
+        live = {r.session_id for r in records if r.state in LIVE}
+        for key, _ in await store.items("hook_tokens"):
+            if key not in live or key not in self.sessions:
+                await store.delete("hook_tokens", key)
+        for record in records:
+            if record.state not in LIVE or record.session_id in self.sessions:
+                continue
+            if record.pid:
+                _kill_leftover(record.pid)
+            principal = self.config.principal(record.principal_id)
+            if self.config.sessions.resume and principal is not None and self.binary is not None:
+                session = _Session(record, principal)
+                self.sessions[record.session_id] = session
+                try:
+                    await self._start(session, resume=True, initial=None)
+                except SessionError as exc:
+                    self.sessions.pop(record.session_id, None)
+                    await self._ended(session, None, f"resume_failed: {exc}")
+                    continue
+                self._event(
+                    record.session_id,
+                    "resumed",
+                    {"principal_id": record.principal_id, "reason": "supervisor_restart"},
+                )
+            else:
+                session = _Session(record, principal or PrincipalConfig(name=record.principal_id))
+                await self._ended(session, None, "supervisor_restart")
+
+    # -- spawn ----------------------------------------------------------------
+
+    def _reject(self, principal_id: str, reason: str, message: str, **extra: Any) -> SessionError:
+        self._publish(
+            "sage.v1.event.session_rejected",
+            {"principal_id": principal_id, "reason": reason, "message": message, **extra},
+        )
+        return SessionError(reason, message)
+
+    async def _spawn(self, request: Envelope) -> dict[str, Any]:
+        req = msgspec.json.decode(request.payload, type=SpawnRequest)
+        config = self.config
+        pid_ = req.principal_id
+        if request.principal is not None and request.principal != pid_:
+            raise self._reject(pid_, "not_authorized", f"you may not act for principal {pid_!r}")
+        principal = config.principal(pid_)
+        if principal is None:
+            raise self._reject(pid_, "unknown_principal", f"no principal {pid_!r} is configured")
+        sid = req.session_id or f"s{uuid.uuid4().hex[:12]}"
+        if not _check_id(sid):
+            raise self._reject(pid_, "invalid_session_id", "session ids are 1-64 of [A-Za-z0-9_-]")
+        if principal.interaction_mode == "repl":
+            raise self._reject(
+                pid_, "interaction_mode_is_repl", f"principal {pid_!r} uses a terminal (repl)"
+            )
+        if sid in self.sessions:
+            raise self._reject(pid_, "duplicate_session", f"session {sid!r} exists", session_id=sid)
+        cap = config.limits.max_sessions_per_principal
+        if sum(1 for s in self.sessions.values() if s.record.principal_id == pid_) >= cap:
+            raise self._reject(
+                pid_, "principal_limit", f"principal {pid_!r} has {cap} sessions already"
+            )
+        record = SessionRecord(
+            session_id=sid,
+            principal_id=pid_,
+            claude_session=str(uuid.uuid4()),
+            started_at=time.time(),
+        )
+        session = _Session(record, principal)
+        self.sessions[sid] = session  # taken before the first await: no race past the cap
+        try:
+            pid = await self._start(session, resume=False, initial=req.initial_message)
+        except SessionError as exc:
+            self.sessions.pop(sid, None)
+            self._publish(
+                "sage.v1.event.session_rejected",
+                {"principal_id": pid_, "reason": exc.code, "message": str(exc)},
+            )
+            raise
+        return {"ok": True, "session_id": sid, "pid": pid}
+
+    async def _start(self, session: _Session, *, resume: bool, initial: str | None) -> int:
+        """Start the session's task; returns once its first child runs (its pid)."""
+        assert self._tg is not None
+        try:
+            pid: int = await self._tg.start(self._run_session, session, resume, initial)
+        except (ProcessError, OSError) as exc:
+            raise SessionError("spawn_failed", str(exc)) from None
+        return pid
+
+    def _launch(self, session: _Session, *, resume: bool) -> Launch:
+        config = self.config
+        if self.binary is None:
+            raise SessionError("claude_missing", "no usable claude binary (see `astrid doctor`)")
+        principal = session.principal
+        api_key = None
+        if principal.auth_mode == "api_key":
+            api_key = read_api_key(config)
+            if api_key is None and "ANTHROPIC_API_KEY" not in config.claude.env:
+                self._event(
+                    session.id,
+                    "error",
+                    {
+                        "principal_id": principal.name,
+                        "session_id": session.id,
+                        "reason": "api_key_missing",
+                    },
+                )
+                raise SessionError(
+                    "api_key_missing",
+                    "principal uses auth_mode api_key but no API key is configured"
+                    " (claude.api_key_file, $CREDENTIALS_DIRECTORY or $ANTHROPIC_API_KEY)",
+                )
+        token = mint_token()
+        launch = build_launch(
+            config,
+            principal,
+            session_id=session.id,
+            claude_session=session.record.claude_session,
+            binary=self.binary,
+            token=token,
+            api_key=api_key,
+            identity=principal.identity or None,
+            resume=resume,
+        )
+        session.token_hash = hash_token(token)
+        return launch
+
+    async def _run_session(
+        self,
+        session: _Session,
+        resume: bool,
+        initial: str | None,
+        *,
+        task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        limits = self.config.limits
+        ending: Ending | None = None
+        reason = "exited"
+        first = True
+        try:
+            while True:
+                launch = self._launch(session, resume=resume)
+                if launch.identity_fallback:
+                    self.audit(
+                        "identity_fallback",
+                        {"principal_id": session.principal.name, "session_id": session.id},
+                    )
+                proc = ClaudeProcess(
+                    session.id,
+                    session.principal.name,
+                    launch,
+                    self,
+                    max_line_bytes=limits.max_line_bytes,
+                    init_timeout=limits.init_timeout,
+                    stop_grace=limits.stop_grace,
+                    stdin_quota=limits.stdin_quota,
+                    hooks=HOOKS,
+                    initial_message=initial,
+                )
+                session.proc = proc
+                async with anyio.create_task_group() as tg:
+                    pid: int = await tg.start(self._incarnation, proc)
+                    await self._spawned(session, launch, pid, first=first, resume=resume)
+                    if first:
+                        task_status.started(pid)
+                        first = False
+                ending = session.ending
+                assert ending is not None
+                if session.respawn_reason is None or ending.reason != "respawn":
+                    reason = ending.reason
+                    break
+                why, session.respawn_reason = session.respawn_reason, None
+                session.respawns += 1
+                if session.respawns > self.config.sessions.max_respawns:
+                    self.audit(
+                        "respawn_abandoned",
+                        {
+                            "principal_id": session.principal.name,
+                            "session_id": session.id,
+                            "attempts": session.respawns - 1,
+                            "reason": why,
+                        },
+                    )
+                    reason = "respawn_abandoned"
+                    break
+                resume, initial = True, None
+                self._event(
+                    session.id,
+                    "respawned",
+                    {
+                        "principal_id": session.principal.name,
+                        "reason": why,
+                        "flags_hash": "",  # filled by _spawned's record; kept for the contract
+                    },
+                )
+        except anyio.get_cancelled_exc_class():
+            with anyio.CancelScope(shield=True), anyio.move_on_after(2):
+                session.record.state = "interrupted"
+                session.record.reason = "supervisor_shutdown"
+                await self._save(session.record)
+                await self._scrub(session)
+            self.sessions.pop(session.id, None)
+            session.done.set()
+            raise
+        except SessionError:
+            self.sessions.pop(session.id, None)
+            session.done.set()
+            if first:
+                raise
+            reason = "respawn_failed"
+        await self._ended(session, ending, reason)
+
+    async def _incarnation(
+        self, proc: ClaudeProcess, *, task_status: anyio.abc.TaskStatus[int]
+    ) -> None:
+        session = self.sessions.get(proc.session_id)
+        ending = await proc.run(task_status=task_status)
+        if session is not None:
+            session.ending = ending
+        with contextlib.suppress(OSError):
+            proc.launch.identity_file.unlink(missing_ok=True)
+
+    async def _spawned(
+        self, session: _Session, launch: Launch, pid: int, *, first: bool, resume: bool
+    ) -> None:
+        record = session.record
+        record.pid = pid
+        record.state = "running"
+        record.flags_hash = launch.flags_hash
+        await self._save(record)
+        await self.ctx.state.put(
+            "hook_tokens",
+            session.id,
+            {"sha256": session.token_hash, "principal_id": record.principal_id},
+        )
+        if first:
+            self._event(
+                session.id,
+                "spawned",
+                {"principal_id": record.principal_id, "session_id": session.id, "pid": pid},
+            )
+        self.audit(
+            "spawn",
+            {
+                "principal_id": record.principal_id,
+                "session_id": session.id,
+                "pid": pid,
+                "flags_hash": launch.flags_hash,
+                "auth_mode": session.principal.auth_mode,
+                "interaction_mode": session.principal.interaction_mode,
+                "resume": resume,
+            },
+        )
+
+    async def _ended(self, session: _Session, ending: Ending | None, reason: str) -> None:
+        record = session.record
+        record.state = "ended"
+        record.reason = reason
+        record.ended_at = time.time()
+        if session.proc is not None:
+            record.turns = session.proc.turn.finished
+            record.cost_usd = session.proc.turn.cost_usd
+        payload: dict[str, Any] = (
+            ending.payload() if ending is not None else {"exit_code": None, "signal": None}
+        )
+        payload["reason"] = reason
+        payload["principal_id"] = record.principal_id
+        self.sessions.pop(session.id, None)
+        with anyio.CancelScope(shield=True):
+            await self._save(record)
+            await self._scrub(session)
+        self._event(session.id, "exited", payload)
+        session.done.set()
+        log.info("session.exited", session_id=session.id, reason=reason)
+
+    async def _scrub(self, session: _Session) -> None:
+        try:
+            await self.ctx.state.delete("hook_tokens", session.id)
+        except SageError as exc:
+            log.error("runner.scrub_failed", session_id=session.id, error=str(exc))
+        folder = self.config.state_dir / "sessions" / session.id
+        for path in (folder / "identity.md", folder):
+            with contextlib.suppress(OSError):
+                path.rmdir() if path == folder else path.unlink(missing_ok=True)
+
+    # -- per-session requests -------------------------------------------------------
+
+    def _target(self, request: Envelope) -> _Session:
+        sid = request.topic.rsplit(".", 1)[1]
+        session = self.sessions.get(sid)
+        # a session of someone else looks the same as none at all
+        if session is None or request.principal not in (None, session.record.principal_id):
+            raise SessionError("unknown_session", f"no session {sid!r}")
+        return session
+
+    def _proc(self, session: _Session) -> ClaudeProcess:
+        if session.proc is None:
+            raise SessionError("not_ready", f"session {session.id!r} is starting")
+        return session.proc
+
+    async def _send(self, request: Envelope) -> dict[str, Any]:
+        session = self._target(request)
+        req = msgspec.json.decode(request.payload, type=SendRequest)
+        proc = self._proc(session)
+        try:
+            turn = await proc.send(req.text)
+        except SessionError as exc:
+            if exc.code == "stdin_quota":
+                proc._error("stdin_quota")
+            raise
+        return {"ok": True, "session_id": session.id, "turn": turn}
+
+    async def _stop(self, request: Envelope) -> dict[str, Any]:
+        session = self._target(request)
+        if session.proc is not None:
+            await session.proc.stop("stopped")
+        with anyio.move_on_after(self.config.limits.stop_grace * 3 + 5):
+            await session.done.wait()
+        return {"ok": True, "session_id": session.id}
+
+    async def _interrupt(self, request: Envelope) -> dict[str, Any]:
+        session = self._target(request)
+        result = await self._proc(session).interrupt()
+        return {"ok": True, "session_id": session.id, **result}
+
+    async def _list(self, request: Envelope) -> dict[str, Any]:
+        rows = [
+            s.proc.describe() if s.proc is not None else {"session_id": s.id, "state": "starting"}
+            for s in self.sessions.values()
+            if request.principal in (None, s.record.principal_id)
+        ]
+        return {"ok": True, "sessions": rows}
+
+    # -- tools changed / identity refresh -------------------------------------------
+
+    async def _tools_changed(self, envelopes: Any) -> None:
+        async for envelope in envelopes:
+            try:
+                msg = msgspec.json.decode(envelope.payload, type=ToolsChanged)
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                continue
+            targets = [
+                s.proc
+                for s in list(self.sessions.values())
+                if s.proc is not None and msg.session_id in (None, s.id)
+            ]
+            for proc in targets:
+                assert self._tg is not None
+                self._tg.start_soon(_quietly, proc.tools_changed)
+
+    async def _identity_saved(self, envelopes: Any) -> None:
+        async for envelope in envelopes:
+            try:
+                msg = msgspec.json.decode(envelope.payload, type=IdentitySaved)
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                continue
+            principal = envelope.principal  # the verified publisher, never the payload
+            if not msg.success or principal is None:
+                continue
+            for session in list(self.sessions.values()):
+                if session.record.principal_id == principal and session.proc is not None:
+                    session.respawn_reason = "identity_refresh"
+                    assert self._tg is not None
+                    self._tg.start_soon(session.proc.stop, "respawn")
+
+    # -- Host: what a ClaudeProcess asks of the runner -------------------------------
+
+    def _event(self, sid: str, name: str, payload: dict[str, Any]) -> None:
+        self._publish(f"sage.v1.event.{sid}.{name}", payload)
+
+    def event(self, proc: ClaudeProcess, name: str, payload: dict[str, Any]) -> None:
+        self._event(proc.session_id, name, payload)
+
+    async def mcp_message(self, proc: ClaudeProcess, request: McpMessageRequest) -> Any:
+        return await self.mcp.handle(proc, request)
+
+    async def can_use_tool(
+        self, proc: ClaudeProcess, request: CanUseToolRequest
+    ) -> tuple[bool, str]:
+        cid = uuid.uuid4().hex
+        topic = f"approval.v1.request.{cid}"
+        source = "approval"
+        allowed, why = False, "no approver answered"
+        if not self.ctx.bus.has_subscribers(topic):
+            source, why = "no_approver", "no approver is listening"
+        else:
+            with self.ctx.subscribe(f"approval.v1.response.{cid}") as answers:
+                self._publish(
+                    topic,
+                    {
+                        "session_id": proc.session_id,
+                        "principal_id": proc.principal_id,
+                        "tool_name": request.tool_name,
+                        "arguments": request.input,
+                        "tool_use_id": request.tool_use_id,
+                    },
+                )
+                with anyio.move_on_after(self.config.limits.approval_timeout) as scope:
+                    async for answer in answers:
+                        if answer.principal not in (None, proc.principal_id):
+                            continue  # only the session's principal or an admin decides
+                        try:
+                            decision = msgspec.json.decode(answer.payload, type=ApprovalResponse)
+                        except (msgspec.ValidationError, msgspec.DecodeError):
+                            continue
+                        allowed = decision.allowed
+                        why = decision.reason or ("" if allowed else "denied by approver")
+                        break
+                if scope.cancelled_caught:
+                    source = "approval_timeout"
+        self.audit(
+            "tool_call",
+            {
+                "principal_id": proc.principal_id,
+                "session_id": proc.session_id,
+                "call_id": cid,
+                "tool_name": request.tool_name,
+                "allowed": allowed,
+                "decision_source": source,
+            },
+        )
+        return allowed, why
+
+    async def hook_callback(
+        self, proc: ClaudeProcess, request: HookCallbackRequest
+    ) -> dict[str, Any]:
+        hook = str(
+            request.input.get("hook_event_name") or request.callback_id.removeprefix("hook_")
+        )
+        name = HOOK_NAMES.get(hook) or _snake(hook)
+        if _check_id(name):
+            self._publish(
+                f"hook.v1.event.{name}",
+                {
+                    "hook": hook,
+                    "payload": request.input,
+                    "correlation_id": request.tool_use_id,
+                    "principal_id": proc.principal_id,
+                    "session_id": proc.session_id,
+                    "source": "hook_callback",
+                },
+            )
+        return {"continue": True}
+
+
+def _snake(name: str) -> str:
+    out = []
+    for i, ch in enumerate(name):
+        if ch.isupper() and i:
+            out.append("_")
+        out.append(ch.lower())
+    return "".join(out)
+
+
+async def _quietly(func: Any) -> None:
+    with contextlib.suppress(SessionError):
+        await func()
+
+
+def _kill_leftover(pid: int) -> None:
+    """A child of a dead supervisor that is somehow still there (PDEATHSIG should have)."""
+    import signal
+
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as file:
+            cmdline = file.read()
+    except OSError:
+        return
+    if b"claude" in cmdline or b"--input-format" in cmdline:
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGKILL)
+
+
+async def run(ctx: CapsuleContext) -> None:
+    """The capsule's entry point."""
+    await Runner(ctx).run()

@@ -1,0 +1,214 @@
+"""``astrid sage spawn|send|sessions|watch|interrupt|stop``: Claude sessions from a terminal.
+
+Each command is a request to the session runner over the supervisor's
+socket.  ``send`` subscribes to the session's events before it sends, so
+no text is missed, prints the reply as it streams and exits when the turn
+ends: 0 for a good turn, 1 for an error or a session that ended.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+import anyio
+import msgspec
+
+from bus import BusError, NoResponders
+from sage.cli._connect import connect, print_json
+from sage.errors import SageError
+
+__all__ = ("register",)
+
+SPAWN_TIMEOUT = 30.0
+
+
+def register(sub: Any) -> None:
+    from sage.cli import add_common
+
+    group = sub.add_parser(
+        "sage",
+        help="Claude sessions: spawn, send, watch, interrupt, stop, list",
+        description="Drive Claude Code sessions run by the supervisor's session runner.",
+    )
+    commands = group.add_subparsers(dest="action", metavar="ACTION", required=True)
+
+    spawn = commands.add_parser(
+        "spawn",
+        help="start a session for a principal and print its id",
+        description="Start a headless Claude session for PRINCIPAL; print the session id.",
+    )
+    spawn.add_argument("principal_id", metavar="PRINCIPAL", help="a principal from the config")
+    spawn.add_argument("--session", metavar="ID", help="choose the id ([A-Za-z0-9_-]{1,64})")
+    spawn.add_argument("--message", metavar="TEXT", help="a first user turn, sent once ready")
+    _common(spawn, add_common)
+    spawn.set_defaults(handler=_spawn)
+
+    send = commands.add_parser(
+        "send",
+        help="send a user turn and print the reply as it streams",
+        description=(
+            "Send TEXT ('-' reads it from stdin) to session SID, print Claude's reply as it"
+            " streams, exit when the turn ends: 0 on success, 1 on an error result or if"
+            " the session ends first."
+        ),
+    )
+    send.add_argument("session", metavar="SID")
+    send.add_argument("text", metavar="TEXT")
+    send.add_argument(
+        "--timeout", type=float, default=0.0, help="give up after this many seconds (0: never)"
+    )
+    _common(send, add_common)
+    send.set_defaults(handler=_send)
+
+    sessions = commands.add_parser(
+        "sessions",
+        help="list sessions",
+        description="List sessions: principal, pid, state, age, turns, cost.",
+    )
+    _common(sessions, add_common)
+    sessions.set_defaults(handler=_sessions)
+
+    watch = commands.add_parser(
+        "watch",
+        help="print a session's events as JSON lines",
+        description="Print every event of session SID as one JSON line until it exits.",
+    )
+    watch.add_argument("session", metavar="SID")
+    watch.add_argument("-n", "--count", type=int, default=0, help="exit after N events")
+    _common(watch, add_common, json_output=False)
+    watch.set_defaults(handler=_watch)
+
+    for name, text in (
+        ("interrupt", "interrupt the running turn of a session"),
+        ("stop", "stop a session (interrupt, end input, then signals)"),
+    ):
+        cmd = commands.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
+        cmd.add_argument("session", metavar="SID")
+        _common(cmd, add_common)
+        cmd.set_defaults(handler=_simple, verb=name)
+
+
+def _common(parser: argparse.ArgumentParser, add_common: Any, *, json_output: bool = True) -> None:
+    parser.add_argument("--principal", default=None, help="act for this principal")
+    add_common(parser, json_output=json_output)
+
+
+async def _call(client: Any, topic: str, payload: Any, deadline: float) -> dict[str, Any]:
+    try:
+        reply = await client.request(topic, payload, deadline=deadline)
+    except NoResponders:
+        raise SageError(
+            "no session runner is running (is `runner` in supervisor.capsules?)"
+        ) from None
+    data: dict[str, Any] = msgspec.json.decode(reply.payload)
+    if not data.get("ok"):
+        raise SageError(f"{data.get('error', 'error')}: {data.get('message', '')}")
+    return data
+
+
+async def _spawn(args: argparse.Namespace) -> int:
+    payload: dict[str, Any] = {"principal_id": args.principal_id}
+    if args.session:
+        payload["session_id"] = args.session
+    if args.message:
+        payload["initial_message"] = args.message
+    async with connect(args) as client:
+        data = await _call(client, "sage.v1.request.spawn", payload, SPAWN_TIMEOUT)
+    if args.json:
+        print_json(data)
+    else:
+        print(data["session_id"])
+    return 0
+
+
+async def _send(args: argparse.Namespace) -> int:
+    text = sys.stdin.read() if args.text == "-" else args.text
+    sid = args.session
+    out = sys.stdout
+    async with connect(args) as client:
+        events = await client.subscribe(f"sage.v1.event.{sid}.>")
+        await _call(client, f"sage.v1.request.send.{sid}", {"text": text}, 10.0)
+        with anyio.fail_after(args.timeout or None):
+            async for envelope in events:
+                name = envelope.topic.rsplit(".", 1)[1]
+                data = msgspec.json.decode(envelope.payload)
+                if args.json:
+                    print_json({"event": name, **data})
+                elif name == "text":
+                    out.write(data.get("delta", ""))
+                    out.flush()
+                if name == "done":
+                    if not args.json:
+                        out.write("\n")
+                    if data.get("is_error"):
+                        print(f"astrid: the turn ended with {data.get('subtype')}", file=sys.stderr)
+                        return 1
+                    return 0
+                if name in ("exited", "error"):
+                    print(f"astrid: session {sid}: {data.get('reason')}", file=sys.stderr)
+                    return 1
+    raise SageError("the connection ended before the turn did")
+
+
+async def _sessions(args: argparse.Namespace) -> int:
+    async with connect(args) as client:
+        data = await _call(client, "sage.v1.request.sessions", {}, 5.0)
+    rows = data["sessions"]
+    if args.json:
+        print_json(rows)
+        return 0
+    if not rows:
+        print("no sessions")
+        return 0
+    print(f"{'SESSION':<20} {'PRINCIPAL':<12} {'PID':>8} {'STATE':<9} {'AGE':>8} {'TURNS':>5} COST")
+    for row in rows:
+        print(
+            f"{row['session_id']:<20} {row.get('principal_id', ''):<12} "
+            f"{row.get('pid') or '-':>8} {row['state']:<9} {_age(row.get('age_s', 0)):>8} "
+            f"{row.get('turns', 0):>5} ${row.get('cost_usd', 0.0):.4f}"
+        )
+    return 0
+
+
+def _age(seconds: float) -> str:
+    s = int(seconds)
+    if s < 120:
+        return f"{s}s"
+    if s < 7200:
+        return f"{s // 60}m"
+    return f"{s // 3600}h"
+
+
+async def _watch(args: argparse.Namespace) -> int:
+    seen = 0
+    async with connect(args) as client:
+        events = await client.subscribe(f"sage.v1.event.{args.session}.>")
+        try:
+            async for envelope in events:
+                name = envelope.topic.rsplit(".", 1)[1]
+                print_json(
+                    {
+                        "event": name,
+                        "ts": envelope.ts or time.time(),
+                        "data": msgspec.json.decode(envelope.payload),
+                    }
+                )
+                seen += 1
+                if name == "exited" or (args.count and seen >= args.count):
+                    return 0
+        except BusError as exc:
+            raise SageError(f"watch ended: {exc}") from exc
+    return 0
+
+
+async def _simple(args: argparse.Namespace) -> int:
+    async with connect(args) as client:
+        data = await _call(client, f"sage.v1.request.{args.verb}.{args.session}", {}, 30.0)
+    if args.json:
+        print_json(data)
+    else:
+        print(f"{args.verb}: {args.session}")
+    return 0
