@@ -135,14 +135,21 @@ class CapsuleContext:
         *,
         config_of: Callable[[], Config] = Config,
         state_of: Callable[[], StateStore | None] = lambda: None,
+        ready: anyio.Event | None = None,
     ) -> None:
         self.bus = bus
+        self._ready = ready
         self.identity = identity
         self.manifest = manifest
         self.log = log.bind(capsule=manifest.name)
         self._subscriptions: list[Subscription] = []
         self._config_of = config_of
         self._state_of = state_of
+
+    def ready(self) -> None:
+        """Say the capsule serves its topics; the supervisor reports READY after all have."""
+        if self._ready is not None:
+            self._ready.set()
 
     @property
     def config(self) -> Config:
@@ -198,6 +205,8 @@ class CapsuleRunner:
     ) -> None:
         self._config_of = config_of
         self._state_of = state_of
+        self.ready = anyio.Event()
+        """Set when the capsule's first run called ``ctx.ready()``, ended or crashed."""
         self.manifest = manifest
         self.state = CapsuleState.STARTING
         self.restarts = 0
@@ -233,6 +242,7 @@ class CapsuleRunner:
                 self.manifest,
                 config_of=self._config_of,
                 state_of=self._state_of,
+                ready=self.ready,
             )
             try:
                 await main(ctx)
@@ -253,6 +263,7 @@ class CapsuleRunner:
                 return
             finally:
                 ctx.close()
+                self.ready.set()  # a crash or an end also ends the wait for it
             delay = self.policy.on_crash(time.monotonic())
             if delay is None:
                 self.state = CapsuleState.FAILED

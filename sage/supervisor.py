@@ -40,6 +40,7 @@ ROLES = ("cli", "capsule", "emit")
 STATUS_TOPIC = "sage.v1.request.status"
 AUDIT_PATTERN = "*.v1.audit.>"
 VERSION = "0.1.0"
+CAPSULE_READY_TIMEOUT = 10.0  # seconds READY waits for capsules to say they serve
 
 
 class _AuditSink:
@@ -201,6 +202,12 @@ class Supervisor:
             await tg.start(self._handle_signals, tg.cancel_scope)
             for capsule in self.capsules:
                 tg.start_soon(capsule.run)
+            with anyio.move_on_after(CAPSULE_READY_TIMEOUT):
+                for capsule in self.capsules:
+                    await capsule.ready.wait()
+            late = [c.manifest.name for c in self.capsules if not c.ready.is_set()]
+            if late:
+                log.warning("supervisor.capsules_not_ready", capsules=late)
             interval = watchdog_interval()
             if interval:
                 tg.start_soon(self._watchdog, interval)

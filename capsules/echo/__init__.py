@@ -10,7 +10,9 @@ from sage.capsules import CapsuleContext
 
 
 async def run(ctx: CapsuleContext) -> None:
-    async for request in ctx.subscribe("demo.v1.echo"):
+    requests = ctx.subscribe("demo.v1.echo")
+    ctx.ready()
+    async for request in requests:
         try:
             ctx.reply(request, {"echo": request.data()})
         except PayloadTooLarge as exc:

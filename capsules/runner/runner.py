@@ -136,17 +136,21 @@ class Runner:
             "sage.v1.request.sessions": self._list,
         }
         self._resolve_binary()
+        # subscribed before anything else: requests that come during the
+        # reconciliation wait in their queues instead of finding no responder
+        subscribed = {pattern: ctx.subscribe(pattern) for pattern in subscriptions}
         async with anyio.create_task_group() as tg:
             self._tg = tg
             await self._reconcile()
             for pattern, handler in subscriptions.items():
-                tg.start_soon(self._serve, ctx.subscribe(pattern), handler)
+                tg.start_soon(self._serve, subscribed[pattern], handler)
             tg.start_soon(self._tools_changed, ctx.subscribe("sage.v1.tools.changed"))
             tg.start_soon(self.mcp.follow, ctx.subscribe("sage.v1.tools.list"))
             tg.start_soon(
                 self._identity_saved, ctx.subscribe("tool.v1.execute.save_identity.result")
             )
             tg.start_soon(self._check_version)
+            ctx.ready()
 
     async def _serve(self, requests: Any, handler: Any) -> None:
         async for request in requests:

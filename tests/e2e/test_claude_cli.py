@@ -229,6 +229,9 @@ async def test_interrupt_mid_stream(claude: Claude, standin: Standin) -> None:
         async with claude() as host:
             await host.write(encode_user_turn("talk slowly"))
             await standin.stream_started.wait()
+            # the first delta left the stand-in; give the CLI a moment to take it in
+            # (on a loaded machine the interrupt could otherwise overtake it)
+            await anyio.sleep(0.3)
             outcome = await host.request("interrupt", encode_interrupt)
             assert outcome.state is OutgoingState.COMPLETED
             assert msgspec.json.decode(outcome.response) == {"still_queued": []}

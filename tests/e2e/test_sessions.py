@@ -1,0 +1,337 @@
+"""The session runner end to end: a real supervisor, the real Claude Code CLI, a stand-in API.
+
+Each test starts a supervisor process whose runner spawns the pinned
+``claude`` binary against the Messages API stand-in on 127.0.0.1, and
+drives it over the supervisor's socket the way ``astrid sage`` does.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+
+from tests.e2e.standin import Error, Slow, Standin, Text, ToolUse
+from tests.integration.sage_harness import Sage, running_sage, sage_config
+
+pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
+
+GREET = {
+    "name": "mcp__sage__greet",
+    "description": "Greet someone by name.",
+    "inputSchema": {
+        "type": "object",
+        "properties": {"name": {"type": "string"}},
+        "required": ["name"],
+    },
+}
+
+
+def _env(standin: Standin) -> dict[str, str]:
+    return {
+        "ANTHROPIC_BASE_URL": standin.url,
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_TELEMETRY": "1",
+    }
+
+
+def _config(claude_bin: Path, standin: Standin, extra: str = "") -> str:
+    return sage_config(
+        claude_bin, _env(standin), extra="[limits]\nstop_grace = 2.0\ninit_timeout = 30.0\n" + extra
+    )
+
+
+@pytest.fixture
+async def sage(claude_bin: Path, standin: Standin) -> AsyncIterator[Sage]:
+    async with running_sage(
+        _config(claude_bin, standin), env={"ANTHROPIC_API_KEY": "sk-test"}
+    ) as running:
+        yield running
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+async def test_spawn_two_turns_list_stop(sage: Sage, standin: Standin) -> None:
+    events, reply = await sage.spawn("one")
+    assert reply["ok"]
+    assert reply["session_id"] == "one"
+    assert reply["pid"] > 0
+    name, spawned = await events.next()
+    assert (name, spawned) == (
+        "spawned",
+        {"principal_id": "alice", "session_id": "one", "pid": reply["pid"]},
+    )
+    name, init = await events.next()
+    assert name == "init"
+    assert init["session_id"] == "one"
+    assert Path(init["cwd"]).name == "alice"
+
+    standin.push(Text("hello there", chunks=3))
+    assert (await sage.send("one", "hi"))["turn"] == 1
+    text, done = await events.text_until_done()
+    assert text == "hello there"
+    assert done["is_error"] is False
+    assert done["subtype"] == "success"
+    assert done["total_cost_usd"] > 0
+    assert len([n for n, _ in events.seen if n == "text"]) == 3  # streamed, not whole
+
+    standin.push(Text("second answer"))
+    await sage.send("one", "again")
+    text, done2 = await events.text_until_done()
+    assert text == "second answer"
+    # the second request carries the first turn: one conversation
+    body = standin.messages[-1].body
+    roles = [m["role"] for m in body["messages"] if m["role"] != "system"]
+    assert roles == ["user", "assistant", "user"]
+
+    listing = await sage.request("sage.v1.request.sessions", {})
+    (row,) = listing["sessions"]
+    assert row["session_id"] == "one"
+    assert row["principal_id"] == "alice"
+    assert row["turns"] == 2
+    assert row["state"] == "ready"
+    assert row["pid"] == reply["pid"]
+    assert row["cost_usd"] >= done2["total_cost_usd"] > 0
+
+    # the child got a clean environment and the headless command line
+    environ = (await anyio.Path(f"/proc/{reply['pid']}/environ").read_bytes()).split(b"\0")
+    names = {e.split(b"=", 1)[0].decode() for e in environ if e}
+    assert {
+        "HOME",
+        "PATH",
+        "ASTRID_PRINCIPAL_ID",
+        "ASTRID_SESSION_ID",
+        "ASTRID_HOOK_TOKEN",
+    } <= names
+    assert "PYTEST_CURRENT_TEST" not in names
+    argv = (await anyio.Path(f"/proc/{reply['pid']}/cmdline").read_bytes()).split(b"\0")
+    assert b"--tools" in argv
+    assert argv[argv.index(b"--tools") + 1] == b""
+    assert b"sk-test" not in b" ".join(argv)
+
+    assert (await sage.request("sage.v1.request.stop.one", {}))["ok"]
+    exited = (await events.until("exited"))[-1][1]
+    assert exited["reason"] == "stopped"
+    assert exited["exit_code"] == 0
+    assert not _alive(reply["pid"])
+    assert (await sage.request("sage.v1.request.sessions", {}))["sessions"] == []
+    assert [n for n, _ in events.seen].count("exited") == 1
+
+
+async def test_astrid_sage_commands(sage: Sage, standin: Standin) -> None:
+    code, out, err = await sage.astrid("sage", "spawn", "alice", "--session", "cli1")
+    assert code == 0, err
+    assert out.strip() == "cli1"
+    standin.push(Text("streamed reply", chunks=4))
+    code, out, err = await sage.astrid("sage", "send", "cli1", "-", stdin=b"hello from stdin")
+    assert code == 0, err
+    assert out == "streamed reply\n"
+    assert standin.messages[-1].last_user_message is not None
+    assert "hello from stdin" in str(standin.messages[-1].last_user_message)
+    code, out, err = await sage.astrid("sage", "sessions")
+    assert code == 0, err
+    assert "cli1" in out
+    assert "alice" in out
+    code, out, err = await sage.astrid("sage", "sessions", "--json")
+    assert msgspec.json.decode(out)[0]["turns"] == 1
+    code, out, err = await sage.astrid("sage", "send", "nope", "hi")
+    assert code == 1
+    assert "unknown_session" in err
+    code, out, err = await sage.astrid("sage", "spawn", "alice", "--session", "cli1")
+    assert code == 1
+    assert "duplicate_session" in err
+    code, out, err = await sage.astrid("sage", "stop", "cli1")
+    assert code == 0, err
+
+
+async def test_interrupt_mid_turn_then_next_turn(sage: Sage, standin: Standin) -> None:
+    events = await sage.ready("int")
+    standin.push(Slow("first part and a very slow rest", delay=20, chunks=2))
+    await sage.send("int", "go")
+    name, _ = await events.next()
+    assert name == "text"
+    reply = await sage.request("sage.v1.request.interrupt.int", {})
+    assert reply["ok"]
+    assert reply["interrupted"] is True
+    _, done = await events.text_until_done(within=15)
+    assert done["is_error"] is True
+    assert done["subtype"] == "error_during_execution"
+    standin.push(Text("after the interrupt"))
+    await sage.send("int", "next")
+    text, done = await events.text_until_done()
+    assert text == "after the interrupt"
+    assert done["is_error"] is False
+
+
+async def _tool_bridge(sage: Sage) -> Any:
+    """Publish a catalogue with greet and answer its calls like a tool bridge would."""
+    calls = await sage.client.subscribe("sage.v1.tool.call.*")
+    sage.client.publish("sage.v1.tools.list", {"tools": [GREET]})
+    await sage.client.flush()
+    return calls
+
+
+@pytest.mark.parametrize("allowed", [True, False])
+async def test_can_use_tool_goes_to_the_approval_topics(
+    sage: Sage, standin: Standin, allowed: bool
+) -> None:
+    calls = await _tool_bridge(sage)
+    approvals = await sage.client.subscribe("approval.v1.request.*")
+    hooks = await sage.client.subscribe("hook.v1.event.>")
+    events = await sage.ready("ask")
+    standin.push(ToolUse("mcp__sage__greet", {"name": "Ada"}), Text("finished"))
+    await sage.send("ask", "greet Ada")
+
+    request = await approvals.get()
+    data = msgspec.json.decode(request.payload)
+    assert data["tool_name"] == "mcp__sage__greet"
+    assert data["arguments"] == {"name": "Ada"}
+    assert data["principal_id"] == "alice"
+    assert data["session_id"] == "ask"
+    cid = request.topic.rsplit(".", 1)[1]
+    sage.client.publish(
+        f"approval.v1.response.{cid}", {"allowed": allowed, "reason": "test says no"}
+    )
+    await sage.client.flush()
+    seen_hooks = [(await hooks.get()).topic for _ in range(2)]
+    # UserPromptSubmit, then PreToolUse, as in-band hook callbacks
+    assert seen_hooks == ["hook.v1.event.message_received", "hook.v1.event.before_tool_call"]
+    if allowed:
+        call = await calls.get()
+        body = msgspec.json.decode(call.payload)
+        assert body["tool_name"] == "greet"
+        assert body["arguments"] == {"name": "Ada"}
+        sage.client.publish(
+            f"sage.v1.tool.result.{call.topic.rsplit('.', 1)[1]}",
+            {"content": [{"type": "text", "text": "Hello, Ada!"}], "isError": False},
+        )
+        await sage.client.flush()
+    text, done = await events.text_until_done()
+    assert text == "finished"
+    results = standin.messages[-1].tool_results()
+    assert len(results) == 1
+    if allowed:
+        assert "Hello, Ada!" in str(results[0]["content"])
+        assert done["permission_denials"] == []
+    else:
+        assert results[0].get("is_error") is True
+        assert "test says no" in str(results[0]["content"])
+        assert [d["tool_name"] for d in done["permission_denials"]] == ["mcp__sage__greet"]
+
+
+async def test_auth_failure_ends_the_session_in_seconds(claude_bin: Path, standin: Standin) -> None:
+    standin.default = Error(401, "authentication_error", "invalid x-api-key")
+    async with running_sage(
+        _config(claude_bin, standin), env={"ANTHROPIC_API_KEY": "sk-bad"}
+    ) as sage:
+        events = await sage.ready("auth")
+        t0 = time.monotonic()
+        await sage.send("auth", "hi")
+        seen = await events.until("exited", within=20)
+        elapsed = time.monotonic() - t0
+    names = [n for n, _ in seen]
+    assert ("error", "auth_failed") in [(n, d.get("reason")) for n, d in seen]
+    assert seen[-1][1]["reason"] == "auth_failed"
+    assert names.count("exited") == 1
+    assert elapsed < 10, f"auth failure took {elapsed:.1f} s"
+
+
+async def test_sigkill_of_the_child_mid_turn(sage: Sage, standin: Standin) -> None:
+    events, reply = await sage.spawn("kill")
+    await events.until("init")
+    standin.push(Slow("never finished", delay=30))
+    await sage.send("kill", "go")
+    assert (await events.next())[0] == "text"
+    os.kill(reply["pid"], signal.SIGKILL)
+    exited = (await events.until("exited", within=15))[-1][1]
+    assert exited["signal"] == signal.SIGKILL
+    assert exited["exit_code"] is None
+    assert exited["reason"] == "crashed"
+    listing = await sage.request("sage.v1.request.sessions", {})
+    assert listing["sessions"] == []
+
+
+async def test_sigterm_of_the_supervisor_leaves_no_claude_behind(
+    claude_bin: Path, standin: Standin
+) -> None:
+    async with running_sage(
+        _config(claude_bin, standin), env={"ANTHROPIC_API_KEY": "sk-test"}
+    ) as sage:
+        pids = []
+        for sid in ("a", "b"):
+            _, reply = await sage.spawn(sid)
+            pids.append(reply["pid"])
+        standin.push(Slow("busy", delay=30))
+        await sage.send("a", "keep busy")
+        assert all(_alive(pid) for pid in pids)
+        sage.daemon.signal(signal.SIGTERM)
+        assert sage.daemon.proc is not None
+        t0 = time.monotonic()
+        while sage.daemon.proc.poll() is None and time.monotonic() - t0 < 15:
+            time.sleep(0.05)  # noqa: ASYNC251 - the daemon is another process
+        assert sage.daemon.proc.returncode == 0
+    assert not [pid for pid in pids if _alive(pid)]
+
+
+async def test_resume_after_a_supervisor_restart(claude_bin: Path, standin: Standin) -> None:
+    from tests.integration.daemon import short_dir
+
+    root = short_dir()
+    config = _config(claude_bin, standin, "[sessions]\nresume = true\n")
+    env = {"ANTHROPIC_API_KEY": "sk-test"}
+    async with running_sage(config, env=env, root=root) as sage:
+        events = await sage.ready("keep")
+        standin.push(Text("remember the word: tangerine"))
+        await sage.send("keep", "remember a word")
+        await events.text_until_done()
+    async with running_sage(config, env=env, root=root) as sage:
+        events = await sage.events("keep")
+        listing = await sage.request("sage.v1.request.sessions", {})
+        assert [s["session_id"] for s in listing["sessions"]] == ["keep"]
+        standin.push(Text("it was tangerine"))
+        # the resumed session takes turns once its new child is initialized
+        for _ in range(100):
+            reply = await sage.send("keep", "which word?")
+            if reply.get("ok"):
+                break
+            time.sleep(0.05)  # noqa: ASYNC251
+        text, _ = await events.text_until_done()
+        assert text == "it was tangerine"
+        earlier = standin.messages[-1].body["messages"]
+        assert "remember a word" in str(earlier)  # the conversation survived the restart
+
+
+async def test_without_resume_a_restart_ends_sessions(claude_bin: Path, standin: Standin) -> None:
+    from tests.integration.daemon import short_dir
+
+    root = short_dir()
+    config = _config(claude_bin, standin)
+    env = {"ANTHROPIC_API_KEY": "sk-test"}
+    async with running_sage(config, env=env, root=root) as sage:
+        await sage.ready("gone")
+    async with running_sage(config, env=env, root=root) as sage:
+        listing = await sage.request("sage.v1.request.sessions", {})
+        assert listing["sessions"] == []
+    import sqlite3
+
+    db = sqlite3.connect(root / "state" / "state.db")
+    rows = dict(db.execute("SELECT key, value FROM kv WHERE namespace = 'sessions'").fetchall())
+    tokens = db.execute("SELECT count(*) FROM kv WHERE namespace = 'hook_tokens'").fetchone()
+    db.close()
+    record = msgspec.json.decode(rows["gone"])
+    assert record["state"] == "ended"
+    assert record["reason"] == "supervisor_restart"
+    assert tokens == (0,)
