@@ -23,7 +23,15 @@ import anyio.abc
 import msgspec
 
 from bus.envelope import Envelope
-from bus.errors import BusClosed, BusError, ConnectionLost, error_for_code, sole_error
+from bus.errors import (
+    BusClosed,
+    BusError,
+    ConnectionLost,
+    FrameError,
+    RequestTimeout,
+    error_for_code,
+    sole_error,
+)
 from bus.wire import (
     Err,
     FrameReader,
@@ -48,6 +56,12 @@ from bus.wire import (
 __all__ = ("BusClient", "RemoteSubscription")
 
 _encode = msgspec.json.Encoder().encode
+
+
+REQUEST_GRACE = 2.0
+"""Seconds past a request's deadline before the client gives up on the server's answer."""
+MAX_LOCAL_WAIT = 305.0
+"""The same bound for a request without a deadline (the server caps deadlines at 300 s)."""
 
 
 class RemoteSubscription:
@@ -226,9 +240,19 @@ class BusClient:
     async def request_raw(
         self, topic: str, payload: bytes, *, deadline: float | None = None
     ) -> Envelope:
+        try:
+            msgspec.json.decode(payload)
+        except msgspec.DecodeError as exc:
+            raise FrameError(f"request payload is not valid JSON: {exc}") from None
         rid = next(self._ids)
         self._send(Req(rid, topic, msgspec.Raw(payload), deadline))
-        result: Result = await self._wait("result", rid)
+        # the server enforces the deadline; this bound only guards against a
+        # server that never answers (e.g. an error frame it could not tie to us)
+        local = None if deadline is None else deadline + REQUEST_GRACE
+        with anyio.move_on_after(local if local is not None else MAX_LOCAL_WAIT) as scope:
+            result: Result = await self._wait("result", rid)
+        if scope.cancelled_caught:
+            raise RequestTimeout(f"no answer to the request on {topic!r}")
         if result.env is None:
             raise error_for_code(result.code or "bus_error", result.message or "request failed")
         return result.env.to_envelope()
