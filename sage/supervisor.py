@@ -275,6 +275,7 @@ class Supervisor:
                 ("supervisor.state_dir", old.supervisor.state_dir, new.supervisor.state_dir),
                 ("supervisor.socket", old.supervisor.socket, new.supervisor.socket),
                 ("supervisor.capsules", old.supervisor.capsules, new.supervisor.capsules),
+                ("claude.binary", old.claude.binary, new.claude.binary),
                 (
                     "supervisor.shutdown_grace",
                     old.supervisor.shutdown_grace,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ __all__ = (
     "hash_token",
     "mint_token",
     "read_api_key",
+    "unsafe_home",
     "write_private",
 )
 
@@ -87,6 +89,30 @@ def read_api_key(config: Config, environ: dict[str, str] | None = None) -> str |
             return key
     key = env.get("ANTHROPIC_API_KEY", "").strip()
     return key or None
+
+
+def unsafe_home(home: Path) -> str | None:
+    """Why ``home`` must not be used, or None.
+
+    The child runs as the supervisor's user and reads settings (command hooks!)
+    from its home, so a home that someone else can write would let them run
+    code as the supervisor.  A home that does not exist yet is made 0700.
+    """
+    uid = os.getuid()
+    for path in (home, home / ".claude"):
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            return f"cannot inspect {path}: {exc.strerror}"
+        if stat.S_ISLNK(st.st_mode):
+            return f"{path} is a symbolic link"
+        if st.st_uid != uid:
+            return f"{path} is owned by uid {st.st_uid}, not the supervisor's uid {uid}"
+        if st.st_mode & 0o022:
+            return f"{path} is writable by group or others (mode {st.st_mode & 0o777:o})"
+    return None
 
 
 def write_private(path: Path, data: bytes) -> None:

@@ -18,6 +18,7 @@ import anyio
 import msgspec
 import structlog
 
+from bus import BusError
 from capsules.runner.messages import ToolResult, ToolsList
 from capsules.runner.session import ClaudeProcess, SessionError
 from sage.protocol import McpMessageRequest
@@ -103,16 +104,19 @@ class McpServer:
         if not runner.ctx.bus.has_subscribers(topic):
             return _text_error(f"tool {name!r} is not available: no tool bridge is running")
         with runner.ctx.subscribe(f"sage.v1.tool.result.{cid}") as results:
-            runner.ctx.publish(
-                topic,
-                {
-                    "session_id": proc.session_id,
-                    "principal_id": proc.principal_id,
-                    "tool_name": name,
-                    "arguments": arguments,
-                    "tool_use_id": meta.get("claudecode/toolUseId"),
-                },
-            )
+            try:
+                runner.ctx.publish(
+                    topic,
+                    {
+                        "session_id": proc.session_id,
+                        "principal_id": proc.principal_id,
+                        "tool_name": name,
+                        "arguments": arguments,
+                        "tool_use_id": meta.get("claudecode/toolUseId"),
+                    },
+                )
+            except BusError as exc:  # e.g. arguments over the payload limit
+                return _text_error(f"tool {name!r} could not be called: {exc}")
             with anyio.move_on_after(runner.config.limits.tool_timeout):
                 async for envelope in results:
                     try:

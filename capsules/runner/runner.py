@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -37,7 +38,14 @@ import msgspec
 import structlog
 
 from bus import BusError, Envelope
-from capsules.runner.command import Launch, build_launch, hash_token, mint_token, read_api_key
+from capsules.runner.command import (
+    Launch,
+    build_launch,
+    hash_token,
+    mint_token,
+    read_api_key,
+    unsafe_home,
+)
 from capsules.runner.mcp import McpServer
 from capsules.runner.messages import (
     ApprovalResponse,
@@ -48,9 +56,9 @@ from capsules.runner.messages import (
 )
 from capsules.runner.session import ClaudeProcess, Ending, SessionError
 from sage.capsules import CapsuleContext
-from sage.claude_binary import read_claude_version, resolve_claude_binary
+from sage.claude_binary import is_tested, read_claude_version, resolve_claude_binary
 from sage.config import NAME_PATTERN, Config, PrincipalConfig
-from sage.errors import ProcessError, SageError
+from sage.errors import ConfigError, SageError
 from sage.protocol import CanUseToolRequest, HookCallbackRequest, HookMatcher, McpMessageRequest
 
 __all__ = ("Runner", "SessionRecord", "run")
@@ -93,7 +101,10 @@ class _Session:
     principal: PrincipalConfig
     proc: ClaudeProcess | None = None
     respawn_reason: str | None = None
-    respawns: int = 0
+    respawns: int = 0  # attempts since the last child that became ready
+    stopping: bool = False
+    turns: int = 0  # of earlier children
+    cost_usd: float = 0.0
     token_hash: str = ""
     ending: Ending | None = None
     done: anyio.Event = field(default_factory=anyio.Event)
@@ -199,7 +210,7 @@ class Runner:
             return
         tested = self.config.claude.version
         log.info("runner.claude", binary=str(self.binary), version=self.version, tested=tested)
-        if self.version != tested:
+        if not is_tested(self.version, self.config):
             self.audit(
                 "claude_version_drift",
                 {"binary": str(self.binary), "version": self.version, "tested": tested},
@@ -219,15 +230,14 @@ class Runner:
         records = [
             msgspec.convert(value, SessionRecord) for _, value in await store.items("sessions")
         ]
-        live = {r.session_id for r in records if r.state in LIVE}
+        # nothing runs yet: every token left is from a child that is gone
         for key, _ in await store.items("hook_tokens"):
-            if key not in live or key not in self.sessions:
-                await store.delete("hook_tokens", key)
+            await store.delete("hook_tokens", key)
         for record in records:
             if record.state not in LIVE or record.session_id in self.sessions:
                 continue
             if record.pid:
-                _kill_leftover(record.pid)
+                _kill_leftover(record.pid, record.claude_session)
             principal = self.config.principal(record.principal_id)
             if self.config.sessions.resume and principal is not None and self.binary is not None:
                 session = _Session(record, principal)
@@ -265,7 +275,7 @@ class Runner:
         principal = config.principal(pid_)
         if principal is None:
             raise self._reject(pid_, "unknown_principal", f"no principal {pid_!r} is configured")
-        sid = req.session_id or f"s{uuid.uuid4().hex[:12]}"
+        sid = f"s{uuid.uuid4().hex[:12]}" if req.session_id is None else req.session_id
         if not _check_id(sid):
             raise self._reject(pid_, "invalid_session_id", "session ids are 1-64 of [A-Za-z0-9_-]")
         if principal.interaction_mode == "repl":
@@ -303,18 +313,23 @@ class Runner:
         assert self._tg is not None
         try:
             pid: int = await self._tg.start(self._run_session, session, resume, initial)
-        except (ProcessError, OSError) as exc:
+        except SessionError:
+            raise
+        except (SageError, OSError) as exc:
             raise SessionError("spawn_failed", str(exc)) from None
         return pid
 
-    def _launch(self, session: _Session, *, resume: bool) -> Launch:
+    async def _launch(self, session: _Session, *, resume: bool) -> Launch:
         config = self.config
         if self.binary is None:
             raise SessionError("claude_missing", "no usable claude binary (see `astrid doctor`)")
-        principal = session.principal
+        principal = config.principal(session.principal.name) or session.principal
         api_key = None
         if principal.auth_mode == "api_key":
-            api_key = read_api_key(config)
+            try:
+                api_key = read_api_key(config)
+            except ConfigError as exc:
+                raise SessionError("api_key_unreadable", str(exc)) from None
             if api_key is None and "ANTHROPIC_API_KEY" not in config.claude.env:
                 self._event(
                     session.id,
@@ -330,18 +345,31 @@ class Runner:
                     "principal uses auth_mode api_key but no API key is configured"
                     " (claude.api_key_file, $CREDENTIALS_DIRECTORY or $ANTHROPIC_API_KEY)",
                 )
+        problem = unsafe_home(config.home_of(principal))
+        if problem is not None:
+            raise SessionError("unsafe_home", problem)
+        identity = principal.identity or None
+        try:  # a saved identity (save_identity) wins over the config's
+            saved = await self.ctx.state.get("identities", principal.name)
+        except SageError:
+            saved = None
+        if isinstance(saved, str) and saved.strip():
+            identity = saved
         token = mint_token()
-        launch = build_launch(
-            config,
-            principal,
-            session_id=session.id,
-            claude_session=session.record.claude_session,
-            binary=self.binary,
-            token=token,
-            api_key=api_key,
-            identity=principal.identity or None,
-            resume=resume,
-        )
+        try:
+            launch = build_launch(
+                config,
+                principal,
+                session_id=session.id,
+                claude_session=session.record.claude_session,
+                binary=self.binary,
+                token=token,
+                api_key=api_key,
+                identity=identity,
+                resume=resume,
+            )
+        except OSError as exc:
+            raise SessionError("spawn_failed", f"cannot prepare the session: {exc}") from None
         session.token_hash = hash_token(token)
         return launch
 
@@ -353,43 +381,37 @@ class Runner:
         *,
         task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
-        limits = self.config.limits
+        """The life of a session: one child, or several when it is respawned."""
         ending: Ending | None = None
-        reason = "exited"
         first = True
         try:
             while True:
-                launch = self._launch(session, resume=resume)
-                if launch.identity_fallback:
-                    self.audit(
-                        "identity_fallback",
-                        {"principal_id": session.principal.name, "session_id": session.id},
-                    )
-                proc = ClaudeProcess(
-                    session.id,
-                    session.principal.name,
-                    launch,
-                    self,
-                    max_line_bytes=limits.max_line_bytes,
-                    init_timeout=limits.init_timeout,
-                    stop_grace=limits.stop_grace,
-                    stdin_quota=limits.stdin_quota,
-                    hooks=HOOKS,
-                    initial_message=initial,
-                )
-                session.proc = proc
-                async with anyio.create_task_group() as tg:
-                    pid: int = await tg.start(self._incarnation, proc)
-                    await self._spawned(session, launch, pid, first=first, resume=resume)
+                try:
+                    launch = await self._launch(session, resume=resume)
+                    proc = self._process(session, launch, initial)
+                    async with anyio.create_task_group() as tg:
+                        pid: int = await tg.start(self._incarnation, session, proc)
+                        await self._spawned(session, launch, pid, first=first, resume=resume)
+                        if first:
+                            task_status.started(pid)
+                except (SageError, OSError) as exc:
                     if first:
-                        task_status.started(pid)
-                        first = False
-                ending = session.ending
-                assert ending is not None
-                if session.respawn_reason is None or ending.reason != "respawn":
-                    reason = ending.reason
+                        raise
+                    log.warning("session.respawn_failed", session_id=session.id, error=str(exc))
+                    ending = None
+                    failed = True
+                else:
+                    ending = session.ending
+                    assert ending is not None
+                    session.turns += proc.turn.finished
+                    session.cost_usd += proc.turn.cost_usd
+                    failed = ending.reason != "respawn" and session.respawn_reason is not None
+                first = False
+                if session.stopping or (ending is not None and ending.reason == "stopped"):
                     break
-                why, session.respawn_reason = session.respawn_reason, None
+                if ending is not None and ending.reason != "respawn" and not failed:
+                    break  # an ordinary end
+                # a refresh was asked for, or a respawned child died before it was ready
                 session.respawns += 1
                 if session.respawns > self.config.sessions.max_respawns:
                     self.audit(
@@ -398,21 +420,12 @@ class Runner:
                             "principal_id": session.principal.name,
                             "session_id": session.id,
                             "attempts": session.respawns - 1,
-                            "reason": why,
+                            "reason": session.respawn_reason or "",
                         },
                     )
-                    reason = "respawn_abandoned"
-                    break
+                    await self._ended(session, ending, "respawn_abandoned")
+                    return
                 resume, initial = True, None
-                self._event(
-                    session.id,
-                    "respawned",
-                    {
-                        "principal_id": session.principal.name,
-                        "reason": why,
-                        "flags_hash": "",  # filled by _spawned's record; kept for the contract
-                    },
-                )
         except anyio.get_cancelled_exc_class():
             with anyio.CancelScope(shield=True), anyio.move_on_after(2):
                 session.record.state = "interrupted"
@@ -422,21 +435,32 @@ class Runner:
             self.sessions.pop(session.id, None)
             session.done.set()
             raise
-        except SessionError:
+        except (SageError, OSError):
             self.sessions.pop(session.id, None)
             session.done.set()
-            if first:
-                raise
-            reason = "respawn_failed"
-        await self._ended(session, ending, reason)
+            raise  # the first start failed: the spawn request says why
+        await self._ended(session, ending, ending.reason if ending is not None else "exited")
+
+    def _process(self, session: _Session, launch: Launch, initial: str | None) -> ClaudeProcess:
+        limits = self.config.limits
+        return ClaudeProcess(
+            session.id,
+            session.principal.name,
+            launch,
+            self,
+            max_line_bytes=limits.max_line_bytes,
+            init_timeout=limits.init_timeout,
+            stop_grace=limits.stop_grace,
+            stdin_quota=limits.stdin_quota,
+            hooks=HOOKS,
+            initial_message=initial,
+        )
 
     async def _incarnation(
-        self, proc: ClaudeProcess, *, task_status: anyio.abc.TaskStatus[int]
+        self, session: _Session, proc: ClaudeProcess, *, task_status: anyio.abc.TaskStatus[int]
     ) -> None:
-        session = self.sessions.get(proc.session_id)
-        ending = await proc.run(task_status=task_status)
-        if session is not None:
-            session.ending = ending
+        session.proc = proc
+        session.ending = await proc.run(task_status=task_status)
         with contextlib.suppress(OSError):
             proc.launch.identity_file.unlink(missing_ok=True)
 
@@ -448,16 +472,35 @@ class Runner:
         record.state = "running"
         record.flags_hash = launch.flags_hash
         await self._save(record)
-        await self.ctx.state.put(
-            "hook_tokens",
-            session.id,
-            {"sha256": session.token_hash, "principal_id": record.principal_id},
-        )
+        try:
+            await self.ctx.state.put(
+                "hook_tokens",
+                session.id,
+                {"sha256": session.token_hash, "principal_id": record.principal_id},
+            )
+        except SageError as exc:
+            log.error("runner.token_not_saved", session_id=session.id, error=str(exc))
+        if launch.identity_fallback:
+            self.audit(
+                "identity_fallback",
+                {"principal_id": session.principal.name, "session_id": session.id},
+            )
         if first:
             self._event(
                 session.id,
                 "spawned",
                 {"principal_id": record.principal_id, "session_id": session.id, "pid": pid},
+            )
+        elif session.respawn_reason is not None:
+            self._event(
+                session.id,
+                "respawned",
+                {
+                    "principal_id": record.principal_id,
+                    "reason": session.respawn_reason,
+                    "flags_hash": launch.flags_hash,
+                    "pid": pid,
+                },
             )
         self.audit(
             "spawn",
@@ -477,9 +520,8 @@ class Runner:
         record.state = "ended"
         record.reason = reason
         record.ended_at = time.time()
-        if session.proc is not None:
-            record.turns = session.proc.turn.finished
-            record.cost_usd = session.proc.turn.cost_usd
+        record.turns = session.turns
+        record.cost_usd = session.cost_usd
         payload: dict[str, Any] = (
             ending.payload() if ending is not None else {"exit_code": None, "signal": None}
         )
@@ -521,6 +563,8 @@ class Runner:
     async def _send(self, request: Envelope) -> dict[str, Any]:
         session = self._target(request)
         req = msgspec.json.decode(request.payload, type=SendRequest)
+        if req.session_id is not None and req.session_id != session.id:
+            raise SessionError("bad_request", "session_id does not match the topic")
         proc = self._proc(session)
         try:
             turn = await proc.send(req.text)
@@ -532,6 +576,8 @@ class Runner:
 
     async def _stop(self, request: Envelope) -> dict[str, Any]:
         session = self._target(request)
+        session.stopping = True
+        session.respawn_reason = None
         if session.proc is not None:
             await session.proc.stop("stopped")
         with anyio.move_on_after(self.config.limits.stop_grace * 3 + 5):
@@ -589,6 +635,11 @@ class Runner:
         self._publish(f"sage.v1.event.{sid}.{name}", payload)
 
     def event(self, proc: ClaudeProcess, name: str, payload: dict[str, Any]) -> None:
+        session = self.sessions.get(proc.session_id)
+        if name == "init" and session is not None:
+            if session.respawn_reason is not None and session.respawns:
+                session.respawn_reason = None  # the respawned child is up
+            session.respawns = 0
         self._event(proc.session_id, name, payload)
 
     async def mcp_message(self, proc: ClaudeProcess, request: McpMessageRequest) -> Any:
@@ -677,16 +728,15 @@ async def _quietly(func: Any) -> None:
         await func()
 
 
-def _kill_leftover(pid: int) -> None:
+def _kill_leftover(pid: int, claude_session: str) -> None:
     """A child of a dead supervisor that is somehow still there (PDEATHSIG should have)."""
-    import signal
-
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as file:
-            cmdline = file.read()
+            argv = file.read().split(b"\0")
     except OSError:
         return
-    if b"claude" in cmdline or b"--input-format" in cmdline:
+    mine = {f"--session-id={claude_session}".encode(), f"--resume={claude_session}".encode()}
+    if mine & set(argv):  # only a process started for this very session
         with contextlib.suppress(OSError):
             os.killpg(pid, signal.SIGKILL)
 

@@ -80,6 +80,7 @@ AUTH_STATUSES = frozenset({401, 403})
 STDERR_TAIL = 16 * 1024
 STDOUT_TAIL = 4 * 1024
 EVENT_TAIL = 4 * 1024  # bytes of each tail carried in the exited event
+GENTLE_REASONS = frozenset({"stopped", "respawn"})  # a running turn is interrupted first
 DRAIN_AFTER_EXIT = 1.0  # seconds to read what the child wrote before it exited
 
 
@@ -207,6 +208,7 @@ class ClaudeProcess:
         self._ending = anyio.Event()
         self._stdout_done = anyio.Event()
         self._deltas = 0  # text deltas since the last assistant message
+        self._busy_at_end = False
         self.unknown = 0
 
     # -- public -------------------------------------------------------------
@@ -220,6 +222,7 @@ class ClaudeProcess:
     ) -> Ending:
         """Start the child, serve it until it is gone; ``task_status`` gets its pid."""
         self.child = child = Child.spawn(self.launch.argv, env=self.launch.env, cwd=self.launch.cwd)
+        init_id = self._queue_initialize()
         task_status.started(child.pid)
         log.info("session.spawned", session_id=self.session_id, pid=child.pid)
         try:
@@ -228,7 +231,7 @@ class ClaudeProcess:
                 tg.start_soon(self._read_stdout, child)
                 tg.start_soon(self._read_stderr, child)
                 tg.start_soon(self._write_stdin, child)
-                tg.start_soon(self._initialize)
+                tg.start_soon(self._initialize, init_id)
                 tg.start_soon(self._enforce_ending, child)
                 status = await child.wait()
                 await self._after_exit(child)
@@ -254,10 +257,14 @@ class ClaudeProcess:
         )
 
     def end(self, reason: str) -> None:
-        """Ask the process to end for ``reason`` (the first reason given is kept)."""
-        if self.reason is None:
+        """Ask the process to end for ``reason`` (the first reason given is kept,
+        except that an operator's ``stopped`` overrides a planned ``respawn``)."""
+        if self.reason is None or (self.reason == "respawn" and reason == "stopped"):
             self.reason = reason
         if self.state not in (ProcessState.STOPPING, ProcessState.EXITED):
+            self._busy_at_end = (
+                self.state is ProcessState.BUSY or self.turn.started > self.turn.finished
+            )
             self.state = ProcessState.STOPPING
         self._ending.set()
 
@@ -305,9 +312,17 @@ class ClaudeProcess:
         if self._channel.state is not ChannelState.OPEN:
             raise SessionError("session_ended", f"session {self.session_id} has ended")
         request_id = self._channel.open_request(subtype)
-        waiter = self._waiters[request_id] = _Waiter()
+        self._waiters[request_id] = _Waiter()
         try:
             await self._write(encode(request_id))
+        except BaseException:
+            self._waiters.pop(request_id, None)
+            raise
+        return await self._answer_to(request_id, subtype, within)
+
+    async def _answer_to(self, request_id: str, subtype: str, within: float) -> ControlOutcome:
+        waiter = self._waiters[request_id]
+        try:
             with anyio.move_on_after(within) as scope:
                 await waiter.event.wait()
         finally:
@@ -321,19 +336,11 @@ class ClaudeProcess:
         return outcome
 
     async def stop(self, reason: str = "stopped") -> None:
-        """Run the stop sequence (interrupt a running turn first); returns once reaped."""
-        child = self.child
+        """End the process for ``reason`` and wait until it is reaped."""
         self.end(reason)
-        if child is None or not child.running:
-            return
-        busy = self.state is ProcessState.BUSY or self.turn.started > self.turn.finished
-
-        async def interrupt() -> None:
-            if busy and self._channel.state is ChannelState.OPEN:
-                with contextlib.suppress(SessionError):
-                    await self.request("interrupt", encode_interrupt, within=self._stop_grace)
-
-        await stop(child, grace=self._stop_grace, end_input=interrupt)
+        child = self.child
+        if child is not None and child.running:
+            await child.wait()
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -349,21 +356,30 @@ class ClaudeProcess:
 
     # -- tasks ----------------------------------------------------------------
 
-    async def _initialize(self) -> None:
+    def _queue_initialize(self) -> str:
+        """Put ``initialize`` first in the child's input, before anything can be sent."""
+        request_id = self._channel.open_request("initialize")
+        self._waiters[request_id] = _Waiter()
+        self._send.send_nowait(encode_initialize(request_id, self._hooks))
+        return request_id
+
+    async def _initialize(self, request_id: str) -> None:
         try:
-            await self.request(
-                "initialize",
-                lambda rid: encode_initialize(rid, self._hooks),
-                within=self._init_timeout,
-            )
+            await self._answer_to(request_id, "initialize", self._init_timeout)
         except SessionError as exc:
             if exc.code == "timeout":
                 log.warning("session.init_timeout", session_id=self.session_id)
                 self._error("init_timeout")
                 self.end("init_timeout")
-            return
+            elif exc.code == "control_failed":
+                log.warning("session.init_failed", session_id=self.session_id, error=str(exc))
+                self._error("init_failed", message=str(exc))
+                self.end("init_failed")
+            return  # session_ended: the child is gone; its exit tells the rest
         if self.state is ProcessState.STARTING:
-            self.state = ProcessState.READY
+            # a turn sent while starting is already queued behind initialize
+            busy = self.turn.started > self.turn.finished
+            self.state = ProcessState.BUSY if busy else ProcessState.READY
         self._ready.set()
         self.host.event(
             self,
@@ -388,12 +404,21 @@ class ClaudeProcess:
         return argv[argv.index("--model") + 1] if "--model" in argv else ""
 
     async def _enforce_ending(self, child: Child) -> None:
-        """When a reason to end appears, run the stop sequence."""
+        """The one place that runs the stop sequence, once a reason to end appears."""
         await self._ending.wait()
-        if child.running:
-            grace = self._stop_grace if self.reason == "stopped" else min(self._stop_grace, 1.0)
+        if not child.running:
+            return
+        if self.reason not in GENTLE_REASONS:
             # a fail-fast ending has no turn worth finishing: stop at once
-            await stop(child, grace=grace)
+            await stop(child, grace=min(self._stop_grace, 1.0))
+            return
+
+        async def interrupt() -> None:
+            if self._busy_at_end and self._channel.state is ChannelState.OPEN:
+                with contextlib.suppress(SessionError):
+                    await self.request("interrupt", encode_interrupt, within=self._stop_grace)
+
+        await stop(child, grace=self._stop_grace, end_input=interrupt)
 
     async def _write_stdin(self, child: Child) -> None:
         async for line in self._outbox:

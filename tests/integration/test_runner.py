@@ -1,0 +1,425 @@
+"""The session runner against the CLI test double: spawn rules and faults on cue.
+
+The real CLI proves the protocol (tests/e2e/test_sessions.py); the double
+(tests/doubles/fake_claude.py) misbehaves when told to: an 80 MB line, a
+10 MB stderr flood, garbage, a child that ignores SIGTERM, a grandchild that
+holds the pipes, no answer to ``initialize``, a crash, endless 401 retries.
+Every case must end in a defined outcome, one ``exited`` event, and a
+session table that is clean afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+
+from bus import FrameError
+from tests.integration.sage_harness import Events, Sage, running_sage, sage_config
+
+pytestmark = pytest.mark.anyio
+
+FAKE = Path(__file__).resolve().parents[1] / "doubles" / "fake_claude.py"
+ENV = {"ANTHROPIC_API_KEY": "sk-double"}
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _config(mode: str = "", extra: str = "", principal_extra: str = "", **env: str) -> str:
+    child_env = {"FAKE_CLAUDE_MODE": mode, **env}
+    limits = "[limits]\nstop_grace = 0.5\ninit_timeout = 5.0\nmax_line_bytes = 1048576\n"
+    return sage_config(FAKE, child_env, extra=limits + extra, principal_extra=principal_extra)
+
+
+@pytest.fixture
+async def sage() -> AsyncIterator[Sage]:
+    async with running_sage(_config(), env=ENV) as running:
+        yield running
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def _listing(sage: Sage) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = (await sage.request("sage.v1.request.sessions", {}))["sessions"]
+    return rows
+
+
+async def _exited(events: Events, within: float = 15.0) -> dict[str, Any]:
+    seen = await events.until("exited", within)
+    assert [n for n, _ in seen].count("exited") == 1
+    return seen[-1][1]
+
+
+# -- spawn rules -----------------------------------------------------------------
+
+
+async def test_a_turn_with_the_double(sage: Sage) -> None:
+    events = await sage.ready("plain")
+    await sage.send("plain", "hello")
+    text, done = await events.text_until_done()
+    assert text == "echo: hello"
+    assert done["is_error"] is False
+
+
+@pytest.mark.parametrize("bad", ["../etc", "a b", "x" * 65, "", "-rf", "a.b"])
+async def test_bad_session_ids_are_refused(sage: Sage, bad: str) -> None:
+    rejected = await sage.client.subscribe("sage.v1.event.session_rejected")
+    reply = await sage.request(
+        "sage.v1.request.spawn", {"principal_id": "alice", "session_id": bad}
+    )
+    if bad == "-rf":  # matches the id pattern; it is never read as a flag
+        assert reply["ok"], reply
+        await sage.request("sage.v1.request.stop.-rf", {})
+        return
+    assert reply == {
+        "ok": False,
+        "error": "invalid_session_id",
+        "message": "session ids are 1-64 of [A-Za-z0-9_-]",
+    }
+    event = msgspec.json.decode((await rejected.get()).payload)
+    assert event["reason"] == "invalid_session_id"
+    assert await _listing(sage) == []
+
+
+async def test_bad_requests_get_clear_errors(sage: Sage) -> None:
+    reply = await sage.request("sage.v1.request.spawn", {"principal_id": "nobody"})
+    assert reply["error"] == "unknown_principal"
+    reply = await sage.request("sage.v1.request.spawn", {"principal": "alice"})
+    assert reply["error"] == "bad_request"
+    with pytest.raises(FrameError, match="not valid JSON"):  # refused before it is sent
+        await sage.client.request_raw("sage.v1.request.spawn", b"[1, 2", deadline=5)
+    raw = await sage.client.request_raw("sage.v1.request.spawn", b"[1, 2]", deadline=5)
+    assert msgspec.json.decode(raw.payload)["error"] == "bad_request"
+    reply = await sage.request("sage.v1.request.send.nope", {"text": "hi"})
+    assert reply["error"] == "unknown_session"
+    await sage.ready("s1")
+    reply = await sage.request("sage.v1.request.send.s1", {"txt": "hi"})
+    assert reply["error"] == "bad_request"
+
+
+async def test_the_cap_holds_against_concurrent_spawns(sage: Sage) -> None:
+    replies: list[dict[str, Any]] = []
+
+    async def spawn(i: int) -> None:
+        replies.append(
+            await sage.request(
+                "sage.v1.request.spawn", {"principal_id": "alice", "session_id": f"c{i}"}
+            )
+        )
+
+    async with anyio.create_task_group() as tg:
+        for i in range(7):
+            tg.start_soon(spawn, i)
+    ok = [r for r in replies if r["ok"]]
+    refused = [r for r in replies if not r["ok"]]
+    assert len(ok) == 4
+    assert {r["error"] for r in refused} == {"principal_limit"}
+    assert len(await _listing(sage)) == 4
+    # a duplicate id is refused while the session lives
+    reply = await sage.request(
+        "sage.v1.request.spawn", {"principal_id": "alice", "session_id": ok[0]["session_id"]}
+    )
+    assert reply["error"] in ("duplicate_session", "principal_limit")
+    for r in ok:
+        assert (await sage.request(f"sage.v1.request.stop.{r['session_id']}", {}))["ok"]
+    assert await _listing(sage) == []
+    again = await sage.request(
+        "sage.v1.request.spawn", {"principal_id": "alice", "session_id": "c0"}
+    )
+    assert again["ok"], again  # an ended id may be used again
+
+
+async def test_who_may_act_repl_and_missing_key() -> None:
+    extra_principals = (
+        '[[principals]]\nname = "bob"\nuids = []\ninteraction_mode = "repl"\n'
+        '[[principals]]\nname = "carol"\nuids = []\nauth_mode = "subscription"\n'
+    )
+    env = {k: v for k, v in os.environ.items() if k != "ANTHROPIC_API_KEY"}
+    async with running_sage(_config() + extra_principals, env=env) as sage:
+        sage.daemon.env = env
+        reply = await sage.request("sage.v1.request.spawn", {"principal_id": "bob"})
+        assert reply["error"] == "interaction_mode_is_repl"
+        reply = await sage.request("sage.v1.request.spawn", {"principal_id": "alice"})
+        assert reply["error"] == "api_key_missing"
+        assert "ANTHROPIC_API_KEY" in reply["message"]
+        reply = await sage.request("sage.v1.request.spawn", {"principal_id": "carol"})
+        assert reply["ok"], reply  # subscription mode needs no key
+        environ = (await anyio.Path(f"/proc/{reply['pid']}/environ").read_bytes()).split(b"\0")
+        assert not [e for e in environ if e.startswith(b"ANTHROPIC_API_KEY=")]
+        # a connection acting for bob may not spawn for carol, nor see or stop her session
+        from bus.client import BusClient
+
+        async with BusClient.connect(
+            sage.daemon.socket, role="cli", name="bob", principal="bob"
+        ) as bob:
+            answer = await bob.request(
+                "sage.v1.request.spawn", {"principal_id": "carol"}, deadline=5
+            )
+            assert msgspec.json.decode(answer.payload)["error"] == "not_authorized"
+            listing = msgspec.json.decode(
+                (await bob.request("sage.v1.request.sessions", {}, deadline=5)).payload
+            )
+            assert listing["sessions"] == []
+            sid = reply["session_id"]
+            answer = await bob.request(f"sage.v1.request.stop.{sid}", {}, deadline=5)
+            assert msgspec.json.decode(answer.payload)["error"] == "unknown_session"
+        assert len(await _listing(sage)) == 1
+
+
+# -- faults ------------------------------------------------------------------------
+
+
+async def test_an_80_mb_line_ends_the_session_cleanly(sage: Sage) -> None:
+    events = await sage.ready("huge")
+    await sage.send("huge", "/fault huge_line 80000000")
+    seen = await events.until("exited", within=30)
+    assert ("error", "line_too_long") in [(n, d.get("reason")) for n, d in seen]
+    assert seen[-1][1]["reason"] == "line_too_long"
+    assert len(seen[-1][1]["stdout_tail"]) <= 4096
+    assert await _listing(sage) == []
+
+
+async def test_stderr_flood_garbage_and_unknown_types_do_not_stop_a_session(sage: Sage) -> None:
+    events = await sage.ready("noisy")
+    for fault in ("stderr_flood 10000000", "garbage", "unknown"):
+        await sage.send("noisy", f"/fault {fault}")
+        text, done = await events.text_until_done(within=30)
+        assert done["is_error"] is False, fault
+    await sage.send("noisy", "still there?")
+    text, _ = await events.text_until_done()
+    assert text == "echo: still there?"
+    await sage.request("sage.v1.request.stop.noisy", {})
+    exited = await _exited(events)
+    assert exited["reason"] == "stopped"
+    assert 0 < len(exited["stderr_tail"].encode()) <= 4096 * 4
+
+
+async def test_stopping_a_busy_session_interrupts_its_turn_first(sage: Sage) -> None:
+    events = await sage.ready("busy")
+    await sage.send("busy", "/fault hang")
+    await events.until("text")
+    assert (await sage.request("sage.v1.request.stop.busy", {}))["ok"]
+    seen = await events.until("exited")
+    done = [d for n, d in seen if n == "done"]
+    assert len(done) == 1
+    assert done[0]["subtype"] == "error_during_execution"
+    assert seen[-1][1]["reason"] == "stopped"
+    assert seen[-1][1]["exit_code"] == 0  # ended by its input, no signal needed
+
+
+async def test_a_child_that_ignores_sigterm_is_killed() -> None:
+    async with running_sage(_config("ignore_sigterm"), env=ENV) as sage:
+        events, reply = await sage.spawn("stubborn")
+        await events.until("init")
+        await sage.send("stubborn", "/fault hang")
+        await events.until("text")
+        t0 = time.monotonic()
+        assert (await sage.request("sage.v1.request.stop.stubborn", {}))["ok"]
+        exited = await _exited(events)
+        assert time.monotonic() - t0 < 5
+        assert exited["reason"] == "stopped"
+        assert not _alive(reply["pid"])
+
+
+async def test_a_grandchild_holding_the_pipes_does_not_hide_the_exit() -> None:
+    async with running_sage(_config("grandchild"), env=ENV) as sage:
+        events, _reply = await sage.spawn("gc")
+        await events.until("init")
+        await sage.send("gc", "/fault crash 3")
+        exited = await _exited(events)
+        assert exited["exit_code"] == 3
+        assert exited["reason"] == "crashed"
+        line = next(ln for ln in exited["stderr_tail"].splitlines() if "grandchild pid" in ln)
+        grandchild = int(line.rsplit(" ", 1)[1])
+        for _ in range(100):
+            if not _alive(grandchild):
+                break
+            await anyio.sleep(0.05)
+        assert not _alive(grandchild), "the group was not killed"
+
+
+async def test_no_answer_to_initialize_is_an_init_timeout() -> None:
+    async with running_sage(
+        _config("no_init").replace("init_timeout = 5.0", "init_timeout = 0.5"), env=ENV
+    ) as sage:
+        events, reply = await sage.spawn("mute")
+        assert reply["ok"]
+        seen = await events.until("exited")
+        assert ("error", "init_timeout") in [(n, d.get("reason")) for n, d in seen]
+        assert seen[-1][1]["reason"] == "init_timeout"
+        assert "init" not in [n for n, _ in seen]
+        assert not _alive(reply["pid"])
+        # a send before init is answered at once
+        assert (await sage.send("mute", "hi"))["error"] == "unknown_session"
+
+
+async def test_endless_401_retries_end_as_auth_failed(sage: Sage) -> None:
+    events = await sage.ready("auth")
+    t0 = time.monotonic()
+    await sage.send("auth", "/fault api_retry_401 0.1")
+    exited = await _exited(events)
+    assert exited["reason"] == "auth_failed"
+    assert time.monotonic() - t0 < 5
+
+
+async def test_an_oversized_turn_is_refused_and_the_session_goes_on(sage: Sage) -> None:
+    events = await sage.ready("quota")
+    # the payload fits the bus (1 MiB), the encoded stdin line does not
+    reply = await sage.send("quota", "x" * (1024 * 1024 - 40))
+    assert reply["ok"] is False
+    assert reply["error"] == "stdin_quota"
+    name, data = await events.next()
+    assert (name, data["reason"]) == ("error", "stdin_quota")
+    await sage.send("quota", "small")
+    text, _ = await events.text_until_done()
+    assert text == "echo: small"
+
+
+async def test_pending_approvals_fail_at_once_when_the_child_dies(sage: Sage) -> None:
+    approvals = await sage.client.subscribe("approval.v1.request.*")  # never answered
+    events, reply = await sage.spawn("ask")
+    await events.until("init")
+    await sage.send("ask", '/fault ask mcp__sage__greet {"name": "Ada"}')
+    await approvals.get()
+    t0 = time.monotonic()
+    os.kill(reply["pid"], signal.SIGKILL)
+    exited = await _exited(events)
+    assert exited["signal"] == signal.SIGKILL
+    assert time.monotonic() - t0 < 5  # not after approval_timeout (60 s)
+
+
+async def test_no_approver_means_deny_at_once(sage: Sage) -> None:
+    events = await sage.ready("deny")
+    await sage.send("deny", '/fault ask mcp__sage__greet {"name": "Ada"}')
+    text, done = await events.text_until_done(within=10)
+    assert text.startswith("denied: no approver")
+    assert [d["tool_name"] for d in done["permission_denials"]] == ["mcp__sage__greet"]
+
+
+async def test_tool_calls_go_to_the_bus_and_hooks_are_republished(sage: Sage) -> None:
+    hooks = await sage.client.subscribe("hook.v1.event.>")
+    approvals = await sage.client.subscribe("approval.v1.request.*")
+    events = await sage.ready("tools")
+
+    async def approve() -> None:
+        approval = await approvals.get()
+        assert msgspec.json.decode(approval.payload)["tool_name"] == "mcp__sage__greet"
+        sage.client.publish(approval.topic.replace("request", "response"), {"allowed": True})
+        await sage.client.flush()
+
+    # no tool bridge: Claude gets an isError result, not a hang
+    await sage.send("tools", '/fault tool greet {"name": "Ada"}')
+    await approve()
+    text, _ = await events.text_until_done()
+    assert text.startswith("tool error:")
+    assert "no tool bridge" in text
+    hook = await hooks.get()
+    assert hook.topic == "hook.v1.event.before_tool_call"
+    payload = msgspec.json.decode(hook.payload)
+    assert payload["principal_id"] == "alice"
+    assert payload["session_id"] == "tools"
+    # a bridge that answers
+    calls = await sage.client.subscribe("sage.v1.tool.call.*")
+    await sage.send("tools", '/fault tool greet {"name": "Bo"}')
+    await approve()
+    call = await calls.get()
+    assert msgspec.json.decode(call.payload)["arguments"] == {"name": "Bo"}
+    sage.client.publish(
+        call.topic.replace("call", "result"),
+        {"content": [{"type": "text", "text": "Hello, Bo!"}], "isError": False},
+    )
+    await sage.client.flush()
+    text, _ = await events.text_until_done()
+    assert text == "tool: Hello, Bo!"
+    # without an approver listening, the prompt is denied at once
+    await approvals.close()
+    await sage.send("tools", '/fault tool greet {"name": "Cy"}')
+    text, _ = await events.text_until_done(within=10)
+    assert text == "tool denied: no approver is listening"
+
+
+async def test_identity_refresh_respawns_then_gives_up(tmp_path: Path) -> None:
+    from bus.client import BusClient
+
+    broken = tmp_path / "broken"
+    wrapper = tmp_path / "claude"
+    wrapper.write_text(f'#!/bin/sh\n[ -e {broken} ] && exit 7\nexec {FAKE} "$@"\n')
+    wrapper.chmod(0o755)
+    config = _config(extra="[sessions]\nmax_respawns = 2\n").replace(str(FAKE), str(wrapper))
+    async with running_sage(config, env=ENV) as sage:
+        audits = await sage.client.subscribe("sage.v1.audit.>")
+        events, reply = await sage.spawn("who")
+        await events.until("init")
+        async with BusClient.connect(
+            sage.daemon.socket, role="cli", name="alice", principal="alice"
+        ) as alice:
+            for attempt in range(3):  # refreshes that work do not use up the attempts
+                # the payload names someone else: the verified publisher decides
+                alice.publish(
+                    "tool.v1.execute.save_identity.result",
+                    {"success": True, "principal_id": "bob"},
+                )
+                await alice.flush()
+                _name, data = (await events.until("respawned"))[-1]
+                assert data["principal_id"] == "alice"
+                assert data["reason"] == "identity_refresh"
+                assert data["flags_hash"].startswith("sha256:")
+                await events.until("init")
+                await sage.send("who", f"after {attempt}")
+                text, _ = await events.text_until_done()
+                assert text == f"echo: after {attempt}"
+            listing = await _listing(sage)
+            assert listing[0]["pid"] != reply["pid"]
+            assert listing[0]["turns"] == 1  # this child's; the record sums them all
+            broken.touch()  # from now on the binary fails before initialize
+            alice.publish("tool.v1.execute.save_identity.result", {"success": True})
+            await alice.flush()
+            exited = await _exited(events)
+            assert exited["reason"] == "respawn_abandoned"
+        kinds = []
+        with anyio.move_on_after(2):
+            async for envelope in audits:
+                kinds.append(envelope.topic)
+                if envelope.topic == "sage.v1.audit.respawn_abandoned":
+                    break
+        assert "sage.v1.audit.respawn_abandoned" in kinds
+        assert kinds.count("sage.v1.audit.spawn") >= 4
+
+
+async def test_version_drift_and_identity_fallback_are_audited(tmp_path: Path) -> None:
+    newer = tmp_path / "claude"
+    newer.write_text(f'#!/bin/sh\nFAKE_CLAUDE_VERSION=9.9.9 exec {FAKE} "$@"\n')
+    newer.chmod(0o755)
+    config = _config().replace(str(FAKE), str(newer))
+    async with running_sage(config, env=ENV) as sage:
+        await sage.ready("drift")
+        await sage.request("sage.v1.request.stop.drift", {})
+        root = sage.daemon.root
+    db = sqlite3.connect(f"file:{root / 'state' / 'audit.db'}?mode=ro", uri=True)
+    rows = db.execute("SELECT kind, payload FROM entries").fetchall()
+    db.close()
+    kinds = {kind: msgspec.json.decode(payload)["payload"] for kind, payload in rows}
+    assert kinds["sage.v1.audit.claude_version_drift"]["version"] == "9.9.9"
+    assert kinds["sage.v1.audit.claude_version_drift"]["tested"] == "2.1.328"
+    assert kinds["sage.v1.audit.identity_fallback"]["principal_id"] == "alice"
+    spawn = kinds["sage.v1.audit.spawn"]
+    assert spawn["flags_hash"].startswith("sha256:")
+    assert len(spawn["flags_hash"]) == 71
+    assert "sk-double" not in str(rows)  # the key never reaches the audit log
