@@ -371,7 +371,8 @@ class ClaudeProcess:
                 log.warning("session.init_timeout", session_id=self.session_id)
                 self._error("init_timeout")
                 self.end("init_timeout")
-            elif exc.code == "control_failed":
+            elif exc.code == "control_failed" and self._channel.state is ChannelState.OPEN:
+                # an error answer from the CLI (not the child going away)
                 log.warning("session.init_failed", session_id=self.session_id, error=str(exc))
                 self._error("init_failed", message=str(exc))
                 self.end("init_failed")

@@ -270,6 +270,16 @@ async def test_no_answer_to_initialize_is_an_init_timeout() -> None:
         assert (await sage.send("mute", "hi"))["error"] == "unknown_session"
 
 
+async def test_a_stop_before_initialize_is_answered_is_just_a_stop() -> None:
+    async with running_sage(_config("no_init"), env=ENV) as sage:
+        events, reply = await sage.spawn("early")
+        assert reply["ok"]
+        assert (await sage.request("sage.v1.request.stop.early", {}))["ok"]
+        seen = await events.until("exited")
+        assert [n for n, _ in seen] == ["spawned", "exited"]
+        assert seen[-1][1]["reason"] == "stopped"
+
+
 async def test_endless_401_retries_end_as_auth_failed(sage: Sage) -> None:
     events = await sage.ready("auth")
     t0 = time.monotonic()
