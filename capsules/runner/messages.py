@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
-
-from sage.config import NAME_PATTERN
 
 __all__ = (
     "ApprovalResponse",
     "IdentitySaved",
     "SendRequest",
+    "SettingsPatch",
     "SpawnRequest",
     "ToolResult",
     "ToolsChanged",
     "ToolsList",
 )
-
-SessionId = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN)]
 
 
 class SpawnRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -34,6 +31,16 @@ class SendRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     text: str
     session_id: str | None = None
+
+
+class SettingsPatch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """``sage.v1.request.settings.set``: a partial patch of a principal's settings."""
+
+    principal_id: str
+    interaction_mode: Literal["headless", "repl"] | None = None
+    auth_mode: Literal["api_key", "subscription"] | None = None
+    model: str | None = None
+    max_turns: Annotated[int, msgspec.Meta(ge=0, le=10_000)] | None = None
 
 
 class ApprovalResponse(msgspec.Struct, frozen=True):

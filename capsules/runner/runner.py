@@ -51,6 +51,7 @@ from capsules.runner.messages import (
     ApprovalResponse,
     IdentitySaved,
     SendRequest,
+    SettingsPatch,
     SpawnRequest,
     ToolsChanged,
 )
@@ -77,6 +78,20 @@ HOOKS = {
     name: [HookMatcher(None, [f"hook_{name}"])]
     for name in ("PreToolUse", "PostToolUse", "UserPromptSubmit", "Stop", "SubagentStop")
 }
+
+
+SETTINGS_FIELDS = ("interaction_mode", "auth_mode", "model", "max_turns")
+SETTINGS_SCHEMA = 1
+
+
+def _settings_view(principal: PrincipalConfig) -> dict[str, Any]:
+    """What settings events and audits show of a principal (no identity text)."""
+    return {
+        "interaction_mode": principal.interaction_mode,
+        "auth_mode": principal.auth_mode,
+        "model": principal.model,
+        "max_turns": principal.max_turns,
+    }
 
 
 class SessionRecord(msgspec.Struct, kw_only=True):
@@ -127,6 +142,8 @@ class Runner:
         self.ctx = ctx
         self.sessions: dict[str, _Session] = {}
         self.mcp = McpServer(self)
+        self.settings: dict[str, dict[str, Any]] = {}
+        """Per-principal patches from ``settings.set`` (kept in the state store)."""
         self.binary: Path | None = None
         self.version = ""
         self._tg: anyio.abc.TaskGroup | None = None
@@ -145,6 +162,7 @@ class Runner:
             "sage.v1.request.stop.*": self._stop,
             "sage.v1.request.interrupt.*": self._interrupt,
             "sage.v1.request.sessions": self._list,
+            "sage.v1.request.settings.set": self._settings,
         }
         self._resolve_binary()
         # subscribed before anything else: requests that come during the
@@ -224,9 +242,56 @@ class Runner:
         except SageError as exc:
             log.error("runner.record_failed", session_id=record.session_id, error=str(exc))
 
+    async def _load_settings(self) -> None:
+        for name, value in await self.ctx.state.items("settings"):
+            if isinstance(value, dict):
+                self.settings[name] = {k: v for k, v in value.items() if k in SETTINGS_FIELDS}
+
+    def principal(self, name: str) -> PrincipalConfig | None:
+        """The principal as configured, with its ``settings.set`` patch applied."""
+        base = self.config.principal(name)
+        patch = self.settings.get(name)
+        if base is None or not patch:
+            return base
+        try:
+            return msgspec.structs.replace(base, **patch)
+        except (TypeError, ValueError):  # a stored patch the config no longer takes
+            return base
+
+    async def _settings(self, request: Envelope) -> dict[str, Any]:
+        patch = msgspec.json.decode(request.payload, type=SettingsPatch)
+        name = patch.principal_id
+        if request.principal not in (None, name):
+            raise SessionError("not_authorized", f"you may not act for principal {name!r}")
+        before = self.principal(name)
+        if before is None:
+            raise SessionError("unknown_principal", f"no principal {name!r} is configured")
+        changes = {f: getattr(patch, f) for f in SETTINGS_FIELDS if getattr(patch, f) is not None}
+        if not changes:
+            raise SessionError("bad_request", "the patch changes nothing")
+        merged = {**self.settings.get(name, {}), **changes}
+        try:
+            await self.ctx.state.put("settings", name, merged)
+        except SageError as exc:
+            raise SessionError("state_error", f"the settings were not saved: {exc}") from None
+        self.settings[name] = merged
+        after = self.principal(name)
+        assert after is not None
+        previous, new = _settings_view(before), _settings_view(after)
+        self._publish(
+            "sage.v1.settings.changed",
+            {"principal_id": name, "config": new, "schema_version": SETTINGS_SCHEMA},
+        )
+        self.audit(
+            "settings_changed",
+            {"principal_id": name, "previous_config": previous, "new_config": new},
+        )
+        return {"ok": True, "principal_id": name, "config": new}
+
     async def _reconcile(self) -> None:
         """Sessions the last supervisor left live: resume them or end them."""
         store = self.ctx.state
+        await self._load_settings()
         records = [
             msgspec.convert(value, SessionRecord) for _, value in await store.items("sessions")
         ]
@@ -238,7 +303,7 @@ class Runner:
                 continue
             if record.pid:
                 _kill_leftover(record.pid, record.claude_session)
-            principal = self.config.principal(record.principal_id)
+            principal = self.principal(record.principal_id)
             if self.config.sessions.resume and principal is not None and self.binary is not None:
                 session = _Session(record, principal)
                 self.sessions[record.session_id] = session
@@ -272,7 +337,7 @@ class Runner:
         pid_ = req.principal_id
         if request.principal is not None and request.principal != pid_:
             raise self._reject(pid_, "not_authorized", f"you may not act for principal {pid_!r}")
-        principal = config.principal(pid_)
+        principal = self.principal(pid_)
         if principal is None:
             raise self._reject(pid_, "unknown_principal", f"no principal {pid_!r} is configured")
         sid = f"s{uuid.uuid4().hex[:12]}" if req.session_id is None else req.session_id
@@ -323,7 +388,7 @@ class Runner:
         config = self.config
         if self.binary is None:
             raise SessionError("claude_missing", "no usable claude binary (see `astrid doctor`)")
-        principal = config.principal(session.principal.name) or session.principal
+        principal = self.principal(session.principal.name) or session.principal
         api_key = None
         if principal.auth_mode == "api_key":
             try:

@@ -81,6 +81,22 @@ def register(sub: Any) -> None:
     _common(watch, add_common, json_output=False)
     watch.set_defaults(handler=_watch)
 
+    settings = commands.add_parser(
+        "settings",
+        help="change a principal's session settings (applies to new sessions)",
+        description=(
+            "Patch PRINCIPAL's settings; the patch is kept by the supervisor across restarts"
+            " and applies to sessions started afterwards. Prints the settings now in force."
+        ),
+    )
+    settings.add_argument("principal_id", metavar="PRINCIPAL")
+    settings.add_argument("--model", help="--model for new sessions ('' for the CLI's default)")
+    settings.add_argument("--max-turns", type=int, help="--max-turns (0: none)")
+    settings.add_argument("--auth-mode", choices=("api_key", "subscription"))
+    settings.add_argument("--interaction-mode", choices=("headless", "repl"))
+    _common(settings, add_common)
+    settings.set_defaults(handler=_settings)
+
     for name, text in (
         ("interrupt", "interrupt the running turn of a session"),
         ("stop", "stop a session (interrupt, end input, then signals)"),
@@ -201,6 +217,22 @@ async def _watch(args: argparse.Namespace) -> int:
                     return 0
         except BusError as exc:
             raise SageError(f"watch ended: {exc}") from exc
+    return 0
+
+
+async def _settings(args: argparse.Namespace) -> int:
+    patch: dict[str, Any] = {"principal_id": args.principal_id}
+    for field in ("model", "max_turns", "auth_mode", "interaction_mode"):
+        value = getattr(args, field)
+        if value is not None:
+            patch[field] = value
+    async with connect(args) as client:
+        data = await _call(client, "sage.v1.request.settings.set", patch, 10.0)
+    if args.json:
+        print_json(data)
+    else:
+        for key, value in data["config"].items():
+            print(f"{key:<17} {value}")
     return 0
 
 

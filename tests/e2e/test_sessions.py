@@ -335,3 +335,21 @@ async def test_without_resume_a_restart_ends_sessions(claude_bin: Path, standin:
     assert record["state"] == "ended"
     assert record["reason"] == "supervisor_restart"
     assert tokens == (0,)
+
+
+@pytest.mark.parametrize(
+    ("status", "kind"),
+    [(429, "rate_limit_error"), (500, "api_error"), (529, "overloaded_error")],
+)
+async def test_transient_api_errors_are_retried_not_fatal(
+    sage: Sage, standin: Standin, status: int, kind: str
+) -> None:
+    """Only 401/403 end a session early; the CLI's own retries handle the rest."""
+    events = await sage.ready(f"r{status}")
+    standin.push(Error(status, kind, headers=(("retry-after", "0"),)), Text("recovered"))
+    await sage.send(f"r{status}", "hi")
+    text, done = await events.text_until_done(within=30)
+    assert text == "recovered"
+    assert done["is_error"] is False
+    assert "error" not in [n for n, _ in events.seen]
+    assert len(standin.messages) == 2  # the failed request and its retry

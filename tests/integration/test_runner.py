@@ -433,3 +433,58 @@ async def test_version_drift_and_identity_fallback_are_audited(tmp_path: Path) -
     assert spawn["flags_hash"].startswith("sha256:")
     assert len(spawn["flags_hash"]) == 71
     assert "sk-double" not in str(rows)  # the key never reaches the audit log
+
+
+async def test_settings_patches_apply_to_new_sessions_and_survive_a_restart() -> None:
+    from bus.client import BusClient
+    from tests.integration.daemon import short_dir
+
+    root = short_dir()
+    extra = '[[principals]]\nname = "bob"\nuids = []\n'
+    async with running_sage(_config() + extra, env=ENV, root=root) as sage:
+        changes = await sage.client.subscribe("sage.v1.settings.changed")
+        reply = await sage.request(
+            "sage.v1.request.settings.set", {"principal_id": "alice", "model": "claude-x"}
+        )
+        assert reply["ok"], reply
+        assert reply["config"]["model"] == "claude-x"
+        changed = msgspec.json.decode((await changes.get()).payload)
+        assert changed == {
+            "principal_id": "alice",
+            "config": reply["config"],
+            "schema_version": 1,
+        }
+        for bad in (
+            {"principal_id": "alice", "max_turns": -1},
+            {"principal_id": "alice", "auth_mode": "magic"},
+            {"principal_id": "alice", "colour": "red"},
+            {"principal_id": "alice"},
+        ):
+            answer = await sage.request("sage.v1.request.settings.set", bad)
+            assert answer["error"] == "bad_request", bad
+        async with BusClient.connect(
+            sage.daemon.socket, role="cli", name="bob", principal="bob"
+        ) as bob:
+            answer = await bob.request(
+                "sage.v1.request.settings.set",
+                {"principal_id": "alice", "model": "evil"},
+                deadline=5,
+            )
+            assert msgspec.json.decode(answer.payload)["error"] == "not_authorized"
+        code, out, err = await sage.astrid("sage", "settings", "alice", "--max-turns", "7")
+        assert code == 0, err
+        assert "claude-x" in out
+    async with running_sage(_config() + extra, env=ENV, root=root) as sage:
+        _, reply = await sage.spawn("patched")
+        argv = (await anyio.Path(f"/proc/{reply['pid']}/cmdline").read_bytes()).split(b"\0")
+        assert argv[argv.index(b"--model") + 1] == b"claude-x"
+        assert argv[argv.index(b"--max-turns") + 1] == b"7"
+    db = sqlite3.connect(f"file:{root / 'state' / 'audit.db'}?mode=ro", uri=True)
+    rows = db.execute(
+        "SELECT payload FROM entries WHERE kind = 'sage.v1.audit.settings_changed'"
+    ).fetchall()
+    db.close()
+    first = msgspec.json.decode(rows[0][0])["payload"]
+    assert first["previous_config"]["model"] == ""
+    assert first["new_config"]["model"] == "claude-x"
+    assert len(rows) == 2

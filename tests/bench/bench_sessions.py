@@ -1,0 +1,445 @@
+"""Sessions: start-up overhead and turn latency of the supervisor, and its memory per session.
+
+(a) Start-up, with the pinned Claude Code CLI against the Messages API
+    stand-in.  Reference: the bare ``claude`` with the very argv and
+    environment the runner builds (:func:`capsules.runner.command.build_launch`
+    on the supervisor's own config, so the same home too), driven by the e2e
+    host (:class:`tests.e2e.host.Host`): process start to the ``initialize``
+    control_response, with the runner's hook matchers.  Ours: a
+    ``sage.v1.request.spawn`` over the socket to the session's
+    ``sage.v1.event.<sid>.init`` event.  Rounds are interleaved (bare, ours,
+    bare, ours ...) so machine noise hits both alike; medians in the table,
+    p90 on the console.
+(b) A turn: the bare CLI's user line to its ``result`` against a
+    ``sage.v1.request.send.<sid>`` to the session's ``done`` event, in the
+    same rounds, right after start-up.
+(c) Memory: the supervisor's RSS (``VmRSS`` of the supervisor process, not
+    its children) before and after 200 idle sessions of the CLI test double
+    (tests/doubles/fake_claude.py) have sent ``init``, spawned in batches;
+    KiB per session, and the time the 200 took.
+
+Every process started here is stopped and every temp folder removed, also
+on failure; the double's processes are checked to be gone at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import statistics
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from capsules.runner.command import build_launch
+from capsules.runner.runner import HOOKS
+from sage.config import load_config
+from sage.protocol import OutgoingState, ResultMessage, encode_initialize, encode_user_turn
+from tests.bench.report import Report
+from tests.e2e.host import Host
+from tests.e2e.standin import Standin, Text
+from tests.integration.daemon import short_dir
+from tests.integration.sage_harness import Events, Sage, running_sage, sage_config
+
+ROOT = Path(__file__).resolve().parents[2]
+CLAUDE_BIN = ROOT / ".tools/node_modules/@anthropic-ai/claude-code-linux-x64/claude"
+FAKE = ROOT / "tests" / "doubles" / "fake_claude.py"
+
+ROUNDS = 10
+IDLE_SESSIONS = 200
+BATCH = 20
+API_KEY = "sk-bench"
+LIMITS = "[limits]\nmax_sessions_per_principal = 1000\ninit_timeout = 60.0\nstop_grace = 2.0\n"
+
+
+# -- helpers --------------------------------------------------------------------
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def _pids_with_env(marker: bytes) -> list[int]:
+    """Live processes of ours whose environment contains ``marker``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if marker in f.read():
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return [pid for pid in found if _alive(pid)]
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _leftovers(sage_root: Path) -> list[int]:
+    """Children of the supervisor at ``sage_root`` that outlived it (none expected)."""
+    socket = sage_root / "state" / "run" / "astrid.sock"
+    return _pids_with_env(f"ASTRID_SOCKET={socket}".encode())
+
+
+async def _reap_leftovers(sage_root: Path, within: float = 5.0) -> list[int]:
+    """Wait for the supervisor's children to be gone; kill and return any that stay."""
+    deadline = time.monotonic() + within
+    left = _leftovers(sage_root)
+    while left and time.monotonic() < deadline:
+        await anyio.sleep(0.1)
+        left = _leftovers(sage_root)
+    for pid in left:
+        _kill_group(pid)
+    return left
+
+
+# -- (a) + (b): the real CLI, bare and supervised -------------------------------------
+
+
+class _Bare:
+    """The bare CLI started exactly as the runner would start it for ``alice``."""
+
+    def __init__(self, config_path: Path) -> None:
+        self.config = load_config(config_path)
+        principal = self.config.principal("alice")
+        assert principal is not None
+        self.principal = principal
+        self.n = 0
+
+    async def round(self, with_turn: bool) -> tuple[float, float, float | None]:
+        """(seconds to the process, seconds to initialize answered, seconds for a turn)."""
+        self.n += 1
+        sid = f"bare{self.n}"
+        launch = build_launch(  # written before the clock starts: the file must exist
+            self.config,
+            self.principal,
+            session_id=sid,
+            claude_session=str(uuid.uuid4()),
+            binary=CLAUDE_BIN,
+            token="bench-token",
+            api_key=None,
+            identity=None,
+        )
+        turn_s: float | None = None
+        t0 = time.perf_counter()
+        proc = await anyio.open_process(
+            launch.argv, env=launch.env, cwd=launch.cwd, start_new_session=True
+        )
+        t_proc = time.perf_counter() - t0
+        host = Host(proc)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(host.read_stdout)
+                tg.start_soon(host.drain_stderr)
+                with anyio.fail_after(60):
+                    outcome = await host.request(
+                        "initialize", lambda rid: encode_initialize(rid, HOOKS)
+                    )
+                t_init = time.perf_counter() - t0
+                if outcome.state is not OutgoingState.COMPLETED:
+                    raise RuntimeError(f"bare claude: initialize failed: {outcome}")
+                if with_turn:
+                    t1 = time.perf_counter()
+                    with anyio.fail_after(60):
+                        await host.write(encode_user_turn("hello"))
+                        await host.until(ResultMessage)
+                    turn_s = time.perf_counter() - t1
+                # the runner's stop: close stdin, let it exit, then signal the group
+                await host.close_stdin()
+                with anyio.move_on_after(self.config.limits.stop_grace):
+                    await proc.wait()
+                _kill_group(proc.pid)
+                with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+                    await proc.wait()
+                tg.cancel_scope.cancel()
+        finally:
+            _kill_group(proc.pid)
+            with anyio.CancelScope(shield=True):
+                await proc.aclose()
+            with contextlib.suppress(OSError):
+                launch.identity_file.unlink(missing_ok=True)
+                launch.identity_file.parent.rmdir()
+        return t_proc, t_init, turn_s
+
+
+async def _ours_round(
+    sage: Sage, n: int, with_turn: bool
+) -> tuple[float, float, float | None, dict[str, float]]:
+    """(seconds to the spawn reply, seconds to init, seconds for a turn, offsets of events)."""
+    sid = f"ours{n}"
+    events: Events = await sage.events(sid)
+    seen: dict[str, float] = {}
+    reply: dict[str, Any] = {}
+    t_reply = 0.0
+    turn_s: float | None = None
+
+    async def spawn() -> None:
+        nonlocal reply, t_reply
+        reply = await sage.request(
+            "sage.v1.request.spawn", {"principal_id": "alice", "session_id": sid}, within=60
+        )
+        t_reply = time.perf_counter() - t0
+
+    try:
+        async with anyio.create_task_group() as tg:
+            t0 = time.perf_counter()
+            tg.start_soon(spawn)
+            while True:
+                name, _ = await events.next(within=60)
+                seen.setdefault(name, time.perf_counter() - t0)
+                if name == "init":
+                    break
+                if name in ("exited", "error"):
+                    raise RuntimeError(f"session {sid} ended before init: {events.seen}")
+        t_init = seen["init"]
+        if not reply.get("ok"):
+            raise RuntimeError(f"spawn {sid} failed: {reply}")
+        if with_turn:
+            t1 = time.perf_counter()
+            answer = await sage.send(sid, "hello")
+            if not answer.get("ok"):
+                raise RuntimeError(f"send to {sid} failed: {answer}")
+            await events.until("done", within=60)
+            turn_s = time.perf_counter() - t1
+    finally:
+        with anyio.CancelScope(shield=True):
+            await sage.request(f"sage.v1.request.stop.{sid}", {}, within=30)
+            await events.subscription.close()
+    return t_reply, t_init, turn_s, seen
+
+
+async def _cli(report: Report) -> None:
+    if not CLAUDE_BIN.is_file():
+        raise SystemExit(
+            f"bench_sessions: Claude Code CLI not found at {CLAUDE_BIN}: run `make setup`"
+        )
+    standin = Standin(default=Text("ok"))
+    await standin.start()
+    root = short_dir()
+    try:
+        env = {
+            "ANTHROPIC_API_KEY": API_KEY,
+            "ANTHROPIC_BASE_URL": standin.url,
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+            "DISABLE_TELEMETRY": "1",
+        }
+        async with running_sage(sage_config(CLAUDE_BIN, env, extra=LIMITS), root=root) as sage:
+            bare = _Bare(sage.daemon.config)
+            print("  sessions: warming up (one bare, one supervised)", flush=True)
+            await bare.round(with_turn=True)  # page cache, the home's first files
+            await _ours_round(sage, 0, with_turn=True)
+            b_proc: list[float] = []
+            b_init: list[float] = []
+            b_turn: list[float] = []
+            o_reply: list[float] = []
+            o_init: list[float] = []
+            o_turn: list[float] = []
+            o_spawned: list[float] = []
+            for i in range(1, ROUNDS + 1):
+                tp, ti, tt = await bare.round(with_turn=True)
+                b_proc.append(tp)
+                b_init.append(ti)
+                assert tt is not None
+                b_turn.append(tt)
+                tr, oi, ot, seen = await _ours_round(sage, i, with_turn=True)
+                o_reply.append(tr)
+                o_init.append(oi)
+                assert ot is not None
+                o_turn.append(ot)
+                o_spawned.append(seen.get("spawned", float("nan")))
+                print(
+                    f"  sessions: round {i}/{ROUNDS}: start bare {ti * 1e3:.0f} ms,"
+                    f" ours {oi * 1e3:.0f} ms (reply {tr * 1e3:.0f}, spawned event"
+                    f" {o_spawned[-1] * 1e3:.0f}); turn bare {tt * 1e3:.0f} ms,"
+                    f" ours {ot * 1e3:.0f} ms",
+                    flush=True,
+                )
+    finally:
+        await standin.stop()
+        left = await _reap_leftovers(root)
+        shutil.rmtree(root, ignore_errors=True)
+        if left:
+            raise RuntimeError(f"claude processes outlived the supervisor: {left}")
+
+    med = statistics.median
+    print(
+        f"  sessions: start p90: bare {_pct(b_init, 0.9) * 1e3:.0f} ms,"
+        f" ours {_pct(o_init, 0.9) * 1e3:.0f} ms; turn p90: bare"
+        f" {_pct(b_turn, 0.9) * 1e3:.0f} ms, ours {_pct(o_turn, 0.9) * 1e3:.0f} ms",
+        flush=True,
+    )
+    print(
+        f"  sessions: start medians: bare Popen {med(b_proc) * 1e3:.1f} ms;"
+        f" ours spawn reply {med(o_reply) * 1e3:.1f} ms, spawned event"
+        f" {med(o_spawned) * 1e3:.1f} ms, init {med(o_init) * 1e3:.1f} ms;"
+        f" overhead {(med(o_init) - med(b_init)) * 1e3:+.1f} ms",
+        flush=True,
+    )
+    report.add(
+        "sessions",
+        f"start to init, real CLI (median of {ROUNDS})",
+        med(o_init) * 1e3,
+        "ms",
+        reference=med(b_init) * 1e3,
+        reference_name="bare claude to initialize answer",
+        goal="within 5 % (ratio <= 1.05)",
+        higher_is_better=False,
+    )
+    report.add(
+        "sessions",
+        f"turn send to done, real CLI (median of {ROUNDS})",
+        med(o_turn) * 1e3,
+        "ms",
+        reference=med(b_turn) * 1e3,
+        reference_name="bare claude user line to result",
+        goal="within 5 % (ratio <= 1.05)",
+        higher_is_better=False,
+    )
+
+
+# -- (c) memory with idle sessions of the double ----------------------------------------
+
+
+async def _batch(
+    sage: Sage, sids: list[str], inits: set[str], arrived: Callable[[], Awaitable[None]]
+) -> list[int]:
+    pids: list[int] = []
+
+    async def one(sid: str) -> None:
+        reply = await sage.request(
+            "sage.v1.request.spawn", {"principal_id": "alice", "session_id": sid}, within=60
+        )
+        if not reply.get("ok"):
+            raise RuntimeError(f"spawn {sid} failed: {reply}")
+        pids.append(int(reply["pid"]))
+
+    async with anyio.create_task_group() as tg:
+        for sid in sids:
+            tg.start_soon(one, sid)
+    with anyio.fail_after(60):
+        while not set(sids) <= inits:
+            await arrived()
+    return pids
+
+
+async def _memory(report: Report) -> None:
+    root = short_dir()
+    pids: list[int] = []
+    try:
+        config = sage_config(
+            FAKE, {"FAKE_CLAUDE_MODE": "", "ANTHROPIC_API_KEY": API_KEY}, extra=LIMITS
+        )
+        async with running_sage(config, root=root) as sage:
+            supervisor = sage.daemon.proc
+            assert supervisor is not None
+            spid = supervisor.pid
+            inits: set[str] = set()
+            subscription = await sage.client.subscribe("sage.v1.event.*.init")
+
+            async def arrived() -> None:
+                envelope = await subscription.get()
+                inits.add(envelope.topic.split(".")[3])
+
+            cold = _rss_kib(spid)
+            # one session first: code paths and lazy imports run once, not per session
+            pids += await _batch(sage, ["warm"], inits, arrived)
+            await sage.request("sage.v1.request.stop.warm", {}, within=30)
+            await anyio.sleep(0.5)
+            before = _rss_kib(spid)
+            print(
+                f"  sessions: supervisor RSS cold {cold:,} KiB, after a warm-up session"
+                f" {before:,} KiB",
+                flush=True,
+            )
+            t0 = time.perf_counter()
+            for start in range(0, IDLE_SESSIONS, BATCH):
+                sids = [f"idle{i}" for i in range(start, min(start + BATCH, IDLE_SESSIONS))]
+                pids += await _batch(sage, sids, inits, arrived)
+                if (start // BATCH) % 5 == 4:
+                    print(
+                        f"  sessions: {len(inits) - 1} idle sessions up,"
+                        f" supervisor RSS {_rss_kib(spid):,} KiB",
+                        flush=True,
+                    )
+            spawn_s = time.perf_counter() - t0
+            await anyio.sleep(1.0)  # let the children's handshakes settle
+            after = _rss_kib(spid)
+            listing = await sage.request("sage.v1.request.sessions", {})
+            live = len(listing["sessions"])
+            if live != IDLE_SESSIONS:
+                raise RuntimeError(f"{live} sessions listed, expected {IDLE_SESSIONS}")
+            per = (after - before) / IDLE_SESSIONS
+            print(
+                f"  sessions: supervisor RSS {before:,} -> {after:,} KiB with"
+                f" {IDLE_SESSIONS} sessions ({per:.1f} KiB each, cold-based"
+                f" {(after - cold) / IDLE_SESSIONS:.1f}); spawned in {spawn_s:.1f} s",
+                flush=True,
+            )
+            t_stop = time.perf_counter()
+        print(
+            f"  sessions: supervisor stopped with {IDLE_SESSIONS} sessions in"
+            f" {time.perf_counter() - t_stop:.1f} s",
+            flush=True,
+        )
+    finally:
+        left = await _reap_leftovers(root)
+        left += [pid for pid in pids if _alive(pid) and pid not in left]
+        for pid in left:
+            _kill_group(pid)
+        shutil.rmtree(root, ignore_errors=True)
+    if left:
+        raise RuntimeError(f"fake_claude processes outlived the supervisor: {sorted(left)}")
+    print(f"  sessions: all {len(pids)} fake_claude processes are gone", flush=True)
+    report.add(
+        "sessions",
+        f"supervisor RSS per idle session ({IDLE_SESSIONS}, double)",
+        per,
+        "KiB/session",
+        goal="< 100 KiB per session",
+        higher_is_better=False,
+    )
+    report.add(
+        "sessions",
+        f"time to spawn {IDLE_SESSIONS} sessions to init ({BATCH} at once)",
+        spawn_s,
+        "s",
+        higher_is_better=False,
+    )
+
+
+def run(report: Report) -> None:
+    anyio.run(_cli, report)
+    anyio.run(_memory, report)
+
+
+if __name__ == "__main__":
+    r = Report()
+    run(r)
+    print(r.render())
