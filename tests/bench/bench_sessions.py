@@ -37,7 +37,7 @@ from typing import Any
 
 import anyio
 
-from capsules.runner.command import build_launch
+from capsules.runner.command import Launch, build_launch
 from capsules.runner.runner import HOOKS
 from sage.config import load_config
 from sage.protocol import OutgoingState, ResultMessage, encode_initialize, encode_user_turn
@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CLAUDE_BIN = ROOT / ".tools/node_modules/@anthropic-ai/claude-code-linux-x64/claude"
 FAKE = ROOT / "tests" / "doubles" / "fake_claude.py"
 
-ROUNDS = 10
+ROUNDS = 20
 IDLE_SESSIONS = 200
 BATCH = 20
 API_KEY = "sk-bench"
@@ -126,27 +126,31 @@ async def _reap_leftovers(sage_root: Path, within: float = 5.0) -> list[int]:
 class _Bare:
     """The bare CLI started exactly as the runner would start it for ``alice``."""
 
-    def __init__(self, config_path: Path) -> None:
+    def __init__(self, config_path: Path, binary: Path = CLAUDE_BIN) -> None:
         self.config = load_config(config_path)
         principal = self.config.principal("alice")
         assert principal is not None
         self.principal = principal
+        self.binary = binary
         self.n = 0
 
-    async def round(self, with_turn: bool) -> tuple[float, float, float | None]:
-        """(seconds to the process, seconds to initialize answered, seconds for a turn)."""
-        self.n += 1
-        sid = f"bare{self.n}"
-        launch = build_launch(  # written before the clock starts: the file must exist
+    def launch(self, sid: str) -> Launch:
+        """The runner's argv and environment; writes the identity file (untimed)."""
+        return build_launch(
             self.config,
             self.principal,
             session_id=sid,
             claude_session=str(uuid.uuid4()),
-            binary=CLAUDE_BIN,
+            binary=self.binary,
             token="bench-token",
             api_key=None,
             identity=None,
         )
+
+    async def round(self, with_turn: bool) -> tuple[float, float, float | None]:
+        """(seconds to the process, seconds to initialize answered, seconds for a turn)."""
+        self.n += 1
+        launch = self.launch(f"bare{self.n}")
         turn_s: float | None = None
         t0 = time.perf_counter()
         proc = await anyio.open_process(
@@ -349,6 +353,58 @@ async def _batch(
     return pids
 
 
+async def _bare_doubles(config_path: Path, n: int, batch: int) -> float:
+    """Seconds for ``n`` bare doubles, ``batch`` at a time, to answer ``initialize``.
+
+    They stay up until all ``n`` are (as the supervised ones do), then are stopped.
+    """
+    bare = _Bare(config_path, binary=FAKE)
+    launches = [bare.launch(f"bareidle{i}") for i in range(n)]
+    procs: list[Any] = []
+    hosts: list[Host] = []
+    async with anyio.create_task_group() as tg:
+
+        async def one(launch: Launch) -> None:
+            proc = await anyio.open_process(
+                launch.argv, env=launch.env, cwd=launch.cwd, start_new_session=True
+            )
+            procs.append(proc)
+            host = Host(proc)
+            hosts.append(host)
+            tg.start_soon(host.read_stdout)
+            tg.start_soon(host.drain_stderr)
+            outcome = await host.request("initialize", lambda rid: encode_initialize(rid, HOOKS))
+            if outcome.state is not OutgoingState.COMPLETED:
+                raise RuntimeError(f"bare double: initialize failed: {outcome}")
+
+        try:
+            t0 = time.perf_counter()
+            with anyio.fail_after(120):
+                for start in range(0, n, batch):
+                    async with anyio.create_task_group() as btg:
+                        for launch in launches[start : start + batch]:
+                            btg.start_soon(one, launch)
+            elapsed = time.perf_counter() - t0
+        finally:
+            with anyio.CancelScope(shield=True):
+                for host in hosts:
+                    with contextlib.suppress(Exception):
+                        await host.close_stdin()
+                with anyio.move_on_after(bare.config.limits.stop_grace):
+                    for proc in procs:
+                        await proc.wait()
+                for proc in procs:
+                    _kill_group(proc.pid)
+                for proc in procs:
+                    await proc.aclose()
+                for launch in launches:
+                    with contextlib.suppress(OSError):
+                        launch.identity_file.unlink(missing_ok=True)
+                        launch.identity_file.parent.rmdir()
+            tg.cancel_scope.cancel()
+    return elapsed
+
+
 async def _memory(report: Report) -> None:
     root = short_dir()
     pids: list[int] = []
@@ -371,6 +427,9 @@ async def _memory(report: Report) -> None:
             # one session first: code paths and lazy imports run once, not per session
             pids += await _batch(sage, ["warm"], inits, arrived)
             await sage.request("sage.v1.request.stop.warm", {}, within=30)
+            print(f"  sessions: {IDLE_SESSIONS} bare doubles ({BATCH} at once) ...", flush=True)
+            bare_s = await _bare_doubles(sage.daemon.config, IDLE_SESSIONS, BATCH)
+            print(f"  sessions: {IDLE_SESSIONS} bare doubles up in {bare_s:.1f} s", flush=True)
             await anyio.sleep(0.5)
             before = _rss_kib(spid)
             print(
@@ -430,6 +489,8 @@ async def _memory(report: Report) -> None:
         f"time to spawn {IDLE_SESSIONS} sessions to init ({BATCH} at once)",
         spawn_s,
         "s",
+        reference=bare_s,
+        reference_name=f"{IDLE_SESSIONS} bare doubles to initialize answer",
         higher_is_better=False,
     )
 

@@ -127,6 +127,10 @@ Faults: a user turn whose text is ``/fault NAME [ARG]``
   id registered in initialize, else ``hook_0``; input a PreToolUse payload
   for ``mcp__sage__greet``, JSON merged into it); reply
   ``hook: <compact JSON of the answer's response>`` (``hook error: <text>``).
+- ``cancel [SECONDS]``: a ``can_use_tool`` that the double withdraws with a
+  ``control_cancel_request`` after SECONDS (default 0.3), then listens 1 s
+  more; reply ``cancel: no answer`` (right: the host wrote nothing for it)
+  or ``cancel: answered (...)``.
 - ``unknown_request``: a ``control_request`` of subtype ``brand_new_request``;
   reply ``unknown_request: ok`` or ``unknown_request error: <text>``.
 An unknown fault name is noted on stderr and answered with the echo reply.
@@ -1267,6 +1271,30 @@ class Turn:
             self.finish(f"hook: {answer}")
         else:
             self.finish(f"hook error: {body.get('error')}")
+
+    def fault_cancel(self, arg: str) -> None:
+        """A can_use_tool the double withdraws after ARG seconds (default 0.3) with a
+        control_cancel_request; the host must then write nothing for it."""
+        delay = float(arg) if arg else 0.3
+        tool_use_id = self.new_tool_id()
+        rid = self.s.send_request(
+            {
+                "subtype": "can_use_tool",
+                "tool_name": "mcp__sage__greet",
+                "input": {"name": "cancelled"},
+                "tool_use_id": tool_use_id,
+                "permission_suggestions": [],
+            }
+        )
+        status, _ = self.s.wait_response(rid, timeout=delay)
+        if status != "timeout":
+            self.finish(f"cancel: answered before the cancel ({status})")
+            return
+        with self.s.cv:
+            self.s.pending.add(rid)  # still listen: an answer now would be a host bug
+        emit({"type": "control_cancel_request", "request_id": rid})
+        status, _ = self.s.wait_response(rid, timeout=1.0)
+        self.finish("cancel: no answer" if status == "timeout" else f"cancel: answered ({status})")
 
     def fault_unknown_request(self, arg: str) -> None:
         status, body = self.s.call({"subtype": "brand_new_request", "detail": {"x": 1}})

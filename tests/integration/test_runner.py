@@ -488,3 +488,18 @@ async def test_settings_patches_apply_to_new_sessions_and_survive_a_restart() ->
     assert first["previous_config"]["model"] == ""
     assert first["new_config"]["model"] == "claude-x"
     assert len(rows) == 2
+
+
+async def test_a_cancelled_control_request_gets_no_answer(sage: Sage) -> None:
+    approvals = await sage.client.subscribe("approval.v1.request.*")
+    events = await sage.ready("cancel")
+    await sage.send("cancel", "/fault cancel 0.3")
+    request = await approvals.get()
+    await anyio.sleep(0.6)  # the CLI withdrew the prompt meanwhile; a late answer
+    sage.client.publish(request.topic.replace("request", "response"), {"allowed": True})
+    await sage.client.flush()
+    text, _ = await events.text_until_done()
+    assert text == "cancel: no answer"
+    await sage.send("cancel", "and on")
+    text, _ = await events.text_until_done()
+    assert text == "echo: and on"
