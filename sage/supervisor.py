@@ -158,7 +158,10 @@ class Supervisor:
     ) -> None:
         config = self.config
         try:
-            ensure_private_dir(config.state_dir)
+            # group members must pass through the state folder to reach a socket inside it
+            inside = config.socket_path.is_relative_to(config.state_dir)
+            group = _group_id(config.socket.group) if inside else None
+            ensure_private_dir(config.state_dir, group=group)
         except BusError as exc:
             raise SageError(f"state folder: {exc}") from exc
         key = load_signing_key(config.keys_dir)

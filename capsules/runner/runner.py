@@ -701,6 +701,9 @@ class Runner:
 
     def event(self, proc: ClaudeProcess, name: str, payload: dict[str, Any]) -> None:
         session = self.sessions.get(proc.session_id)
+        if name == "init":
+            payload["claude_code_version"] = self.version
+            payload["tools"] = [f"mcp__sage__{tool.get('name', '')}" for tool in self.mcp.tools]
         if name == "init" and session is not None:
             if session.respawn_reason is not None and session.respawns:
                 session.respawn_reason = None  # the respawned child is up

@@ -332,3 +332,20 @@ def test_config_show_hides_claude_env_values() -> None:
         assert result.returncode == 0, result.stderr
         assert "sk-secret-value" not in result.stdout
         assert "ANTHROPIC_API_KEY" in result.stdout
+
+
+def test_socket_group_opens_the_path_to_the_socket_and_nothing_more() -> None:
+    """With socket.group, the state folder and run folder are 0750 and the socket 0660."""
+    import grp
+
+    group = grp.getgrgid(os.getgid()).gr_name
+    d = Daemon(short_dir(), f'[socket]\ngroup = "{group}"\n').start()
+    try:
+        state = d.root / "state"
+        assert stat.S_IMODE(state.stat().st_mode) == 0o750
+        assert stat.S_IMODE((state / "run").stat().st_mode) == 0o750
+        assert stat.S_IMODE(d.socket.stat().st_mode) == 0o660
+        assert stat.S_IMODE((state / "keys").stat().st_mode) == 0o700
+        assert stat.S_IMODE((state / "audit.db").stat().st_mode) & 0o077 == 0
+    finally:
+        d.stop()
