@@ -35,7 +35,7 @@ import msgspec
 
 from sage.errors import ProcessError
 
-__all__ = ("Child", "ExitStatus", "Ring", "stop")
+__all__ = ("Child", "ExitStatus", "Ring", "stop", "tie_to_parent")
 
 _PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -44,7 +44,7 @@ _prctl.argtypes = (ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
 _prctl.restype = ctypes.c_int
 
 
-def _death_signal(sig: int, parent: int) -> Callable[[], None]:
+def tie_to_parent(sig: int, parent: int) -> Callable[[], None]:
     """What runs in the child between fork and exec: tie its life to ``parent``."""
 
     def preexec() -> None:
@@ -149,7 +149,8 @@ class Child:
                 start_new_session=True,
                 close_fds=True,
                 pass_fds=tuple(pass_fds),
-                preexec_fn=_death_signal(death_signal, os.getpid()),
+                preexec_fn=tie_to_parent(death_signal, os.getpid()),
+                bufsize=0,  # only the raw descriptors are used: no buffer objects
             )
         except subprocess.SubprocessError as exc:
             raise ProcessError(f"cannot start {Path(argv[0]).name}: {exc}") from exc

@@ -164,6 +164,7 @@ class Supervisor:
             ensure_private_dir(config.state_dir, group=group)
         except BusError as exc:
             raise SageError(f"state folder: {exc}") from exc
+        _raise_open_file_limit()
         key = load_signing_key(config.keys_dir)
         self.started_at = time.time()
         try:
@@ -389,6 +390,20 @@ class DenialLimiter:
             self._seen.clear()
         self._seen[source] = (start, count + 1, 0)
         return suppressed
+
+
+def _raise_open_file_limit() -> None:
+    """Each session holds four descriptors (three pipes and a pidfd): take the hard limit."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = max(soft, 1 << 20)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("supervisor.nofile_limit", soft=soft, hard=hard, error=str(exc))
 
 
 def _bus_without_acl(config: Config) -> object:

@@ -16,7 +16,9 @@
 (c) Memory: the supervisor's RSS (``VmRSS`` of the supervisor process, not
     its children) before and after 200 idle sessions of the CLI test double
     (tests/doubles/fake_claude.py) have sent ``init``, spawned in batches;
-    KiB per session, and the time the 200 took.
+    KiB per session, and the time the 200 took, against 200 bare doubles
+    started the same way (same batches, same argv) to their ``initialize``
+    answers by the e2e host in this process.
 
 Every process started here is stopped and every temp folder removed, also
 on failure; the double's processes are checked to be gone at the end.
@@ -95,6 +97,12 @@ def _pids_with_env(marker: bytes) -> list[int]:
         except OSError:
             continue
     return [pid for pid in found if _alive(pid)]
+
+
+def _remove(root: Path) -> None:
+    shutil.rmtree(root, ignore_errors=True)
+    if root.exists():
+        print(f"  sessions: WARNING: could not remove {root}", flush=True)
 
 
 def _kill_group(pid: int) -> None:
@@ -233,7 +241,9 @@ async def _ours_round(
             await events.until("done", within=60)
             turn_s = time.perf_counter() - t1
     finally:
-        with anyio.CancelScope(shield=True):
+        with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+            # the stop also keeps the principal's session count down; its failure
+            # must not hide the error that brought us here
             await sage.request(f"sage.v1.request.stop.{sid}", {}, within=30)
             await events.subscription.close()
     return t_reply, t_init, turn_s, seen
@@ -288,7 +298,7 @@ async def _cli(report: Report) -> None:
     finally:
         await standin.stop()
         left = await _reap_leftovers(root)
-        shutil.rmtree(root, ignore_errors=True)
+        _remove(root)
         if left:
             raise RuntimeError(f"claude processes outlived the supervisor: {left}")
 
@@ -323,7 +333,6 @@ async def _cli(report: Report) -> None:
         "ms",
         reference=med(b_turn) * 1e3,
         reference_name="bare claude user line to result",
-        goal="within 5 % (ratio <= 1.05)",
         higher_is_better=False,
     )
 
@@ -472,7 +481,7 @@ async def _memory(report: Report) -> None:
         left += [pid for pid in pids if _alive(pid) and pid not in left]
         for pid in left:
             _kill_group(pid)
-        shutil.rmtree(root, ignore_errors=True)
+        _remove(root)
     if left:
         raise RuntimeError(f"fake_claude processes outlived the supervisor: {sorted(left)}")
     print(f"  sessions: all {len(pids)} fake_claude processes are gone", flush=True)

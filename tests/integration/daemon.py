@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sage.process import tie_to_parent
+
 ASTRID = [sys.executable, "-m", "sage.cli"]
 
 
@@ -41,6 +43,8 @@ class Daemon:
             stdout=subprocess.DEVNULL,
             stderr=self._log,
             env=self.env,
+            # a test run that dies (a timeout's os._exit) must not leave daemons behind
+            preexec_fn=tie_to_parent(signal.SIGTERM, os.getpid()),
         )
         deadline = t0 + timeout
         while time.monotonic() < deadline and self.proc.poll() is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -125,6 +126,7 @@ class Sage:
 async def running_sage(
     config: str, *, env: dict[str, str] | None = None, root: Path | None = None
 ) -> AsyncIterator[Sage]:
+    own = root is None
     daemon = Daemon(root or short_dir(), config, env=env)
     await anyio.to_thread.run_sync(daemon.start)
     try:
@@ -132,3 +134,5 @@ async def running_sage(
             yield Sage(daemon, client)
     finally:
         await anyio.to_thread.run_sync(daemon.stop)
+        if own:
+            shutil.rmtree(daemon.root, ignore_errors=True)
