@@ -34,10 +34,15 @@ class Daemon:
         self.startup_s = 0.0
 
     def start(self, timeout: float = 15.0) -> Daemon:
-        t0 = time.monotonic()
+        return self.launch().wait_ready(timeout)
+
+    def launch(self) -> Daemon:
+        """Start the process; call from the thread that lives as long as the test run
+        (its death signal is tied to the thread that forks)."""
+        self._t0 = time.monotonic()
         # the log goes to a file: a pipe nobody drains would block the daemon
         self._log = self.log_path.open("ab")
-        offset = self._log.tell()  # a restarted daemon appends to the same log
+        self._offset = self._log.tell()  # a restarted daemon appends to the same log
         self.proc = subprocess.Popen(
             [*ASTRID, "supervisor", "run", "--config", str(self.config)],
             stdout=subprocess.DEVNULL,
@@ -46,10 +51,15 @@ class Daemon:
             # a test run that dies (a timeout's os._exit) must not leave daemons behind
             preexec_fn=tie_to_parent(signal.SIGTERM, os.getpid()),
         )
-        deadline = t0 + timeout
+        return self
+
+    def wait_ready(self, timeout: float = 15.0) -> Daemon:
+        """Wait for the supervisor's ready line (may run in a worker thread)."""
+        assert self.proc is not None
+        deadline = self._t0 + timeout
         while time.monotonic() < deadline and self.proc.poll() is None:
-            if b'"supervisor.ready"' in self.log_path.read_bytes()[offset:]:
-                self.startup_s = time.monotonic() - t0
+            if b'"supervisor.ready"' in self.log_path.read_bytes()[self._offset :]:
+                self.startup_s = time.monotonic() - self._t0
                 return self
             time.sleep(0.01)
         self.stop()

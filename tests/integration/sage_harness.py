@@ -128,7 +128,8 @@ async def running_sage(
 ) -> AsyncIterator[Sage]:
     own = root is None
     daemon = Daemon(root or short_dir(), config, env=env)
-    await anyio.to_thread.run_sync(daemon.start)
+    daemon.launch()  # in the loop's thread: the daemon's death signal is tied to it
+    await anyio.to_thread.run_sync(daemon.wait_ready)
     try:
         async with BusClient.connect(daemon.socket, role="cli", name="test") as client:
             yield Sage(daemon, client)

@@ -417,8 +417,10 @@ async def test_version_drift_and_identity_fallback_are_audited(tmp_path: Path) -
     newer = tmp_path / "claude"
     newer.write_text(f'#!/bin/sh\nFAKE_CLAUDE_VERSION=9.9.9 exec {FAKE} "$@"\n')
     newer.chmod(0o755)
+    from tests.integration.daemon import short_dir
+
     config = _config().replace(str(FAKE), str(newer))
-    async with running_sage(config, env=ENV) as sage:
+    async with running_sage(config, env=ENV, root=short_dir()) as sage:
         await sage.ready("drift")
         await sage.request("sage.v1.request.stop.drift", {})
         root = sage.daemon.root
