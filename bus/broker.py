@@ -66,6 +66,8 @@ class BusStats(msgspec.Struct, frozen=True):
     acl_denied: int
     subscriptions: int
     top: list[SubscriptionStats]
+    scoped: int = 0
+    """Deliveries withheld because the envelope belongs to another principal."""
 
 
 class _Pending:
@@ -104,6 +106,7 @@ class Bus:
         self.no_responders = 0
         self.late_replies = 0
         self.acl_denied = 0
+        self.scoped = 0
         self._dropped_gone = 0
 
     # -- subscribing -------------------------------------------------------
@@ -148,9 +151,12 @@ class Bus:
         payload: Any,
         *,
         correlation_id: str | None = None,
+        on_behalf_of: str | None = None,
     ) -> Envelope:
         """Publish a Python value (encoded to JSON once) and return its envelope."""
-        return self.publish_raw(owner, topic, _encode(payload), correlation_id=correlation_id)
+        return self.publish_raw(
+            owner, topic, _encode(payload), correlation_id=correlation_id, on_behalf_of=on_behalf_of
+        )
 
     def publish_raw(
         self,
@@ -160,10 +166,17 @@ class Bus:
         *,
         correlation_id: str | None = None,
         reply_to: str | None = None,
+        on_behalf_of: str | None = None,
     ) -> Envelope:
         """Publish JSON text that is already encoded (and valid JSON).
 
         This is the hot path: checks are inlined and cached by topic.
+
+        An envelope carries a principal: the publisher's own, or, for a
+        publisher without one (a capsule, an admin), ``on_behalf_of``.  Such
+        an envelope is private to that principal: a user's connection (one
+        with a principal and an ACL) gets it only if it acts for the same
+        principal; capsules (no principal) and admins (no ACL) see everything.
         """
         if self._closed:
             raise BusClosed("the bus is closed")
@@ -180,12 +193,13 @@ class Bus:
             raise AclDenied(f"{owner.source} may not publish to {topic!r}")
         if len(payload) > self.max_payload:
             _check_size(payload, self.max_payload)
+        principal = owner.principal if owner.principal is not None else on_behalf_of
         envelope = Envelope(
             next(self._ids),
             topic,
             payload,
             owner.source,
-            owner.principal,
+            principal,
             correlation_id,
             reply_to,
             _now(),
@@ -195,6 +209,12 @@ class Bus:
         if subs is None:
             subs = self._trie.match(topic)
         for sub in subs:
+            if principal is not None:
+                viewer = sub.owner
+                who = viewer.principal
+                if who is not None and who != principal and viewer.acl is not None:
+                    self.scoped += 1  # another principal's envelope: not for this user
+                    continue
             if not sub.deliver(envelope) and _is_power_of_ten(sub.dropped):
                 log.warning(
                     "bus.drop",
@@ -317,6 +337,7 @@ class Bus:
             no_responders=self.no_responders,
             late_replies=self.late_replies,
             acl_denied=self.acl_denied,
+            scoped=self.scoped,
             subscriptions=len(self._subscribers),
             top=[
                 SubscriptionStats(

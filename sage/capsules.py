@@ -164,8 +164,10 @@ class CapsuleContext:
             raise StateError("the state store is not open")
         return store
 
-    def publish(self, topic: str, payload: Any) -> Envelope:
-        return self.bus.publish(self.identity, topic, payload)
+    def publish(self, topic: str, payload: Any, *, on_behalf_of: str | None = None) -> Envelope:
+        """Publish as the capsule; ``on_behalf_of`` makes the envelope private to
+        that principal (its users see it, other users do not)."""
+        return self.bus.publish(self.identity, topic, payload, on_behalf_of=on_behalf_of)
 
     def subscribe(self, pattern: str) -> Subscription:
         """A subscription that lasts until the capsule's run ends (or it is closed)."""

@@ -202,9 +202,14 @@ class Runner:
             except BusError as exc:
                 log.warning("runner.reply_failed", topic=request.topic, error=str(exc))
 
-    def _publish(self, topic: str, payload: dict[str, Any]) -> None:
+    def _publish(self, topic: str, payload: dict[str, Any], principal: str | None = None) -> None:
+        """Publish; the envelope belongs to ``principal`` (else the payload's
+        ``principal_id``), so other principals' users do not see it."""
+        if principal is None:
+            claimed = payload.get("principal_id")
+            principal = claimed if isinstance(claimed, str) and claimed else None
         try:
-            self.ctx.publish(topic, payload)
+            self.ctx.publish(topic, payload, on_behalf_of=principal)
         except BusError as exc:
             log.error("runner.publish_failed", topic=topic, error=str(exc))
 
@@ -324,10 +329,14 @@ class Runner:
 
     # -- spawn ----------------------------------------------------------------
 
-    def _reject(self, principal_id: str, reason: str, message: str, **extra: Any) -> SessionError:
+    def _reject(
+        self, request: Envelope, principal_id: str, reason: str, message: str, **extra: Any
+    ) -> SessionError:
+        # seen by the caller's principal (the claim only when an admin asked)
         self._publish(
             "sage.v1.event.session_rejected",
             {"principal_id": principal_id, "reason": reason, "message": message, **extra},
+            request.principal or principal_id,
         )
         return SessionError(reason, message)
 
@@ -336,23 +345,34 @@ class Runner:
         config = self.config
         pid_ = req.principal_id
         if request.principal is not None and request.principal != pid_:
-            raise self._reject(pid_, "not_authorized", f"you may not act for principal {pid_!r}")
+            raise self._reject(
+                request, pid_, "not_authorized", f"you may not act for principal {pid_!r}"
+            )
         principal = self.principal(pid_)
         if principal is None:
-            raise self._reject(pid_, "unknown_principal", f"no principal {pid_!r} is configured")
+            raise self._reject(
+                request, pid_, "unknown_principal", f"no principal {pid_!r} is configured"
+            )
         sid = f"s{uuid.uuid4().hex[:12]}" if req.session_id is None else req.session_id
         if not _check_id(sid):
-            raise self._reject(pid_, "invalid_session_id", "session ids are 1-64 of [A-Za-z0-9_-]")
+            raise self._reject(
+                request, pid_, "invalid_session_id", "session ids are 1-64 of [A-Za-z0-9_-]"
+            )
         if principal.interaction_mode == "repl":
             raise self._reject(
-                pid_, "interaction_mode_is_repl", f"principal {pid_!r} uses a terminal (repl)"
+                request,
+                pid_,
+                "interaction_mode_is_repl",
+                f"principal {pid_!r} uses a terminal (repl)",
             )
         if sid in self.sessions:
-            raise self._reject(pid_, "duplicate_session", f"session {sid!r} exists", session_id=sid)
+            raise self._reject(
+                request, pid_, "duplicate_session", f"session {sid!r} exists", session_id=sid
+            )
         cap = config.limits.max_sessions_per_principal
         if sum(1 for s in self.sessions.values() if s.record.principal_id == pid_) >= cap:
             raise self._reject(
-                pid_, "principal_limit", f"principal {pid_!r} has {cap} sessions already"
+                request, pid_, "principal_limit", f"principal {pid_!r} has {cap} sessions already"
             )
         record = SessionRecord(
             session_id=sid,
@@ -696,8 +716,10 @@ class Runner:
 
     # -- Host: what a ClaudeProcess asks of the runner -------------------------------
 
-    def _event(self, sid: str, name: str, payload: dict[str, Any]) -> None:
-        self._publish(f"sage.v1.event.{sid}.{name}", payload)
+    def _event(
+        self, sid: str, name: str, payload: dict[str, Any], principal: str | None = None
+    ) -> None:
+        self._publish(f"sage.v1.event.{sid}.{name}", payload, principal)
 
     def event(self, proc: ClaudeProcess, name: str, payload: dict[str, Any]) -> None:
         session = self.sessions.get(proc.session_id)
@@ -708,7 +730,7 @@ class Runner:
             if session.respawn_reason is not None and session.respawns:
                 session.respawn_reason = None  # the respawned child is up
             session.respawns = 0
-        self._event(proc.session_id, name, payload)
+        self._event(proc.session_id, name, payload, proc.principal_id)
 
     async def mcp_message(self, proc: ClaudeProcess, request: McpMessageRequest) -> Any:
         return await self.mcp.handle(proc, request)

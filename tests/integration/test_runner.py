@@ -505,3 +505,74 @@ async def test_a_cancelled_control_request_gets_no_answer(sage: Sage) -> None:
     await sage.send("cancel", "and on")
     text, _ = await events.text_until_done()
     assert text == "echo: and on"
+
+
+def _watch_as(uid: int, socket_path: Path, seconds: float) -> tuple[int, int]:
+    """Fork a client that runs as ``uid`` (group nogroup), subscribes to every session
+    event and reports the topics it got; returns (pid, read end of its pipe)."""
+    import json
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(write)
+        return pid, read
+    try:  # the child: no exec, the interpreter is already loaded
+        os.close(read)
+        os.setgroups([])
+        os.setgid(65534)
+        os.setuid(uid)
+
+        async def main() -> None:
+            from bus.client import BusClient
+
+            async with BusClient.connect(socket_path, role="cli", name="watcher") as client:
+                events = await client.subscribe("sage.v1.event.>")
+                os.write(write, b"ready\n")
+                topics = []
+                with anyio.move_on_after(seconds):
+                    async for envelope in events:
+                        topics.append(envelope.topic)
+                os.write(write, json.dumps(topics).encode() + b"\n")
+
+        anyio.run(main)
+        os._exit(0)
+    except BaseException as exc:  # report, never return into pytest
+        os.write(write, f"error {exc!r}\n".encode())
+        os._exit(1)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as two other uids")
+def test_users_see_only_their_own_principals_session_events() -> None:
+    """Real uids over the real socket: alice's session events never reach bob."""
+    import json
+
+    from tests.integration.daemon import Daemon, short_dir
+
+    config = _config().replace("uids = [0]", "uids = [65533]") + (
+        '[[principals]]\nname = "bob"\nuids = [65534]\n[socket]\ngroup = "nogroup"\n'
+    )
+    root = short_dir()
+    root.chmod(0o755)  # the other uids must reach the state folder (0750, group nogroup)
+    d = Daemon(root, config, env=ENV).start()
+    watchers = {}
+    try:
+        for name, uid in (("alice", 65533), ("bob", 65534)):
+            watchers[name] = _watch_as(uid, d.socket, 4.0)
+        files = {name: os.fdopen(fd) for name, (_, fd) in watchers.items()}
+        for name, file in files.items():
+            assert file.readline() == "ready\n", name
+        spawn = d.astrid("sage", "spawn", "alice", "--session", "private")
+        assert spawn.returncode == 0, spawn.stderr
+        stop = d.astrid("sage", "stop", "private")
+        assert stop.returncode == 0, stop.stderr
+        seen = {name: json.loads(file.readline()) for name, file in files.items()}
+        for file in files.values():
+            file.close()
+    finally:
+        for pid, _ in watchers.values():
+            os.waitpid(pid, 0)
+        d.stop()
+    assert "sage.v1.event.private.spawned" in seen["alice"]
+    assert "sage.v1.event.private.exited" in seen["alice"]
+    assert seen["bob"] == []

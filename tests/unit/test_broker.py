@@ -332,3 +332,38 @@ def test_stats_report_counts_and_top_subscriptions() -> None:
     assert quiet.pattern == "q"
     assert isinstance(busy.drain()[0], Envelope)
     assert len(lossy) == 2
+
+
+def test_an_envelope_of_a_principal_reaches_only_its_users_capsules_and_admins() -> None:
+    """Per-principal scoping: alice's session events are not bob's to read."""
+    bus = Bus()
+    users = Acl(publish=["demo.>"], subscribe=["demo.>"])
+    alice = Identity("cli:1000", principal="alice", acl=users)
+    bob = Identity("cli:1001", principal="bob", acl=users)
+    capsule = Identity("capsule:runner", acl=Acl(publish=["demo.>"], subscribe=["demo.>"]))
+    admin_as_bob = Identity("cli:0", principal="bob")  # an admin uid that named a principal
+    subs = {
+        name: bus.subscribe("demo.>", who)
+        for name, who in (
+            ("alice", alice),
+            ("bob", bob),
+            ("capsule", capsule),
+            ("admin", ADMIN),
+            ("admin_as_bob", admin_as_bob),
+        )
+    }
+
+    def seen() -> set[str]:
+        return {name for name, sub in subs.items() if sub.drain()}
+
+    env = bus.publish(capsule, "demo.event", {"n": 1}, on_behalf_of="alice")
+    assert env.principal == "alice"
+    assert seen() == {"alice", "capsule", "admin", "admin_as_bob"}
+    bus.publish(alice, "demo.mine", {})  # a user's own envelope carries its principal
+    assert seen() == {"alice", "capsule", "admin", "admin_as_bob"}
+    # a user cannot publish on behalf of someone else
+    assert bus.publish(bob, "demo.x", {}, on_behalf_of="alice").principal == "bob"
+    assert seen() == {"bob", "capsule", "admin", "admin_as_bob"}
+    bus.publish(capsule, "demo.everyone", {})  # no principal: public
+    assert seen() == set(subs)
+    assert bus.stats().scoped == 3

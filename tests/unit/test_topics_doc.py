@@ -81,12 +81,12 @@ def field_problems(section: str, struct: str) -> list[str]:
 
 
 def error_codes() -> set[str]:
-    """Codes the runner answers with: ``SessionError("x", ...)`` and ``_reject(_, "x", ...)``."""
+    """Codes the runner answers with: ``SessionError("x", ...)`` and ``_reject(_, _, "x", ...)``."""
     codes = set()
     for path in RUNNER.glob("*.py"):
         source = path.read_text()
         codes |= set(re.findall(r"SessionError\(\s*\"([a-z_]+)\"", source))
-        codes |= set(re.findall(r"_reject\(\s*\w+,\s*\"([a-z_]+)\"", source))
+        codes |= set(re.findall(r"_reject\(\s*(?:\w+,\s*)+\"([a-z_]+)\"", source))
     return codes
 
 
