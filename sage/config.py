@@ -176,6 +176,14 @@ class PrincipalConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields
     """``api_key``: the child gets ANTHROPIC_API_KEY; ``subscription``: the CLI's own login."""
     identity: str = ""
     """Text appended to the system prompt; empty: a short default (audited as a fallback)."""
+    allowed_tools: list[str] = []
+    """Tools pre-allowed for the principal (``--allowedTools``): no approval prompt for
+    them. Names as Claude sees them, e.g. ``mcp__sage__greet``."""
+
+    def __post_init__(self) -> None:
+        for name in self.allowed_tools:
+            if not re.match(r"^[A-Za-z0-9_*:-]{1,128}\Z", name):
+                raise ValueError(f"allowed_tools: {name!r} is not a tool name")
 
 
 class Config(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):

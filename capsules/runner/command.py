@@ -169,6 +169,8 @@ def build_launch(
         "--append-system-prompt-file",
         str(identity_file),
     ]
+    if principal.allowed_tools:
+        argv += ["--allowedTools", ",".join(principal.allowed_tools)]
     if principal.model:
         argv += ["--model", principal.model]
     if principal.max_turns:

@@ -175,3 +175,12 @@ def test_tokens() -> None:
     assert a != b
     assert len(a) >= 40
     assert hash_token(a) == hashlib.sha256(a.encode()).hexdigest()
+
+
+def test_pre_allowed_tools_skip_the_approval_prompt(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    principal = PrincipalConfig(name="alice", allowed_tools=["mcp__sage__greet", "mcp__sage__wave"])
+    argv = _launch(config, principal).argv
+    assert argv[argv.index("--allowedTools") + 1] == "mcp__sage__greet,mcp__sage__wave"
+    with pytest.raises(ValueError, match="not a tool name"):
+        PrincipalConfig(name="alice", allowed_tools=["--dangerously-skip-permissions x"])
