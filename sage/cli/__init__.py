@@ -24,9 +24,18 @@ __all__ = ("build_parser", "main")
 
 
 def _groups() -> list[Any]:
-    from sage.cli import audit, bus_cmd, config_cmd, doctor, sage_cmd, status, supervisor_cmd
+    from sage.cli import (
+        audit,
+        bus_cmd,
+        capsule_cmd,
+        config_cmd,
+        doctor,
+        sage_cmd,
+        status,
+        supervisor_cmd,
+    )
 
-    return [supervisor_cmd, config_cmd, status, doctor, sage_cmd, bus_cmd, audit]
+    return [supervisor_cmd, config_cmd, status, doctor, sage_cmd, capsule_cmd, bus_cmd, audit]
 
 
 def add_common(parser: argparse.ArgumentParser, *, json_output: bool = True) -> None:

@@ -349,3 +349,23 @@ def test_socket_group_opens_the_path_to_the_socket_and_nothing_more() -> None:
         assert stat.S_IMODE((state / "audit.db").stat().st_mode) & 0o077 == 0
     finally:
         d.stop()
+
+
+def test_capsule_list_shows_state_and_restarts() -> None:
+    d = Daemon(short_dir()).start()
+    try:
+        result = d.astrid("capsule", "list")
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.splitlines()[0].split()[:4] == [
+            "CAPSULE",
+            "VERSION",
+            "STATE",
+            "RESTARTS",
+        ]
+        assert any(
+            line.split()[:3] == ["echo", "0.1.0", "running"] for line in result.stdout.splitlines()
+        )
+        rows = json.loads(d.astrid("capsule", "list", "--json").stdout)
+        assert {r["name"] for r in rows} == {"echo", "runner"}
+    finally:
+        d.stop()
