@@ -1,12 +1,17 @@
 """An async client of the bus server, for the CLI, remote capsules and astrid-emit.
 
 ``async with BusClient.connect(path, role="cli") as client:`` opens the
-socket, sends the hello and waits for the welcome.  One reader task routes
+socket, sends the hello and waits for the welcome; :meth:`BusClient.attach`
+does the same over a stream already connected, :meth:`BusClient.attach_fd`
+over an inherited socket descriptor (a worker capsule's end of the
+supervisor's socketpair).  One reader task routes
 incoming frames: messages to their subscription, results to the waiting
 request, pongs to :meth:`BusClient.flush`.  Outgoing frames are coalesced
 into one buffer that a single writer sends, so many publishes cost few
 system calls.  Errors the server reports come back as the same
-:class:`BusError` subclasses the server raised.
+:class:`BusError` subclasses the server raised: those of a publish or a reply
+on the next :meth:`BusClient.flush` (the first :data:`MAX_PENDING_ERRORS` are
+kept) and, as they arrive, to :attr:`BusClient.on_error` when it is set.
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import socket
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
@@ -62,6 +68,8 @@ REQUEST_GRACE = 2.0
 """Seconds past a request's deadline before the client gives up on the server's answer."""
 MAX_LOCAL_WAIT = 305.0
 """The same bound for a request without a deadline (the server caps deadlines at 300 s)."""
+MAX_PENDING_ERRORS = 64
+"""Errors kept for the next :meth:`BusClient.flush`; later ones are only passed to ``on_error``."""
 
 
 class RemoteSubscription:
@@ -126,6 +134,8 @@ class BusClient:
         self._errors: list[BusError] = []
         self._closed: BusError | None = None
         self.welcome: Welcome | None = None
+        self.on_error: Callable[[BusError], None] | None = None
+        """Called with each error the server reports that no waiting call receives (must not raise)."""
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -182,6 +192,40 @@ class BusClient:
         except BaseExceptionGroup as group:
             # the caller's error surfaces as itself, not wrapped by our task group
             raise sole_error(group) from None
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def attach_fd(
+        cls,
+        fd: int,
+        *,
+        role: str = "capsule",
+        name: str | None = None,
+        max_frame: int = frame_limit(1024 * 1024),
+        hello_deadline: float = 5.0,
+    ) -> AsyncIterator[BusClient]:
+        """Run the client over an inherited, connected Unix stream socket descriptor.
+
+        The descriptor is owned from then on: it is closed when the block ends.
+        """
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError as exc:
+            os.close(fd)
+            raise ConnectionLost(f"descriptor {fd} is not a socket: {exc.strerror}") from exc
+        if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM:
+            sock.close()
+            raise ConnectionLost(f"descriptor {fd} is not a Unix stream socket")
+        sock.setblocking(False)
+        try:
+            stream = await anyio.abc.UNIXSocketStream.from_socket(sock)
+        except BaseException:
+            sock.close()
+            raise
+        async with cls.attach(
+            stream, role=role, name=name, max_frame=max_frame, hello_deadline=hello_deadline
+        ) as client:
+            yield client
 
     @contextlib.asynccontextmanager
     async def _run(
@@ -260,7 +304,11 @@ class BusClient:
     def reply(self, request: Envelope, payload: Any) -> None:
         if request.reply_to is None:
             raise BusError("the envelope is not a request (no reply_to)")
-        self._send(Reply(request.reply_to, msgspec.Raw(_encode(payload))))
+        self.reply_raw(request.reply_to, _encode(payload))
+
+    def reply_raw(self, reply_to: str, payload: bytes) -> None:
+        """Answer the request whose ``reply_to`` token this is with JSON text."""
+        self._send(Reply(reply_to, msgspec.Raw(payload)))
 
     # -- plumbing -------------------------------------------------------------
 
@@ -359,7 +407,10 @@ class BusClient:
             if frame.sid is not None and ("sub", frame.sid) in self._waiting:
                 self._resolve("sub", frame.sid, error)
             else:
-                self._errors.append(error)
+                if len(self._errors) < MAX_PENDING_ERRORS:
+                    self._errors.append(error)
+                if self.on_error is not None:
+                    self.on_error(error)
         return None
 
     def _fail(self, error: BusError) -> None:

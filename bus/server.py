@@ -5,9 +5,12 @@ directory, under umask 0077, after taking a lock file so that a stale socket
 is replaced only when no other server holds it.  Each peer's uid comes from
 ``SO_PEERCRED``; an ``authorize`` callback maps it (and the principal the
 hello asks for) to an :class:`Identity`, so a client never asserts who it
-is.  Delivery to a remote subscriber goes through the connection's outbox,
-which one writer task flushes in batches; a connection whose outbox stays
-over its limit past the slow-consumer deadline is disconnected.
+is.  :meth:`BusServer.adopt` serves a connection the caller made itself (the
+supervisor's end of a worker capsule's socketpair) under an identity the
+caller fixed, skipping ``SO_PEERCRED`` and ``authorize``.  Delivery to a
+remote subscriber goes through the connection's outbox, which one writer
+task flushes in batches; a connection whose outbox stays over its limit past
+the slow-consumer deadline is disconnected.
 """
 
 from __future__ import annotations
@@ -197,13 +200,26 @@ class _RemoteSubscription:
 
 
 class _Connection:
-    """One client connection: its identity, subscriptions and outbox."""
+    """One client connection: its identity, subscriptions and outbox.
 
-    def __init__(self, server: BusServer, stream: anyio.abc.SocketStream, peer: PeerCred) -> None:
+    An adopted connection (``identity`` given) starts with its identity: a
+    hello is optional, answered with a welcome for that identity whatever it
+    claims, and neither the hello deadline nor the idle timeout applies.
+    """
+
+    def __init__(
+        self,
+        server: BusServer,
+        stream: anyio.abc.SocketStream,
+        peer: PeerCred,
+        identity: Identity | None = None,
+    ) -> None:
         self.server = server
         self.stream = stream
         self.peer = peer
-        self.identity: Identity | None = None
+        self.identity: Identity | None = identity
+        self.adopted = identity is not None
+        self._welcomed = False
         self.hello: Hello | None = None
         self.subs: dict[int, _RemoteSubscription] = {}
         self.requests = 0
@@ -311,7 +327,7 @@ class _Connection:
             if self.identity is None:
                 # one deadline for the whole handshake, however the bytes trickle in
                 timeout: float | None = max(0.0, hello_by - anyio.current_time())
-            elif self.subs or self.requests:
+            elif self.subs or self.requests or self.adopted:
                 timeout = None
             else:
                 timeout = server.idle_timeout
@@ -376,6 +392,8 @@ class _Connection:
                 else:
                     self.requests += 1
                     self.tg.start_soon(self._pong_when_settled, frame.n)
+            elif self.adopted and not self._welcomed:
+                return self._welcome_adopted(frame, identity)
             else:
                 self.push(Err("bad_frame", "hello may be sent only once"))
         except BusError as exc:
@@ -422,6 +440,30 @@ class _Connection:
             self.push(Pong(n))
         finally:
             self.requests -= 1
+
+    def _welcome_adopted(self, frame: Hello, identity: Identity) -> bool:
+        """Answer an adopted peer's hello: its claims (role, principal) change nothing."""
+        if frame.version != PROTOCOL_VERSION:
+            self.push(
+                Err(
+                    "bad_hello",
+                    f"protocol version {frame.version} is not supported (server speaks {PROTOCOL_VERSION})",
+                    fatal=True,
+                )
+            )
+            return False
+        self._welcomed = True
+        self.push(
+            Welcome(
+                uid=self.peer.uid,
+                source=identity.source,
+                principal=identity.principal,
+                principals=[] if identity.principal is None else [identity.principal],
+                max_payload=self.server.bus.max_payload,
+                max_frame=self.server.max_frame,
+            )
+        )
+        return True
 
     def _hello(self, frame: object) -> bool:
         if not isinstance(frame, Hello):
@@ -570,7 +612,37 @@ class BusServer:
             return
         self._per_uid[peer.uid] = count + 1
         self.accepted += 1
-        conn = _Connection(self, stream, peer)
+        try:
+            await self._serve(_Connection(self, stream, peer))
+        finally:
+            left = self._per_uid.get(peer.uid, 1) - 1
+            if left:
+                self._per_uid[peer.uid] = left
+            else:
+                self._per_uid.pop(peer.uid, None)
+
+    async def adopt(self, sock: socket.socket, identity: Identity, *, pid: int = 0) -> None:
+        """Serve ``sock`` as ``identity`` until the peer closes it (or this is cancelled).
+
+        For a connection the caller made and vouches for, such as its end of
+        a socketpair whose other end it handed to a child: no ``SO_PEERCRED``,
+        no ``authorize``, no per-uid limit, no hello deadline or idle timeout.
+        The peer may send a hello (its role and principal are ignored) and
+        gets a welcome naming ``identity``.  ``pid`` is the peer's, for logs.
+        ``sock`` is closed when this returns.
+        """
+        sock.setblocking(False)
+        try:
+            stream = await anyio.abc.UNIXSocketStream.from_socket(sock)
+        except BaseException:
+            sock.close()
+            raise
+        peer = PeerCred(pid, os.getuid(), os.getgid())
+        log.info("bus.adopted", pid=pid, source=identity.source)
+        await self._serve(_Connection(self, stream, peer, identity))
+
+    async def _serve(self, conn: _Connection) -> None:
+        peer = conn.peer
         self.connections.add(conn)
         try:
             with conn.scope:
@@ -583,13 +655,8 @@ class BusServer:
         finally:
             conn.drop_subscriptions()
             self.connections.discard(conn)
-            left = self._per_uid.get(peer.uid, 1) - 1
-            if left:
-                self._per_uid[peer.uid] = left
-            else:
-                self._per_uid.pop(peer.uid, None)
             with anyio.CancelScope(shield=True):
-                await stream.aclose()
+                await conn.stream.aclose()
 
     def reauthorize(self) -> int:
         """Check every live connection again (after a change of access rules).
@@ -600,6 +667,7 @@ class BusServer:
         """
         cut = 0
         for conn in list(self.connections):
+            # adopted connections (conn.hello is None) keep the identity their owner fixed
             if conn.identity is None or conn.hello is None:
                 continue
             try:

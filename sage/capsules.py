@@ -17,7 +17,10 @@ under the built-in ``capsules`` package, or paths).  Each runs with a
 :class:`CapsuleContext` whose identity carries an ACL made from its manifest,
 so the bus refuses anything it did not declare.  A capsule that raises is
 restarted with exponential backoff; after ``max_restarts`` in ``window``
-seconds it is given up (state ``failed``) and that is audited.
+seconds it is given up (state ``failed``) and that is audited.  Every change
+of state is published on ``sage.v1.capsules.changed``.  A manifest with a
+``[worker]`` table is not imported: :mod:`sage.workers` runs it as a child
+process under the same policy.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import anyio
 import msgspec
 import structlog
 
-from bus import Acl, Bus, Envelope, Identity, Subscription
+from bus import Acl, Bus, BusError, Envelope, Identity, Subscription
 from sage.config import NAME_PATTERN, Config
 from sage.errors import ConfigError, StateError
 from sage.state import StateStore
@@ -46,6 +49,7 @@ __all__ = (
     "CapsuleRunner",
     "CapsuleState",
     "RestartPolicy",
+    "WorkerSpec",
     "load_manifest",
 )
 
@@ -63,21 +67,33 @@ class _Patterns(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     patterns: list[str] = []
 
 
+class WorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``[worker]``: run the capsule as a child process instead (see sage.workers)."""
+
+    command: list[str]
+    """argv; a first element with a ``/`` is relative to the capsule's folder."""
+    env: dict[str, str] = {}
+    """Added to the worker's minimal environment (``ASTRID_*`` names are reserved)."""
+
+
 class CapsuleManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     package: _Package
     publish: _Patterns = _Patterns()
     subscribe: _Patterns = _Patterns()
+    worker: WorkerSpec | None = None
 
     @property
     def name(self) -> str:
         return self.package.name
 
 
+_ENTRY_PATTERN = r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*)?$"
+"""``module`` (its sage.sdk ``@tool``/``@subscribe`` functions) or ``module:function``."""
+
+
 def load_manifest(folder: Path) -> CapsuleManifest:
     """Read and check ``folder/Capsule.toml``; raise ConfigError naming what is wrong."""
     import re
-
-    from bus import BusError
 
     path = folder / "Capsule.toml"
     try:
@@ -88,8 +104,17 @@ def load_manifest(folder: Path) -> CapsuleManifest:
         raise ConfigError(f"{path}: {exc}") from exc
     if not re.match(NAME_PATTERN, manifest.name):
         raise ConfigError(f"{path}: package.name must match {NAME_PATTERN}")
-    if ":" not in manifest.package.entry:
-        raise ConfigError(f"{path}: package.entry must be 'module:function'")
+    worker = manifest.worker
+    if worker is None and not re.match(_ENTRY_PATTERN, manifest.package.entry):
+        raise ConfigError(f"{path}: package.entry must be 'module' or 'module:function'")
+    if worker is not None:  # package.entry is not used: the command says what runs
+        if not worker.command or not all(worker.command):
+            raise ConfigError(f"{path}: worker.command must be a list of non-empty strings")
+        for key in worker.env:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+                raise ConfigError(f"{path}: worker.env: {key!r} is not a variable name")
+            if key.startswith("ASTRID_"):
+                raise ConfigError(f"{path}: worker.env: {key} is reserved (ASTRID_*)")
     try:
         Acl(manifest.publish.patterns, manifest.subscribe.patterns)
     except BusError as exc:
@@ -103,6 +128,19 @@ class CapsuleState(enum.Enum):
     BACKOFF = "backoff"
     FAILED = "failed"
     STOPPED = "stopped"
+
+
+_TRANSITIONS: dict[CapsuleState, frozenset[CapsuleState]] = {
+    CapsuleState.STARTING: frozenset({CapsuleState.RUNNING, CapsuleState.STOPPED}),
+    CapsuleState.RUNNING: frozenset(
+        {CapsuleState.BACKOFF, CapsuleState.FAILED, CapsuleState.STOPPED}
+    ),
+    CapsuleState.BACKOFF: frozenset({CapsuleState.RUNNING, CapsuleState.STOPPED}),
+    CapsuleState.FAILED: frozenset(),
+    CapsuleState.STOPPED: frozenset(),
+}
+STATE_TOPIC = "sage.v1.capsules.changed"
+"""Published by the supervisor on every change: ``{"capsule": name, "state": value}``."""
 
 
 @dataclass
@@ -175,6 +213,11 @@ class CapsuleContext:
         self._subscriptions.append(sub)
         return sub
 
+    async def open(self, pattern: str) -> Subscription:
+        """:meth:`subscribe` as the SDK calls it: async, so the same capsule code
+        runs against a remote bus, where subscribing is a round trip."""
+        return self.subscribe(pattern)
+
     def close(self) -> None:
         """End every subscription this run opened (called by the runner)."""
         for sub in self._subscriptions:
@@ -204,7 +247,11 @@ class CapsuleRunner:
         *,
         config_of: Callable[[], Config] = Config,
         state_of: Callable[[], StateStore | None] = lambda: None,
+        publish: Callable[[str, dict[str, Any]], None] = lambda topic, payload: None,
     ) -> None:
+        """``audit`` and ``publish`` publish as the supervisor: audit events, and
+        :data:`STATE_TOPIC` on every change of :attr:`state`."""
+        self._publish = publish
         self._config_of = config_of
         self._state_of = state_of
         self.ready = anyio.Event()
@@ -223,20 +270,40 @@ class CapsuleRunner:
         self._main = self._entry()
 
     def _entry(self) -> CapsuleMain:
+        """The entry's async function; a module alone, or a ``sage.sdk.Capsule``,
+        runs as ``Capsule.run``."""
+        from sage.sdk import Capsule
+
         module_name, _, func = self.manifest.package.entry.partition(":")
         try:
-            main: CapsuleMain = getattr(importlib.import_module(module_name), func)
-        except (ImportError, AttributeError) as exc:
+            module = importlib.import_module(module_name)
+            main = getattr(module, func) if func else Capsule.from_module(module)
+        except (ImportError, AttributeError, TypeError, ValueError) as exc:
             raise ConfigError(
                 f"capsule {self.manifest.name}: cannot load {self.manifest.package.entry}: {exc}"
             ) from exc
-        return main
+        if isinstance(main, Capsule):
+            return main.run
+        entry: CapsuleMain = main
+        return entry
+
+    def _set_state(self, state: CapsuleState) -> None:
+        """The one place the state changes; each change is published on STATE_TOPIC."""
+        if state is self.state:
+            return
+        if state not in _TRANSITIONS[self.state]:
+            raise RuntimeError(f"capsule {self.manifest.name}: {self.state.value} -> {state.value}")
+        self.state = state
+        try:
+            self._publish(STATE_TOPIC, {"capsule": self.manifest.name, "state": state.value})
+        except BusError as exc:  # a closed bus (the supervisor is going away)
+            log.info("capsule.state_not_published", capsule=self.manifest.name, error=str(exc))
 
     async def run(self) -> None:
         main = self._main
         name = self.manifest.name
         while True:
-            self.state = CapsuleState.RUNNING
+            self._set_state(CapsuleState.RUNNING)
             log.info("capsule.started", capsule=name, restarts=self.restarts)
             ctx = CapsuleContext(
                 self._bus,
@@ -249,7 +316,7 @@ class CapsuleRunner:
             try:
                 await main(ctx)
             except anyio.get_cancelled_exc_class():
-                self.state = CapsuleState.STOPPED
+                self._set_state(CapsuleState.STOPPED)
                 raise
             except Exception as exc:
                 self.last_error = f"{type(exc).__name__}: {exc}"
@@ -260,7 +327,7 @@ class CapsuleRunner:
                     trace=traceback.format_exc(limit=5),
                 )
             else:
-                self.state = CapsuleState.STOPPED
+                self._set_state(CapsuleState.STOPPED)
                 log.info("capsule.finished", capsule=name)
                 return
             finally:
@@ -268,15 +335,19 @@ class CapsuleRunner:
                 self.ready.set()  # a crash or an end also ends the wait for it
             delay = self.policy.on_crash(time.monotonic())
             if delay is None:
-                self.state = CapsuleState.FAILED
+                self._set_state(CapsuleState.FAILED)
                 self._audit(
                     "sage.v1.audit.capsule_failed",
                     {"capsule": name, "restarts": self.restarts, "error": self.last_error},
                 )
                 return
-            self.state = CapsuleState.BACKOFF
+            self._set_state(CapsuleState.BACKOFF)
             self.restarts += 1
-            await anyio.sleep(delay)
+            try:
+                await anyio.sleep(delay)
+            except anyio.get_cancelled_exc_class():
+                self._set_state(CapsuleState.STOPPED)
+                raise
 
     def describe(self) -> dict[str, Any]:
         return {

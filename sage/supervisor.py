@@ -2,7 +2,8 @@
 
 Start-up order: state folder (0700), state store, audit log, bus, socket server, the
 audit sink (every envelope on ``*.v1.audit.>`` is appended), the status
-responder, capsules.  Readiness is reported through ``task_status.started()``
+responder, capsules (in-process, or child processes for ``[worker]``
+manifests: sage.workers).  Readiness is reported through ``task_status.started()``
 and sd_notify ``READY=1``.  SIGTERM or SIGINT stops everything within
 ``shutdown_grace`` seconds (``STOPPING=1``), removing the socket; SIGHUP
 reloads what can be reloaded (principals, admins, user ACLs, log level) and
@@ -31,6 +32,7 @@ from sage.errors import AuditError, ConfigError, SageError
 from sage.logs import configure_logging
 from sage.sdnotify import Notifier, watchdog_interval
 from sage.state import StateStore
+from sage.workers import WorkerRunner
 
 __all__ = ("ROLES", "DenialLimiter", "Supervisor")
 
@@ -105,19 +107,34 @@ class Supervisor:
         self.reloads = 0
         self._outer: anyio.CancelScope | None = None
         self._denials = DenialLimiter()
-        self.capsules = [
-            CapsuleRunner(
-                self.bus,
-                load_manifest(capsule_folder(name)),
-                self._publish_audit,
-                config_of=lambda: self.config,
-                state_of=lambda: self.state,
-            )
-            for name in config.supervisor.capsules
-        ]
+        self.capsules = [self._capsule(name) for name in config.supervisor.capsules]
         names = [c.manifest.name for c in self.capsules]
         if len(set(names)) != len(names):
             raise ConfigError("supervisor.capsules: a capsule is named twice")
+
+    def _capsule(self, name: str) -> CapsuleRunner:
+        """The runner of one configured capsule: in-process, or a worker process."""
+        folder = capsule_folder(name)
+        manifest = load_manifest(folder)
+        if manifest.worker is not None:
+            return WorkerRunner(
+                self.bus,
+                manifest,
+                self._publish_audit,
+                folder=folder,
+                server_of=lambda: self.server,
+                config_of=lambda: self.config,
+                state_of=lambda: self.state,
+                publish=self._publish_audit,
+            )
+        return CapsuleRunner(
+            self.bus,
+            manifest,
+            self._publish_audit,
+            config_of=lambda: self.config,
+            state_of=lambda: self.state,
+            publish=self._publish_audit,
+        )
 
     # -- identity -----------------------------------------------------------
 
@@ -319,6 +336,7 @@ class Supervisor:
         )
 
     def _publish_audit(self, topic: str, payload: dict[str, Any]) -> None:
+        """Publish as the supervisor (audit events, capsule state changes)."""
         self.bus.publish(self.identity, topic, payload)
 
     def _audit_denied(self, action: str, identity: Identity, details: dict[str, Any]) -> None:

@@ -29,7 +29,7 @@ def test_builtin_echo_manifest_loads() -> None:
     ("text", "expected"),
     [
         ('[package]\nname = "../x"\nentry = "m:f"\n', "package.name"),
-        ('[package]\nname = "x"\nentry = "nocolon"\n', "module:function"),
+        ('[package]\nname = "x"\nentry = "a:b:c"\n', "'module' or 'module:function'"),
         ('[package]\nname = "x"\nentry = "m:f"\n[publish]\npatterns = ["a.>.b"]\n', "last token"),
         ('[package]\nname = "x"\nentry = "m:f"\n[wat]\n', "unknown field"),
     ],

@@ -1,0 +1,351 @@
+"""Out-of-process capsules: one child process per ``[worker]`` manifest, on its own socketpair.
+
+A capsule whose ``Capsule.toml`` has a ``[worker]`` table is never imported
+into the supervisor.  :class:`WorkerRunner` starts its command as a child
+(:meth:`sage.process.Child.spawn`: own session and process group, killed
+with the supervisor) in the capsule's folder, with a minimal environment
+(:func:`worker_env`).  The child inherits one end of a fresh
+``socketpair(AF_UNIX, SOCK_STREAM)`` as ``ASTRID_BUS_FD``; the supervisor
+serves the other end with :meth:`bus.server.BusServer.adopt` under the
+identity it fixed, ``capsule:<name>`` with the manifest's ACL, so there is
+nothing the worker could claim or forge.  ``ASTRID_READY_FD`` is the write
+end of a pipe on which the worker says ``READY=1`` (its ``ctx.ready()``).
+
+The restart loop is :class:`sage.capsules.CapsuleRunner`'s: the worker's
+"main" runs the child until it exits.  Exit code 0 is a finished capsule
+(``stopped``, not restarted); any other end is a crash, restarted by the
+same :class:`~sage.capsules.RestartPolicy`, then ``failed`` and audited.
+When the supervisor stops, the child gets the stop sequence
+(:func:`sage.process.stop`: end of input, SIGTERM, SIGKILL, each after a
+grace) while its bus connection stays open, so it can say goodbye.  Its
+stdout and stderr are drained line by line into the supervisor's log
+(``capsule.output``), each line cut at :data:`MAX_LINE` bytes; a line that is
+a JSON object (the worker's own structlog output) is nested as ``entry``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import socket
+import sys
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+import msgspec
+import structlog
+
+from bus import Bus
+from bus.server import BusServer
+from sage.capsules import CapsuleContext, CapsuleMain, CapsuleManifest, CapsuleRunner, WorkerSpec
+from sage.config import Config
+from sage.errors import ProcessError
+from sage.process import Child, ExitStatus, Ring, stop
+from sage.state import StateStore
+
+__all__ = (
+    "MAX_LINE",
+    "PASSED_ENV",
+    "LineSplitter",
+    "WorkerExited",
+    "WorkerRunner",
+    "worker_argv",
+    "worker_env",
+)
+
+log = structlog.get_logger("sage.workers")
+
+MAX_LINE = 4096
+"""Bytes of one output line that reach the log; the rest of the line is dropped."""
+PASSED_ENV = ("PATH", "HOME", "LANG")
+"""The only variables of the supervisor's environment a worker sees."""
+STOP_GRACE = 1.0
+"""Seconds per stop step (capped at a third of ``supervisor.shutdown_grace``)."""
+_DRAIN_GRACE = 1.0  # seconds to read what an exited worker left in its pipes
+_PYTHONS = frozenset({"python", "python3"})
+_LEVELS = frozenset({"debug", "info", "warning", "error"})
+
+
+def _log_line(out: Any, line: str) -> None:
+    """One output line as ``capsule.output``: a JSON log entry (sage.worker's own
+    logging) nested as ``entry`` at its level, so secrets in it are redacted
+    here too; anything else as ``line``."""
+    entry: Any = None
+    if line.startswith("{"):
+        with contextlib.suppress(msgspec.DecodeError):
+            entry = msgspec.json.decode(line)
+    if isinstance(entry, dict):
+        level = entry.get("level")
+        emit = getattr(out, level if level in _LEVELS else "info")
+        emit("capsule.output", entry=entry)
+    else:
+        out.info("capsule.output", line=line)
+
+
+class WorkerExited(ProcessError):
+    """A worker process ended other than by exiting with code 0 (a crash)."""
+
+
+class LineSplitter:
+    """Bytes in, complete lines out, none longer than ``limit`` bytes (pure)."""
+
+    def __init__(self, limit: int = MAX_LINE) -> None:
+        self.limit = limit
+        self._buf = bytearray()
+        self._skipping = False  # inside a line already cut at the limit
+
+    def feed(self, data: bytes) -> list[str]:
+        """The lines ``data`` completes (a cut line once, when it reaches the limit)."""
+        lines: list[str] = []
+        start = 0
+        while start < len(data):
+            end = data.find(b"\n", start)
+            piece = data[start:] if end < 0 else data[start:end]
+            if not self._skipping:
+                self._buf += piece
+                if len(self._buf) >= self.limit:
+                    lines.append(self._text(self._buf[: self.limit]) + " [cut]")
+                    self._buf.clear()
+                    self._skipping = end < 0
+                elif end >= 0:
+                    lines.append(self._text(self._buf))
+                    self._buf.clear()
+            elif end >= 0:
+                self._skipping = False
+            if end < 0:
+                break
+            start = end + 1
+        return lines
+
+    def end(self) -> list[str]:
+        """At end of file: the last line if it had no newline."""
+        rest, self._buf = self._buf, bytearray()
+        self._skipping = False
+        return [self._text(rest)] if rest else []
+
+    @staticmethod
+    def _text(data: bytes | bytearray) -> str:
+        return bytes(data).decode("utf-8", errors="replace").rstrip("\r")
+
+
+def worker_argv(spec: WorkerSpec, folder: Path) -> list[str]:
+    """The command line: ``python``/``python3`` is the supervisor's own interpreter
+    (so the worker imports the same sage); a first element with a ``/`` that is
+    not absolute is relative to the capsule's folder; a bare name goes to PATH."""
+    first, *rest = spec.command
+    if first in _PYTHONS:
+        first = sys.executable
+    elif "/" in first and not os.path.isabs(first):
+        first = str(folder / first)
+    return [first, *rest]
+
+
+def worker_env(
+    spec: WorkerSpec,
+    name: str,
+    *,
+    bus_fd: int,
+    ready_fd: int,
+    log_level: str,
+    base: Mapping[str, str] = os.environ,
+) -> dict[str, str]:
+    """The worker's whole environment: :data:`PASSED_ENV` from ``base``,
+    ``PYTHONUNBUFFERED=1``, the manifest's ``env``, then the ``ASTRID_*`` names."""
+    env = {key: base[key] for key in PASSED_ENV if key in base}
+    env.setdefault("PATH", os.defpath)
+    env["PYTHONUNBUFFERED"] = "1"  # print() lines reach the log as they are written
+    env.update(spec.env)
+    env.update(
+        ASTRID_CAPSULE=name,
+        ASTRID_BUS_FD=str(bus_fd),
+        ASTRID_READY_FD=str(ready_fd),
+        ASTRID_LOG_LEVEL=log_level,
+    )
+    return env
+
+
+class WorkerRunner(CapsuleRunner):
+    """Runs one ``[worker]`` capsule as a child process; restarts as CapsuleRunner does."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        manifest: CapsuleManifest,
+        audit: Callable[[str, dict[str, Any]], None],
+        *,
+        folder: Path,
+        server_of: Callable[[], BusServer | None],
+        config_of: Callable[[], Config] = Config,
+        state_of: Callable[[], StateStore | None] = lambda: None,
+        publish: Callable[[str, dict[str, Any]], None] = lambda topic, payload: None,
+    ) -> None:
+        if manifest.worker is None:
+            raise ValueError(f"capsule {manifest.name} has no [worker] table")
+        self.spec: WorkerSpec = manifest.worker
+        self.folder = folder.resolve()
+        self.pid: int | None = None
+        """The running worker's pid, if one runs."""
+        self._server_of = server_of
+        super().__init__(
+            bus, manifest, audit, config_of=config_of, state_of=state_of, publish=publish
+        )
+
+    def _entry(self) -> CapsuleMain:
+        """Nothing is imported: each run of the capsule is a run of its child."""
+        return self._run_worker
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "pid": self.pid}
+
+    async def _run_worker(self, ctx: CapsuleContext) -> None:
+        """Start the worker, serve it until it exits; a crash raises WorkerExited."""
+        server = self._server_of()
+        if server is None:
+            raise ProcessError("the bus server is not serving")
+        config = self._config_of()
+        name = self.manifest.name
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ready_r, ready_w = os.pipe()
+        try:
+            child = Child.spawn(
+                worker_argv(self.spec, self.folder),
+                env=worker_env(
+                    self.spec,
+                    name,
+                    bus_fd=theirs.fileno(),
+                    ready_fd=ready_w,
+                    log_level=config.supervisor.log_level,
+                ),
+                cwd=self.folder,
+                pass_fds=(theirs.fileno(), ready_w),
+            )
+        except BaseException:
+            ours.close()
+            os.close(ready_r)
+            raise
+        finally:  # the child has its copies; ours would hide its exit from the other ends
+            theirs.close()
+            os.close(ready_w)
+        self.pid = child.pid
+        log.info("capsule.worker_started", capsule=name, pid=child.pid)
+        tail = Ring(MAX_LINE)
+        grace = min(STOP_GRACE, config.supervisor.shutdown_grace / 3)
+        try:
+            status = await self._supervise(ctx, server, child, ours, ready_r, tail, grace)
+        finally:
+            self.pid = None
+        if status.exit_code == 0:
+            return
+        last = tail.text().strip().rsplit("\n", 1)[-1][-300:]
+        raise WorkerExited(f"worker {status.describe()}" + (f": {last}" if last else ""))
+
+    async def _supervise(
+        self,
+        ctx: CapsuleContext,
+        server: BusServer,
+        child: Child,
+        sock: socket.socket,
+        ready_fd: int,
+        tail: Ring,
+        grace: float,
+    ) -> ExitStatus:
+        """Wait for the child; on cancellation, stop it.  Its companions (bus
+        connection, drains, ready pipe) are shielded, so they outlive a cancel
+        until the child is gone."""
+        done = anyio.Event()
+        try:
+            async with anyio.create_task_group() as tg:
+                scope: anyio.CancelScope = await tg.start(
+                    self._companions, ctx, server, child, sock, ready_fd, tail, done
+                )
+                try:
+                    await child.wait()
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        status = await stop(child, grace=grace)  # at once if it has exited
+                        log.info(
+                            "capsule.worker_exited",
+                            capsule=self.manifest.name,
+                            pid=child.pid,
+                            status=status.describe(),
+                        )
+                        with anyio.move_on_after(_DRAIN_GRACE):
+                            await done.wait()
+                        scope.cancel()
+                        await done.wait()
+        finally:
+            child.close()
+            sock.close()
+            anyio.notify_closing(ready_fd)
+            os.close(ready_fd)
+        return status
+
+    async def _companions(
+        self,
+        ctx: CapsuleContext,
+        server: BusServer,
+        child: Child,
+        sock: socket.socket,
+        ready_fd: int,
+        tail: Ring,
+        done: anyio.Event,
+        *,
+        task_status: anyio.abc.TaskStatus[anyio.CancelScope],
+    ) -> None:
+        try:
+            with anyio.CancelScope(shield=True) as scope:
+                task_status.started(scope)
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(
+                        functools.partial(server.adopt, sock, self.identity, pid=child.pid)
+                    )
+                    tg.start_soon(self._drain, child.read_stdout, "stdout", None, child.pid)
+                    tg.start_soon(self._drain, child.read_stderr, "stderr", tail, child.pid)
+                    tg.start_soon(self._watch_ready, ready_fd, ctx)
+        finally:
+            done.set()
+
+    async def _drain(
+        self,
+        read: Callable[[], Awaitable[bytes]],
+        stream: str,
+        tail: Ring | None,
+        pid: int,
+    ) -> None:
+        """Log each line the worker writes, so its pipe never fills."""
+        lines = LineSplitter()
+        out = log.bind(capsule=self.manifest.name, pid=pid, stream=stream)
+        while chunk := await read():
+            if tail is not None:
+                tail.append(chunk)
+            for line in lines.feed(chunk):
+                _log_line(out, line)
+        for line in lines.end():
+            _log_line(out, line)
+
+    async def _watch_ready(self, fd: int, ctx: CapsuleContext) -> None:
+        """Call ``ctx.ready()`` when the worker writes ``READY=1`` to its ready pipe."""
+        os.set_blocking(fd, False)
+        seen = b""
+        while True:
+            try:
+                chunk = os.read(fd, 256)
+            except BlockingIOError:
+                try:
+                    await anyio.wait_readable(fd)
+                except anyio.ClosedResourceError:
+                    return
+                continue
+            except OSError:
+                return
+            if not chunk:
+                return
+            seen = (seen + chunk)[-64:]
+            if b"READY=1" in seen:
+                log.info("capsule.worker_ready", capsule=self.manifest.name)
+                ctx.ready()
+                return
