@@ -61,7 +61,9 @@ class SupervisorConfig(_Section, frozen=True, kw_only=True, forbid_unknown_field
     """Seconds a graceful stop may take before remaining work is cancelled."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Lowest level written to the JSON log on stderr."""
-    capsules: list[str] = msgspec.field(default_factory=lambda: ["echo", "runner"])
+    capsules: list[str] = msgspec.field(
+        default_factory=lambda: ["echo", "runner", "tools", "greeter"]
+    )
     """Capsules to start: built-in names (folders of the ``capsules`` package) or paths."""
 
 

@@ -168,16 +168,19 @@ class Runner:
         # subscribed before anything else: requests that come during the
         # reconciliation wait in their queues instead of finding no responder
         subscribed = {pattern: ctx.subscribe(pattern) for pattern in subscriptions}
+        changed = ctx.subscribe("sage.v1.tools.changed")
+        catalogue = ctx.subscribe("sage.v1.tools.list")
+        identities = ctx.subscribe("tool.v1.execute.save_identity.result")
+        # the bridge publishes its list when it changes: ask for it, now that we listen
+        self._publish("sage.v1.tools.describe", {})
         async with anyio.create_task_group() as tg:
             self._tg = tg
+            tg.start_soon(self.mcp.follow, catalogue)
             await self._reconcile()
             for pattern, handler in subscriptions.items():
                 tg.start_soon(self._serve, subscribed[pattern], handler)
-            tg.start_soon(self._tools_changed, ctx.subscribe("sage.v1.tools.changed"))
-            tg.start_soon(self.mcp.follow, ctx.subscribe("sage.v1.tools.list"))
-            tg.start_soon(
-                self._identity_saved, ctx.subscribe("tool.v1.execute.save_identity.result")
-            )
+            tg.start_soon(self._tools_changed, changed)
+            tg.start_soon(self._identity_saved, identities)
             tg.start_soon(self._check_version)
             ctx.ready()
 

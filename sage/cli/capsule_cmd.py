@@ -1,4 +1,4 @@
-"""``astrid capsule list``: the supervisor's capsules, their state, restarts and last error."""
+"""``astrid capsule list`` and ``astrid tools list``: capsules and the tools they offer."""
 
 from __future__ import annotations
 
@@ -30,6 +30,19 @@ def register(sub: Any) -> None:
     add_common(listing)
     listing.set_defaults(handler=_list)
 
+    tools = sub.add_parser("tools", help="the tool catalogue Claude sessions are offered")
+    tool_commands = tools.add_subparsers(dest="action", metavar="ACTION", required=True)
+    catalogue = tool_commands.add_parser(
+        "list",
+        help="list the tools in the catalogue",
+        description=(
+            "List the tools the tool bridge offers to Claude sessions (as mcp__sage__NAME),"
+            " with the capsule that serves each and its description."
+        ),
+    )
+    add_common(catalogue)
+    catalogue.set_defaults(handler=_tools)
+
 
 async def _list(args: argparse.Namespace) -> int:
     async with connect(args) as client:
@@ -47,4 +60,26 @@ async def _list(args: argparse.Namespace) -> int:
             f"{row.get('name', ''):<16} {row.get('version', ''):<9} {row.get('state', ''):<9}"
             f" {row.get('restarts', 0):>8}  {row.get('last_error', '')}"
         )
+    return 0
+
+
+async def _tools(args: argparse.Namespace) -> int:
+    async with connect(args) as client:
+        try:
+            reply = await client.request("sage.v1.request.tools", {}, deadline=5.0)
+        except NoResponders:
+            raise SageError(
+                "no tool bridge is running (is `tools` in supervisor.capsules?)"
+            ) from None
+    tools: list[dict[str, Any]] = msgspec.json.decode(reply.payload).get("tools", [])
+    if args.json:
+        print_json(tools)
+        return 0
+    if not tools:
+        print("no tools")
+        return 0
+    width = max(len(t["name"]) for t in tools)
+    for tool in tools:
+        summary = (tool.get("description") or "").splitlines()[0:1]
+        print(f"{tool['name']:<{width}}  {tool.get('capsule', ''):<12} {''.join(summary)}")
     return 0

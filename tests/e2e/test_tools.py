@@ -1,0 +1,153 @@
+"""Capsule tools end to end: the real CLI calls a capsule's tool through the runner and the bridge.
+
+A real supervisor runs the session runner, the tool bridge and the example
+``greeter`` capsule (written with ``sage.sdk``); the real ``claude`` binary
+talks to the Messages API stand-in.  A ``tool_use`` the stand-in scripts
+becomes an in-band ``tools/call``, the bridge validates it and runs it on
+``tool.v1.execute.greet``, and the result is in the model's next request as
+a ``tool_result``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+
+from tests.e2e.standin import Standin, Text, ToolUse
+from tests.integration.sage_harness import Sage, running_sage, sage_config
+
+pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
+
+GREET = "mcp__sage__greet"
+
+
+def _config(
+    claude_bin: Path, standin: Standin, *, allowed: str = '["mcp__sage__greet", "mcp__sage__shout"]'
+) -> str:
+    env = {
+        "ANTHROPIC_BASE_URL": standin.url,
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_TELEMETRY": "1",
+    }
+    return sage_config(
+        claude_bin,
+        env,
+        capsules='["runner", "tools", "greeter"]',
+        extra="[limits]\nstop_grace = 2.0\n",
+        principal_extra=f"allowed_tools = {allowed}\n",
+    )
+
+
+async def _catalogue(sage: Sage, name: str, within: float = 20.0) -> list[dict[str, Any]]:
+    """Wait until the bridge's catalogue offers ``name``; the catalogue."""
+    with anyio.fail_after(within):
+        while True:
+            reply = await sage.request("sage.v1.request.tools", {})
+            tools: list[dict[str, Any]] = reply.get("tools", [])
+            if any(t["name"] == name for t in tools):
+                return tools
+            await anyio.sleep(0.05)
+
+
+@pytest.fixture
+async def sage(claude_bin: Path, standin: Standin) -> AsyncIterator[Sage]:
+    async with running_sage(
+        _config(claude_bin, standin), env={"ANTHROPIC_API_KEY": "sk-test"}
+    ) as running:
+        await _catalogue(running, GREET)
+        yield running
+
+
+async def test_claude_calls_the_example_capsules_tool(sage: Sage, standin: Standin) -> None:
+    tools = await _catalogue(sage, GREET)
+    greet = next(t for t in tools if t["name"] == GREET)
+    assert greet["description"] == "Greet a person by name."
+    assert greet["inputSchema"]["properties"]["name"]["type"] == "string"
+    events = await sage.ready("t1")
+    standin.push(ToolUse(GREET, {"name": "Ada"}), Text("greeted"))
+    await sage.send("t1", "greet Ada")
+    text, done = await events.text_until_done()
+    assert text == "greeted"
+    first, second = standin.messages[-2:]
+    assert GREET in first.tool_names  # offered to the model, with the schema from GreetArgs
+    offered = next(t for t in first.body["tools"] if t["name"] == GREET)
+    assert offered["input_schema"]["required"] == ["name"]
+    (result,) = second.tool_results()
+    assert "Hello, Ada!" in json.dumps(result["content"])
+    assert not result.get("is_error")
+    assert done["permission_denials"] == []  # pre-allowed: no approval prompt
+
+
+async def test_bad_arguments_and_tool_errors_are_error_results(
+    sage: Sage, standin: Standin
+) -> None:
+    events = await sage.ready("t2")
+    standin.push(ToolUse(GREET, {"name": 5}), Text("after the bad call"))
+    await sage.send("t2", "greet a number")
+    text, _ = await events.text_until_done()
+    assert text == "after the bad call"
+    (result,) = standin.messages[-1].tool_results()
+    assert result.get("is_error") is True
+    standin.push(ToolUse("mcp__sage__shout", {"text": " "}), Text("after the refusal"))
+    await sage.send("t2", "shout nothing")
+    await events.text_until_done()
+    (result,) = standin.messages[-1].tool_results()
+    assert result.get("is_error") is True
+    assert "nothing to shout" in json.dumps(result["content"])
+    # the session goes on
+    standin.push(Text("still here"))
+    await sage.send("t2", "and now?")
+    text, _ = await events.text_until_done()
+    assert text == "still here"
+
+
+async def test_a_tool_added_while_the_session_runs_is_callable(
+    sage: Sage, standin: Standin
+) -> None:
+    events = await sage.ready("t3")
+    standin.push(Text("one"))
+    await sage.send("t3", "first")
+    await events.text_until_done()
+    assert "mcp__sage__wave" not in standin.messages[-1].tool_names
+    # a new capsule comes: here the test itself answers as one
+    executions = await sage.client.subscribe("tool.v1.execute.wave")
+    wave = {
+        "name": "wave",
+        "description": "Wave at someone.",
+        "inputSchema": {
+            "type": "object",
+            "properties": {"name": {"type": "string"}},
+            "required": ["name"],
+        },
+    }
+    sage.client.publish("tool.v1.response.describe.waver", {"tools": [wave]})
+    await sage.client.flush()
+    await _catalogue(sage, "mcp__sage__wave")
+    approvals = await sage.client.subscribe("approval.v1.request.*")
+    standin.push(ToolUse("mcp__sage__wave", {"name": "Bo"}), Text("waved"))
+    await sage.send("t3", "wave at Bo")
+    approval = await approvals.get()  # not pre-allowed: the principal is asked
+    sage.client.publish(approval.topic.replace("request", "response"), {"allowed": True})
+    execute = await executions.get()
+    request = msgspec.json.decode(execute.payload)
+    assert request["arguments"] == {"name": "Bo"}
+    sage.client.publish(
+        "tool.v1.execute.wave.result",
+        {
+            "call_id": request["call_id"],
+            "content": [{"type": "text", "text": "*waves at Bo*"}],
+            "is_error": False,
+        },
+    )
+    await sage.client.flush()
+    text, _ = await events.text_until_done()
+    assert text == "waved"
+    assert "mcp__sage__wave" in standin.messages[-2].tool_names
+    (result,) = standin.messages[-1].tool_results()
+    assert "*waves at Bo*" in json.dumps(result["content"])
