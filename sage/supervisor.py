@@ -26,6 +26,7 @@ from bus import Acl, Bus, BusError, Envelope, FrameError, Identity, NotAuthorize
 from bus.server import BusServer, PeerCred, ensure_private_dir
 from bus.wire import Hello
 from sage.audit import AuditLog, AuditReceipt, load_signing_key
+from sage.capsule_install import installed_folders, worker_manifest
 from sage.capsules import CapsuleRunner, capsule_folder, load_manifest
 from sage.config import Config, load_config
 from sage.errors import AuditError, ConfigError, SageError
@@ -40,6 +41,7 @@ log = structlog.get_logger("sage.supervisor")
 
 ROLES = ("cli", "capsule", "emit")
 STATUS_TOPIC = "sage.v1.request.status"
+LOAD_TOPIC = "sage.v1.request.capsule.load"
 AUDIT_PATTERN = "*.v1.audit.>"
 VERSION = "0.1.0"
 CAPSULE_READY_TIMEOUT = 10.0  # seconds READY waits for capsules to say they serve
@@ -111,11 +113,29 @@ class Supervisor:
         names = [c.manifest.name for c in self.capsules]
         if len(set(names)) != len(names):
             raise ConfigError("supervisor.capsules: a capsule is named twice")
+        for folder in installed_folders(config.state_dir):
+            try:
+                runner = self._capsule(str(folder), installed=True)
+            except ConfigError as exc:  # one broken install does not stop the supervisor
+                log.error(
+                    "supervisor.installed_capsule_skipped", folder=str(folder), error=str(exc)
+                )
+                continue
+            if runner.manifest.name in names:
+                log.error(
+                    "supervisor.installed_capsule_skipped", folder=str(folder), error="name taken"
+                )
+                continue
+            names.append(runner.manifest.name)
+            self.capsules.append(runner)
+        self._tg: anyio.abc.TaskGroup | None = None
 
-    def _capsule(self, name: str) -> CapsuleRunner:
-        """The runner of one configured capsule: in-process, or a worker process."""
+    def _capsule(self, name: str, *, installed: bool = False) -> CapsuleRunner:
+        """The runner of one capsule: in-process, or a worker process (installed ones always)."""
         folder = capsule_folder(name)
         manifest = load_manifest(folder)
+        if installed:
+            manifest = worker_manifest(manifest, folder)
         if manifest.worker is not None:
             return WorkerRunner(
                 self.bus,
@@ -218,8 +238,11 @@ class Supervisor:
         self.bus.on_denied(self._audit_denied)
         async with anyio.create_task_group() as tg:
             await tg.start(self.server.serve)
+            self._tg = tg
             status = self.bus.subscribe(STATUS_TOPIC, self.identity)
             tg.start_soon(self._answer_status, status)
+            loads = self.bus.subscribe(LOAD_TOPIC, self.identity)
+            tg.start_soon(self._answer_loads, loads)
             await tg.start(self._handle_signals, tg.cancel_scope)
             for capsule in self.capsules:
                 tg.start_soon(capsule.run)
@@ -376,6 +399,56 @@ class Supervisor:
             "state_store": str(self.state.path) if self.state is not None else "",
             "reloads": self.reloads,
         }
+
+    async def _answer_loads(self, requests: Any) -> None:
+        """``sage.v1.request.capsule.load {name}``: start a capsule just installed (admins)."""
+        async for request in requests:
+            reply = self._load(request)
+            if request.reply_to:
+                self.bus.reply(self.identity, request.reply_to, reply)
+
+    def _load(self, request: Envelope) -> dict[str, Any]:
+        if request.principal is not None:  # users act for a principal; admins need not
+            return {
+                "ok": False,
+                "error": "not_authorized",
+                "message": "only an admin may load capsules",
+            }
+        try:
+            name = msgspec.json.decode(request.payload, type=dict[str, str])["name"]
+        except (msgspec.DecodeError, msgspec.ValidationError, KeyError):
+            return {"ok": False, "error": "bad_request", "message": 'expected {"name": NAME}'}
+        running = {c.manifest.name: c for c in self.capsules}
+        if name in running and running[name].state.value not in ("failed", "stopped"):
+            return {
+                "ok": False,
+                "error": "running",
+                "message": f"capsule {name!r} runs already; restart the supervisor to replace it",
+            }
+        folder = next((f for f in installed_folders(self.config.state_dir) if f.name == name), None)
+        if folder is None:
+            return {
+                "ok": False,
+                "error": "not_installed",
+                "message": f"no installed capsule {name!r}",
+            }
+        try:
+            runner = self._capsule(str(folder), installed=True)
+        except ConfigError as exc:
+            return {"ok": False, "error": "bad_capsule", "message": str(exc)}
+        self.capsules = [c for c in self.capsules if c.manifest.name != runner.manifest.name]
+        self.capsules.append(runner)
+        assert self._tg is not None
+        self._tg.start_soon(runner.run)
+        self._publish_audit(
+            "sage.v1.audit.capsule_loaded",
+            {
+                "capsule": runner.manifest.name,
+                "version": runner.manifest.package.version,
+                "source": request.source,
+            },
+        )
+        return {"ok": True, "capsule": runner.manifest.name}
 
     async def _answer_status(self, requests: Any) -> None:
         async for request in requests:

@@ -1,0 +1,176 @@
+"""Installing a third-party capsule: check the folder, copy it, have the supervisor run it.
+
+:func:`check_capsule` says everything that is wrong with a capsule folder at
+once: the manifest (:func:`~sage.capsules.load_manifest`), the entry (it is
+imported in a child Python, so a broken module cannot hurt the caller), the
+SDK tools it declares, and whether the manifest's patterns cover the topics
+those tools need (:func:`sage.sdk.required_patterns`).  :func:`install`
+copies a good folder to ``<state_dir>/capsules/<name>/`` (a temporary copy
+renamed into place).  Installed capsules always run as out-of-process
+workers (:func:`worker_manifest`), from that folder, at every start of the
+supervisor, and at once when ``astrid capsule install`` asks a running one
+(``sage.v1.request.capsule.load``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+from bus.acl import pattern_covers
+from sage.capsules import CapsuleManifest, WorkerSpec, load_manifest
+from sage.errors import ConfigError
+
+__all__ = ("CapsuleCheck", "check_capsule", "install", "installed_folders", "worker_manifest")
+
+CHECK_TIMEOUT = 30.0
+BUILT_IN = frozenset({"echo", "runner", "tools", "greeter"})
+
+_PROBE = r"""
+import importlib, json, sys
+sys.path.insert(0, sys.argv[1])
+entry, name = sys.argv[2], sys.argv[3]
+module_name, _, attr = entry.partition(":")
+out = {"tools": [], "publish": [], "subscribe": []}
+try:
+    module = importlib.import_module(module_name)
+    if attr:
+        target = getattr(module, attr)
+    else:
+        from sage.sdk import Capsule
+        target = Capsule.from_module(module)
+    from sage.sdk import Capsule, required_patterns
+    if isinstance(target, Capsule):
+        out["tools"] = [t["name"] for t in target.describe()["tools"]]
+        out["publish"], out["subscribe"] = required_patterns(target, name)
+    elif not callable(target):
+        raise TypeError(f"{entry} is neither a sage.sdk Capsule nor an async function")
+except Exception as exc:
+    out = {"error": f"{type(exc).__name__}: {exc}"}
+print(json.dumps(out))
+"""
+
+
+@dataclass
+class CapsuleCheck:
+    folder: Path
+    manifest: CapsuleManifest | None = None
+    tools: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def check_capsule(folder: Path) -> CapsuleCheck:
+    """Everything wrong with ``folder`` as a capsule (``problems`` empty: good)."""
+    folder = folder.resolve()
+    check = CapsuleCheck(folder)
+    try:
+        manifest = load_manifest(folder)
+    except ConfigError as exc:
+        check.problems.append(str(exc))
+        return check
+    check.manifest = manifest
+    if manifest.name in BUILT_IN:
+        check.problems.append(f"the name {manifest.name!r} is taken by a built-in capsule")
+    entry = manifest.package.entry
+    if manifest.worker is None:
+        top = entry.partition(":")[0].split(".")[0]
+        if top != folder.name:
+            check.problems.append(
+                f"package.entry {entry!r} must start with the folder's name {folder.name!r}"
+                " (the folder is the Python package that is imported)"
+            )
+            return check
+        probe = _probe(folder, entry, manifest.name)
+        if "error" in probe:
+            check.problems.append(f"cannot load {entry!r}: {probe['error']}")
+            return check
+        check.tools = list(probe["tools"])
+        for kind, have in (
+            ("publish", manifest.publish.patterns),
+            ("subscribe", manifest.subscribe.patterns),
+        ):
+            for needed in probe[kind]:
+                if not any(pattern_covers(p, needed) for p in have):
+                    check.problems.append(f"[{kind}] patterns must include {needed!r}")
+    return check
+
+
+def _probe(folder: Path, entry: str, name: str) -> dict[str, list[str] | str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ANTHROPIC")}
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", _PROBE, str(folder.parent), entry, name],
+            capture_output=True,
+            text=True,
+            timeout=CHECK_TIMEOUT,
+            env=env,
+            cwd=folder,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"importing it took longer than {CHECK_TIMEOUT:g} s"}
+    lines = result.stdout.strip().splitlines()
+    try:
+        data: dict[str, list[str] | str] = json.loads(lines[-1])
+    except (IndexError, ValueError):
+        tail = result.stderr.strip().splitlines()[-1:] or [f"exit code {result.returncode}"]
+        return {"error": tail[0]}
+    return data
+
+
+def installed_folders(state_dir: Path) -> list[Path]:
+    """The installed capsules' folders, by name."""
+    root = state_dir / "capsules"
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if (p / "Capsule.toml").is_file())
+
+
+def worker_manifest(manifest: CapsuleManifest, folder: Path) -> CapsuleManifest:
+    """An installed capsule always runs as a worker: give it one if it has none."""
+    if manifest.worker is not None:
+        return manifest
+    spec = WorkerSpec(
+        command=["python3", "-m", "sage.worker", manifest.package.entry],
+        env={"PYTHONPATH": str(folder.parent)},
+    )
+    return msgspec.structs.replace(manifest, worker=spec)
+
+
+def install(check: CapsuleCheck, state_dir: Path, *, force: bool = False) -> Path:
+    """Copy a checked capsule into ``<state_dir>/capsules/<name>/``; its new folder."""
+    if not check.ok or check.manifest is None:
+        raise ConfigError("the capsule has problems; it was not installed")
+    root = state_dir / "capsules"
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    target = root / check.folder.name
+    if target.exists() and not force:
+        raise ConfigError(f"{target} exists: the capsule is installed (use --force to replace it)")
+    staging = root / f".{check.folder.name}.new"
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(
+        check.folder,
+        staging,
+        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".git"),
+        symlinks=True,
+    )
+    if target.exists():
+        old = root / f".{check.folder.name}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(target, old)
+        os.replace(staging, target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staging, target)
+    return target
