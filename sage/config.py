@@ -147,6 +147,13 @@ class LimitsConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     """Seconds a ``can_use_tool`` prompt waits for an answer on the bus; then: deny."""
     tool_timeout: PositiveFloat = 60.0
     """Seconds an MCP ``tools/call`` waits for ``sage.v1.tool.result.<cid>``."""
+    execute_deadline: PositiveFloat = 50.0
+    """Seconds the tool bridge waits for a capsule's ``tool.v1.execute.<name>.result``;
+    below ``tool_timeout``, so the bridge's error answer reaches the session first."""
+
+    def __post_init__(self) -> None:
+        if self.execute_deadline >= self.tool_timeout:
+            raise ValueError("limits.execute_deadline must be below limits.tool_timeout")
     stdin_quota: Annotated[int, msgspec.Meta(ge=1024)] = 1024 * 1024
     """Largest encoded user line a ``send`` may write to a session (1 MiB)."""
 

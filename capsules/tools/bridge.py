@@ -54,6 +54,7 @@ from sage.capsules import CapsuleContext
 __all__ = ("DOWN_STATES", "EXECUTE_DEADLINE", "POLICY_FILE", "ToolBridge", "run")
 
 EXECUTE_DEADLINE = 50.0
+"""The default of ``[limits] execute_deadline``."""
 """Seconds a capsule has to answer ``tool.v1.execute.<name>`` (read when a bridge
 is built; tests lower it).  Less than the runner's ``limits.tool_timeout`` (60 s),
 so the runner gets the bridge's ``isError`` rather than giving up first."""
@@ -130,7 +131,9 @@ class ToolBridge:
     ) -> None:
         self.ctx = ctx
         self.log = ctx.log
-        self.deadline = EXECUTE_DEADLINE if execute_deadline is None else execute_deadline
+        if execute_deadline is None:
+            execute_deadline = ctx.config.limits.execute_deadline
+        self.deadline = execute_deadline
         self.catalogue = Catalogue()
         self.policy = PolicyFile(policy_path or ctx.config.state_dir / POLICY_FILE)
         self.pending: dict[str, _Pending] = {}

@@ -151,3 +151,109 @@ async def test_a_tool_added_while_the_session_runs_is_callable(
     assert "mcp__sage__wave" in standin.messages[-2].tool_names
     (result,) = standin.messages[-1].tool_results()
     assert "*waves at Bo*" in json.dumps(result["content"])
+
+
+FAULTY = '''
+import asyncio
+import os
+
+import msgspec
+
+from sage.sdk import tool
+
+
+class Nothing(msgspec.Struct):
+    pass
+
+
+@tool("crash")
+async def crash(args: Nothing) -> str:
+    """Take the capsule down in the middle of the call."""
+    os._exit(3)
+
+
+@tool("slow")
+async def slow(args: Nothing) -> str:
+    """Answer long after the deadline."""
+    await asyncio.sleep(60)
+    return "late"
+'''
+
+FAULTY_MANIFEST = """[package]
+name = "faulty"
+version = "0.1.0"
+
+[worker]
+command = ["python3", "-m", "sage.worker", "faulty_mod"]
+env = {{ PYTHONPATH = "{path}" }}
+
+[publish]
+patterns = ["tool.v1.response.describe.faulty", "tool.v1.execute.crash.result", "tool.v1.execute.slow.result"]
+
+[subscribe]
+patterns = ["tool.v1.request.describe", "tool.v1.execute.crash", "tool.v1.execute.slow"]
+"""
+
+
+@pytest.fixture
+async def faulty_sage(claude_bin: Path, standin: Standin, tmp_path: Path) -> AsyncIterator[Sage]:
+    from tests.integration.daemon import short_dir
+
+    capsule = tmp_path / "faulty"
+    capsule.mkdir()
+    (capsule / "Capsule.toml").write_text(FAULTY_MANIFEST.format(path=tmp_path))
+    (tmp_path / "faulty_mod.py").write_text(FAULTY)
+    allowed = '["mcp__sage__greet", "mcp__sage__crash", "mcp__sage__slow"]'
+    config = _config(claude_bin, standin, allowed=allowed)
+    config = config.replace(
+        'capsules = ["runner", "tools", "greeter"]',
+        f'capsules = ["runner", "tools", "greeter", "{capsule}"]',
+    ).replace("[limits]\n", "[limits]\nexecute_deadline = 1.5\ntool_timeout = 10.0\n")
+    root = short_dir()
+    (root / "state").mkdir(mode=0o700)
+    policy = {
+        "rules": [
+            {"tools": "greet", "match": {"/name": "Eve"}, "action": "deny", "reason": "not Eve"}
+        ]
+    }
+    (root / "state" / "tools-policy.json").write_text(json.dumps(policy))
+    async with running_sage(config, env={"ANTHROPIC_API_KEY": "sk-test"}, root=root) as running:
+        await _catalogue(running, "mcp__sage__slow")
+        yield running
+
+
+async def _one_tool_turn(sage: Sage, standin: Standin, sid: str, name: str, args: Any) -> Any:
+    events = await sage.ready(sid)
+    standin.push(ToolUse(name, args), Text("after"))
+    t0 = anyio.current_time()
+    await sage.send(sid, "go")
+    text, _ = await events.text_until_done(within=30)
+    assert text == "after"
+    (result,) = standin.messages[-1].tool_results()
+    return result, anyio.current_time() - t0
+
+
+async def test_policy_deny_reaches_claude_as_an_error(faulty_sage: Sage, standin: Standin) -> None:
+    result, _ = await _one_tool_turn(faulty_sage, standin, "p1", GREET, {"name": "Eve"})
+    assert result.get("is_error") is True
+    assert "not Eve" in json.dumps(result["content"])
+    result, _ = await _one_tool_turn(faulty_sage, standin, "p2", GREET, {"name": "Ada"})
+    assert not result.get("is_error")
+
+
+async def test_a_capsule_that_dies_mid_call_fails_the_call_at_once(
+    faulty_sage: Sage, standin: Standin
+) -> None:
+    result, elapsed = await _one_tool_turn(faulty_sage, standin, "c1", "mcp__sage__crash", {})
+    assert result.get("is_error") is True
+    text = json.dumps(result["content"])
+    assert "capsule faulty stopped" in text  # seen at once, not the deadline's message
+    assert "within" not in text
+    assert elapsed < 10
+
+
+async def test_a_capsule_that_does_not_answer_in_time(faulty_sage: Sage, standin: Standin) -> None:
+    result, elapsed = await _one_tool_turn(faulty_sage, standin, "d1", "mcp__sage__slow", {})
+    assert result.get("is_error") is True
+    assert "1.5 s" in json.dumps(result["content"])
+    assert elapsed < 10
