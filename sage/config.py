@@ -154,6 +154,7 @@ class LimitsConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     def __post_init__(self) -> None:
         if self.execute_deadline >= self.tool_timeout:
             raise ValueError("limits.execute_deadline must be below limits.tool_timeout")
+
     stdin_quota: Annotated[int, msgspec.Meta(ge=1024)] = 1024 * 1024
     """Largest encoded user line a ``send`` may write to a session (1 MiB)."""
 
