@@ -28,7 +28,14 @@ from bus.acl import pattern_covers
 from sage.capsules import CapsuleManifest, WorkerSpec, load_manifest
 from sage.errors import ConfigError
 
-__all__ = ("CapsuleCheck", "check_capsule", "install", "installed_folders", "worker_manifest")
+__all__ = (
+    "CapsuleCheck",
+    "check_capsule",
+    "install",
+    "installed_folders",
+    "package_name",
+    "worker_manifest",
+)
 
 CHECK_TIMEOUT = 30.0
 BUILT_IN = frozenset({"echo", "runner", "tools", "greeter"})
@@ -85,11 +92,8 @@ def check_capsule(folder: Path) -> CapsuleCheck:
     entry = manifest.package.entry
     if manifest.worker is None:
         top = entry.partition(":")[0].split(".")[0]
-        if top != folder.name:
-            check.problems.append(
-                f"package.entry {entry!r} must start with the folder's name {folder.name!r}"
-                " (the folder is the Python package that is imported)"
-            )
+        if not top.isidentifier():
+            check.problems.append(f"package.entry {entry!r} does not name a Python module")
             return check
         probe = _probe(folder, entry, manifest.name)
         if "error" in probe:
@@ -106,20 +110,34 @@ def check_capsule(folder: Path) -> CapsuleCheck:
     return check
 
 
+def package_name(manifest: CapsuleManifest) -> str:
+    """The folder an installed capsule lives in: its entry's top-level module (the folder
+    is that Python package), or, for a capsule with its own ``[worker]``, its name."""
+    if manifest.worker is not None:
+        return manifest.name
+    return manifest.package.entry.partition(":")[0].split(".")[0]
+
+
 def _probe(folder: Path, entry: str, name: str) -> dict[str, list[str] | str]:
+    """Import the entry in a child Python, the folder seen as the entry's package."""
+    import tempfile
+
     env = {k: v for k, v in os.environ.items() if not k.startswith("ANTHROPIC")}
-    try:
-        result = subprocess.run(
-            [sys.executable, "-c", _PROBE, str(folder.parent), entry, name],
-            capture_output=True,
-            text=True,
-            timeout=CHECK_TIMEOUT,
-            env=env,
-            cwd=folder,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        return {"error": f"importing it took longer than {CHECK_TIMEOUT:g} s"}
+    top = entry.partition(":")[0].split(".")[0]
+    with tempfile.TemporaryDirectory(prefix="capsule-check-") as tmp:
+        (Path(tmp) / top).symlink_to(folder, target_is_directory=True)
+        try:
+            result = subprocess.run(
+                [sys.executable, "-c", _PROBE, tmp, entry, name],
+                capture_output=True,
+                text=True,
+                timeout=CHECK_TIMEOUT,
+                env=env,
+                cwd=folder,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            return {"error": f"importing it took longer than {CHECK_TIMEOUT:g} s"}
     lines = result.stdout.strip().splitlines()
     try:
         data: dict[str, list[str] | str] = json.loads(lines[-1])
@@ -149,28 +167,49 @@ def worker_manifest(manifest: CapsuleManifest, folder: Path) -> CapsuleManifest:
 
 
 def install(check: CapsuleCheck, state_dir: Path, *, force: bool = False) -> Path:
-    """Copy a checked capsule into ``<state_dir>/capsules/<name>/``; its new folder."""
+    """Copy a checked capsule into ``<state_dir>/capsules/<package>/``; its new folder."""
     if not check.ok or check.manifest is None:
         raise ConfigError("the capsule has problems; it was not installed")
-    root = state_dir / "capsules"
+    manifest = check.manifest
+    try:
+        return _copy(check.folder, manifest, state_dir / "capsules", force)
+    except OSError as exc:
+        raise ConfigError(f"cannot install {manifest.name}: {exc.strerror or exc}") from exc
+
+
+def _copy(source: Path, manifest: CapsuleManifest, root: Path, force: bool) -> Path:
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    target = root / check.folder.name
-    if target.exists() and not force:
-        raise ConfigError(f"{target} exists: the capsule is installed (use --force to replace it)")
-    staging = root / f".{check.folder.name}.new"
+    package = package_name(manifest)
+    target = root / package
+    # one installed folder per capsule name, whatever folder an older install used
+    same_name = [
+        f for f in installed_folders(root.parent) if _name_of(f) == manifest.name and f != target
+    ]
+    if (target.exists() or same_name) and not force:
+        raise ConfigError(f"capsule {manifest.name!r} is installed (use --force to replace it)")
+    if target.exists() and _name_of(target) not in (manifest.name, None):
+        raise ConfigError(f"{target} holds another capsule ({_name_of(target)!r})")
+    staging = root / f".{package}.new"
     shutil.rmtree(staging, ignore_errors=True)
     shutil.copytree(
-        check.folder,
+        source,
         staging,
         ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".git"),
         symlinks=True,
     )
+    old = root / f".{package}.old"
+    shutil.rmtree(old, ignore_errors=True)
     if target.exists():
-        old = root / f".{check.folder.name}.old"
-        shutil.rmtree(old, ignore_errors=True)
         os.replace(target, old)
-        os.replace(staging, target)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(staging, target)
+    os.replace(staging, target)
+    shutil.rmtree(old, ignore_errors=True)
+    for folder in same_name:
+        shutil.rmtree(folder, ignore_errors=True)
     return target
+
+
+def _name_of(folder: Path) -> str | None:
+    try:
+        return load_manifest(folder).name
+    except ConfigError:
+        return None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -425,7 +426,10 @@ class Supervisor:
                 "error": "running",
                 "message": f"capsule {name!r} runs already; restart the supervisor to replace it",
             }
-        folder = next((f for f in installed_folders(self.config.state_dir) if f.name == name), None)
+        folder = next(
+            (f for f in installed_folders(self.config.state_dir) if _manifest_name(f) == name),
+            None,
+        )
         if folder is None:
             return {
                 "ok": False,
@@ -495,6 +499,13 @@ def _raise_open_file_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         except (ValueError, OSError) as exc:
             log.warning("supervisor.nofile_limit", soft=soft, hard=hard, error=str(exc))
+
+
+def _manifest_name(folder: Path) -> str | None:
+    try:
+        return load_manifest(folder).name
+    except ConfigError:
+        return None
 
 
 def _bus_without_acl(config: Config) -> object:

@@ -114,6 +114,7 @@ class McpServer:
                         "arguments": arguments,
                         "tool_use_id": meta.get("claudecode/toolUseId"),
                     },
+                    on_behalf_of=proc.principal_id,
                 )
             except BusError as exc:  # e.g. arguments over the payload limit
                 return _text_error(f"tool {name!r} could not be called: {exc}")

@@ -131,13 +131,18 @@ class ToolBridge:
     ) -> None:
         self.ctx = ctx
         self.log = ctx.log
-        if execute_deadline is None:
-            execute_deadline = ctx.config.limits.execute_deadline
-        self.deadline = execute_deadline
+        self._deadline = execute_deadline
         self.catalogue = Catalogue()
         self.policy = PolicyFile(policy_path or ctx.config.state_dir / POLICY_FILE)
         self.pending: dict[str, _Pending] = {}
         self._tg: anyio.abc.TaskGroup | None = None
+
+    @property
+    def deadline(self) -> float:
+        """``[limits] execute_deadline`` as configured now (a reload applies), unless fixed."""
+        if self._deadline is not None:
+            return self._deadline
+        return self.ctx.config.limits.execute_deadline
 
     # -- life -------------------------------------------------------------
 
@@ -317,10 +322,15 @@ class ToolBridge:
         audit(decision.allowed, decision.source)
         if not decision.allowed:
             return error_result(decision.reason)
-        return await self._execute(cid, tool, arguments, principal)
+        return await self._execute(cid, tool, arguments, principal, call.session_id)
 
     async def _execute(
-        self, cid: str, tool: Tool, arguments: dict[str, Any], principal: str | None
+        self,
+        cid: str,
+        tool: Tool,
+        arguments: dict[str, Any],
+        principal: str | None,
+        session_id: str | None = None,
     ) -> dict[str, Any]:
         topic = f"tool.v1.execute.{tool.name}"
         if not self.ctx.bus.has_subscribers(topic):
@@ -336,6 +346,8 @@ class ToolBridge:
                         "call_id": cid,
                         "tool_name": tool.name,
                         "arguments": arguments,
+                        "session_id": session_id,
+                        "principal_id": principal,
                     },
                     on_behalf_of=principal,
                 )

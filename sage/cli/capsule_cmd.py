@@ -89,7 +89,7 @@ def _install(args: argparse.Namespace) -> int:
             print(f"{name}: good ({len(check.tools)} tools)")
         return 0
     target = install(check, config_of(args).state_dir, force=args.force)
-    started = anyio.run(_load, args, target.name)
+    started = anyio.run(_load, args, name)
     if args.json:
         print_json(
             {

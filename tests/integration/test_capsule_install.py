@@ -98,6 +98,9 @@ def test_install_starts_a_worker_whose_tool_answers(tmp_path: Path) -> None:
         again = d.astrid("capsule", "install", str(folder))
         assert again.returncode == 1
         assert "--force" in again.stderr
+        forced = d.astrid("capsule", "install", str(folder), "--force")
+        assert forced.returncode == 0, forced.stderr
+        assert "runs already; restart the supervisor" in forced.stdout
     finally:
         d.stop()
     # installed capsules start with the supervisor
@@ -121,7 +124,7 @@ def test_install_starts_a_worker_whose_tool_answers(tmp_path: Path) -> None:
             {"code": "import nonexistent_module_x\n"},
             "cannot load 'my_capsule': ModuleNotFoundError",
         ),
-        ({"entry": "other_name"}, "must start with the folder's name 'my_capsule'"),
+        ({"entry": "my_capsule.missing"}, "cannot load 'my_capsule.missing': ModuleNotFoundError"),
         ({"name": "greeter"}, "taken by a built-in capsule"),
         ({"name": "../x"}, "package.name"),
         ({"code": "x = 1\n"}, "has no @tool or @subscribe functions"),
@@ -137,6 +140,15 @@ def test_bad_capsules_are_refused_with_the_reason(
     assert result.returncode == 1
     assert expected in result.stderr, result.stderr
     assert not (d.root / "state" / "capsules").exists()
+
+
+def test_a_folder_whose_name_is_not_a_module_installs_under_its_package(tmp_path: Path) -> None:
+    """The issue's ./my-capsule: the folder is installed as the entry's package."""
+    d = Daemon(short_dir())
+    folder = _capsule(tmp_path, "my-capsule", entry="my_capsule")
+    result = d.astrid("capsule", "install", str(folder))
+    assert result.returncode == 0, result.stderr
+    assert (d.root / "state" / "capsules" / "my_capsule" / "__init__.py").is_file()
 
 
 def test_install_without_a_running_supervisor(tmp_path: Path) -> None:

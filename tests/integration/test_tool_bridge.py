@@ -378,7 +378,10 @@ async def test_a_call_reaches_the_capsule_and_its_answer_comes_back(tmp_path: Pa
             "call_id": cid,
             "tool_name": "greet",
             "arguments": {"name": "Ada"},
+            "session_id": request.data()["session_id"],
+            "principal_id": "alice",
         }
+        assert request.data()["session_id"]  # who asked, for a ToolCall parameter
         h.capsules["greeter"].reply("greet", cid, "Hello, Ada!")
         assert (await _next(results)).data() == {
             "content": [{"type": "text", "text": "Hello, Ada!"}],
