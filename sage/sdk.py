@@ -41,6 +41,7 @@ out-of-process worker.
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import re
 import traceback
@@ -69,6 +70,7 @@ __all__ = (
     "Tool",
     "ToolCall",
     "ToolError",
+    "context",
     "input_schema",
     "required_patterns",
     "subscribe",
@@ -89,6 +91,21 @@ MAX_SCHEMA = 16 * 1024
 DESCRIBE_REQUEST = "tool.v1.request.describe"
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+
+_CONTEXT: contextvars.ContextVar[Context] = contextvars.ContextVar("sage_sdk_context")
+
+
+def context() -> Context:
+    """The context of the capsule serving the tool call or handler that runs now.
+
+    A tool publishes and requests with it, e.g. ``await context().request(topic,
+    payload)``, within its manifest's patterns like everything the capsule does.
+    """
+    try:
+        return _CONTEXT.get()
+    except LookupError:
+        raise SageError("sage.sdk.context() is only known while a tool or handler runs") from None
 
 
 class ToolError(SageError):
@@ -420,6 +437,7 @@ class Capsule:
     async def _execute(
         self, ctx: Context, served: Tool, request: _ExecuteRequest, principal: str | None
     ) -> None:
+        _CONTEXT.set(ctx)  # this task's: every call runs in a task of its own
         call = ToolCall(
             request.call_id,
             served.name,
@@ -443,6 +461,7 @@ class Capsule:
     async def _serve_handler(
         self, ctx: Context, fn: Handler, envelopes: AsyncIterator[Envelope]
     ) -> None:
+        _CONTEXT.set(ctx)
         async for envelope in envelopes:
             try:
                 await fn(ctx, envelope)

@@ -22,7 +22,7 @@ from sage.capsules import (
     capsule_folder,
     load_manifest,
 )
-from sage.errors import ConfigError
+from sage.errors import ConfigError, SageError
 from sage.sdk import (
     MAX_TOOLS,
     Capsule,
@@ -288,12 +288,16 @@ class Served:
 
 @asynccontextmanager
 async def serving(
-    capsule: Capsule, *, subscribe: tuple[str, ...] = (), bus: Bus | None = None
+    capsule: Capsule,
+    *,
+    subscribe: tuple[str, ...] = (),
+    publish: tuple[str, ...] = (),
+    bus: Bus | None = None,
 ) -> AsyncIterator[Served]:
-    """Run ``capsule`` as capsule ``t`` with exactly the ACL required_patterns names."""
+    """Run ``capsule`` as capsule ``t`` with the ACL required_patterns names (and more)."""
     bus = bus or Bus()
-    publish, subs = required_patterns(capsule, "t")
-    identity = Identity("capsule:t", acl=Acl(publish, [*subs, *subscribe]))
+    needed, subs = required_patterns(capsule, "t")
+    identity = Identity("capsule:t", acl=Acl([*needed, *publish], [*subs, *subscribe]))
     manifest = msgspec.convert({"package": {"name": "t", "entry": "x"}}, CapsuleManifest)
     ready = anyio.Event()
     ctx = CapsuleContext(bus, identity, manifest, ready=ready)
@@ -653,3 +657,44 @@ def test_module_entry_without_tools_is_refused(tmp_path: Path) -> None:
     (tmp_path / "Capsule.toml").write_text('[package]\nname = "x"\nentry = "capsules.echo"\n')
     with pytest.raises(ConfigError, match="no @tool or @subscribe"):
         CapsuleRunner(Bus(), load_manifest(tmp_path), lambda t, p: None)
+
+
+@pytest.mark.anyio
+async def test_a_tool_publishes_and_requests_through_its_context() -> None:
+    """sage.sdk.context(): the running capsule's bus, within its manifest."""
+    from sage.sdk import context
+
+    capsule = Capsule()
+
+    @capsule.tool("relay")
+    async def relay(args: GreetArgs) -> str:
+        context().publish("demo.note", {"to": args.name})
+        answer = await context().request("demo.lookup", {"name": args.name}, deadline=2)
+        return str(answer.data()["found"])
+
+    @capsule.tool("forbidden")
+    async def forbidden(args: GreetArgs) -> str:
+        context().publish("sage.v1.tool.result.x", {})
+        return "not refused"
+
+    bus = Bus()
+    other = Identity("other")
+    with bus.subscribe("demo.note", other) as notes, bus.subscribe("demo.lookup", other) as asks:
+
+        async def answer() -> None:
+            request = await asks.get()
+            bus.reply(other, request.reply_to or "", {"found": f"yes, {request.data()['name']}"})
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(answer)
+            async with serving(capsule, publish=("demo.note", "demo.lookup"), bus=bus) as served:
+                served.call("relay", "r1", {"name": "Ada"})
+                result = await served.result()
+                assert result["content"] == [{"type": "text", "text": "yes, Ada"}]
+                assert notes.get_nowait() is not None
+                served.call("forbidden", "f1", {"name": "Ada"})
+                refused = await served.result()
+                assert refused["is_error"] is True
+                assert "AclDenied" in refused["content"][0]["text"]
+    with pytest.raises(SageError, match="only known while a tool or handler runs"):
+        context()
