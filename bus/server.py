@@ -441,16 +441,21 @@ class _Connection:
         finally:
             self.requests -= 1
 
+    def _version_ok(self, frame: Hello) -> bool:
+        if frame.version == PROTOCOL_VERSION:
+            return True
+        self.push(
+            Err(
+                "bad_hello",
+                f"protocol version {frame.version} is not supported (server speaks {PROTOCOL_VERSION})",
+                fatal=True,
+            )
+        )
+        return False
+
     def _welcome_adopted(self, frame: Hello, identity: Identity) -> bool:
         """Answer an adopted peer's hello: its claims (role, principal) change nothing."""
-        if frame.version != PROTOCOL_VERSION:
-            self.push(
-                Err(
-                    "bad_hello",
-                    f"protocol version {frame.version} is not supported (server speaks {PROTOCOL_VERSION})",
-                    fatal=True,
-                )
-            )
+        if not self._version_ok(frame):
             return False
         self._welcomed = True
         self.push(
@@ -469,14 +474,7 @@ class _Connection:
         if not isinstance(frame, Hello):
             self.push(Err("bad_hello", "the first frame must be a hello", fatal=True))
             return False
-        if frame.version != PROTOCOL_VERSION:
-            self.push(
-                Err(
-                    "bad_hello",
-                    f"protocol version {frame.version} is not supported (server speaks {PROTOCOL_VERSION})",
-                    fatal=True,
-                )
-            )
+        if not self._version_ok(frame):
             return False
         try:
             identity = self.server.authorize(self.peer, frame)

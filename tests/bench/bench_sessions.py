@@ -43,6 +43,7 @@ from capsules.runner.command import Launch, build_launch
 from capsules.runner.runner import HOOKS
 from sage.config import load_config
 from sage.protocol import OutgoingState, ResultMessage, encode_initialize, encode_user_turn
+from tests.bench.procs import alive, marked
 from tests.bench.report import Report
 from tests.e2e.host import Host
 from tests.e2e.standin import Standin, Text
@@ -76,29 +77,6 @@ def _rss_kib(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(") ", 1)[1][0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
-def _pids_with_env(marker: bytes) -> list[int]:
-    """Live processes of ours whose environment contains ``marker``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if marker in f.read():
-                    found.append(int(entry))
-        except OSError:
-            continue
-    return [pid for pid in found if _alive(pid)]
-
-
 def _remove(root: Path) -> None:
     shutil.rmtree(root, ignore_errors=True)
     if root.exists():
@@ -113,7 +91,7 @@ def _kill_group(pid: int) -> None:
 def _leftovers(sage_root: Path) -> list[int]:
     """Children of the supervisor at ``sage_root`` that outlived it (none expected)."""
     socket = sage_root / "state" / "run" / "astrid.sock"
-    return _pids_with_env(f"ASTRID_SOCKET={socket}".encode())
+    return marked(f"ASTRID_SOCKET={socket}".encode())
 
 
 async def _reap_leftovers(sage_root: Path, within: float = 5.0) -> list[int]:
@@ -478,7 +456,7 @@ async def _memory(report: Report) -> None:
         )
     finally:
         left = await _reap_leftovers(root)
-        left += [pid for pid in pids if _alive(pid) and pid not in left]
+        left += [pid for pid in pids if alive(pid) and pid not in left]
         for pid in left:
             _kill_group(pid)
         _remove(root)

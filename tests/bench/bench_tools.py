@@ -59,6 +59,7 @@ from typing import Any
 
 import anyio
 
+from tests.bench.procs import marked
 from tests.bench.report import Report
 from tests.integration.daemon import short_dir
 from tests.integration.sage_harness import Sage, running_sage, sage_config
@@ -277,36 +278,13 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(") ", 1)[1][0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
-def _marked(marker: bytes) -> list[int]:
-    """Live processes whose environment contains ``marker``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if marker in f.read():
-                    found.append(int(entry))
-        except OSError:
-            continue
-    return [pid for pid in found if _alive(pid)]
-
-
 async def _reap(marker: bytes, within: float = 5.0) -> list[int]:
     """Wait for the marked processes to be gone; kill and return any that stay."""
     deadline = time.monotonic() + within
-    left = _marked(marker)
+    left = marked(marker)
     while left and time.monotonic() < deadline:
         await anyio.sleep(0.1)
-        left = _marked(marker)
+        left = marked(marker)
     for pid in left:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)
