@@ -778,6 +778,7 @@ class Runner:
                 "principal_id": proc.principal_id,
                 "session_id": proc.session_id,
                 "call_id": cid,
+                "tool_use_id": request.tool_use_id,
                 "tool_name": request.tool_name,
                 "allowed": allowed,
                 "decision_source": source,

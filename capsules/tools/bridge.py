@@ -135,6 +135,7 @@ class ToolBridge:
         self.catalogue = Catalogue()
         self.policy = PolicyFile(policy_path or ctx.config.state_dir / POLICY_FILE)
         self.pending: dict[str, _Pending] = {}
+        self._rejected: set[tuple[str, str | None, str]] = set()
         self._tg: anyio.abc.TaskGroup | None = None
 
     @property
@@ -233,6 +234,12 @@ class ToolBridge:
 
     def _apply(self, change: Change) -> None:
         for rejection in change.rejected:
+            key = (rejection.capsule, rejection.tool, rejection.reason)
+            if key in self._rejected:
+                continue  # each describe round offers it again: audit it once
+            if len(self._rejected) > 10_000:
+                self._rejected.clear()
+            self._rejected.add(key)
             self.log.warning(
                 "tools.tool_rejected",
                 offered_by=rejection.capsule,
@@ -301,6 +308,7 @@ class ToolBridge:
                 "principal_id": principal,
                 "session_id": call.session_id,
                 "call_id": cid,
+                "tool_use_id": call.tool_use_id,
                 "tool_name": name,
                 "allowed": allowed,
                 "decision_source": source,

@@ -285,6 +285,10 @@ async def test_oversized_and_bad_descriptors_are_rejected_and_audited(tmp_path: 
         assert set(rejected) == {"huge", "bad.name", "wide", "string"}
         assert "over the cap of 4096" in rejected["huge"]
         assert "over the cap of 16384" in rejected["wide"]
+        # offered again in the next describe round: not audited again
+        h.capsules["greeter"].describe()
+        FakeCapsule(h.bus, "zz", [_tool("bad.again")]).describe()
+        assert (await h.audit("tool_rejected")).data()["capsule"] == "zz"
 
 
 async def test_name_conflict_first_keeps_it(tmp_path: Path) -> None:
@@ -393,6 +397,7 @@ async def test_a_call_reaches_the_capsule_and_its_answer_comes_back(tmp_path: Pa
             "principal_id": "alice",
             "session_id": "s1",
             "call_id": cid,
+            "tool_use_id": "toolu_1",  # joins it with the runner's approval audit
             "tool_name": "greet",
             "allowed": True,
             "decision_source": "default",
