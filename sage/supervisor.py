@@ -237,39 +237,45 @@ class Supervisor:
         self.server.before_pong = sink.settled
         self.bus.add(sink)
         self.bus.on_denied(self._audit_denied)
-        async with anyio.create_task_group() as tg:
-            await tg.start(self.server.serve)
-            self._tg = tg
-            status = self.bus.subscribe(STATUS_TOPIC, self.identity)
-            tg.start_soon(self._answer_status, status)
-            loads = self.bus.subscribe(LOAD_TOPIC, self.identity)
-            tg.start_soon(self._answer_loads, loads)
-            await tg.start(self._handle_signals, tg.cancel_scope)
-            for capsule in self.capsules:
-                tg.start_soon(capsule.run)
-            with anyio.move_on_after(CAPSULE_READY_TIMEOUT):
-                for capsule in self.capsules:
-                    await capsule.ready.wait()
-            late = [c.manifest.name for c in self.capsules if not c.ready.is_set()]
-            if late:
-                log.warning("supervisor.capsules_not_ready", capsules=late)
-            interval = watchdog_interval()
-            if interval:
-                tg.start_soon(self._watchdog, interval)
-            self.bus.publish(
-                self.identity,
-                "sage.v1.audit.supervisor_started",
-                {"pid": os.getpid(), "version": VERSION, "socket": str(config.socket_path)},
-            )
-            self.notifier.notify("READY=1", f"STATUS=serving on {config.socket_path}")
-            log.info(
-                "supervisor.ready",
-                pid=os.getpid(),
-                socket=str(config.socket_path),
-                state_dir=str(config.state_dir),
-                startup_ms=round((time.time() - self.started_at) * 1000, 1),
-            )
-            task_status.started()
+        # the signal handler outlives the serving task group, so a second SIGTERM
+        # during the graceful stop is noted instead of killing the process
+        async with anyio.create_task_group() as signals:
+            stop = anyio.CancelScope()
+            await signals.start(self._handle_signals, stop)
+            with stop:
+                async with anyio.create_task_group() as tg:
+                    await tg.start(self.server.serve)
+                    self._tg = tg
+                    status = self.bus.subscribe(STATUS_TOPIC, self.identity)
+                    tg.start_soon(self._answer_status, status)
+                    loads = self.bus.subscribe(LOAD_TOPIC, self.identity)
+                    tg.start_soon(self._answer_loads, loads)
+                    for capsule in self.capsules:
+                        tg.start_soon(capsule.run)
+                    with anyio.move_on_after(CAPSULE_READY_TIMEOUT):
+                        for capsule in self.capsules:
+                            await capsule.ready.wait()
+                    late = [c.manifest.name for c in self.capsules if not c.ready.is_set()]
+                    if late:
+                        log.warning("supervisor.capsules_not_ready", capsules=late)
+                    interval = watchdog_interval()
+                    if interval:
+                        tg.start_soon(self._watchdog, interval)
+                    self.bus.publish(
+                        self.identity,
+                        "sage.v1.audit.supervisor_started",
+                        {"pid": os.getpid(), "version": VERSION, "socket": str(config.socket_path)},
+                    )
+                    self.notifier.notify("READY=1", f"STATUS=serving on {config.socket_path}")
+                    log.info(
+                        "supervisor.ready",
+                        pid=os.getpid(),
+                        socket=str(config.socket_path),
+                        state_dir=str(config.state_dir),
+                        startup_ms=round((time.time() - self.started_at) * 1000, 1),
+                    )
+                    task_status.started()
+            signals.cancel_scope.cancel()
         # reached when a stop signal cancelled the task group
         self.bus.publish(self.identity, "sage.v1.audit.supervisor_stopped", {"pid": os.getpid()})
 
@@ -282,6 +288,9 @@ class Supervisor:
                 if signum == signal.SIGHUP:
                     self.reload()
                     continue
+                if scope.cancel_called:
+                    log.info("supervisor.already_stopping", signal=signal.Signals(signum).name)
+                    continue
                 log.info("supervisor.stopping", signal=signal.Signals(signum).name)
                 self.notifier.notify("STOPPING=1")
                 # whatever is still running after the grace is cut off
@@ -290,7 +299,6 @@ class Supervisor:
                         anyio.current_time() + self.config.supervisor.shutdown_grace
                     )
                 scope.cancel()
-                return
 
     async def _watchdog(self, interval: float) -> None:
         while True:

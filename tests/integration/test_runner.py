@@ -576,3 +576,28 @@ def test_users_see_only_their_own_principals_session_events() -> None:
     assert "sage.v1.event.private.spawned" in seen["alice"]
     assert "sage.v1.event.private.exited" in seen["alice"]
     assert seen["bob"] == []
+
+
+def test_a_second_sigterm_during_the_stop_does_not_kill_the_supervisor(tmp_path: Path) -> None:
+    """systemd or an impatient operator may signal twice; the stop still completes."""
+    from tests.integration.daemon import Daemon, short_dir
+
+    # a worker that ignores SIGTERM makes the stop last (SIGKILL after a grace)
+    (tmp_path / "stubborn_mod.py").write_text(
+        "import signal\nimport time\n\n\nasync def main(ctx):\n"
+        "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "    ctx.ready()\n    time.sleep(60)  # deaf to end of input and SIGTERM\n"
+    )
+    capsule = tmp_path / "stubborn"
+    capsule.mkdir()
+    (capsule / "Capsule.toml").write_text(
+        '[package]\nname = "stubborn"\n[worker]\n'
+        'command = ["python3", "-m", "sage.worker", "stubborn_mod:main"]\n'
+        f'env = {{ PYTHONPATH = "{tmp_path}" }}\n'
+    )
+    d = Daemon(short_dir(), f'capsules = ["{capsule}"]\n').start()
+    d.signal(signal.SIGTERM)
+    time.sleep(0.3)  # the first stop is under way
+    d.signal(signal.SIGTERM)
+    assert d.stop() == 0
+    assert '"supervisor.already_stopping"' in d.log()
