@@ -252,12 +252,31 @@ class BusClient:
 
     # -- operations ---------------------------------------------------------
 
-    def publish(self, topic: str, payload: Any, *, correlation_id: str | None = None) -> None:
-        """Queue a publish; errors come back on the next :meth:`flush`."""
-        self.publish_raw(topic, _encode(payload), correlation_id=correlation_id)
+    def publish(
+        self,
+        topic: str,
+        payload: Any,
+        *,
+        correlation_id: str | None = None,
+        on_behalf_of: str | None = None,
+    ) -> None:
+        """Queue a publish; errors come back on the next :meth:`flush`.
 
-    def publish_raw(self, topic: str, payload: bytes, *, correlation_id: str | None = None) -> None:
-        self._send(Pub(topic, msgspec.Raw(payload), correlation_id))
+        ``on_behalf_of`` scopes the envelope to a principal; the server honours
+        it only for a connection without a principal of its own."""
+        self.publish_raw(
+            topic, _encode(payload), correlation_id=correlation_id, on_behalf_of=on_behalf_of
+        )
+
+    def publish_raw(
+        self,
+        topic: str,
+        payload: bytes,
+        *,
+        correlation_id: str | None = None,
+        on_behalf_of: str | None = None,
+    ) -> None:
+        self._send(Pub(topic, msgspec.Raw(payload), correlation_id, on_behalf_of))
 
     async def flush(self) -> None:
         """Wait until the server has handled everything sent so far; raise its errors."""

@@ -373,7 +373,11 @@ class _Connection:
         try:
             if isinstance(frame, Pub):
                 bus.publish_raw(
-                    identity, frame.topic, bytes(frame.payload), correlation_id=frame.cid
+                    identity,
+                    frame.topic,
+                    bytes(frame.payload),
+                    correlation_id=frame.cid,
+                    on_behalf_of=frame.obo,
                 )
             elif isinstance(frame, Sub):
                 self._subscribe(frame, identity)

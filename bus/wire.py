@@ -14,7 +14,7 @@ Server -> client: Welcome, Msg, Result, Ok, Err, Pong.
 from __future__ import annotations
 
 import struct
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -76,6 +76,9 @@ class Pub(_Frame, tag="pub"):
     topic: str
     payload: msgspec.Raw
     cid: str | None = None
+    obo: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")] | None = None
+    """On behalf of this principal: honoured only for a publisher without one
+    (a capsule worker, an admin); see :meth:`bus.broker.Bus.publish_raw`."""
 
 
 class Sub(_Frame, tag="sub"):

@@ -92,13 +92,10 @@ class RemoteContext:
     def publish(self, topic: str, payload: Any, *, on_behalf_of: str | None = None) -> None:
         """Publish as the capsule (queued; a refusal comes back on :meth:`flush`).
 
-        ``on_behalf_of`` is refused: the wire protocol does not carry it, and
-        an envelope meant for one principal must not go out unscoped.
+        ``on_behalf_of`` scopes the envelope to that principal, as in-process.
         """
-        if on_behalf_of is not None:
-            raise BusError("on_behalf_of is not supported over the socket (worker capsules)")
         split_topic(topic)
-        self.client.publish_raw(topic, self._encoded(payload))
+        self.client.publish_raw(topic, self._encoded(payload), on_behalf_of=on_behalf_of)
 
     async def open(self, pattern: str) -> RemoteSubscription:
         """Subscribe; the subscription is active when this returns (``async for`` it)."""

@@ -166,6 +166,29 @@ async def test_envelopes_carry_the_servers_identity_not_the_clients_claims(
     assert env.data() == {"source": "forged", "principal": "root"}
 
 
+async def test_on_behalf_of_only_for_a_publisher_without_a_principal(sock_path: Path) -> None:
+    """A connection without a principal may scope an envelope to one; one with a
+    principal cannot put another's name on what it publishes."""
+    async with (
+        serving(sock_path),
+        BusClient.connect(sock_path, role="cli", name="sub") as sub_client,
+        BusClient.connect(sock_path, role="cli", name="plain") as plain,
+        BusClient.connect(sock_path, role="cli", name="ops", principal="ops") as ops,
+    ):
+        sub = await sub_client.subscribe("events.>")
+        plain.publish("events.scoped", {}, on_behalf_of="alice")
+        await plain.flush()
+        ops.publish("events.claimed", {}, on_behalf_of="alice")
+        await ops.flush()
+        with anyio.fail_after(5):
+            scoped, claimed = await sub.get(), await sub.get()
+        plain.publish("events.bad", {}, on_behalf_of="../x")
+        with pytest.raises(BusError, match="invalid frame"):
+            await plain.flush()
+    assert (scoped.topic, scoped.principal) == ("events.scoped", "alice")
+    assert (claimed.topic, claimed.principal) == ("events.claimed", "ops")
+
+
 async def test_wildcard_subscription_over_the_socket(sock_path: Path) -> None:
     """A '*' subscription gets matching topics only, in publish order."""
     async with (
