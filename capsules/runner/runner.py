@@ -802,7 +802,7 @@ class Runner:
                     "correlation_id": request.tool_use_id,
                     "principal_id": proc.principal_id,
                     "session_id": proc.session_id,
-                    "source": "hook_callback",
+                    "decision_source": "in_band",
                 },
             )
         return {"continue": True}

@@ -1,0 +1,426 @@
+"""The hooks capsule: token-checked hooks in-process, then through a real supervisor.
+
+In-process: the capsule on a real :class:`bus.Bus` with a real state store,
+publishers with the identities the supervisor gives an ``emit`` connection.
+Through the supervisor: the session runner mints the token for a session of
+the CLI test double, the real ``astrid-emit`` sends hooks with it (or with
+a wrong one, or with the token of a session that has ended), and the audit
+log records what was refused.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sqlite3
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+
+from bus import Acl, Bus, Envelope, Identity, Subscription
+from capsules.hooks.capsule import HookGate
+from capsules.hooks.validate import PAYLOAD_LIMIT
+from capsules.runner.command import hash_token, mint_token
+from sage.capsules import CapsuleContext, capsule_folder, load_manifest
+from sage.state import StateStore
+from tests.integration.sage_harness import Sage, running_sage, sage_config
+
+pytestmark = pytest.mark.anyio
+
+FAKE = Path(__file__).resolve().parents[1] / "doubles" / "fake_claude.py"
+EMIT = Path(sys.executable).parent / "astrid-emit"
+SPOOF = "sage.v1.audit.hook_spoof_attempt"
+
+
+# -- in-process ------------------------------------------------------------------
+
+
+class Rig:
+    """The capsule on a bus, an emit-like publisher and an observer that sees all."""
+
+    def __init__(self, bus: Bus, store: StateStore, gate: HookGate, clock: list[float]) -> None:
+        self.bus = bus
+        self.store = store
+        self.gate = gate
+        self.clock = clock
+        observer = Identity("observer")
+        self.everything = bus.subscribe(">", observer)
+        self.hooks = bus.subscribe("hook.v1.event.>", observer)
+        self.notifications = bus.subscribe("sage.v1.notification", observer)
+        self.audits = bus.subscribe(SPOOF, observer)
+
+    def emit(
+        self,
+        hook: str = "PreToolUse",
+        *,
+        principal: str | None = "alice",
+        source: str = "emit:1000",
+        topic: str | None = None,
+        raw: bytes | None = None,
+        **fields: Any,
+    ) -> None:
+        """Publish as an ``emit`` connection of a uid that maps to ``principal``."""
+        identity = Identity(source, principal, Acl(publish=["sage.v1.hook.>"], subscribe=[]))
+        envelope = {
+            "hook": hook,
+            "payload": {"hook_event_name": hook, "tool_name": "mcp__sage__greet"},
+            "correlation_id": None,
+            "principal_id": "alice",
+            "session_id": "s1",
+            "token": "",
+            **fields,
+        }
+        data = raw if raw is not None else msgspec.json.encode(envelope)
+        self.bus.publish_raw(identity, topic or f"sage.v1.hook.{hook}", data)
+
+    async def next(self, sub: Subscription) -> Envelope:
+        with anyio.fail_after(5):
+            return await sub.get()
+
+    def published(self) -> list[Envelope]:
+        return self.everything.drain()
+
+
+async def _wait(predicate: Callable[[], bool], within: float = 5) -> None:
+    with anyio.fail_after(within):
+        while not predicate():  # noqa: ASYNC110 - the capsule offers no event for this
+            await anyio.sleep(0.005)
+
+
+@asynccontextmanager
+async def _rig(tmp_path: Path) -> AsyncIterator[Rig]:
+    bus = Bus()
+    manifest = load_manifest(capsule_folder("hooks"))
+    identity = Identity(
+        f"capsule:{manifest.name}", acl=Acl(manifest.publish.patterns, manifest.subscribe.patterns)
+    )
+    async with StateStore.open(tmp_path / "state.db") as store:
+        ready = anyio.Event()
+        ctx = CapsuleContext(bus, identity, manifest, state_of=lambda: store, ready=ready)
+        clock = [0.0]
+        gate = HookGate(ctx, clock=lambda: clock[0])
+        rig = Rig(bus, store, gate, clock)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(gate.run)
+            with anyio.fail_after(5):
+                await ready.wait()
+            try:
+                yield rig
+            finally:
+                tg.cancel_scope.cancel()
+                ctx.close()
+
+
+def _out(rig: Rig) -> list[Envelope]:
+    """Everything the capsule published so far."""
+    return [e for e in rig.published() if e.source == "capsule:hooks"]
+
+
+async def _session(store: StateStore, sid: str = "s1", principal: str = "alice") -> str:
+    """A token record as the runner writes it at spawn; the token itself."""
+    token = mint_token()
+    await store.put("hook_tokens", sid, {"sha256": hash_token(token), "principal_id": principal})
+    return token
+
+
+async def _handled(rig: Rig, count: int) -> None:
+    await _wait(lambda: rig.gate.republished + rig.gate.rejected >= count)
+
+
+async def test_a_valid_hook_is_republished_for_its_principal(tmp_path: Path) -> None:
+    async with _rig(tmp_path) as rig:
+        token = await _session(rig.store)
+        rig.emit(token=token, payload={"hook_event_name": "PreToolUse", "tool_use_id": "tu_1"})
+        event = await rig.next(rig.hooks)
+        assert event.topic == "hook.v1.event.before_tool_call"
+        assert event.principal == "alice"  # on behalf of the token's principal
+        assert event.source == "capsule:hooks"
+        assert event.data() == {
+            "hook": "PreToolUse",
+            "payload": {"hook_event_name": "PreToolUse", "tool_use_id": "tu_1"},
+            "correlation_id": "tu_1",
+            "principal_id": "alice",
+            "session_id": "s1",
+            "decision_source": "token",
+        }
+        # an admin's emit connection has no verified principal: the token alone decides
+        rig.emit("Stop", principal=None, source="emit:0", token=token)
+        assert (await rig.next(rig.hooks)).topic == "hook.v1.event.session_end"
+        assert len(rig.audits) == 0
+        assert all(token.encode() not in e.payload for e in _out(rig))
+
+
+async def test_notifications_also_go_to_sage_notification(tmp_path: Path) -> None:
+    async with _rig(tmp_path) as rig:
+        token = await _session(rig.store)
+        rig.emit("Notification", token=token, payload={"message": "needs you"})
+        event = await rig.next(rig.hooks)
+        note = await rig.next(rig.notifications)
+        assert event.topic == "hook.v1.event.notification"
+        assert note.principal == "alice"
+        assert note.data() == event.data()
+        assert note.data()["payload"] == {"message": "needs you"}
+
+
+async def test_a_large_hook_input_is_republished_without_it(tmp_path: Path) -> None:
+    async with _rig(tmp_path) as rig:
+        token = await _session(rig.store)
+        rig.emit(token=token, payload={"blob": "x" * (PAYLOAD_LIMIT + 1)})
+        data = (await rig.next(rig.hooks)).data()
+        assert data["payload"] is None
+        assert data["truncated"] is True
+
+
+SPOOFS: list[tuple[str, dict[str, Any], str]] = [
+    ("wrong token", {"token": "W" * 43}, "bad_token"),
+    ("no token", {"token": ""}, "missing_token"),
+    ("claims bob", {"principal_id": "bob"}, "principal_mismatch"),
+    ("connection is bob's", {"principal": "bob"}, "principal_mismatch"),
+    ("unknown session", {"session_id": "never"}, "unknown_or_ended_session"),
+    ("bad session id", {"session_id": "../../etc"}, "bad_session_id"),
+    ("unknown hook", {"hook": "Bogus"}, "unknown_hook"),
+    ("topic disagrees", {"topic": "sage.v1.hook.PostToolUse"}, "unknown_hook"),
+    ("malformed", {"raw": b"[1, 2, 3]"}, "malformed"),
+]
+
+
+@pytest.mark.parametrize(("case", "fields", "reason"), SPOOFS, ids=[c for c, _, _ in SPOOFS])
+async def test_spoofs_are_audited_and_not_republished(
+    tmp_path: Path, case: str, fields: dict[str, Any], reason: str
+) -> None:
+    async with _rig(tmp_path) as rig:
+        token = await _session(rig.store)
+        fields = {"token": token, **fields}
+        rig.emit(fields.pop("hook", "PreToolUse"), **fields)
+        audit = await rig.next(rig.audits)
+        report = audit.data()
+        assert report["reason"] == reason
+        assert report["source"] == "emit:1000"
+        assert set(report) == {
+            "claimed_principal",
+            "claimed_session",
+            "hook",
+            "reason",
+            "source",
+            "suppressed_before",
+        }
+        assert audit.principal is None  # the claims are not vouched for
+        assert len(rig.hooks) == 0
+        assert len(rig.notifications) == 0
+        assert all(token.encode() not in e.payload for e in _out(rig))
+
+
+async def test_an_ended_sessions_token_is_refused(tmp_path: Path) -> None:
+    """The runner scrubs the record at the end; the same token then is a replay."""
+    async with _rig(tmp_path) as rig:
+        token = await _session(rig.store)
+        rig.emit(token=token)
+        await rig.next(rig.hooks)
+        await rig.store.delete("hook_tokens", "s1")
+        rig.emit(token=token)
+        assert (await rig.next(rig.audits)).data()["reason"] == "unknown_or_ended_session"
+        # a respawn mints a new token: the old one does not work for the new child
+        await _session(rig.store)
+        rig.emit(token=token)
+        assert (await rig.next(rig.audits)).data()["reason"] == "bad_token"
+        assert len(rig.hooks) == 0
+
+
+async def test_spoof_audits_are_rate_limited_per_source(tmp_path: Path) -> None:
+    async with _rig(tmp_path) as rig:
+        for _ in range(25):
+            rig.emit(token="W" * 43)
+        rig.emit(token="W" * 43, source="emit:2000")
+        await _handled(rig, 26)
+        audits = rig.audits.drain()
+        sources = [a.data()["source"] for a in audits]
+        assert sources.count("emit:1000") == 20
+        assert sources.count("emit:2000") == 1
+        rig.clock[0] = 61.0  # a minute later the source may be audited again
+        rig.emit(token="W" * 43)
+        report = (await rig.next(rig.audits)).data()
+        assert report["suppressed_before"] == 5
+        assert rig.gate.rejected == 27
+
+
+async def test_the_capsule_survives_bad_envelopes_and_a_closed_store(tmp_path: Path) -> None:
+    """Deeply nested garbage is malformed; without a state store nothing passes."""
+    async with _rig(tmp_path) as rig:
+        token = await _session(rig.store)
+        rig.emit(raw=b"[" * 200_000)
+        assert (await rig.next(rig.audits)).data()["reason"] == "malformed"
+        rig.gate.ctx._state_of = lambda: None  # the store is gone
+        rig.emit(token=token)
+        await _wait(lambda: len(rig.everything) >= 3)  # the two envelopes in, one audit out
+        await anyio.sleep(0.05)
+        assert len(rig.hooks) == 0
+        rig.gate.ctx._state_of = lambda: rig.store
+        rig.emit(token=token)
+        assert (await rig.next(rig.hooks)).principal == "alice"
+
+
+# -- through a real supervisor ---------------------------------------------------
+
+
+def _config() -> str:
+    limits = "[limits]\nstop_grace = 0.5\ninit_timeout = 5.0\n"
+    return sage_config(FAKE, {"FAKE_CLAUDE_MODE": ""}, extra=limits, capsules='["runner", "hooks"]')
+
+
+async def _child_env(pid: int) -> dict[str, str]:
+    raw = await anyio.Path(f"/proc/{pid}/environ").read_bytes()
+    pairs = (item.decode().split("=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return dict(pairs)
+
+
+async def _emit(
+    env: dict[str, str], payload: dict[str, Any], *, event: str | None = None
+) -> tuple[int, float, str]:
+    """Run the real astrid-emit with a minimal environment; (exit code, seconds, stderr)."""
+    args = [str(EMIT)] + (["--event", event] if event else [])
+    full = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **env}
+    start = time.monotonic()
+    result = await anyio.run_process(
+        args, input=msgspec.json.encode(payload), env=full, check=False
+    )
+    return result.returncode, time.monotonic() - start, result.stderr.decode()
+
+
+def _audit_rows(sage: Sage) -> list[dict[str, Any]]:
+    db = sqlite3.connect(f"file:{sage.daemon.root / 'state' / 'audit.db'}?mode=ro", uri=True)
+    try:
+        rows = db.execute("SELECT payload FROM entries WHERE kind = ?", (SPOOF,)).fetchall()
+    finally:
+        db.close()
+    return [msgspec.json.decode(row[0]) for row in rows]
+
+
+def _files_holding(root: Path, secret: str) -> list[Path]:
+    """Regular files under ``root`` (databases with their WAL, logs) that contain ``secret``."""
+    needle = secret.encode()
+    return [p for p in root.rglob("*") if p.is_file() and needle in p.read_bytes()]
+
+
+async def _get(sub: Any, within: float = 10.0) -> Envelope:
+    with anyio.fail_after(within):
+        envelope: Envelope = await sub.get()
+        return envelope
+
+
+@pytest.mark.skipif(not EMIT.exists(), reason="astrid-emit is not installed in this venv")
+async def test_astrid_emit_through_the_supervisor() -> None:
+    async with running_sage(_config(), env={"ANTHROPIC_API_KEY": "sk-double"}) as sage:
+        hooks = await sage.client.subscribe("hook.v1.event.>")
+        spoofs = await sage.client.subscribe(SPOOF)
+        events, reply = await sage.spawn("hk1")
+        assert reply["ok"], reply
+        await events.until("init")
+        child = await _child_env(reply["pid"])
+        token = child["ASTRID_HOOK_TOKEN"]
+        assert len(token) >= 43
+        env = {
+            key: child[key] for key in ("ASTRID_PRINCIPAL_ID", "ASTRID_SESSION_ID", "ASTRID_SOCKET")
+        }
+        assert env["ASTRID_PRINCIPAL_ID"] == "alice"
+        assert env["ASTRID_SESSION_ID"] == "hk1"
+        hook_input = {
+            "session_id": "claude-own-id",
+            "hook_event_name": "PreToolUse",
+            "tool_name": "mcp__sage__greet",
+            "tool_input": {"name": "Ada"},
+            "tool_use_id": "toolu_7",
+        }
+
+        # the token the runner minted: republished with alice as the principal
+        code, _, err = await _emit({**env, "ASTRID_HOOK_TOKEN": token}, hook_input)
+        assert code == 0, err
+        event = await _get(hooks)
+        assert event.topic == "hook.v1.event.before_tool_call"
+        assert event.principal == "alice"
+        data = msgspec.json.decode(event.payload)
+        assert data["principal_id"] == "alice"
+        assert data["session_id"] == "hk1"
+        assert data["decision_source"] == "token"
+        assert data["correlation_id"] == "toolu_7"
+        assert data["payload"] == hook_input
+
+        # a wrong token: audited, not republished
+        code, _, err = await _emit({**env, "ASTRID_HOOK_TOKEN": mint_token()}, hook_input)
+        assert code == 0, err
+        report = msgspec.json.decode((await _get(spoofs)).payload)
+        assert report["reason"] == "bad_token"
+        assert report["claimed_session"] == "hk1"
+        assert report["source"].startswith("emit:")
+
+        # the session ends; its token is scrubbed, a replay is refused
+        assert (await sage.request("sage.v1.request.stop.hk1", {}))["ok"]
+        await events.until("exited", within=15)
+        code, _, err = await _emit({**env, "ASTRID_HOOK_TOKEN": token}, hook_input)
+        assert code == 0, err
+        report = msgspec.json.decode((await _get(spoofs)).payload)
+        assert report["reason"] == "unknown_or_ended_session"
+        # the stolen, ended token sent by hand over a user connection: the same
+        sage.client.publish(
+            "sage.v1.hook.PreToolUse",
+            {
+                "hook": "PreToolUse",
+                "payload": hook_input,
+                "principal_id": "alice",
+                "session_id": "hk1",
+                "token": token,
+            },
+        )
+        await sage.client.flush()
+        report = msgspec.json.decode((await _get(spoofs)).payload)
+        assert report["reason"] == "unknown_or_ended_session"
+        with anyio.move_on_after(0.3):  # nothing but the one valid hook was republished
+            extra = await hooks.get()
+            raise AssertionError(f"republished: {extra.topic}")
+
+        await _wait(lambda: len(_audit_rows(sage)) >= 3, within=10)
+        rows = _audit_rows(sage)
+        assert [r["payload"]["reason"] for r in rows] == [
+            "bad_token",
+            "unknown_or_ended_session",
+            "unknown_or_ended_session",
+        ]
+        assert all(r["source"] == "capsule:hooks" for r in rows)
+        # the token is on no disk: not in the audit log, the state store, the logs
+        root = sage.daemon.root
+        assert await anyio.to_thread.run_sync(_files_holding, root, "unknown_or_ended_session")
+        assert not await anyio.to_thread.run_sync(_files_holding, root, token)
+
+
+@pytest.mark.skipif(not EMIT.exists(), reason="astrid-emit is not installed in this venv")
+async def test_astrid_emit_exits_0_quickly_when_the_supervisor_is_down(tmp_path: Path) -> None:
+    env = {
+        "ASTRID_PRINCIPAL_ID": "alice",
+        "ASTRID_SESSION_ID": "s1",
+        "ASTRID_HOOK_TOKEN": mint_token(),
+        "ASTRID_SOCKET": str(tmp_path / "nobody-here.sock"),
+    }
+    payload = {"hook_event_name": "PreToolUse"}
+    code, seconds, err = await _emit(env, payload)
+    assert code == 0
+    assert seconds < 2.0
+    assert "not delivered" in err
+    # a socket that accepts but never answers the hello: the 2 s deadline cuts it off
+    hung = anyio.Path(f"/tmp/sg-hook-{os.getpid()}.sock")
+    await hung.unlink(missing_ok=True)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(str(hung))
+        listener.listen(8)
+        try:
+            code, seconds, err = await _emit({**env, "ASTRID_SOCKET": str(hung)}, payload)
+        finally:
+            await hung.unlink(missing_ok=True)
+    assert code == 0
+    assert 1.9 < seconds < 4.0  # the deadline plus the interpreter's start
+    assert "not delivered" in err
