@@ -28,8 +28,11 @@ __all__ = (
     "BusConfig",
     "ClaudeConfig",
     "Config",
+    "ForgeConfig",
+    "LlmConfig",
     "LimitsConfig",
     "PrincipalConfig",
+    "SecretsConfig",
     "SessionsConfig",
     "SocketConfig",
     "SupervisorConfig",
@@ -169,6 +172,59 @@ class SessionsConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=
     """Respawn attempts (identity refresh) per session before giving up."""
 
 
+class SecretsConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    key_file: str = ""
+    """The 32-byte AES-GCM key that encrypts the secret store (principals' API keys,
+    forge vault). Empty: ``$CREDENTIALS_DIRECTORY/sage-secrets-key`` when systemd
+    provides it, else ``<state_dir>/keys/secrets.key`` (0600, made on first use)."""
+
+
+class LlmConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    base_url: str = ""
+    """Messages API base URL; empty: the SDK's default (api.anthropic.com)."""
+    model: str = "claude-sonnet-4-5"
+    """Model when a request names none."""
+    models: list[str] = msgspec.field(
+        default_factory=lambda: ["claude-opus-4-1", "claude-sonnet-4-5", "claude-haiku-4-5"]
+    )
+    """Models the provider offers; a request for another is refused."""
+    max_tokens: Annotated[int, msgspec.Meta(gt=0, le=1_000_000)] = 4096
+    """``max_tokens`` when a request gives none."""
+    context_window: PositiveInt = 200_000
+    """Advertised in ``llm.v1.request.describe``."""
+    timeout: PositiveFloat = 120.0
+    """Seconds one HTTP attempt may take (the SDK's timeout)."""
+    max_retries: Annotated[int, msgspec.Meta(ge=0, le=10)] = 2
+    """Retries the SDK makes on 408/409/429/5xx and connection errors."""
+    max_concurrent: Annotated[int, msgspec.Meta(gt=0, le=1000)] = 8
+    """Generations running at once; more wait their turn."""
+
+
+class ForgeConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    root: str = "forge"
+    """Registry, runs, cache and policy of forged tools; relative to state_dir."""
+    python: str = "/usr/bin/python3"
+    """Interpreter for ``python`` tools (inside the sandbox, from the read-only /usr)."""
+    bash: str = "/bin/bash"
+    """Interpreter for ``bash`` tools."""
+    sandbox_uid: Annotated[int, msgspec.Meta(ge=1, le=2**32 - 1)] = 65534
+    """Uid the sandbox runs as when the supervisor is root (never root itself)."""
+    wall_clock: PositiveFloat = 30.0
+    """Seconds a call may run before its whole sandbox is killed."""
+    cpu_seconds: PositiveInt = 10
+    """RLIMIT_CPU of a call."""
+    memory_bytes: Annotated[int, msgspec.Meta(ge=64 * 1024 * 1024)] = 1024 * 1024 * 1024
+    """RLIMIT_AS of a call."""
+    file_bytes: Annotated[int, msgspec.Meta(ge=1024 * 1024)] = 64 * 1024 * 1024
+    """RLIMIT_FSIZE of a call."""
+    open_files: Annotated[int, msgspec.Meta(ge=16, le=65536)] = 256
+    """RLIMIT_NOFILE of a call."""
+    max_processes: Annotated[int, msgspec.Meta(ge=4, le=4096)] = 64
+    """Processes one call's sandbox may hold at once."""
+    output_cap: Annotated[int, msgspec.Meta(ge=4096)] = 4 * 1024 * 1024
+    """Bytes of stdout returned to Claude (a policy may lower it); the rest is spilled."""
+
+
 class PrincipalConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     name: Name
     """The principal's id, ``[A-Za-z0-9_-]{1,64}``."""
@@ -204,6 +260,9 @@ class Config(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     claude: ClaudeConfig = ClaudeConfig()
     limits: LimitsConfig = LimitsConfig()
     sessions: SessionsConfig = SessionsConfig()
+    secrets: SecretsConfig = SecretsConfig()
+    llm: LlmConfig = LlmConfig()
+    forge: ForgeConfig = ForgeConfig()
     principals: list[PrincipalConfig] = []
     base_dir: str = ""
     """Where relative paths resolve; set by the loader, not written in files."""
@@ -254,6 +313,15 @@ class Config(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     @property
     def keys_dir(self) -> Path:
         return self.state_dir / "keys"
+
+    @property
+    def forge_dir(self) -> Path:
+        root = Path(self.forge.root).expanduser()
+        return root if root.is_absolute() else self.state_dir / root
+
+    @property
+    def secrets_path(self) -> Path:
+        return self.state_dir / "secrets.db"
 
     def principal(self, name: str) -> PrincipalConfig | None:
         for principal in self.principals:
