@@ -12,9 +12,11 @@ from __future__ import annotations
 __all__ = (
     "AuditError",
     "ConfigError",
+    "ForgeError",
     "ProcessError",
     "ProtocolError",
     "SageError",
+    "SandboxError",
     "StateError",
 )
 
@@ -41,3 +43,16 @@ class AuditError(SageError):
 
 class StateError(SageError):
     """The state store could not be opened, read or written."""
+
+
+class ForgeError(SageError):
+    """A forge operation was refused; ``kind`` is the machine-readable reason
+    (``name_taken``, ``static_check_failed``, ``validation_failed``, ...)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class SandboxError(ForgeError):
+    """The sandbox could not be set up or run (bwrap missing or refused, a bad mount)."""
