@@ -5,7 +5,8 @@ kernel or a container refuses the namespaces it needs, cannot run them.
 :func:`probe_bwrap` finds ``bwrap`` on PATH, reads ``bwrap --version`` and
 then really starts the smallest sandbox sage would use (every namespace
 unshared, no capabilities, an empty environment, ``/usr`` read-only) around
-``/bin/true``: only an exit 0 of that counts.  :func:`sandbox_argv` builds
+``/bin/true``: only an exit 0 of that counts (as the sandbox uid when
+``uid`` is given and the caller is root, since that is how forge runs it).  :func:`sandbox_argv` builds
 that command from the host's root layout, so a merged-``/usr`` system
 (``/bin``, ``/lib`` ... symlinks into ``/usr``, as on Debian 12) and an
 older split one both work.  The result is a :class:`BwrapProbe` saying why
@@ -48,6 +49,8 @@ def sandbox_argv(bwrap: str, root: Path = Path("/")) -> list[str]:
     argv = [
         bwrap,
         "--unshare-all",
+        "--unshare-user",
+        "--disable-userns",
         "--die-with-parent",
         "--new-session",
         "--cap-drop",
@@ -67,8 +70,17 @@ def sandbox_argv(bwrap: str, root: Path = Path("/")) -> list[str]:
     return argv
 
 
-async def probe_bwrap(*, timeout: float = 10.0) -> BwrapProbe:  # noqa: ASYNC109 - a hung bwrap is a finding
-    """Find ``bwrap``, read its version and run a minimal sandbox; never raises for a bad host."""
+async def probe_bwrap(
+    *,
+    timeout: float = 10.0,  # noqa: ASYNC109 - a hung bwrap is a finding
+    uid: int | None = None,
+) -> BwrapProbe:
+    """Find ``bwrap``, read its version and run a minimal sandbox; never raises for a bad host.
+
+    With ``uid`` (the sandbox uid) and a root caller, the sandbox is started as
+    that uid, as forge starts it: this is what needs unprivileged user
+    namespaces, which root itself does not.
+    """
     found = shutil.which("bwrap")
     if found is None:
         return BwrapProbe(
@@ -85,7 +97,7 @@ async def probe_bwrap(*, timeout: float = 10.0) -> BwrapProbe:  # noqa: ASYNC109
                     ok=False, path=found, reason=f"bwrap --version {_failure(result)}"
                 )
             version = _version_of(result.stdout.decode(errors="replace"))
-            result = await _run(sandbox_argv(found), env)
+            result = await _run(sandbox_argv(found), env, uid=uid)
     except TimeoutError:
         return BwrapProbe(
             ok=False,
@@ -107,7 +119,20 @@ async def probe_bwrap(*, timeout: float = 10.0) -> BwrapProbe:  # noqa: ASYNC109
     return BwrapProbe(ok=True, path=found, version=version)
 
 
-async def _run(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[bytes]:
+async def _run(
+    argv: list[str], env: dict[str, str], *, uid: int | None = None
+) -> subprocess.CompletedProcess[bytes]:
+    if uid is not None and os.geteuid() == 0 and uid != 0:
+        return await anyio.run_process(
+            argv,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd="/",
+            check=False,
+            user=uid,
+            group=uid,
+            extra_groups=[],
+        )
     return await anyio.run_process(argv, stdin=subprocess.DEVNULL, env=env, cwd="/", check=False)
 
 

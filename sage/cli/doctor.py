@@ -48,8 +48,9 @@ checks:
   claude      the claude binary sessions will run (claude.binary, else the one
               `make setup` installs in .tools/, else PATH) and its version; warn:
               not a tested version; fail: none found or it does not run
-  bwrap       bubblewrap really runs a minimal sandbox; fail: forged tools cannot
-              run (install bubblewrap, allow user namespaces)
+  bwrap       bubblewrap really runs a minimal sandbox (as forge.sandbox_uid when
+              run as root); fail: forge refuses to run any forged tool (fail
+              closed) - install bubblewrap, allow unprivileged user namespaces
   state       state_dir is yours, mode 0700 (0750 with socket.group); warn: not
               created yet (the supervisor does on first start); fail: owned by
               another uid or open to others (chmod/chown it)
@@ -108,7 +109,7 @@ async def run_checks(config_file: str | None) -> list[Check]:
     checks = [config_check]
     if config is not None:
         checks.append(await _check_claude(config))
-    checks.append(await _check_bwrap())
+    checks.append(await _check_bwrap(config))
     if config is None:
         return checks
     checks.append(_check_state(config))
@@ -168,15 +169,26 @@ async def _check_claude(config: Config) -> Check:
     )
 
 
-async def _check_bwrap() -> Check:
-    probe = await probe_bwrap()
-    facts = {"path": probe.path, "version": probe.version}
+async def _check_bwrap(config: Config | None) -> Check:
+    # as root, forge runs bwrap as the sandbox uid (unprivileged user namespaces): probe that
+    uid = config.forge.sandbox_uid if config is not None and os.geteuid() == 0 else None
+    probe = await probe_bwrap(uid=uid)
+    facts: dict[str, Any] = {"path": probe.path, "version": probe.version}
+    as_uid = f" as uid {uid}" if uid is not None else ""
+    if uid is not None:
+        facts["uid"] = uid
     if probe.ok:
-        return Check(name="bwrap", status="ok", detail=f"{probe.path} {probe.version}", facts=facts)
+        return Check(
+            name="bwrap",
+            status="ok",
+            detail=f"{probe.path} {probe.version}, sandbox runs{as_uid}",
+            facts=facts,
+        )
     return Check(
         name="bwrap",
         status="fail",
-        detail=f"{probe.reason}; forged tools cannot run",
+        detail=f"{probe.reason}{as_uid}; forged tools cannot run: forge refuses to run"
+        " any tool until a sandbox works (fail closed)",
         facts=facts,
     )
 

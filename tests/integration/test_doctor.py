@@ -342,3 +342,20 @@ def test_astrid_doctor_as_a_command(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert json.loads(result.stdout)["ok"] is False
     assert result.stderr == ""
+
+
+def test_doctor_says_forge_refuses_tools_without_bwrap(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No bwrap on PATH: the bwrap row fails and says forge fails closed."""
+    config = _setup(tmp_path)
+    empty = tmp_path / "empty-path"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    code, report = _doctor(capsys, config)
+    assert code == 1
+    row = _rows(report)["bwrap"]
+    assert row["status"] == "fail"
+    assert "bwrap not found on PATH" in row["detail"]
+    assert "forge refuses to run any tool" in row["detail"]
+    assert "fail closed" in row["detail"]

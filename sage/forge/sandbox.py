@@ -1,0 +1,822 @@
+"""Run one forged tool inside bubblewrap: mounts, limits, output capture.
+
+The pure half builds and checks: :func:`check_binds` resolves the ``x-bind``
+paths and refuses what must never be mounted, :func:`build_args` writes the
+bwrap options.  The thin async half, :func:`run_sandboxed`, opens the
+checked paths (``O_PATH|O_NOFOLLOW``, component by component, same inode as
+checked) and hands bwrap the descriptors (``--ro-bind-fd``/``--bind-fd``),
+so what is mounted is what was checked, whatever is swapped in later.
+
+The sandbox: every namespace unshared (``--share-net`` only when the
+persona's policy allows the network), nested user namespaces disabled, no
+capabilities, a clean environment, ``/usr`` read-only (the merged-``/usr``
+links recreated), a few ``/etc`` files (``ld.so.cache``; DNS and TLS roots
+only with the network), a fresh ``/proc`` of its own pid namespace, a
+minimal ``/dev``, a private size-capped tmpfs ``/tmp``, the tool at
+``/forge/tool.py`` and the binds at their own absolute paths.  Options,
+environment (with the secrets) and the tool travel in memfds
+(``--args FD``, ``--ro-bind-data FD``): nothing of them shows in ``ps``.
+
+When the supervisor is root, bwrap runs as ``Limits.sandbox_uid`` (65534 by
+default, no supplementary groups) in an unprivileged user namespace, so
+RLIMIT_NPROC is enforced (it is not for root) and the tool can only open
+what that uid could; binds are refused unless that uid may reach them.  The
+rlimits (CPU, address space, file size, open files, processes, core 0) are
+set between fork and exec of bwrap.  The wall clock SIGKILLs bwrap's
+process group; ``--die-with-parent`` then kills the pid namespace's init,
+and with it every process of the sandbox, daemonized or not.
+
+Start-up probe: :func:`ensure_sandbox` runs the minimal sandbox once as the
+sandbox uid (cached); when it fails every call raises
+``SandboxError("sandbox_unavailable")`` - forge fails closed.
+See docs/forge-sandbox.md for what is and is not contained.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import resource
+import signal
+import stat
+import subprocess
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import anyio
+
+from sage.bwrap import probe_bwrap
+from sage.errors import ProcessError, SandboxError
+from sage.process import Child, Ring, tie_to_parent
+
+if TYPE_CHECKING:
+    from sage.config import Config, ForgeConfig
+
+__all__ = (
+    "IMPL_PATH",
+    "SYSTEM_FORBIDDEN",
+    "Bind",
+    "Limits",
+    "ResolvedBind",
+    "SandboxProbe",
+    "SandboxResult",
+    "SandboxSpec",
+    "build_args",
+    "check_binds",
+    "ensure_sandbox",
+    "forbidden_for",
+    "open_binds",
+    "run_sandboxed",
+)
+
+IMPL_PATH = "/forge/tool.py"
+SHIM_DIR = "/forge/site"
+_TOP_LEVEL = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+_ETC_ALWAYS = ("ld.so.cache", "localtime")
+_ETC_NETWORK = (
+    "resolv.conf",
+    "hosts",
+    "nsswitch.conf",
+    "host.conf",
+    "gai.conf",
+    "ssl",
+    "ca-certificates",
+    "ca-certificates.conf",
+)
+_BASE_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    "HOME": "/tmp",
+    "TMPDIR": "/tmp",
+}
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+SYSTEM_FORBIDDEN: tuple[Path, ...] = tuple(
+    Path(p)
+    for p in (
+        "/etc",
+        "/proc",
+        "/sys",
+        "/dev",
+        "/run",
+        "/var/run",
+        "/boot",
+        "/root",
+        "/forge",
+        "/tmp/.X11-unix",
+        "/var/lib/sss",
+    )
+)
+"""Never mountable, nor anything inside or containing them (so ``/`` neither)."""
+
+_RESERVED_DESTS = frozenset({"/", "/usr", "/tmp", "/bin", "/sbin", "/lib", "/lib64"})
+
+
+# -- the data --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bind:
+    """One ``x-bind`` path as the schema gave it."""
+
+    path: Path
+    mode: Literal["ro", "rw"]
+
+
+@dataclass(frozen=True)
+class ResolvedBind:
+    """A checked bind: the resolved path and the inode that was checked."""
+
+    path: Path
+    mode: Literal["ro", "rw"]
+    dev: int
+    ino: int
+    is_dir: bool
+    requested: Path
+
+
+@dataclass(frozen=True, kw_only=True)
+class Limits:
+    """What one call may use."""
+
+    wall_clock: float
+    cpu_seconds: int
+    memory_bytes: int
+    file_bytes: int
+    open_files: int
+    max_processes: int
+    output_cap: int
+    sandbox_uid: int = 65534
+    """Uid (and gid) bwrap runs as when the supervisor is root."""
+    spill_cap: int = 256 * 1024 * 1024
+    """Stdout bytes spilled to the artifact at most; past it the sandbox is killed."""
+    stderr_tail: int = 8192
+    tmp_bytes: int = 0
+    """Size of the private /tmp tmpfs; 0: ``file_bytes``."""
+
+    @classmethod
+    def from_config(cls, config: ForgeConfig) -> Limits:
+        return cls(
+            wall_clock=config.wall_clock,
+            cpu_seconds=config.cpu_seconds,
+            memory_bytes=config.memory_bytes,
+            file_bytes=config.file_bytes,
+            open_files=config.open_files,
+            max_processes=config.max_processes,
+            output_cap=config.output_cap,
+            sandbox_uid=config.sandbox_uid,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SandboxSpec:
+    """One call: what to run, with what, where."""
+
+    argv: list[str]
+    impl: bytes
+    stdin: bytes
+    limits: Limits
+    binds: tuple[Bind, ...] = ()
+    network: bool = False
+    loopback: bool = False
+    env: Mapping[str, str] = field(default_factory=dict)
+    artifacts_dir: Path | None = None
+    forbidden: tuple[Path, ...] = ()
+    impl_path: str = IMPL_PATH
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """How a call ended and what it printed."""
+
+    exit_code: int | None
+    signal: int | None
+    stdout: bytes
+    stdout_total_bytes: int
+    stdout_truncated: bool
+    stdout_artifact: Path | None
+    stderr_tail: bytes
+    timed_out: bool
+    duration: float
+    label: str
+    stdout_truncated_at_bytes: int | None = None
+    spill_capped: bool = False
+    """Stdout passed ``Limits.spill_cap``: the sandbox was killed, the artifact is partial."""
+
+
+def label_of(network: bool, loopback: bool) -> str:
+    if not network:
+        return "bwrap"
+    return "bwrap+net" if loopback else "bwrap+net-noloop"
+
+
+def forbidden_for(config: Config) -> tuple[Path, ...]:
+    """The host paths of ``config`` no tool may mount (state, forge, audit, socket, vault, keys)."""
+    paths = [
+        config.state_dir,
+        config.forge_dir,
+        config.audit_path,
+        config.socket_path,
+        config.socket_path.parent,
+        config.secrets_path,
+        config.keys_dir,
+    ]
+    if config.secrets.key_file:
+        paths.append(Path(config.secrets.key_file))
+    credentials = os.environ.get("CREDENTIALS_DIRECTORY")
+    if credentials:
+        paths.append(Path(credentials))
+    return tuple(paths)
+
+
+# -- checking binds (pure, apart from stat) ---------------------------------
+
+
+def _refuse(path: Path | str, why: str) -> SandboxError:
+    return SandboxError("mount_refused", f"x-bind {path}: {why}")
+
+
+def _related(a: str, b: str) -> bool:
+    """Is one of two normalized absolute paths the other or inside it?"""
+    if a == b:
+        return True
+    a_dir = a if a.endswith("/") else a + "/"
+    b_dir = b if b.endswith("/") else b + "/"
+    return a.startswith(b_dir) or b.startswith(a_dir)
+
+
+def _forbidden_set(forbidden: Iterable[Path]) -> list[str]:
+    out: list[str] = []
+    for path in (*SYSTEM_FORBIDDEN, *forbidden):
+        text = os.path.normpath(os.path.abspath(path))
+        out.append(text)
+        real = os.path.realpath(text)
+        if real != text:
+            out.append(real)
+    return out
+
+
+def _may(info: os.stat_result, uid: int, gids: frozenset[int], want: int) -> bool:
+    """Would ``uid``/``gids`` get ``want`` (rwx bits, 0-7) on this inode by its mode?"""
+    mode = info.st_mode
+    if uid == 0:
+        return True
+    if info.st_uid == uid:
+        bits = (mode >> 6) & 7
+    elif info.st_gid in gids:
+        bits = (mode >> 3) & 7
+    else:
+        bits = mode & 7
+    return bits & want == want
+
+
+def check_binds(
+    binds: Sequence[Bind],
+    forbidden: Iterable[Path] = (),
+    *,
+    uid: int | None = None,
+    gids: Iterable[int] = (),
+) -> tuple[ResolvedBind, ...]:
+    """Resolve and check ``binds``; ``SandboxError("mount_refused")`` for any bad one.
+
+    Refused: a relative path, one that does not exist, anything but a regular
+    file or a directory (no sockets, devices, fifos), a path that is (or,
+    after resolving symlinks, lands) inside, equal to or above a forbidden
+    path (:data:`SYSTEM_FORBIDDEN` plus ``forbidden``), a mount point the
+    sandbox itself needs (``/usr``, ``/tmp`` ...).  With ``uid``: a path that
+    uid could not reach through its parents, read, or (``rw``) write by the
+    mode bits - the sandbox must not see more than its uid could.
+    Returned sorted parents first; the same path twice is bound once, ``ro``
+    winning over ``rw``.
+    """
+    forbid = _forbidden_set(forbidden)
+    group_ids = frozenset(gids)
+    chosen: dict[str, ResolvedBind] = {}
+    for bind in binds:
+        if bind.mode not in ("ro", "rw"):
+            raise _refuse(bind.path, f"mode {bind.mode!r} is neither ro nor rw")
+        raw = str(bind.path)
+        if not raw or "\0" in raw or not os.path.isabs(raw):
+            raise _refuse(bind.path, "not an absolute path")
+        lexical = os.path.normpath(raw)
+        try:
+            real = os.path.realpath(raw, strict=True)
+        except OSError as exc:
+            raise _refuse(bind.path, f"cannot resolve it: {exc.strerror or exc}") from None
+        for candidate in (lexical, real):
+            for bad in forbid:
+                if _related(candidate, bad):
+                    via = "" if candidate == lexical else f" (it resolves to {real})"
+                    raise _refuse(bind.path, f"overlaps {bad}, which is never mounted{via}")
+            if candidate in _RESERVED_DESTS:
+                raise _refuse(bind.path, "the sandbox's own mount point")
+        try:
+            info = os.stat(real)
+        except OSError as exc:
+            raise _refuse(bind.path, f"cannot stat it: {exc.strerror or exc}") from None
+        is_dir = stat.S_ISDIR(info.st_mode)
+        if not (is_dir or stat.S_ISREG(info.st_mode)):
+            raise _refuse(bind.path, "neither a regular file nor a directory")
+        if uid is not None:
+            _check_access(Path(real), info, bind, uid, group_ids, is_dir)
+        resolved = ResolvedBind(
+            path=Path(real),
+            mode=bind.mode,
+            dev=info.st_dev,
+            ino=info.st_ino,
+            is_dir=is_dir,
+            requested=bind.path,
+        )
+        previous = chosen.get(real)
+        if previous is None or (previous.mode == "rw" and bind.mode == "ro"):
+            chosen[real] = resolved
+    return tuple(sorted(chosen.values(), key=lambda b: (str(b.path).count("/"), str(b.path))))
+
+
+def _check_access(
+    real: Path, info: os.stat_result, bind: Bind, uid: int, gids: frozenset[int], is_dir: bool
+) -> None:
+    for parent in reversed(real.parents):
+        try:
+            parent_info = os.stat(parent)
+        except OSError as exc:
+            raise _refuse(bind.path, f"cannot stat {parent}: {exc.strerror}") from None
+        if not _may(parent_info, uid, gids, 1):
+            raise _refuse(
+                bind.path,
+                f"uid {uid} cannot enter {parent} (the sandbox sees no more than its uid may)",
+            )
+    want = 4 | (1 if is_dir else 0) | (2 if bind.mode == "rw" else 0)
+    if not _may(info, uid, gids, want):
+        need = "read and write" if bind.mode == "rw" else "read"
+        raise _refuse(
+            bind.path,
+            f"uid {uid} may not {need} it (chown, chmod or an ACL for the sandbox uid)",
+        )
+
+
+def open_binds(binds: Sequence[ResolvedBind]) -> list[int]:
+    """An ``O_PATH`` descriptor per bind, opened without following any symlink.
+
+    Each component is opened ``O_NOFOLLOW`` from ``/``; the inode reached must
+    be the one :func:`check_binds` saw.  A path swapped (for a symlink or
+    anything else) since the check is refused.  The caller closes the fds.
+    """
+    fds: list[int] = []
+    try:
+        for bind in binds:
+            fds.append(_open_nofollow(bind))
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds
+
+
+def _open_nofollow(bind: ResolvedBind) -> int:
+    flags = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+    parts = [p for p in str(bind.path).split("/") if p]
+    fd = os.open("/", flags | os.O_DIRECTORY)
+    try:
+        for index, part in enumerate(parts):
+            last = index == len(parts) - 1
+            try:
+                nxt = os.open(part, flags | (0 if last else os.O_DIRECTORY), dir_fd=fd)
+            except OSError as exc:
+                why = (
+                    "it was swapped for a symlink after it was checked"
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR)
+                    else f"cannot open it: {exc.strerror}"
+                )
+                raise _refuse(bind.requested, why) from None
+            os.close(fd)
+            fd = nxt
+        info = os.fstat(fd)
+        if stat.S_ISLNK(info.st_mode):
+            raise _refuse(bind.requested, "it was swapped for a symlink after it was checked")
+        if (info.st_dev, info.st_ino) != (bind.dev, bind.ino):
+            raise _refuse(bind.requested, "it was replaced after it was checked")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+# -- the bwrap options (pure) -----------------------------------------------
+
+
+def sandbox_env(extra: Mapping[str, str], *, shim: bool) -> dict[str, str]:
+    """The sandbox's whole environment: a clean base, the caller's extras, the shim's path."""
+    env = dict(_BASE_ENV)
+    for name, value in extra.items():
+        if not _ENV_NAME.fullmatch(name):
+            raise SandboxError("bad_env", f"environment name {name!r} is not valid")
+        if "\0" in value:
+            raise SandboxError("bad_env", f"environment value of {name} holds a NUL byte")
+        env[name] = value
+    if shim:
+        env["PYTHONPATH"] = SHIM_DIR + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def build_args(
+    *,
+    env: Mapping[str, str],
+    binds: Sequence[tuple[ResolvedBind, int]],
+    impl_fd: int,
+    status_fd: int,
+    network: bool,
+    shim_fd: int | None = None,
+    tmp_bytes: int = 0,
+    impl_path: str = IMPL_PATH,
+    root: Path = Path("/"),
+) -> list[str]:
+    """The bwrap options (they go through ``--args FD``; the command follows ``--``)."""
+    args = ["--unshare-all"]
+    if network:
+        args.append("--share-net")
+    args += [
+        "--unshare-user",
+        "--disable-userns",
+        "--die-with-parent",
+        "--new-session",
+        "--cap-drop",
+        "ALL",
+        "--hostname",
+        "forge",
+        "--clearenv",
+    ]
+    for name, value in env.items():
+        args += ["--setenv", name, value]
+    args += ["--ro-bind", "/usr", "/usr"]
+    for name in _TOP_LEVEL:
+        host = root / name
+        if host.is_symlink():
+            args += ["--symlink", os.readlink(host), f"/{name}"]
+        elif host.is_dir():
+            args += ["--ro-bind", f"/{name}", f"/{name}"]
+    etc = _ETC_ALWAYS + (_ETC_NETWORK if network else ())
+    for name in etc:
+        if (root / "etc" / name).exists():
+            args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
+    args += ["--proc", "/proc", "--dev", "/dev"]
+    if tmp_bytes > 0:
+        args += ["--size", str(tmp_bytes)]
+    args += ["--tmpfs", "/tmp"]
+    args += ["--perms", "0444", "--ro-bind-data", str(impl_fd), impl_path]
+    if shim_fd is not None:
+        args += ["--perms", "0444", "--ro-bind-data", str(shim_fd), f"{SHIM_DIR}/sitecustomize.py"]
+    for bind, fd in binds:
+        option = "--ro-bind-fd" if bind.mode == "ro" else "--bind-fd"
+        args += [option, str(fd), str(bind.path)]
+    args += ["--json-status-fd", str(status_fd), "--chdir", "/tmp"]
+    return args
+
+
+def _shim_source(loopback: bool) -> bytes:
+    source = (Path(__file__).with_name("sitecustomize.py")).read_bytes()
+    if loopback:
+        source = source.replace(b"\nALLOW_LOOPBACK = False\n", b"\nALLOW_LOOPBACK = True\n", 1)
+    return source
+
+
+_SHIMS: dict[bool, bytes] = {}
+
+
+# -- the probe --------------------------------------------------------------
+
+
+class SandboxProbe:
+    """A cached "does bwrap work here, as the sandbox uid" (see :func:`ensure_sandbox`)."""
+
+    retry_after = 30.0
+
+    def __init__(self) -> None:
+        self._ok: dict[int | None, str] = {}
+        self._failed: dict[int | None, tuple[float, str]] = {}
+        self._lock = anyio.Lock()
+
+    async def ensure(self, uid: int | None = None) -> str:
+        """The bwrap path; ``SandboxError("sandbox_unavailable")`` when it does not work."""
+        key = uid if os.geteuid() == 0 else None
+        found = self._ok.get(key)
+        if found is not None:
+            return found
+        async with self._lock:
+            found = self._ok.get(key)
+            if found is not None:
+                return found
+            failed = self._failed.get(key)
+            if failed is None or time.monotonic() - failed[0] > self.retry_after:
+                probe = await probe_bwrap(uid=key)
+                if probe.ok:
+                    self._ok[key] = probe.path
+                    self._failed.pop(key, None)
+                    return probe.path
+                failed = (time.monotonic(), probe.reason)
+                self._failed[key] = failed
+        raise SandboxError(
+            "sandbox_unavailable",
+            f"no working bubblewrap sandbox ({failed[1]}); forge refuses to run tools"
+            " (see `astrid doctor`)",
+        )
+
+    def forget(self) -> None:
+        self._ok.clear()
+        self._failed.clear()
+
+
+_PROBE = SandboxProbe()
+
+
+async def ensure_sandbox(*, uid: int | None = 65534) -> None:
+    """Fail closed: ``SandboxError("sandbox_unavailable", why)`` unless bwrap works (cached)."""
+    await _PROBE.ensure(uid)
+
+
+# -- running ----------------------------------------------------------------
+
+
+def _count_tasks(uid: int) -> int:
+    """Tasks (threads count for RLIMIT_NPROC) ``uid`` runs now."""
+    count = 0
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return 0
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{name}").st_uid != uid:
+                continue
+            count += len(os.listdir(f"/proc/{name}/task"))
+        except OSError:
+            continue
+    return count
+
+
+def _preexec(limits: Limits, nproc: int, parent: int) -> Callable[[], None]:
+    tie = tie_to_parent(signal.SIGKILL, parent)
+    cpu = max(1, limits.cpu_seconds)
+    pairs = (
+        (resource.RLIMIT_CPU, (cpu, cpu + 1)),
+        (resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes)),
+        (resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes)),
+        (resource.RLIMIT_NOFILE, (limits.open_files, limits.open_files)),
+        (resource.RLIMIT_CORE, (0, 0)),
+        (resource.RLIMIT_NPROC, (nproc, nproc)),
+    )
+
+    def preexec() -> None:
+        # after Popen's setgroups/setgid/setuid: the death signal is cleared by a uid change
+        for which, value in pairs:
+            resource.setrlimit(which, value)
+        tie()
+
+    return preexec
+
+
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class _Stdout:
+    """The first ``cap`` bytes in memory; past the cap, everything spilled to a file."""
+
+    def __init__(self, cap: int, spill_cap: int, artifacts_dir: Path | None) -> None:
+        self.cap = cap
+        self.spill_cap = spill_cap
+        self.artifacts_dir = artifacts_dir
+        self.head = bytearray()
+        self.total = 0
+        self.artifact: Path | None = None
+        self._fd: int | None = None
+        self.over_spill = False
+
+    def feed(self, data: bytes) -> None:
+        self.total += len(data)
+        room = self.cap - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+        if self.total <= self.cap:
+            return
+        if self._fd is None and self.artifacts_dir is not None and self.artifact is None:
+            self.artifacts_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            path = self.artifacts_dir / "full_stdout.bin"
+            self._fd = os.open(
+                path,
+                os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                0o600,
+            )
+            self.artifact = path
+            # everything before this chunk, then the chunk
+            self._write(bytes(self.head[: self.total - len(data)]))
+        self._write(data)
+        if self.total > self.spill_cap:
+            self.over_spill = True
+
+    def _write(self, data: bytes) -> None:
+        if self._fd is None:
+            return
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view) :]
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _drain(fd: int) -> bytes:
+    out = bytearray()
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    return bytes(out)
+
+
+def _decode_exit(code: int | None, sig: int | None) -> tuple[int | None, int | None]:
+    """bwrap reports a tool killed by signal N as exit 128+N; report it as the signal."""
+    if code is not None and 128 < code < 128 + 65:
+        return None, code - 128
+    return code, sig
+
+
+async def run_sandboxed(spec: SandboxSpec) -> SandboxResult:
+    """Run ``spec`` in a fresh sandbox; ``SandboxError`` when it cannot be set up."""
+    limits = spec.limits
+    root = os.geteuid() == 0
+    uid = limits.sandbox_uid if root else os.getuid()
+    gids: tuple[int, ...] = (uid,) if root else (os.getgid(), *os.getgroups())
+    bwrap = await _PROBE.ensure(limits.sandbox_uid)
+    if not spec.argv:
+        raise SandboxError("bad_command", "empty command line")
+    resolved = check_binds(spec.binds, spec.forbidden, uid=uid, gids=gids)
+    shim = spec.network
+    env = sandbox_env(spec.env, shim=shim)
+    opened: list[int] = []
+    status_r = status_w = -1
+    try:
+        bind_fds = open_binds(resolved)
+        opened += bind_fds
+        impl_fd = _memfd("forge-tool", spec.impl)
+        opened.append(impl_fd)
+        shim_fd: int | None = None
+        if shim:
+            source = _SHIMS.get(spec.loopback)
+            if source is None:
+                source = _SHIMS[spec.loopback] = _shim_source(spec.loopback)
+            shim_fd = _memfd("forge-shim", source)
+            opened.append(shim_fd)
+        status_r, status_w = os.pipe()
+        args = build_args(
+            env=env,
+            binds=list(zip(resolved, bind_fds, strict=True)),
+            impl_fd=impl_fd,
+            status_fd=status_w,
+            network=spec.network,
+            shim_fd=shim_fd,
+            tmp_bytes=limits.tmp_bytes or limits.file_bytes,
+            impl_path=spec.impl_path,
+        )
+        args_fd = _memfd("forge-args", b"".join(a.encode() + b"\0" for a in args))
+        opened.append(args_fd)
+        nproc = _count_tasks(uid) + limits.max_processes + 2  # + bwrap and its init
+        ids: dict[str, object] = {"user": uid, "group": uid, "extra_groups": []} if root else {}
+        started = time.monotonic()
+        try:
+            popen = subprocess.Popen(  # type: ignore[call-overload]  # noqa: ASYNC220 - fork+exec, as sage.process
+                [bwrap, "--args", str(args_fd), "--", *spec.argv],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env={},
+                cwd="/",
+                start_new_session=True,
+                close_fds=True,
+                pass_fds=(*opened, status_w),
+                preexec_fn=_preexec(limits, nproc, os.getpid()),
+                bufsize=0,
+                **ids,
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise SandboxError("sandbox_failed", f"cannot start bwrap: {exc}") from exc
+    finally:
+        for fd in opened:
+            os.close(fd)
+        if status_w >= 0:
+            os.close(status_w)
+    try:
+        pidfd = os.pidfd_open(popen.pid)
+    except OSError as exc:  # pragma: no cover - kernels before 5.3
+        os.killpg(popen.pid, signal.SIGKILL)
+        popen.wait()
+        os.close(status_r)
+        raise SandboxError("sandbox_failed", f"pidfd_open failed: {exc.strerror}") from exc
+    child = Child(popen, pidfd)
+    return await _supervise(child, spec, status_r, started)
+
+
+async def _supervise(
+    child: Child, spec: SandboxSpec, status_r: int, started: float
+) -> SandboxResult:
+    limits = spec.limits
+    out = _Stdout(limits.output_cap, limits.spill_cap, spec.artifacts_dir)
+    err = Ring(limits.stderr_tail)
+    timed_out = False
+    try:
+
+        async def feed_stdin() -> None:
+            with contextlib.suppress(ProcessError):
+                await child.write(spec.stdin)
+            child.close_stdin()
+
+        stdout_done = anyio.Event()
+        stderr_done = anyio.Event()
+
+        async def read_stdout() -> None:
+            try:
+                while chunk := await child.read_stdout():
+                    out.feed(chunk)
+                    if out.over_spill:
+                        child.signal_group(signal.SIGKILL)
+                        return
+            finally:
+                stdout_done.set()
+
+        async def read_stderr() -> None:
+            try:
+                while chunk := await child.read_stderr():
+                    err.append(chunk)
+            finally:
+                stderr_done.set()
+
+        async with anyio.create_task_group() as readers:
+            readers.start_soon(read_stdout)
+            readers.start_soon(read_stderr)
+            readers.start_soon(feed_stdin)
+            with anyio.move_on_after(limits.wall_clock) as scope:
+                await child.wait()
+            if scope.cancelled_caught:
+                timed_out = True
+                child.signal_group(signal.SIGKILL)
+                await child.wait()
+            # bwrap is gone, and with it its pid namespace: the pipes end; never hang on them
+            with anyio.move_on_after(2.0):
+                await stdout_done.wait()
+                await stderr_done.wait()
+            readers.cancel_scope.cancel()
+    finally:
+        with anyio.CancelScope(shield=True):
+            child.close()
+            if child.status is None:
+                await child.wait()
+            out.close()
+    os.set_blocking(status_r, False)
+    status = _drain(status_r)
+    os.close(status_r)
+    duration = time.monotonic() - started
+    assert child.status is not None
+    if b'"child-pid"' not in status and not timed_out:
+        said = err.text(400).strip()
+        raise SandboxError(
+            "sandbox_failed",
+            f"bwrap could not set up the sandbox ({child.status.describe()}): {said}",
+        )
+    exit_code, sig = _decode_exit(child.status.exit_code, child.status.signal)
+    truncated = out.total > limits.output_cap
+    return SandboxResult(
+        exit_code=exit_code,
+        signal=sig,
+        stdout=bytes(out.head),
+        stdout_total_bytes=out.total,
+        stdout_truncated=truncated,
+        stdout_artifact=out.artifact,
+        stderr_tail=err.tail(),
+        timed_out=timed_out,
+        duration=duration,
+        label=label_of(spec.network, spec.loopback),
+        stdout_truncated_at_bytes=limits.output_cap if truncated else None,
+        spill_capped=out.over_spill,
+    )

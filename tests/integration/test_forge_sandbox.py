@@ -1,0 +1,531 @@
+"""The forge sandbox escape suite: each test tries one way out, with real bwrap, and asserts it failed."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pty
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from sage.errors import SandboxError
+from sage.forge import sandbox as sb
+from sage.forge.redact import redact_json, redact_text
+from sage.forge.sandbox import Bind, Limits, SandboxResult, SandboxSpec, run_sandboxed
+
+pytestmark = pytest.mark.anyio
+
+PY = "/usr/bin/python3"
+LIMITS = Limits(
+    wall_clock=5.0,
+    cpu_seconds=5,
+    memory_bytes=512 * 1024 * 1024,
+    file_bytes=16 * 1024 * 1024,
+    open_files=64,
+    max_processes=16,
+    output_cap=1024 * 1024,
+)
+
+
+@pytest.fixture
+def open_dir(tmp_path: Path) -> Iterator[Path]:
+    """A folder the sandbox uid may reach (tmp_path's parents are 0700 for root)."""
+    base = Path("/tmp") / f"forge-test-{os.getpid()}-{time.monotonic_ns()}"
+    base.mkdir(mode=0o755)
+    base.chmod(0o755)
+    yield base
+    subprocess.run(["rm", "-rf", str(base)], check=False)
+
+
+async def _run(code: str, *, stdin: Any = None, **kwargs: Any) -> SandboxResult:
+    limits = kwargs.pop("limits", LIMITS)
+    impl_path = kwargs.pop("impl_path", sb.IMPL_PATH)
+    spec = SandboxSpec(
+        argv=[PY, impl_path],
+        impl_path=impl_path,
+        impl=textwrap.dedent(code).encode(),
+        stdin=json.dumps(stdin or {}).encode(),
+        limits=limits,
+        **kwargs,
+    )
+    return await run_sandboxed(spec)
+
+
+def _json(result: SandboxResult) -> Any:
+    assert result.exit_code == 0, result.stderr_tail.decode(errors="replace")
+    return json.loads(result.stdout)
+
+
+def _read_or_empty(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def _tokens_alive(token: str) -> list[int]:
+    alive = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if token.encode() in cmdline:
+                alive.append(int(name))
+    return alive
+
+
+async def test_a_plain_tool_runs_as_the_sandbox_uid() -> None:
+    """Baseline: stdin in, JSON out, uid 65534, a clean environment, label bwrap."""
+    result = await _run(
+        """
+        import json, os, sys
+        print(json.dumps({"in": json.load(sys.stdin), "uid": os.getuid(), "env": dict(os.environ)}))
+        """,
+        stdin={"n": 3},
+    )
+    data = _json(result)
+    assert data["in"] == {"n": 3}
+    assert data["uid"] == (65534 if os.geteuid() == 0 else os.getuid())
+    assert set(data["env"]) <= {"PATH", "LANG", "HOME", "TMPDIR", "PWD", "LC_CTYPE"}
+    assert result.label == "bwrap"
+    assert not result.timed_out
+
+
+async def test_cannot_read_a_path_the_schema_did_not_name(open_dir: Path) -> None:
+    """A sibling of the bound folder and the unbound host file are simply not there."""
+    named = open_dir / "named"
+    named.mkdir(mode=0o755)
+    (named / "ok.txt").write_text("visible")
+    (open_dir / "secret.txt").write_text("HOST-ONLY-CONTENT")
+    (open_dir / "secret.txt").chmod(0o644)
+    result = await _run(
+        f"""
+        import json
+        out = {{"named": open({str(named / "ok.txt")!r}).read()}}
+        try:
+            out["other"] = open({str(open_dir / "secret.txt")!r}).read()
+        except OSError as exc:
+            out["other"] = type(exc).__name__
+        print(json.dumps(out))
+        """,
+        binds=(Bind(named, "ro"),),
+    )
+    data = _json(result)
+    assert data == {"named": "visible", "other": "FileNotFoundError"}
+    assert b"HOST-ONLY-CONTENT" not in result.stdout
+
+
+async def test_cannot_write_to_an_ro_path(open_dir: Path) -> None:
+    """Even a 0777 folder bound ro refuses writes (EROFS); the host file is unchanged."""
+    folder = open_dir / "ro"
+    folder.mkdir()
+    folder.chmod(0o777)
+    (folder / "f.txt").write_text("original")
+    (folder / "f.txt").chmod(0o666)
+    result = await _run(
+        f"""
+        import json, errno
+        out = {{}}
+        for name in ("f.txt", "new.txt"):
+            try:
+                open({str(folder)!r} + "/" + name, "w").write("pwned")
+                out[name] = "written"
+            except OSError as exc:
+                out[name] = errno.errorcode[exc.errno]
+        print(json.dumps(out))
+        """,
+        binds=(Bind(folder, "ro"),),
+    )
+    assert _json(result) == {"f.txt": "EROFS", "new.txt": "EROFS"}
+    assert (folder / "f.txt").read_text() == "original"
+    assert not (folder / "new.txt").exists()
+
+
+async def test_cannot_read_etc_shadow_or_the_vault(open_dir: Path) -> None:
+    """/etc/shadow and the state folder's secrets.db are absent inside; binding them is refused."""
+    state = open_dir / "state"
+    state.mkdir(mode=0o755)
+    vault = state / "secrets.db"
+    vault.write_text("VAULT-BYTES")
+    vault.chmod(0o644)
+    result = await _run(
+        f"""
+        import json
+        out = {{}}
+        for path in ("/etc/shadow", {str(vault)!r}):
+            try:
+                out[path] = open(path).read()
+            except OSError as exc:
+                out[path] = type(exc).__name__
+        print(json.dumps(out))
+        """
+    )
+    assert set(_json(result).values()) == {"FileNotFoundError"}
+    for bad in (Path("/etc/shadow"), vault, state, open_dir, Path("/")):
+        with pytest.raises(SandboxError) as caught:
+            await _run("pass", binds=(Bind(bad, "ro"),), forbidden=(state, vault))
+        assert caught.value.kind == "mount_refused"
+
+
+async def test_cannot_open_a_tcp_connection_without_network() -> None:
+    """No network namespace: a listener on the host's loopback gets nothing, outbound fails."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        listener.settimeout(0.2)
+        port = listener.getsockname()[1]
+        result = await _run(
+            f"""
+            import json, socket
+            out = {{}}
+            for host in ("127.0.0.1", "1.1.1.1"):
+                try:
+                    socket.create_connection((host, {port} if host == "127.0.0.1" else 53), timeout=1)
+                    out[host] = "connected"
+                except OSError as exc:
+                    out[host] = type(exc).__name__
+            print(json.dumps(out))
+            """
+        )
+        with pytest.raises(TimeoutError):
+            listener.accept()
+    data = _json(result)
+    assert "connected" not in data.values()
+
+
+async def test_cannot_reach_loopback_with_network_allowed() -> None:
+    """With the network shared, the shim refuses 127.0.0.1, localhost, ::ffff:127.0.0.1, IMDS.
+
+    Control: the same tool with loopback allowed does connect, so the listener is reachable.
+    """
+    tool = """
+        import json, socket, sys
+        port = json.load(sys.stdin)["port"]
+        out = {}
+        for host in ("127.0.0.1", "localhost", "127.1.2.3", "0.0.0.0"):
+            try:
+                socket.create_connection((host, port), timeout=1).close()
+                out[host] = "connected"
+            except OSError as exc:
+                out[host] = type(exc).__name__
+        s6 = socket.socket(socket.AF_INET6)
+        out["mapped"] = s6.connect_ex(("::ffff:127.0.0.1", port))
+        s = socket.socket()
+        out["imds"] = s.connect_ex(("169.254.169.254", 80))
+        print(json.dumps(out))
+    """
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        listener.settimeout(0.2)
+        port = listener.getsockname()[1]
+        denied = await _run(tool, stdin={"port": port}, network=True)
+        with pytest.raises(TimeoutError):
+            listener.accept()
+        data = _json(denied)
+        assert denied.label == "bwrap+net-noloop"
+        assert data["127.0.0.1"] == data["localhost"] == data["127.1.2.3"] == "PermissionError"
+        assert data["0.0.0.0"] == "PermissionError"
+        assert data["mapped"] == data["imds"] == 13  # EACCES
+        allowed = await _run(tool, stdin={"port": port}, network=True, loopback=True)
+        assert _json(allowed)["127.0.0.1"] == "connected"
+        assert _json(allowed)["imds"] == 13  # metadata stays denied
+        assert allowed.label == "bwrap+net"
+
+
+async def test_fork_bomb_is_contained() -> None:
+    """RLIMIT_NPROC stops the bomb, the wall clock ends the call, nothing survives, the host forks."""
+    token = f"forkbomb-{os.getpid()}-{time.monotonic_ns()}"
+    limits = Limits(**{**LIMITS.__dict__, "wall_clock": 3.0, "max_processes": 12})
+    started = time.monotonic()
+    result = await _run(
+        """
+        import os, time
+        while True:
+            try:
+                os.fork()
+            except OSError:
+                time.sleep(0.01)
+        """,
+        limits=limits,
+        impl_path=f"/forge/{token}.py",
+    )
+    assert time.monotonic() - started < limits.wall_clock + 2.5
+    assert result.timed_out
+    await anyio.sleep(0.1)
+    assert _tokens_alive(token) == []
+    assert os.waitstatus_to_exitcode(os.system("/bin/true")) == 0  # noqa: ASYNC221 - the host still forks
+
+
+async def test_memory_balloon_is_contained() -> None:
+    """RLIMIT_AS: allocation fails with MemoryError well below the host's memory."""
+    limits = Limits(**{**LIMITS.__dict__, "memory_bytes": 256 * 1024 * 1024})
+    result = await _run(
+        """
+        import json
+        chunks, got = [], 0
+        try:
+            while True:
+                chunks.append(bytearray(16 * 1024 * 1024))
+                got += 16
+        except MemoryError:
+            pass
+        print(json.dumps({"mib": got}))
+        """,
+        limits=limits,
+    )
+    assert _json(result)["mib"] < 256
+
+
+async def test_infinite_loop_is_killed_by_the_cpu_limit_or_wall_clock() -> None:
+    """A busy loop is killed by RLIMIT_CPU (SIGXCPU); a sleeping one by the wall clock."""
+    limits = Limits(**{**LIMITS.__dict__, "cpu_seconds": 1, "wall_clock": 4.0})
+    busy = await _run("while True: pass", limits=limits)
+    assert busy.signal in (24, 9)  # SIGXCPU, or SIGKILL at the hard limit
+    assert busy.duration < 4.0
+    limits = Limits(**{**LIMITS.__dict__, "wall_clock": 1.0})
+    idle = await _run("import time\nwhile True: time.sleep(1)", limits=limits)
+    assert idle.timed_out
+    assert idle.duration < 3.0
+
+
+async def test_a_daemonized_grandchild_dies_with_the_sandbox() -> None:
+    """setsid + double fork inside: gone after the call, whether it ended or timed out."""
+    for ending in ("exit", "hang"):
+        token = f"daemon-{ending}-{os.getpid()}-{time.monotonic_ns()}"
+        limits = Limits(**{**LIMITS.__dict__, "wall_clock": 2.0})
+        result = await _run(
+            f"""
+            import subprocess, time
+            subprocess.Popen(["/usr/bin/setsid", "/usr/bin/sleep", "1000"], start_new_session=True,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             env={{"T": {token!r}}})
+            subprocess.Popen(["/bin/sh", "-c", "sleep 1000 # {token}"], start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(0.3)
+            {"time.sleep(100)" if ending == "hang" else "pass"}
+            """,
+            limits=limits,
+        )
+        assert result.timed_out is (ending == "hang")
+        await anyio.sleep(0.1)
+        assert _tokens_alive(token) == []
+
+
+def _tiocsti_child(fd_out: int) -> None:  # pragma: no cover - runs in a pty child
+    async def go() -> SandboxResult:
+        return await _run(
+            """
+            import fcntl, json, os, termios
+            out = {}
+            try:
+                fd = os.open("/dev/tty", os.O_RDWR)
+                fcntl.ioctl(fd, termios.TIOCSTI, b"x")
+                out["tty"] = "injected"
+            except OSError as exc:
+                out["tty"] = type(exc).__name__
+            for fd in (0, 1, 2):
+                try:
+                    fcntl.ioctl(fd, termios.TIOCSTI, b"x")
+                    out[str(fd)] = "injected"
+                except OSError as exc:
+                    out[str(fd)] = type(exc).__name__
+            print(json.dumps(out))
+            """
+        )
+
+    result = anyio.run(go)
+    import termios
+    import tty
+
+    tty.setraw(0)
+    os.set_blocking(0, False)
+    try:
+        pending = os.read(0, 100)
+    except BlockingIOError:
+        pending = b""
+    termios.tcflush(0, termios.TCIFLUSH)
+    report = {"stdout": result.stdout.decode(), "pending": pending.decode(errors="replace")}
+    os.write(fd_out, json.dumps(report).encode())
+
+
+def test_tiocsti_on_the_terminal_fails() -> None:
+    """Run from a process that has a controlling terminal: nothing gets pushed into its input."""
+    read_end, write_end = os.pipe()
+    pid, master = pty.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.close(read_end)
+            _tiocsti_child(write_end)
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as reader:
+        raw = reader.read()  # until the child exits (it writes nothing to the pty)
+    os.waitpid(pid, 0)
+    os.close(master)
+    report = json.loads(raw)
+    assert report["pending"] == ""
+    inside = json.loads(report["stdout"])
+    assert "injected" not in inside.values()
+    assert inside["tty"] in ("OSError", "FileNotFoundError")  # ENXIO: no controlling terminal
+
+
+async def test_an_xbind_symlink_to_etc_is_refused(open_dir: Path) -> None:
+    """A path that is a symlink to /etc (or into it) is refused before anything starts."""
+    (open_dir / "innocent").symlink_to("/etc")
+    (open_dir / "hosts").symlink_to("/etc/hostname")
+    for path in (open_dir / "innocent", open_dir / "hosts", open_dir / "innocent" / "ssl"):
+        with pytest.raises(SandboxError) as caught:
+            await _run("pass", binds=(Bind(path, "ro"),))
+        assert caught.value.kind == "mount_refused"
+        assert "/etc" in str(caught.value)
+
+
+async def test_a_path_swapped_for_a_symlink_after_the_check(
+    open_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Swapped between check and open: refused.  Swapped after open: the checked folder is mounted."""
+    data = open_dir / "data"
+    data.mkdir(mode=0o755)
+    (data / "mine.txt").write_text("checked content")
+    (data / "mine.txt").chmod(0o644)
+    hostname = _read_or_empty("/etc/hostname")
+    real_check = sb.check_binds
+
+    def check_then_swap(*args: Any, **kwargs: Any) -> Any:
+        checked = real_check(*args, **kwargs)
+        data.rename(open_dir / "moved")
+        data.symlink_to("/etc")
+        return checked
+
+    monkeypatch.setattr(sb, "check_binds", check_then_swap)
+    with pytest.raises(SandboxError) as caught:
+        await _run("pass", binds=(Bind(data, "ro"),))
+    assert caught.value.kind == "mount_refused"
+    assert "swapped" in str(caught.value)
+    monkeypatch.undo()
+
+    data.unlink()
+    (open_dir / "moved").rename(data)
+    real_open = sb.open_binds
+
+    def open_then_swap(binds: Any) -> Any:
+        fds = real_open(binds)
+        data.rename(open_dir / "moved")
+        data.symlink_to("/etc")
+        return fds
+
+    monkeypatch.setattr(sb, "open_binds", open_then_swap)
+    result = await _run(
+        f"""
+        import json, os
+        print(json.dumps(sorted(os.listdir({str(data)!r}))))
+        """,
+        binds=(Bind(data, "ro"),),
+    )
+    assert _json(result) == ["mine.txt"]
+    if hostname:
+        assert hostname.encode() not in result.stdout
+
+
+async def test_ten_megabytes_of_stdout_are_capped_and_spilled(tmp_path: Path) -> None:
+    """1 MiB cap: the first MiB returned, all 10 MiB in full_stdout.bin (0600), counted."""
+    artifacts = tmp_path / "runs" / "r1" / "artifacts"
+    result = await _run(
+        """
+        import sys
+        block = bytes(range(256)) * 4096
+        for _ in range(10):
+            sys.stdout.buffer.write(block)
+        """,
+        artifacts_dir=artifacts,
+    )
+    assert result.exit_code == 0
+    total = 10 * 1024 * 1024
+    expected = (bytes(range(256)) * 4096) * 10
+    assert result.stdout_total_bytes == total
+    assert result.stdout_truncated
+    assert result.stdout_truncated_at_bytes == LIMITS.output_cap
+    assert result.stdout == expected[: LIMITS.output_cap]
+    assert result.stdout_artifact == artifacts / "full_stdout.bin"
+    assert result.stdout_artifact.read_bytes() == expected
+    assert result.stdout_artifact.stat().st_mode & 0o777 == 0o600
+
+
+async def test_a_secret_printed_raw_base64_and_split_is_redacted() -> None:
+    """The caller redacts stdout (JSON) and stderr: no form of the secret survives."""
+    secret = "sk-test-1234567890abcdefSECRET"
+    result = await _run(
+        """
+        import base64, json, os, sys, binascii
+        s = os.environ["API_KEY"]
+        b64 = base64.b64encode(s.encode()).decode()
+        print(json.dumps({"raw": s, "b64": b64, "split": s[:10] + "\\n" + s[10:],
+                          "pieces": [s[:12], s[12:]], "hex": binascii.hexlify(s.encode()).decode(),
+                          s: "as a key", "env": dict(os.environ)}))
+        sys.stderr.write("leak " + s[:7] + "\\n" + s[7:] + " and " + b64[:20] + "\\n" + b64[20:] + "\\n")
+        """,
+        env={"API_KEY": secret},
+    )
+    data = _json(result)
+    assert data["raw"] == secret  # the tool really printed it
+    clean = json.dumps(redact_json(data, [secret]))
+    text = redact_text(result.stderr_tail.decode(), [secret])
+    b64 = base64.b64encode(secret.encode()).decode()
+    for blob in (clean, text):
+        squeezed = "".join(blob.split()).replace("\\n", "")
+        assert secret not in squeezed
+        assert b64 not in squeezed
+        assert b64.rstrip("=") not in squeezed
+        assert secret.encode().hex() not in squeezed
+        assert secret[:12] not in squeezed
+    assert "<redacted>" in text
+
+
+async def test_proc_shows_only_the_sandbox() -> None:
+    """A fresh /proc of its own pid namespace: a handful of pids, and none of the host's."""
+    result = await _run(
+        """
+        import json, os, subprocess
+        p = subprocess.Popen(["/usr/bin/sleep", "5"])
+        pids = sorted(int(n) for n in os.listdir("/proc") if n.isdigit())
+        cmd = [open(f"/proc/{n}/cmdline", "rb").read().decode(errors="replace") for n in pids]
+        p.kill()
+        print(json.dumps({"pids": pids, "cmd": cmd}))
+        """
+    )
+    data = _json(result)
+    assert len(data["pids"]) <= 4
+    assert max(data["pids"]) < 10
+    assert not any("pytest" in c for c in data["cmd"])
+
+
+async def test_setup_failure_raises_and_bwrap_missing_fails_closed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """No working bwrap: every call raises sandbox_unavailable (fail closed), nothing runs."""
+    probe = sb.SandboxProbe()
+    monkeypatch.setattr(sb, "_PROBE", probe)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(SandboxError) as caught:
+        await _run("print('ran')")
+    assert caught.value.kind == "sandbox_unavailable"
+    assert "forge refuses to run tools" in str(caught.value)
+    assert "bwrap not found" in str(caught.value)
+
+
+if sys.platform != "linux":  # pragma: no cover
+    pytest.skip("bwrap is Linux only", allow_module_level=True)
