@@ -16,7 +16,7 @@ import msgspec
 
 from bus.topics import split_pattern, split_topic
 
-__all__ = ("Acl", "Identity", "pattern_covers")
+__all__ = ("Acl", "Identity", "pattern_covers", "patterns_overlap")
 
 
 def pattern_covers(allowed: str, requested: str) -> bool:
@@ -33,6 +33,19 @@ def pattern_covers(allowed: str, requested: str) -> bool:
         if token != "*" and token != r[i]:
             return False
     return len(a) == len(r)
+
+
+def patterns_overlap(a: str, b: str) -> bool:
+    """Whether some topic is matched by both patterns."""
+    x, y = split_pattern(a), split_pattern(b)
+    for i in range(max(len(x), len(y))):
+        if i >= len(x) or i >= len(y):
+            return False
+        if x[i] == ">" or y[i] == ">":
+            return True
+        if x[i] != y[i] and "*" not in (x[i], y[i]):
+            return False
+    return True
 
 
 class Acl:

@@ -22,7 +22,7 @@ import anyio
 import msgspec
 import structlog
 
-from bus.acl import Identity
+from bus.acl import Identity, patterns_overlap
 from bus.envelope import Envelope
 from bus.errors import AclDenied, BusClosed, NoResponders, PayloadTooLarge, RequestTimeout
 from bus.subscription import Subscription
@@ -88,8 +88,11 @@ class Bus:
         max_payload: int = 1024 * 1024,
         queue_size: int = 1024,
         request_timeout: float = 5.0,
+        sealed: tuple[str, ...] = (),
     ) -> None:
         self.max_payload = max_payload
+        self.sealed = sealed
+        """Patterns whose envelopes carry secrets: only in-process subscribers get them."""
         self.queue_size = queue_size
         self.request_timeout = request_timeout
         self._trie: TopicTrie[Subscriber] = TopicTrie()
@@ -99,6 +102,8 @@ class Bus:
         self._subscribers: dict[int, Subscriber] = {}
         self._pending: dict[str, _Pending] = {}
         self._closed = False
+        self._sealed_off: set[int] = set()
+        self._sealed_topics: dict[str, bool] = {}
         self._audit_hook: Callable[[str, Identity, dict[str, Any]], None] | None = None
         self.published = 0
         self._delivered_gone = 0
@@ -119,11 +124,17 @@ class Bus:
         return sub
 
     def add(self, subscriber: Subscriber) -> None:
-        """Attach a subscriber that is not a Subscription (e.g. a remote one)."""
+        """Attach a subscriber that is not a Subscription (e.g. a remote one).
+
+        Remote subscribers never get envelopes on sealed topics, not even an
+        admin's ``>``: those are delivered inside the process only."""
         self._check_subscribe(subscriber.pattern, subscriber.owner)
         self._add(subscriber)
+        if any(patterns_overlap(sealed, subscriber.pattern) for sealed in self.sealed):
+            self._sealed_off.add(id(subscriber))
 
     def remove(self, subscriber: Subscriber) -> None:
+        self._sealed_off.discard(id(subscriber))
         if self._subscribers.pop(id(subscriber), None) is not None:
             self._trie.remove(subscriber.pattern, subscriber)
             self._dropped_gone += subscriber.dropped
@@ -208,7 +219,11 @@ class Bus:
         subs = self._match.get(topic)
         if subs is None:
             subs = self._trie.match(topic)
+        sealed_off = self._sealed_off
         for sub in subs:
+            if sealed_off and id(sub) in sealed_off and self._is_sealed(topic):
+                self.scoped += 1  # a secret-bearing topic: in-process subscribers only
+                continue
             if principal is not None:
                 viewer = sub.owner
                 who = viewer.principal
@@ -223,6 +238,15 @@ class Bus:
                     dropped=sub.dropped,
                 )
         return envelope
+
+    def _is_sealed(self, topic: str) -> bool:
+        hit = self._sealed_topics.get(topic)
+        if hit is None:
+            hit = any(patterns_overlap(sealed, topic) for sealed in self.sealed)
+            if len(self._sealed_topics) > 4096:
+                self._sealed_topics.clear()
+            self._sealed_topics[topic] = hit
+        return hit
 
     def _check_publish(self, owner: Identity, topic: str, payload: bytes) -> None:
         if self._closed:

@@ -44,6 +44,8 @@ ROLES = ("cli", "capsule", "emit")
 STATUS_TOPIC = "sage.v1.request.status"
 LOAD_TOPIC = "sage.v1.request.capsule.load"
 AUDIT_PATTERN = "*.v1.audit.>"
+SEALED_TOPICS = ("sage.v1.request.install",)
+"""Requests that may carry a secret (an API key): never delivered off the process."""
 VERSION = "0.1.0"
 CAPSULE_READY_TIMEOUT = 10.0  # seconds READY waits for capsules to say they serve
 
@@ -100,6 +102,7 @@ class Supervisor:
             max_payload=config.bus.max_payload,
             queue_size=config.bus.queue_size,
             request_timeout=config.bus.request_timeout,
+            sealed=SEALED_TOPICS,
         )
         self.server: BusServer | None = None
         self.audit: AuditLog | None = None

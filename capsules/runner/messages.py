@@ -75,3 +75,34 @@ class IdentitySaved(msgspec.Struct, frozen=True):
 
     success: bool = False
     principal_id: str | None = None  # informational only: the publisher's identity decides
+
+
+class InstallRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``sage.v1.request.install``: provision a principal (a sealed topic: it may carry a key)."""
+
+    principal_id: str
+    interaction_mode: Literal["headless", "repl"] | None = None
+    auth_mode: Literal["api_key", "subscription"] | None = None
+    model: str | None = None
+    max_turns: Annotated[int, msgspec.Meta(ge=0, le=10_000)] | None = None
+    force: bool = False
+    api_key: str | None = None
+
+
+class InstallComplete(msgspec.Struct, frozen=True):
+    """``sage.v1.install.complete`` from the installer capsule."""
+
+    principal_id: str
+    success: bool
+    request_id: str | None = None
+    home_path: str | None = None
+    error: str | None = None
+    changed: list[str] = []
+
+
+class InstallStatus(msgspec.Struct, frozen=True):
+    """``sage.v1.install.status``: one step of an install or relink."""
+
+    principal_id: str
+    step: str
+    request_id: str | None = None

@@ -38,6 +38,7 @@ import msgspec
 import structlog
 
 from bus import BusError, Envelope
+from capsules.runner import principals
 from capsules.runner.command import (
     Launch,
     build_launch,
@@ -50,17 +51,22 @@ from capsules.runner.mcp import McpServer
 from capsules.runner.messages import (
     ApprovalResponse,
     IdentitySaved,
+    InstallComplete,
+    InstallRequest,
+    InstallStatus,
     SendRequest,
     SettingsPatch,
     SpawnRequest,
     ToolsChanged,
 )
+from capsules.runner.principals import PrincipalSettings, SettingsError
 from capsules.runner.session import ClaudeProcess, Ending, SessionError
 from sage.capsules import CapsuleContext
 from sage.claude_binary import is_tested, read_claude_version, resolve_claude_binary
 from sage.config import NAME_PATTERN, Config, PrincipalConfig
 from sage.errors import ConfigError, SageError
 from sage.protocol import CanUseToolRequest, HookCallbackRequest, HookMatcher, McpMessageRequest
+from sage.secrets import API_KEY, SecretError, SecretStore, principal_namespace
 
 __all__ = ("Runner", "SessionRecord", "run")
 
@@ -80,18 +86,9 @@ HOOKS = {
 }
 
 
-SETTINGS_FIELDS = ("interaction_mode", "auth_mode", "model", "max_turns")
-SETTINGS_SCHEMA = 1
-
-
-def _settings_view(principal: PrincipalConfig) -> dict[str, Any]:
-    """What settings events and audits show of a principal (no identity text)."""
-    return {
-        "interaction_mode": principal.interaction_mode,
-        "auth_mode": principal.auth_mode,
-        "model": principal.model,
-        "max_turns": principal.max_turns,
-    }
+INSTALL_DEADLINE = 30.0
+"""Seconds the installer has to answer an install or relink."""
+INSTALL_MARKER = Path(".astrid") / "install.json"
 
 
 class SessionRecord(msgspec.Struct, kw_only=True):
@@ -142,8 +139,9 @@ class Runner:
         self.ctx = ctx
         self.sessions: dict[str, _Session] = {}
         self.mcp = McpServer(self)
-        self.settings: dict[str, dict[str, Any]] = {}
-        """Per-principal patches from ``settings.set`` (kept in the state store)."""
+        self._locks: dict[str, anyio.Lock] = {}
+        """One per principal: installs and settings changes of a principal run one at a time."""
+        self._secrets: SecretStore | None = None
         self.binary: Path | None = None
         self.version = ""
         self._tg: anyio.abc.TaskGroup | None = None
@@ -163,6 +161,8 @@ class Runner:
             "sage.v1.request.interrupt.*": self._interrupt,
             "sage.v1.request.sessions": self._list,
             "sage.v1.request.settings.set": self._settings,
+            "sage.v1.request.install": self._install,
+            "sage.v1.request.principals": self._principals,
         }
         self._resolve_binary()
         # subscribed before anything else: requests that come during the
@@ -250,56 +250,231 @@ class Runner:
         except SageError as exc:
             log.error("runner.record_failed", session_id=record.session_id, error=str(exc))
 
-    async def _load_settings(self) -> None:
-        for name, value in await self.ctx.state.items("settings"):
-            if isinstance(value, dict):
-                self.settings[name] = {k: v for k, v in value.items() if k in SETTINGS_FIELDS}
+    # -- principals: settings, install, secrets -------------------------------------
+
+    async def _migrate_settings(self) -> None:
+        """Move the state-store patches of earlier releases (schema 0) into settings files."""
+        store, state_dir = self.ctx.state, self.config.state_dir
+        for name, value in await store.items("settings"):
+            if isinstance(value, dict) and self.config.principal(name) is not None:
+                try:
+                    if principals.load(state_dir, name) is None:
+                        data = msgspec.json.encode(value)
+                        principals.save(state_dir, principals.decode(data, name))
+                        log.info("runner.settings_migrated", principal_id=name)
+                except (SettingsError, OSError) as exc:
+                    log.error("runner.settings_not_migrated", principal_id=name, error=str(exc))
+                    continue
+            await store.delete("settings", name)
 
     def principal(self, name: str) -> PrincipalConfig | None:
-        """The principal as configured, with its ``settings.set`` patch applied."""
-        base = self.config.principal(name)
-        patch = self.settings.get(name)
-        if base is None or not patch:
-            return base
-        try:
-            return msgspec.structs.replace(base, **patch)
-        except (TypeError, ValueError):  # a stored patch the config no longer takes
-            return base
+        """The principal as configured, with its stored settings in force.
 
-    async def _settings(self, request: Envelope) -> dict[str, Any]:
-        patch = msgspec.json.decode(request.payload, type=SettingsPatch)
-        name = patch.principal_id
+        None when no principal of that name is configured; raises
+        :class:`SettingsError` when its settings file is corrupt or too new."""
+        base = self.config.principal(name)
+        if base is None:
+            return None
+        return principals.apply(base, principals.load(self.config.state_dir, name))
+
+    def _configured(self, request: Envelope, name: str) -> PrincipalConfig:
+        if not _check_id(name):
+            raise SessionError("invalid_principal", "principal ids are 1-64 of [A-Za-z0-9_-]")
         if request.principal not in (None, name):
             raise SessionError("not_authorized", f"you may not act for principal {name!r}")
-        before = self.principal(name)
-        if before is None:
-            raise SessionError("unknown_principal", f"no principal {name!r} is configured")
-        changes = {f: getattr(patch, f) for f in SETTINGS_FIELDS if getattr(patch, f) is not None}
-        if not changes:
-            raise SessionError("bad_request", "the patch changes nothing")
-        merged = {**self.settings.get(name, {}), **changes}
+        base = self.config.principal(name)
+        if base is None:
+            raise SessionError(
+                "unknown_principal",
+                f"no principal {name!r} is configured (declare it under [[principals]]"
+                " in supervisor.toml)",
+            )
+        return base
+
+    def _lock(self, name: str) -> anyio.Lock:
+        return self._locks.setdefault(name, anyio.Lock())
+
+    def secrets(self) -> SecretStore:
+        if self._secrets is None:
+            self._secrets = SecretStore.open(self.config)
+        return self._secrets
+
+    def _principal_key(self, name: str) -> str | None:
         try:
-            await self.ctx.state.put("settings", name, merged)
-        except SageError as exc:
-            raise SessionError("state_error", f"the settings were not saved: {exc}") from None
-        self.settings[name] = merged
-        after = self.principal(name)
-        assert after is not None
-        previous, new = _settings_view(before), _settings_view(after)
+            return self.secrets().get(principal_namespace(name), API_KEY)
+        except SecretError as exc:
+            raise SessionError("api_key_unreadable", str(exc)) from None
+
+    async def _installer(
+        self, topic: str, name: str, settings: PrincipalSettings, *, force: bool = False
+    ) -> InstallComplete | None:
+        """Ask the installer to (re)write ``name``'s files; None when no installer runs.
+
+        Its steps are relayed to the principal's users on
+        ``sage.v1.event.install.status``; the answer is the one
+        ``install.complete`` with this request's id."""
+        if not self.ctx.bus.has_subscribers(topic):
+            return None
+        rid = uuid.uuid4().hex
+        config = {f: getattr(settings, f) for f in principals.FIELDS}
+        payload: dict[str, Any] = {"principal_id": name, "request_id": rid, "config": config}
+        if force:
+            payload["force"] = True
+        with self.ctx.subscribe("sage.v1.install.*") as answers:
+            self._publish(topic, payload, name)
+            with anyio.move_on_after(INSTALL_DEADLINE):
+                async for envelope in answers:
+                    kind = envelope.topic.rsplit(".", 1)[1]
+                    try:
+                        if kind == "status":
+                            step = msgspec.json.decode(envelope.payload, type=InstallStatus)
+                            if step.request_id == rid:
+                                self._publish(
+                                    "sage.v1.event.install.status",
+                                    {"principal_id": name, "request_id": rid, "step": step.step},
+                                    name,
+                                )
+                        elif kind == "complete":
+                            done = msgspec.json.decode(envelope.payload, type=InstallComplete)
+                            if done.request_id == rid:
+                                return done
+                    except (msgspec.ValidationError, msgspec.DecodeError):
+                        continue
+        raise SessionError(
+            "install_timeout", f"the installer did not finish {name!r} in {INSTALL_DEADLINE:g} s"
+        )
+
+    def _changed(self, name: str, before: PrincipalConfig, after: PrincipalConfig) -> None:
+        previous, new = principals.view(before), principals.view(after)
+        if previous == new:
+            return
         self._publish(
             "sage.v1.settings.changed",
-            {"principal_id": name, "config": new, "schema_version": SETTINGS_SCHEMA},
+            {"principal_id": name, "config": new, "schema_version": principals.SCHEMA_VERSION},
         )
         self.audit(
             "settings_changed",
             {"principal_id": name, "previous_config": previous, "new_config": new},
         )
-        return {"ok": True, "principal_id": name, "config": new}
+
+    async def _settings(self, request: Envelope) -> dict[str, Any]:
+        patch = msgspec.json.decode(request.payload, type=SettingsPatch)
+        name = patch.principal_id
+        base = self._configured(request, name)
+        changes = {f: getattr(patch, f) for f in principals.FIELDS if getattr(patch, f) is not None}
+        if not changes:
+            raise SessionError("bad_request", "the patch changes nothing")
+        async with self._lock(name):
+            try:
+                before = principals.apply(base, principals.load(self.config.state_dir, name))
+                new = principals.patched(principals.of(before), changes)
+            except SettingsError as exc:
+                raise SessionError(exc.code, str(exc)) from None
+            # the files first: a failed relink leaves the settings as they were
+            done = await self._installer("sage.v1.install.relink", name, new)
+            if done is not None and not done.success:
+                raise SessionError("relink_failed", done.error or "the installer failed")
+            try:
+                principals.save(self.config.state_dir, new)
+            except OSError as exc:
+                raise SessionError("state_error", f"the settings were not saved: {exc}") from None
+            after = principals.apply(base, new)
+            self._changed(name, before, after)
+        return {
+            "ok": True,
+            "principal_id": name,
+            "config": principals.view(after),
+            "relinked": done is not None,
+            "changed": done.changed if done is not None else [],
+        }
+
+    async def _install(self, request: Envelope) -> dict[str, Any]:
+        req = msgspec.json.decode(request.payload, type=InstallRequest)
+        name = req.principal_id
+        base = self._configured(request, name)
+        changes = {f: getattr(req, f) for f in principals.FIELDS if getattr(req, f) is not None}
+        key = (req.api_key or "").strip()  # empty: nothing to store
+        async with self._lock(name):
+            try:
+                stored = principals.load(self.config.state_dir, name)
+            except SettingsError as exc:
+                if not req.force:
+                    raise SessionError(
+                        exc.code, f"{exc} (`astrid sage install {name} --force` rewrites it)"
+                    ) from None
+                stored = None
+            before = principals.apply(base, stored)
+            try:
+                new = principals.patched(principals.of(before), changes)
+            except SettingsError as exc:
+                raise SessionError("bad_request", str(exc)) from None
+            if key and new.auth_mode != "api_key":
+                raise SessionError("bad_request", "an API key is only used with auth_mode api_key")
+            done = await self._installer("sage.v1.install.run", name, new, force=req.force)
+            if done is None:
+                raise SessionError(
+                    "installer_unavailable",
+                    'no installer capsule is running (add "installer" to supervisor.capsules)',
+                )
+            if not done.success:
+                raise SessionError("install_failed", done.error or "the installer failed")
+            try:
+                if key:
+                    self.secrets().put(principal_namespace(name), API_KEY, key)
+                key_stored = self.secrets().has(principal_namespace(name), API_KEY)
+            except SecretError as exc:
+                raise SessionError("secret_store_failed", str(exc)) from None
+            try:
+                principals.save(self.config.state_dir, new)
+            except OSError as exc:
+                raise SessionError("state_error", f"the settings were not saved: {exc}") from None
+            after = principals.apply(base, new)
+            self._changed(name, before, after)
+        return {
+            "ok": True,
+            "principal_id": name,
+            "home_path": done.home_path,
+            "config": principals.view(after),
+            "changed": done.changed,
+            "key_stored": key_stored,
+        }
+
+    async def _principals(self, request: Envelope) -> dict[str, Any]:
+        rows: list[dict[str, Any]] = []
+        for base in self.config.principals:
+            if request.principal not in (None, base.name):
+                continue
+            home = self.config.home_of(base)
+            row: dict[str, Any] = {"principal_id": base.name, "uids": base.uids, "home": str(home)}
+            try:
+                row.update(principals.view(self.principal(base.name) or base), settings="ok")
+            except SettingsError as exc:
+                row.update(principals.view(base), settings=exc.code, settings_error=str(exc))
+            row["installed"] = False
+            try:
+                marker = msgspec.json.decode((home / INSTALL_MARKER).read_bytes())
+            except (OSError, msgspec.DecodeError):
+                marker = None
+            if isinstance(marker, dict):
+                row.update(
+                    installed=True,
+                    installed_at=marker.get("installed_at"),
+                    artifact_version=marker.get("artifact_version"),
+                )
+            try:
+                row["key_stored"] = self.secrets().has(principal_namespace(base.name), API_KEY)
+            except SecretError:
+                row["key_stored"] = None  # the store cannot be read: say so, not "no"
+            row["sessions"] = sum(
+                1 for s in self.sessions.values() if s.record.principal_id == base.name
+            )
+            rows.append(row)
+        return {"ok": True, "principals": rows}
 
     async def _reconcile(self) -> None:
         """Sessions the last supervisor left live: resume them or end them."""
         store = self.ctx.state
-        await self._load_settings()
+        await self._migrate_settings()
         records = [
             msgspec.convert(value, SessionRecord) for _, value in await store.items("sessions")
         ]
@@ -311,7 +486,13 @@ class Runner:
                 continue
             if record.pid:
                 _kill_leftover(record.pid, record.claude_session)
-            principal = self.principal(record.principal_id)
+            try:
+                principal = self.principal(record.principal_id)
+            except SettingsError as exc:
+                log.error(
+                    "runner.settings_unusable", principal_id=record.principal_id, error=str(exc)
+                )
+                principal = None
             if self.config.sessions.resume and principal is not None and self.binary is not None:
                 session = _Session(record, principal)
                 self.sessions[record.session_id] = session
@@ -351,7 +532,10 @@ class Runner:
             raise self._reject(
                 request, pid_, "not_authorized", f"you may not act for principal {pid_!r}"
             )
-        principal = self.principal(pid_)
+        try:
+            principal = self.principal(pid_)
+        except SettingsError as exc:
+            raise self._reject(request, pid_, exc.code, str(exc)) from None
         if principal is None:
             raise self._reject(
                 request, pid_, "unknown_principal", f"no principal {pid_!r} is configured"
@@ -411,11 +595,16 @@ class Runner:
         config = self.config
         if self.binary is None:
             raise SessionError("claude_missing", "no usable claude binary (see `astrid doctor`)")
-        principal = self.principal(session.principal.name) or session.principal
+        try:
+            principal = self.principal(session.principal.name) or session.principal
+        except SettingsError as exc:
+            raise SessionError(exc.code, str(exc)) from None
         api_key = None
         if principal.auth_mode == "api_key":
+            # the principal's own key (astrid sage install) first, then the operator's
+            api_key = self._principal_key(principal.name)
             try:
-                api_key = read_api_key(config)
+                api_key = api_key or read_api_key(config)
             except ConfigError as exc:
                 raise SessionError("api_key_unreadable", str(exc)) from None
             if api_key is None and "ANTHROPIC_API_KEY" not in config.claude.env:
@@ -430,8 +619,9 @@ class Runner:
                 )
                 raise SessionError(
                     "api_key_missing",
-                    "principal uses auth_mode api_key but no API key is configured"
-                    " (claude.api_key_file, $CREDENTIALS_DIRECTORY or $ANTHROPIC_API_KEY)",
+                    "principal uses auth_mode api_key but no API key is stored for it"
+                    " (astrid sage install) nor configured (claude.api_key_file,"
+                    " $CREDENTIALS_DIRECTORY or $ANTHROPIC_API_KEY)",
                 )
         problem = unsafe_home(config.home_of(principal))
         if problem is not None:

@@ -85,8 +85,10 @@ def register(sub: Any) -> None:
         "settings",
         help="change a principal's session settings (applies to new sessions)",
         description=(
-            "Patch PRINCIPAL's settings; the patch is kept by the supervisor across restarts"
-            " and applies to sessions started afterwards. Prints the settings now in force."
+            "Patch PRINCIPAL's settings (absent fields are kept). The installer rewrites the"
+            " principal's files for the new modes, the supervisor keeps the settings across"
+            " restarts, and sessions started afterwards use them. Prints the settings now in"
+            " force."
         ),
     )
     settings.add_argument("principal_id", metavar="PRINCIPAL")
@@ -96,6 +98,10 @@ def register(sub: Any) -> None:
     settings.add_argument("--interaction-mode", choices=("headless", "repl"))
     _common(settings, add_common)
     settings.set_defaults(handler=_settings)
+
+    from sage.cli import principals_cmd
+
+    principals_cmd.register(commands, lambda parser: _common(parser, add_common))
 
     for name, text in (
         ("interrupt", "interrupt the running turn of a session"),

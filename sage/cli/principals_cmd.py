@@ -1,0 +1,181 @@
+"""``astrid sage install|principals``: provision principals and see their state.
+
+``install`` asks the runner (``sage.v1.request.install``), which validates
+the settings, has the installer capsule write the principal's home, stores
+the API key encrypted and then keeps the settings.  The key is read with
+hidden input (or from ``--api-key-stdin``), travels only inside that one
+request, on a topic the bus never delivers off the supervisor, and is never
+printed.  ``principals`` lists modes, install state and whether a key is
+stored, never the key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import getpass
+import sys
+from typing import Any
+
+import anyio
+import msgspec
+
+from bus import BusError, NoResponders
+from sage.cli._connect import connect, print_json
+from sage.errors import SageError
+
+__all__ = ("register",)
+
+INSTALL_TIMEOUT = 45.0
+
+
+def register(commands: Any, common: Any) -> None:
+    install = commands.add_parser(
+        "install",
+        help="provision a principal's home (settings, .mcp.json, CLAUDE.md) and its API key",
+        description=(
+            "Provision PRINCIPAL (declared under [[principals]] in supervisor.toml): the"
+            " installer writes <home>/.claude/settings.local.json, .mcp.json and CLAUDE.md"
+            " for the chosen modes, and the supervisor keeps the settings. In api_key mode"
+            " the API key is asked for with hidden input (or read from --api-key-stdin) and"
+            " stored encrypted; an empty answer stores nothing. subscription mode never asks."
+            " Re-running changes only what differs; --force rewrites every file."
+        ),
+        epilog=(
+            "examples:\n"
+            "  astrid sage install alice --interaction-mode headless --auth-mode api_key\n"
+            '  printf %s "$KEY" | astrid sage install alice --api-key-stdin\n'
+            "  astrid sage install bob --interaction-mode repl --auth-mode subscription"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    install.add_argument("principal_id", metavar="PRINCIPAL")
+    install.add_argument("--interaction-mode", choices=("headless", "repl"))
+    install.add_argument("--auth-mode", choices=("api_key", "subscription"))
+    install.add_argument("--model", help="--model for new sessions ('' for the CLI's default)")
+    install.add_argument("--max-turns", type=int, help="--max-turns (0: none)")
+    install.add_argument("--force", action="store_true", help="rewrite every file")
+    key = install.add_mutually_exclusive_group()
+    key.add_argument(
+        "--api-key-stdin", action="store_true", help="read the API key from stdin (no prompt)"
+    )
+    key.add_argument(
+        "--no-api-key", action="store_true", help="do not ask for a key (keep any stored one)"
+    )
+    common(install)
+    install.set_defaults(handler=_install)
+
+    listing = commands.add_parser(
+        "principals",
+        help="list principals: modes, install state, whether a key is stored",
+        description=(
+            "List the principals you may act for (all of them for an admin) with their"
+            " interaction and auth modes, whether their home is installed and whether an"
+            " API key is stored for them (never the key)."
+        ),
+    )
+    common(listing)
+    listing.set_defaults(handler=_principals)
+
+
+async def _request(client: Any, topic: str, payload: Any, deadline: float) -> dict[str, Any]:
+    try:
+        reply = await client.request(topic, payload, deadline=deadline)
+    except NoResponders:
+        raise SageError(
+            "no session runner is running (is `runner` in supervisor.capsules?)"
+        ) from None
+    data: dict[str, Any] = msgspec.json.decode(reply.payload)
+    if not data.get("ok"):
+        raise SageError(f"{data.get('error', 'error')}: {data.get('message', '')}")
+    return data
+
+
+def _read_key(args: argparse.Namespace, current: dict[str, Any] | None) -> str | None:
+    """The key to store, if one should be asked for; None when not."""
+    if args.api_key_stdin:
+        return sys.stdin.read().strip()
+    if args.no_api_key:
+        return None
+    mode = args.auth_mode or (current or {}).get("auth_mode", "api_key")
+    if mode != "api_key":
+        return None  # subscription mode never asks
+    if current and current.get("key_stored") and not args.force:
+        return None  # a key is stored: keep it unless rewriting
+    if not sys.stdin.isatty():
+        print(
+            "astrid: no terminal to ask for the API key; pass --api-key-stdin"
+            " (sessions fail with api_key_missing until a key is stored)",
+            file=sys.stderr,
+        )
+        return None
+    return getpass.getpass(f"Anthropic API key for {args.principal_id} (empty: none): ").strip()
+
+
+async def _install(args: argparse.Namespace) -> int:
+    payload: dict[str, Any] = {"principal_id": args.principal_id}
+    for field in ("interaction_mode", "auth_mode", "model", "max_turns"):
+        value = getattr(args, field)
+        if value is not None:
+            payload[field] = value
+    if args.force:
+        payload["force"] = True
+    async with connect(args) as client:
+        current = None
+        if not (args.api_key_stdin or args.no_api_key):
+            listing = await _request(client, "sage.v1.request.principals", {}, 10.0)
+            current = next(
+                (p for p in listing["principals"] if p["principal_id"] == args.principal_id),
+                None,
+            )
+        key = await anyio.to_thread.run_sync(_read_key, args, current)
+        if key:
+            payload["api_key"] = key
+        steps = None
+        with contextlib.suppress(BusError):  # progress is a nicety: the reply says what happened
+            steps = await client.subscribe("sage.v1.event.install.status")
+        async with anyio.create_task_group() as tg:
+            if steps is not None and not args.json:
+                tg.start_soon(_progress, steps, args.principal_id)
+            data = await _request(client, "sage.v1.request.install", payload, INSTALL_TIMEOUT)
+            tg.cancel_scope.cancel()
+    if args.json:
+        print_json(data)
+        return 0
+    changed = data.get("changed") or []
+    print(f"installed {data['principal_id']} in {data.get('home_path')}")
+    for key_name, value in data["config"].items():
+        print(f"  {key_name:<17} {value}")
+    print(f"  {'api key':<17} {'stored' if data.get('key_stored') else 'none'}")
+    print(f"  {'files rewritten':<17} {', '.join(changed) if changed else 'none (up to date)'}")
+    return 0
+
+
+async def _progress(steps: Any, principal: str) -> None:
+    async for envelope in steps:
+        data = msgspec.json.decode(envelope.payload)
+        if data.get("principal_id") == principal:
+            print(f"  ... {data.get('step')}", file=sys.stderr)
+
+
+async def _principals(args: argparse.Namespace) -> int:
+    async with connect(args) as client:
+        data = await _request(client, "sage.v1.request.principals", {}, 10.0)
+    rows = data["principals"]
+    if args.json:
+        print_json(rows)
+        return 0
+    if not rows:
+        print("no principals (declare them under [[principals]] in supervisor.toml)")
+        return 0
+    print(f"{'PRINCIPAL':<16} {'MODE':<9} {'AUTH':<13} {'INSTALLED':<9} {'KEY':<7} SESSIONS")
+    for row in rows:
+        key = {True: "stored", False: "none", None: "?"}[row.get("key_stored")]
+        installed = "yes" if row.get("installed") else "no"
+        print(
+            f"{row['principal_id']:<16} {row['interaction_mode']:<9} {row['auth_mode']:<13}"
+            f" {installed:<9} {key:<7} {row.get('sessions', 0)}"
+        )
+        if row.get("settings_error"):
+            print(f"  ! {row['settings_error']}")
+    return 0
