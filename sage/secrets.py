@@ -9,8 +9,9 @@ to its place: the associated data is ``namespace\\0name``, so a sealed value
 copied to another row does not open.
 
 Namespaces name the owner: ``principal:<name>`` for a principal's secrets
-(``anthropic_api_key``), ``forge`` for the forge vault.  Empty values are
-never stored.  Nothing here logs, and :class:`SecretError` messages never
+(``anthropic_api_key``), ``forge`` for the forge vault.  Values under 8
+characters (too short to redact from outputs) and empty values are
+never stored, nor values under 8 characters (too short to redact).  Nothing here logs, and :class:`SecretError` messages never
 hold a value.  The store is small and synchronous (sqlite3, one short
 transaction per call), so the CLI, capsules and workers share it safely.
 """
@@ -48,6 +49,9 @@ CREDENTIAL_NAME: Final = "sage-secrets-key"
 API_KEY: Final = "anthropic_api_key"
 """The name of a principal's Anthropic API key in its namespace."""
 MAX_VALUE: Final = 64 * 1024
+MIN_VALUE: Final = 8
+"""Shorter values are refused: outputs could not be redacted of them without
+mangling ordinary text (sage/forge/redact.py)."""
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}\Z")
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS secrets (
@@ -184,6 +188,10 @@ class SecretStore:
         _check(namespace, name)
         if not value:
             raise SecretError(f"secret {name!r}: an empty value is not stored")
+        if len(value) < MIN_VALUE:
+            raise SecretError(
+                f"secret {name!r}: shorter than {MIN_VALUE} characters (too short to redact)"
+            )
         data = value.encode()
         if len(data) > MAX_VALUE:
             raise SecretError(f"secret {name!r}: longer than {MAX_VALUE} bytes")

@@ -47,8 +47,8 @@ def test_empty_values_are_refused(tmp_path: Path) -> None:
 
 def test_a_sealed_value_moved_to_another_row_does_not_open(tmp_path: Path) -> None:
     store = SecretStore.open(_config(tmp_path), environ={})
-    store.put("principal:alice", "anthropic_api_key", "alice-key")
-    store.put("principal:bob", "anthropic_api_key", "bob-key")
+    store.put("principal:alice", "anthropic_api_key", "alice-key-0001")
+    store.put("principal:bob", "anthropic_api_key", "bob-key-0002")
     db = sqlite3.connect(store.path)
     with db:
         nonce, sealed = db.execute(
@@ -64,9 +64,15 @@ def test_a_sealed_value_moved_to_another_row_does_not_open(tmp_path: Path) -> No
     assert "alice-key" not in str(info.value)
 
 
+def test_values_too_short_to_redact_are_refused(tmp_path: Path) -> None:
+    store = SecretStore.open(_config(tmp_path), environ={})
+    with pytest.raises(SecretError, match="too short"):
+        store.put("forge", "PIN", "1234")
+
+
 def test_a_wrong_key_does_not_open_and_says_so(tmp_path: Path) -> None:
     config = _config(tmp_path)
-    SecretStore.open(config, environ={}).put("forge", "TOKEN", "v")
+    SecretStore.open(config, environ={}).put("forge", "TOKEN", "value-long-enough")
     other = SecretStore(config.secrets_path, os.urandom(32))
     with pytest.raises(SecretError, match="wrong key"):
         other.get("forge", "TOKEN")
@@ -96,4 +102,4 @@ def test_names_with_path_tricks_are_refused(tmp_path: Path) -> None:
     store = SecretStore.open(_config(tmp_path), environ={})
     for bad in ("../x", "a b", "", "x" * 129):
         with pytest.raises(SecretError):
-            store.put("forge", bad, "v")
+            store.put("forge", bad, "value-long-enough")
