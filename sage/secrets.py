@@ -11,7 +11,7 @@ copied to another row does not open.
 Namespaces name the owner: ``principal:<name>`` for a principal's secrets
 (``anthropic_api_key``), ``forge`` for the forge vault.  Values under 8
 characters (too short to redact from outputs) and empty values are
-never stored, nor values under 8 characters (too short to redact).  Nothing here logs, and :class:`SecretError` messages never
+never stored.  Nothing here logs, and :class:`SecretError` messages never
 hold a value.  The store is small and synchronous (sqlite3, one short
 transaction per call), so the CLI, capsules and workers share it safely.
 """
