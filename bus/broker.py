@@ -272,9 +272,14 @@ class Bus:
         payload: Any,
         *,
         deadline: float | None = None,
+        on_behalf_of: str | None = None,
     ) -> Envelope:
-        """Publish a request and wait up to ``deadline`` seconds for the first reply."""
-        return await self.request_raw(owner, topic, _encode(payload), deadline=deadline)
+        """Publish a request and wait up to ``deadline`` seconds for the first reply.
+
+        ``on_behalf_of`` sets the request envelope's principal as for :meth:`publish`."""
+        return await self.request_raw(
+            owner, topic, _encode(payload), deadline=deadline, on_behalf_of=on_behalf_of
+        )
 
     async def request_raw(
         self,
@@ -283,6 +288,7 @@ class Bus:
         payload: bytes,
         *,
         deadline: float | None = None,
+        on_behalf_of: str | None = None,
     ) -> Envelope:
         token = secrets.token_urlsafe(12)
         pending = _Pending(topic)
@@ -293,7 +299,7 @@ class Bus:
             if not self.has_subscribers(topic):
                 self.no_responders += 1
                 raise NoResponders(f"no responders on {topic!r}")
-            self.publish_raw(owner, topic, payload, reply_to=token)
+            self.publish_raw(owner, topic, payload, reply_to=token, on_behalf_of=on_behalf_of)
             seconds = self.request_timeout if deadline is None else deadline
             with anyio.move_on_after(seconds):
                 await pending.done.wait()

@@ -38,7 +38,7 @@ __all__ = (
 )
 
 CHECK_TIMEOUT = 30.0
-BUILT_IN = frozenset({"echo", "runner", "tools", "greeter"})
+BUILT_IN = frozenset({"echo", "runner", "tools", "greeter", "hooks", "forge", "installer", "llm"})
 
 _PROBE = r"""
 import importlib, json, sys

@@ -229,8 +229,18 @@ class CapsuleContext:
             return False
         return self.bus.reply(self.identity, request.reply_to, payload)
 
-    async def request(self, topic: str, payload: Any, *, deadline: float | None = None) -> Envelope:
-        return await self.bus.request(self.identity, topic, payload, deadline=deadline)
+    async def request(
+        self,
+        topic: str,
+        payload: Any,
+        *,
+        deadline: float | None = None,
+        on_behalf_of: str | None = None,
+    ) -> Envelope:
+        """Request as the capsule; ``on_behalf_of`` as for :meth:`publish`."""
+        return await self.bus.request(
+            self.identity, topic, payload, deadline=deadline, on_behalf_of=on_behalf_of
+        )
 
 
 CapsuleMain = Callable[[CapsuleContext], Awaitable[None]]

@@ -31,7 +31,9 @@ __all__ = (
     "write_private",
 )
 
-MCP_CONFIG = '{"mcpServers":{"sage":{"type":"sdk","name":"sage"}}}'
+MCP_CONFIG = (
+    '{"mcpServers":{"sage":{"type":"sdk","name":"sage"},"forge":{"type":"sdk","name":"forge"}}}'
+)
 API_KEY_CREDENTIAL = "anthropic-api-key"
 LOCALE_VARS = ("LANG", "LC_ALL", "LC_CTYPE")
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"

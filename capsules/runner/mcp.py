@@ -19,6 +19,7 @@ import msgspec
 import structlog
 
 from bus import BusError
+from capsules.runner import forge_mcp
 from capsules.runner.messages import ToolResult, ToolsList
 from capsules.runner.session import ClaudeProcess, SessionError
 from sage.protocol import McpMessageRequest
@@ -46,11 +47,13 @@ def _text_error(text: str) -> dict[str, Any]:
 
 
 class McpServer:
-    """Answers the CLI's MCP messages for the ``sage`` server."""
+    """Answers the CLI's MCP messages: the ``sage`` server here, ``forge`` in
+    :mod:`capsules.runner.forge_mcp`."""
 
     def __init__(self, runner: Runner) -> None:
         self.runner = runner
         self.tools: list[dict[str, Any]] = []
+        self.forge = forge_mcp.ForgeMcpServer(runner)
 
     async def follow(self, envelopes: Any) -> None:
         """Keep the catalogue the tool bridge publishes."""
@@ -65,7 +68,7 @@ class McpServer:
             ]
 
     async def handle(self, proc: ClaudeProcess, request: McpMessageRequest) -> Any:
-        if request.server_name != SERVER:
+        if request.server_name not in (SERVER, forge_mcp.SERVER):
             raise SessionError("unknown_server", f"no sdk MCP server {request.server_name!r}")
         try:
             message = msgspec.json.decode(request.message, type=_JsonRpc)
@@ -73,6 +76,8 @@ class McpServer:
             raise SessionError("bad_message", f"not a JSON-RPC message: {exc}") from None
         if message.id is None:
             return None  # a notification: acknowledged by the caller
+        if request.server_name == forge_mcp.SERVER:
+            return await self.forge.answer(proc, message.id, message.method, message.params)
         result: Any = None
         if message.method == "initialize":
             result = {

@@ -68,6 +68,7 @@ class ToolsChanged(msgspec.Struct, frozen=True):
 
     session_id: str | None = None
     names: list[str] = []
+    server: str = "sage"  # the sdk MCP server whose list changed: "sage" or "forge"
 
 
 class IdentitySaved(msgspec.Struct, frozen=True):

@@ -890,7 +890,9 @@ class Runner:
             ]
             for proc in targets:
                 assert self._tg is not None
-                self._tg.start_soon(_quietly, proc.tools_changed)
+                self._tg.start_soon(
+                    _quietly, lambda p=proc, server=msg.server: p.tools_changed(server)
+                )
 
     async def _identity_saved(self, envelopes: Any) -> None:
         async for envelope in envelopes:

@@ -295,13 +295,13 @@ class ClaudeProcess:
         response: Any = msgspec.json.decode(outcome.response) if outcome.response else {}
         return {"interrupted": busy, "response": response}
 
-    async def tools_changed(self) -> None:
-        """Tell the CLI that the sage MCP server's tool list changed."""
+    async def tools_changed(self, server: str = "sage") -> None:
+        """Tell the CLI that the tool list of sdk MCP server ``server`` changed."""
         if self.state in (ProcessState.READY, ProcessState.BUSY):
             await self.request(
                 "mcp_message",
                 lambda rid: encode_mcp_notification(
-                    rid, "sage", "notifications/tools/list_changed"
+                    rid, server, "notifications/tools/list_changed"
                 ),
             )
 

@@ -30,12 +30,23 @@ def _groups() -> list[Any]:
         capsule_cmd,
         config_cmd,
         doctor,
+        forge_cmd,
         sage_cmd,
         status,
         supervisor_cmd,
     )
 
-    return [supervisor_cmd, config_cmd, status, doctor, sage_cmd, capsule_cmd, bus_cmd, audit]
+    return [
+        supervisor_cmd,
+        config_cmd,
+        status,
+        doctor,
+        sage_cmd,
+        capsule_cmd,
+        bus_cmd,
+        audit,
+        forge_cmd,
+    ]
 
 
 def add_common(parser: argparse.ArgumentParser, *, json_output: bool = True) -> None:

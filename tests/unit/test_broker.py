@@ -367,3 +367,27 @@ def test_an_envelope_of_a_principal_reaches_only_its_users_capsules_and_admins()
     bus.publish(capsule, "demo.everyone", {})  # no principal: public
     assert seen() == set(subs)
     assert bus.stats().scoped == 3
+
+
+@pytest.mark.anyio
+async def test_a_request_on_behalf_of_a_principal_carries_it_and_a_user_cannot_forge_it() -> None:
+    """request(on_behalf_of=) stamps the request envelope like publish() does."""
+    bus = Bus()
+    svc = Identity("capsule:forge")
+    sub = bus.subscribe("svc.who", svc)
+    capsule = Identity("capsule:runner", acl=Acl(publish=["svc.>"], subscribe=[]))
+
+    async def serve() -> None:
+        async for env in sub:
+            assert env.reply_to is not None
+            bus.reply(svc, env.reply_to, {"principal": env.principal})
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(serve)
+        mine = await bus.request(capsule, "svc.who", {}, deadline=2, on_behalf_of="alice")
+        public = await bus.request(capsule, "svc.who", {}, deadline=2)
+        own = await bus.request(ALICE, "svc.who", {}, deadline=2, on_behalf_of="bob")
+        tg.cancel_scope.cancel()
+    assert mine.data() == {"principal": "alice"}
+    assert public.data() == {"principal": None}
+    assert own.data() == {"principal": "alice"}  # a user's own principal wins

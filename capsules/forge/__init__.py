@@ -1,0 +1,1 @@
+"""The forge capsule: forged tools over the bus (see ``capsule.py``)."""

@@ -1,0 +1,174 @@
+"""The forge capsule: a thin bus shell around :class:`sage.forge.service.Forge`.
+
+Requests (request/reply; the caller's principal is ``envelope.principal``,
+the broker-verified one, never a payload field):
+
+- ``forge.v1.request.list`` ``{session_id}`` → ``{tools: [{name, description,
+  inputSchema}]}``: the three meta-tools and the session's visible forged
+  tools (session > project > user), names without the ``mcp__forge__`` prefix.
+- ``forge.v1.request.call`` ``{session_id, tool_name, arguments,
+  tool_use_id?}`` → the MCP result ``{content, structuredContent, isError}``.
+  Every failure is an ``isError`` result with ``{ok: false, error: {kind,
+  message}}``.
+- ``forge.v1.request.admin.<op>`` (``list``, ``show``, ``run``, ``promote``,
+  ``rm``, ``runs``): only for an envelope without a principal (an operator
+  or a trusted capsule); others get ``{ok: false, error: {kind: "acl_denied"}}``.
+
+Audit events go out on ``forge.v1.audit.<event>`` (the supervisor appends
+them to the one hash-chained log); after a forge / promote / rm,
+``sage.v1.tools.changed {session_id, names, server: "forge"}``.
+Requests are served concurrently (one task each); at most
+:data:`CONCURRENT_CALLS` tool calls run at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import msgspec
+
+from bus import BusError, Envelope
+from sage.capsules import CapsuleContext
+from sage.errors import ForgeError
+from sage.forge.service import Caller, Forge, mcp_result
+
+__all__ = ("ForgeCapsule", "run")
+
+PREFIX = "forge.v1.request."
+CONCURRENT_CALLS = 8
+"""Tool calls run at once; more wait their turn (lists and forges do not wait)."""
+
+
+def _error(kind: str, message: str) -> dict[str, Any]:
+    return {"ok": False, "error": {"kind": kind, "message": message}}
+
+
+class ForgeCapsule:
+    def __init__(self, ctx: CapsuleContext) -> None:
+        self.ctx = ctx
+        self.log = ctx.log
+        self._store: Any = None
+        self.calls = anyio.CapacityLimiter(CONCURRENT_CALLS)
+        self.forge = Forge(
+            ctx.config,
+            self._audit,
+            changed=self._changed,
+            secrets=self._secret,
+            config_of=lambda: ctx.config,
+        )
+
+    def _audit(self, event: str, payload: dict[str, Any]) -> None:
+        try:
+            self.ctx.publish(f"forge.v1.audit.{event}", payload)
+        except BusError as exc:
+            self.log.error("forge.audit_failed", audit_event=event, error=str(exc))
+
+    def _changed(self, session_id: str | None, names: list[str]) -> None:
+        try:
+            self.ctx.publish(
+                "sage.v1.tools.changed",
+                {"session_id": session_id, "names": names, "server": "forge"},
+            )
+        except BusError as exc:
+            self.log.error("forge.changed_failed", error=str(exc))
+
+    def _secret(self, name: str) -> str | None:
+        from sage.secrets import SecretStore
+
+        if self._store is None:
+            self._store = SecretStore.open(self.ctx.config)
+        value: str | None = self._store.get("forge", name)
+        return value
+
+    async def run(self) -> None:
+        requests = self.ctx.subscribe(PREFIX + ">")
+        self.ctx.ready()
+        async with anyio.create_task_group() as tg:
+            async for envelope in requests:
+                tg.start_soon(self.serve, envelope)
+
+    async def serve(self, envelope: Envelope) -> None:
+        try:
+            answer = await self.handle(envelope)
+        except Exception as exc:  # one bad request never stops the capsule
+            self.log.error("forge.handler_failed", topic=envelope.topic, error=type(exc).__name__)
+            answer = mcp_result(_error("internal", "the forge capsule failed on this request"))
+        if envelope.reply_to is not None:
+            try:
+                self.ctx.reply(envelope, answer)
+            except BusError as exc:
+                self.log.error("forge.reply_failed", error=str(exc))
+
+    async def handle(self, envelope: Envelope) -> dict[str, Any]:
+        op = envelope.topic.removeprefix(PREFIX)
+        try:
+            data = msgspec.json.decode(envelope.payload) if envelope.payload else {}
+        except msgspec.DecodeError:
+            data = None
+        if not isinstance(data, dict):
+            return mcp_result(_error("bad_request", "the payload must be a JSON object"))
+        sid = data.get("session_id")
+        sid = sid if isinstance(sid, str) else None
+        caller = Caller(envelope.principal, sid)
+        if op == "list":
+            return {"tools": self.forge.descriptors(caller)}
+        if op == "call":
+            name = data.get("tool_name")
+            if not isinstance(name, str):
+                return mcp_result(_error("bad_request", "tool_name must be a string"))
+            async with self.calls:
+                answer = await self.forge.dispatch(caller, name, data.get("arguments", {}))
+            return mcp_result(answer)
+        if op.startswith("admin."):
+            if envelope.principal is not None:
+                return _error("acl_denied", "forge admin requests are for operators")
+            try:
+                return await self.admin(op.removeprefix("admin."), data)
+            except ForgeError as exc:
+                return _error(exc.kind, str(exc))
+        return _error("bad_request", f"unknown forge request {op!r}")
+
+    async def admin(self, op: str, data: dict[str, Any]) -> dict[str, Any]:
+        principal = data.get("principal_id")
+        principal = principal if isinstance(principal, str) else None
+        caller = Caller(
+            principal, data.get("session_id") if isinstance(data.get("session_id"), str) else None
+        )
+        name = data.get("name")
+        if op == "list":
+            return {"ok": True, "tools": self.forge.all_tools()}
+        if op == "runs":
+            limit = data.get("limit")
+            limit = limit if isinstance(limit, int) and limit > 0 else 20
+            return {
+                "ok": True,
+                "runs": self.forge.runs.recent(name if isinstance(name, str) else None, limit),
+            }
+        if not isinstance(name, str):
+            raise ForgeError("bad_request", "name must be a string")
+        if op == "show":
+            scope = data.get("scope")
+            if isinstance(scope, str):
+                found = self.forge.registry.get(scope, name, caller.principal, caller.session_id)  # type: ignore[arg-type]
+            else:
+                found = self.forge.registry.lookup(name, caller.principal, caller.session_id)
+            if found is None:
+                raise ForgeError("unknown_tool", f"no tool named {name!r}")
+            return {"ok": True, "tool": msgspec.to_builtins(found.record), "path": str(found.path)}
+        if op == "run":
+            async with self.calls:
+                envelope = await self.forge.dispatch(caller, name, data.get("arguments", {}))
+            return mcp_result(envelope)
+        if op == "promote":
+            promoted = await self.forge.promote(caller, name, force=data.get("force") is True)
+            return {"ok": True, "name": name, "version": promoted.version}
+        if op == "rm":
+            await self.forge.remove(caller, str(data.get("scope")), name)
+            return {"ok": True, "name": name}
+        raise ForgeError("bad_request", f"unknown admin request {op!r}")
+
+
+async def run(ctx: CapsuleContext) -> None:
+    """The capsule's entry point (``capsules.forge.capsule:run``)."""
+    await ForgeCapsule(ctx).run()

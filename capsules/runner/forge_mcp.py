@@ -1,0 +1,137 @@
+"""The in-band ``forge`` MCP server: forged tools as ``mcp__forge__<name>``.
+
+A second ``{"type": "sdk"}`` server next to ``sage`` (see :mod:`capsules.runner.mcp`).
+It keeps no catalogue of its own: ``tools/list`` asks the forge capsule
+(``forge.v1.request.list``) and ``tools/call`` becomes ``forge.v1.request.call``,
+both on behalf of the session's principal so the forge capsule scopes tools to
+that principal and session.  With no forge capsule running the list is empty,
+and every failure of a call is an ``isError`` result, so Claude always gets an
+answer.  The forge capsule announces changes on ``sage.v1.tools.changed`` with
+``server: "forge"``; the runner turns that into ``notifications/tools/list_changed``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from bus import BusError, NoResponders
+
+if TYPE_CHECKING:
+    from capsules.runner.runner import Runner
+    from capsules.runner.session import ClaudeProcess
+
+__all__ = ("SERVER", "ForgeMcpServer")
+
+log = structlog.get_logger("sage.runner.forge_mcp")
+
+SERVER = "forge"
+VERSION = "0.1.0"
+LIST_DEADLINE = 5.0
+
+
+def _text_error(text: str) -> dict[str, Any]:
+    return {"content": [{"type": "text", "text": text}], "isError": True}
+
+
+class ForgeMcpServer:
+    """Answers the CLI's MCP messages for the ``forge`` server over the bus."""
+
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+
+    async def answer(
+        self, proc: ClaudeProcess, msg_id: int | str, method: str, params: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The JSON-RPC response to one request."""
+        result: Any
+        if method == "initialize":
+            result = {
+                "protocolVersion": params.get("protocolVersion", "2025-06-18"),
+                "capabilities": {"tools": {"listChanged": True}},
+                "serverInfo": {"name": SERVER, "version": VERSION},
+            }
+        elif method == "tools/list":
+            result = {"tools": await self.list(proc)}
+        elif method == "tools/call":
+            result = await self.call(proc, params)
+        elif method == "ping":
+            result = {}
+        else:
+            return {
+                "jsonrpc": "2.0",
+                "id": msg_id,
+                "error": {"code": -32601, "message": f"method not found: {method}"},
+            }
+        return {"jsonrpc": "2.0", "id": msg_id, "result": result}
+
+    async def list(self, proc: ClaudeProcess) -> list[dict[str, Any]]:
+        """The session's forged tools (bare names); [] when the forge does not answer."""
+        try:
+            reply = await self.runner.ctx.request(
+                "forge.v1.request.list",
+                {"session_id": proc.session_id},
+                deadline=LIST_DEADLINE,
+                on_behalf_of=proc.principal_id,
+            )
+            data = reply.data()
+        except NoResponders:
+            return []
+        except (BusError, ValueError) as exc:
+            log.warning("forge.list_failed", session=proc.session_id, error=str(exc))
+            return []
+        tools = data.get("tools") if isinstance(data, dict) else None
+        if not isinstance(tools, list):
+            return []
+        return [
+            tool
+            for tool in tools
+            if isinstance(tool, dict) and isinstance(tool.get("name"), str) and tool["name"]
+        ]
+
+    async def call(self, proc: ClaudeProcess, params: dict[str, Any]) -> dict[str, Any]:
+        """Call one forged tool; the forge capsule's MCP result, or an isError result."""
+        name = str(params.get("name", ""))
+        arguments = params.get("arguments") or {}
+        meta = params.get("_meta") or {}
+        payload: dict[str, Any] = {
+            "session_id": proc.session_id,
+            "tool_name": name,
+            "arguments": arguments,
+        }
+        tool_use_id = meta.get("claudecode/toolUseId") if isinstance(meta, dict) else None
+        if isinstance(tool_use_id, str):
+            payload["tool_use_id"] = tool_use_id
+        try:
+            reply = await self.runner.ctx.request(
+                "forge.v1.request.call",
+                payload,
+                deadline=self.runner.config.limits.tool_timeout,
+                on_behalf_of=proc.principal_id,
+            )
+            data = reply.data()
+        except NoResponders:
+            return _text_error(f"forged tool {name!r} is not available: no forge is running")
+        except BusError as exc:  # a timeout, the payload limit, the bus closing
+            return _text_error(f"forged tool {name!r} failed: {exc}")
+        except ValueError as exc:
+            return _text_error(f"the forge sent a bad result: {exc}")
+        return _result(name, data)
+
+
+def _result(name: str, data: Any) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        return _text_error("the forge sent a bad result: not an object")
+    if data.get("ok") is False:
+        raw = data.get("error")
+        error: dict[str, Any] = raw if isinstance(raw, dict) else {}
+        kind = error.get("kind", "error")
+        return _text_error(f"forged tool {name!r} failed: {kind}: {error.get('message', '')}")
+    content = data.get("content")
+    if not isinstance(content, list):
+        return _text_error("the forge sent a bad result: no content")
+    result: dict[str, Any] = {"content": content, "isError": bool(data.get("isError", False))}
+    if isinstance(data.get("structuredContent"), dict):
+        result["structuredContent"] = data["structuredContent"]
+    return result

@@ -1,0 +1,325 @@
+"""Forge end to end: the real bwrap sandbox, and the capsule on a real supervisor.
+
+forge → list → call → audit: a tool is forged over the bus, shows up in the
+session's list, runs in bubblewrap, writes a manifest, and its events sit in
+the one hash-chained audit log that ``astrid audit verify`` checks.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+
+from sage.config import Config, PrincipalConfig, SupervisorConfig
+from sage.forge.service import Caller, Forge
+from tests.integration.sage_harness import Sage, running_sage, sage_config
+
+pytestmark = pytest.mark.anyio
+
+FAKE = Path(__file__).resolve().parents[1] / "doubles" / "fake_claude.py"
+FIB = (
+    "import sys, json\n"
+    "n = json.loads(sys.stdin.read())['n']\n"
+    "a, b = 0, 1\n"
+    "for _ in range(n): a, b = b, a + b\n"
+    "print(json.dumps({'ok': True, 'data': {'value': a}}))\n"
+)
+FIB_ARGS = {
+    "name": "fib",
+    "description": "nth Fibonacci number",
+    "input_schema": {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 1000}},
+        "required": ["n"],
+    },
+    "impl": FIB,
+    "runtime": "python3.11",
+    "meta": {"deterministic": True},
+}
+
+
+def _forge(tmp: Path, vault: dict[str, str] | None = None) -> tuple[Forge, list[Any]]:
+    config = Config(
+        supervisor=SupervisorConfig(state_dir=str(tmp / "state")),
+        principals=[PrincipalConfig(name="alice")],
+    )
+    events: list[Any] = []
+    forge = Forge(config, lambda e, p: events.append((e, p)), secrets=(vault or {}).get)
+    return forge, events
+
+
+async def test_real_sandbox_call(tmp_path: Path) -> None:
+    forge, events = _forge(tmp_path)
+    caller = Caller("alice", "s1")
+    await forge.forge(caller, FIB_ARGS)
+    out = await forge.dispatch(caller, "fib", {"n": 20})
+    assert out == {"ok": True, "data": {"value": 6765}}, out
+    run_id = [p for e, p in events if e == "called"][-1]["run_id"]
+    manifest = forge.runs.read(run_id)
+    assert manifest is not None
+    assert manifest["exit_code"] == 0
+    assert manifest["sandbox"]["label"] == "bwrap"
+    assert manifest["kind"] == "cache_seed"
+
+
+async def test_real_sandbox_secret_is_injected_and_redacted(tmp_path: Path) -> None:
+    secret = "sk-test-9f8e7d6c5b4a3210"
+    forge, events = _forge(tmp_path, {"API_KEY": secret})
+    forge.policy_file.current()
+    policy = forge.policy_file.path
+    data = json.loads(policy.read_text())
+    data["persona_secret_allow"] = {"alice": ["API_KEY"]}
+    policy.write_text(json.dumps(data))
+    caller = Caller("alice", "s1")
+    impl = (
+        "import os, json, sys, base64\n"
+        "k = os.environ['API_KEY']\n"
+        "sys.stderr.write('key=' + k + '\\n')\n"
+        "print(json.dumps({'ok': True, 'data': {'k': k, 'b': base64.b64encode(k.encode()).decode(),"
+        " 'len': len(k)}}))\n"
+    )
+    await forge.forge(
+        caller,
+        {
+            "name": "keyed",
+            "description": "",
+            "input_schema": {"type": "object"},
+            "impl": impl,
+            "runtime": "python",
+            "meta": {"secrets": ["API_KEY"]},
+        },
+    )
+    out = await forge.dispatch(caller, "keyed", {})
+    assert out["ok"] is True
+    assert out["data"]["len"] == len(secret)
+    assert out["data"]["k"] == "<redacted>"
+    assert out["data"]["b"] == "<redacted>"
+    run_id = [p for e, p in events if e == "called"][-1]["run_id"]
+    text = (forge.runs.directory / run_id / "run_manifest.json").read_text()
+    assert secret not in text
+    assert "key=<redacted>" in text
+    assert secret not in json.dumps(events)
+
+
+async def test_real_sandbox_bad_output_and_no_network(tmp_path: Path) -> None:
+    forge, _ = _forge(tmp_path)
+    caller = Caller("alice", "s1")
+    await forge.forge(
+        caller,
+        {
+            "name": "noisy",
+            "description": "",
+            "input_schema": {"type": "object"},
+            "impl": "echo hello; echo oops >&2",
+            "runtime": "bash",
+        },
+    )
+    out = await forge.dispatch(caller, "noisy", {})
+    assert out["error"]["kind"] == "bad_output"
+    assert "oops" in out["error"]["message"]
+    probe = (
+        "import json, os\n"
+        "print(json.dumps({'ok': True, 'data': sorted(os.listdir('/sys/class/net'))"
+        " if os.path.isdir('/sys/class/net') else []}))\n"
+    )
+    await forge.forge(
+        caller,
+        {
+            "name": "nets",
+            "description": "",
+            "input_schema": {"type": "object"},
+            "impl": probe,
+            "runtime": "python",
+        },
+    )
+    out = await forge.dispatch(caller, "nets", {})
+    assert out["ok"] is True
+    assert set(out["data"]) <= {"lo"}
+
+
+def _audit_kinds(sage: Sage) -> list[tuple[str, dict[str, Any]]]:
+    db = sqlite3.connect(f"file:{sage.daemon.root / 'state' / 'audit.db'}?mode=ro", uri=True)
+    try:
+        rows = db.execute(
+            "SELECT kind, payload FROM entries WHERE kind LIKE 'forge.v1.audit.%' ORDER BY seq"
+        ).fetchall()
+    finally:
+        db.close()
+    out = []
+    for kind, raw in rows:
+        entry = msgspec.json.decode(raw)
+        out.append((kind.rsplit(".", 1)[1], entry.get("payload", entry)))
+    return out
+
+
+async def _audits(sage: Sage, event: str, count: int) -> list[dict[str, Any]]:
+    """The ``event`` audit payloads, once there are ``count`` (the sink appends them async)."""
+    with anyio.fail_after(10):
+        while True:
+            found = [p for kind, p in _audit_kinds(sage) if kind == event]
+            if len(found) >= count:
+                return found
+            await anyio.sleep(0.05)
+
+
+async def test_capsule_forge_list_call_audit() -> None:
+    config = sage_config(FAKE, {}, capsules='["forge"]')
+    async with running_sage(config) as sage:
+        changed = await sage.client.subscribe("sage.v1.tools.changed")
+        call = {"session_id": "s1", "tool_name": "forge_tool", "arguments": FIB_ARGS}
+        made = await sage.request("forge.v1.request.call", call)
+        assert made["isError"] is False, made
+        note = msgspec.json.decode((await changed.get()).payload)
+        assert note == {"session_id": "s1", "names": ["fib"], "server": "forge"}
+        listed = await sage.request("forge.v1.request.list", {"session_id": "s1"})
+        names = [t["name"] for t in listed["tools"]]
+        assert names == ["forge_tool", "forge_list", "forge_promote", "fib"]
+        assert listed["tools"][3]["inputSchema"] == FIB_ARGS["input_schema"]
+        result = await sage.request(
+            "forge.v1.request.call",
+            {"session_id": "s1", "tool_name": "fib", "arguments": {"n": 30}, "tool_use_id": "t1"},
+        )
+        assert result["isError"] is False, result
+        assert result["structuredContent"] == {"ok": True, "data": {"value": 832040}}
+        assert json.loads(result["content"][0]["text"]) == result["structuredContent"]
+        bad = await sage.request(
+            "forge.v1.request.call",
+            {"session_id": "s1", "tool_name": "fib", "arguments": {"n": "x"}},
+        )
+        assert bad["isError"] is True
+        assert bad["structuredContent"]["error"]["kind"] == "validation_failed"
+        taken = await sage.request("forge.v1.request.call", call)
+        assert taken["structuredContent"]["error"]["kind"] == "name_taken"
+        # operator requests
+        tools = await sage.request("forge.v1.request.admin.list", {})
+        assert [t["name"] for t in tools["tools"]] == ["fib"]
+        shown = await sage.request(
+            "forge.v1.request.admin.show", {"name": "fib", "session_id": "s1"}
+        )
+        assert shown["tool"]["impl"] == FIB
+        promoted = await sage.request(
+            "forge.v1.request.admin.promote", {"name": "fib", "session_id": "s1"}
+        )
+        assert promoted == {"ok": True, "name": "fib", "version": 1}
+        ran = await sage.request(
+            "forge.v1.request.admin.run",
+            {"name": "fib", "arguments": {"n": 30}, "principal_id": "alice"},
+        )
+        assert ran["structuredContent"]["data"] == {"value": 832040}
+        runs = await sage.request("forge.v1.request.admin.runs", {"name": "fib"})
+        assert len(runs["runs"]) == 2  # the refused (validation_failed) call ran nothing
+        await _audits(sage, "called", 3)
+        await _audits(sage, "promoted", 1)
+        events = [kind for kind, _ in _audit_kinds(sage)]
+        assert events.count("created") == 1
+        assert events.count("called") == 3
+        assert "promoted" in events
+        for _, payload in _audit_kinds(sage):
+            assert "impl" not in payload
+            assert FIB not in json.dumps(payload)
+        created = (await _audits(sage, "created", 1))[0]
+        assert created["name"] == "fib"
+        assert created["impl_sha256"]
+        code, out, err = await sage.astrid("audit", "verify")
+        assert code == 0, (out, err)
+
+
+async def test_real_sandbox_output_over_the_cap_is_spilled(tmp_path: Path) -> None:
+    forge, events = _forge(tmp_path)
+    forge.policy_file.current()
+    data = json.loads(forge.policy_file.path.read_text())
+    data["output_cap"] = 4096  # clamps [forge] output_cap down
+    forge.policy_file.path.write_text(json.dumps(data))
+    caller = Caller("alice", "s1")
+    impl = "import json\nprint(json.dumps({'ok': True, 'data': 'x' * 20000}))\n"
+    await forge.forge(
+        caller,
+        {
+            "name": "big",
+            "description": "",
+            "input_schema": {"type": "object"},
+            "impl": impl,
+            "runtime": "python",
+        },
+    )
+    out = await forge.dispatch(caller, "big", {})
+    assert out["error"]["kind"] == "output_truncated"
+    meta = out["meta"]
+    assert meta["stdout_truncated"] is True
+    assert meta["stdout_total_bytes"] > 20000
+    spilled = await anyio.Path(meta["stdout_full_artifact"]).read_bytes()
+    assert spilled.startswith(b'{"ok": true')
+    run_id = [p for e, p in events if e == "called"][-1]["run_id"]
+    manifest = forge.runs.read(run_id)
+    assert manifest is not None
+    assert manifest["stdout"]["truncated"] is True
+
+
+async def test_capsule_races_on_a_real_supervisor() -> None:
+    config = sage_config(FAKE, {}, capsules='["forge"]')
+    async with running_sage(config) as sage:
+        call = {"session_id": "r1", "tool_name": "forge_tool", "arguments": FIB_ARGS}
+        results: list[dict[str, Any]] = []
+
+        async def one(payload: dict[str, Any]) -> None:
+            results.append(await sage.request("forge.v1.request.call", payload))
+
+        async with anyio.create_task_group() as tg:  # two forges of one name
+            for _ in range(4):
+                tg.start_soon(one, call)
+        kinds = sorted(
+            "ok" if not r["isError"] else r["structuredContent"]["error"]["kind"] for r in results
+        )
+        assert kinds == ["name_taken", "name_taken", "name_taken", "ok"]
+        results.clear()
+        fib = {"session_id": "r1", "tool_name": "fib", "arguments": {"n": 90}}
+        async with anyio.create_task_group() as tg:  # identical deterministic calls at once
+            for _ in range(3):
+                tg.start_soon(one, fib)
+        await one(fib)  # and one after: served from the cache
+        assert all(
+            r["structuredContent"]["data"] == {"value": 2880067194370816120} for r in results
+        )
+        called = await _audits(sage, "called", 4)
+        assert len(called) == 4
+        assert {c["principal"] for c in called} == {None}
+        runs = await sage.request("forge.v1.request.admin.runs", {"name": "fib"})
+        hits = [r["cache"].get("seed_run_id") is not None for r in runs["runs"]]
+        assert len(runs["runs"]) == 4
+        assert any(hits)  # at least the last call was a cache hit
+        code, out, err = await sage.astrid("audit", "verify")
+        assert code == 0, (out, err)
+
+
+async def test_real_sandbox_wall_clock(tmp_path: Path) -> None:
+    from sage.config import ForgeConfig
+
+    config = Config(
+        supervisor=SupervisorConfig(state_dir=str(tmp_path / "state")),
+        principals=[PrincipalConfig(name="alice")],
+        forge=ForgeConfig(wall_clock=1.0),
+    )
+    events: list[Any] = []
+    forge = Forge(config, lambda e, p: events.append((e, p)))
+    caller = Caller("alice", "s1")
+    await forge.forge(
+        caller,
+        {
+            "name": "spin",
+            "description": "",
+            "input_schema": {"type": "object"},
+            "impl": "while True:\n    pass\n",
+            "runtime": "python",
+        },
+    )
+    out = await forge.dispatch(caller, "spin", {})
+    assert out["error"]["kind"] == "timeout"
+    manifest = forge.runs.read([p for e, p in events if e == "called"][-1]["run_id"])
+    assert manifest is not None
+    assert manifest["timed_out"] is True
