@@ -1,0 +1,105 @@
+"""Forge end to end: the real CLI forges ``fib`` and calls it in the same session.
+
+A real supervisor runs the session runner and the forge capsule; the real
+``claude`` binary talks to the Messages API stand-in, which scripts the
+model: first ``mcp__forge__forge_tool`` with the tool's source, then
+``mcp__forge__fib``.  Between the two the forge announces the new tool
+(``sage.v1.tools.changed`` -> ``notifications/tools/list_changed``), the CLI
+lists the forge server's tools again, and the call runs in the bwrap
+sandbox.  The value comes back as the ``tool_result`` of the model's next
+request, and the audit log, which holds the forge events next to the
+session's, verifies.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from tests.e2e.standin import Standin, Text, ToolUse
+from tests.integration.sage_harness import running_sage, sage_config
+
+pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
+
+FIB = (
+    "import sys, json\n"
+    "n = json.loads(sys.stdin.read())['n']\n"
+    "a, b = 0, 1\n"
+    "for _ in range(n):\n"
+    "    a, b = b, a + b\n"
+    "print(json.dumps({'ok': True, 'data': {'value': a}, 'meta': {'deterministic': True}}))\n"
+)
+FORGE_FIB = {
+    "name": "fib",
+    "description": "Compute the nth Fibonacci number, deterministically.",
+    "input_schema": {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 1000}},
+        "required": ["n"],
+    },
+    "impl": FIB,
+    "runtime": "python",
+    "meta": {"deterministic": True},
+}
+
+
+def _config(claude_bin: Path, standin: Standin) -> str:
+    env = {
+        "ANTHROPIC_BASE_URL": standin.url,
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_TELEMETRY": "1",
+    }
+    return sage_config(
+        claude_bin,
+        env,
+        capsules='["runner", "tools", "forge"]',
+        extra="[limits]\nstop_grace = 2.0\n",
+        principal_extra='allowed_tools = ["mcp__forge__forge_tool", "mcp__forge__fib"]\n',
+    )
+
+
+async def test_claude_forges_fib_and_calls_it_in_the_same_session(
+    claude_bin: Path, standin: Standin
+) -> None:
+    async with running_sage(
+        _config(claude_bin, standin), env={"ANTHROPIC_API_KEY": "sk-test"}
+    ) as sage:
+        events = await sage.ready("f1")
+        standin.push(
+            ToolUse("mcp__forge__forge_tool", FORGE_FIB),
+            ToolUse("mcp__forge__fib", {"n": 30}),
+            Text("fib(30) is 832040"),
+        )
+        await sage.send("f1", "forge fib, then compute fib(30)")
+        text, done = await events.text_until_done(within=60.0)
+        assert text == "fib(30) is 832040"
+        assert done["permission_denials"] == []
+        first, second, third = standin.messages[-3:]
+        assert "mcp__forge__forge_tool" in first.tool_names
+        assert "mcp__forge__fib" not in first.tool_names
+        (forged,) = second.tool_results()
+        assert not forged.get("is_error"), forged
+        assert "mcp__forge__fib" in second.tool_names  # listed again after list_changed
+        (called,) = third.tool_results()
+        assert not called.get("is_error"), called
+        content = called["content"]  # the CLI sends a lone text block as a plain string
+        envelope = json.loads(content if isinstance(content, str) else content[0]["text"])
+        assert envelope["ok"] is True
+        assert envelope["data"] == {"value": 832040}
+        code, out, err = await sage.astrid("audit", "verify")
+        assert code == 0, out + err
+        db = sqlite3.connect(f"file:{sage.daemon.root / 'state' / 'audit.db'}?mode=ro", uri=True)
+        kinds = [row[0] for row in db.execute("SELECT kind FROM entries ORDER BY seq")]
+        rows = db.execute(
+            "SELECT payload FROM entries WHERE kind = 'forge.v1.audit.called'"
+        ).fetchall()
+        db.close()
+        assert "forge.v1.audit.created" in kinds
+        assert "sage.v1.audit.spawn" in kinds  # sessions and tools in one chain
+        called_audit = msgspec.json.decode(rows[-1][0])["payload"]
+        assert called_audit["ok"] is True
+        assert FIB not in json.dumps(called_audit)  # the source never goes into the audit
