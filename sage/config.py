@@ -65,7 +65,15 @@ class SupervisorConfig(_Section, frozen=True, kw_only=True, forbid_unknown_field
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Lowest level written to the JSON log on stderr."""
     capsules: list[str] = msgspec.field(
-        default_factory=lambda: ["echo", "runner", "tools", "greeter", "hooks", "forge"]
+        default_factory=lambda: [
+            "echo",
+            "runner",
+            "tools",
+            "greeter",
+            "hooks",
+            "forge",
+            "installer",
+        ]
     )
     """Capsules to start: built-in names (folders of the ``capsules`` package) or paths."""
 

@@ -17,7 +17,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
 import msgspec
@@ -55,10 +55,26 @@ async def _send(socket_path: str, topic: str, envelope: dict[str, Any]) -> None:
             await client.flush()
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse exits 2 on a bad command line, and Claude reads exit 2 from a hook
+    as "block": a mistyped hook command must not stop a session, so say it and exit 0."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"astrid-emit: {message}; nothing sent", file=sys.stderr)
+        raise SystemExit(0)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="astrid-emit",
         description="Forward a Claude Code hook (payload on stdin) to the sage bus. Always exits 0.",
+    )
+    parser.add_argument(
+        "name",
+        nargs="?",
+        default=None,
+        metavar="EVENT",
+        help="hook event name, as the installer writes it (same as --event)",
     )
     parser.add_argument(
         "--event",
@@ -71,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     raw = sys.stdin.buffer.read(4 * 1024 * 1024) if not sys.stdin.isatty() else b""
     envelope = _build("", raw)
-    event = args.event
+    event = args.event or args.name
     if event and event.startswith("sage.v1.hook."):
         event = event.removeprefix("sage.v1.hook.")
     if not event and isinstance(envelope["payload"], dict):

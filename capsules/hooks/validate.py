@@ -116,6 +116,14 @@ KNOWN_HOOKS = frozenset(
         "WorktreeRemove",
         "Elicitation",
         "ElicitationResult",
+        # accepted by the 2.1.328 CLI too (its settings validator lists them)
+        "PostToolBatch",
+        "UserPromptExpansion",
+        "PreModelSwitch",
+        "PostModelSwitch",
+        "Setup",
+        "DirectoryAdded",
+        "MessageDisplay",
     }
 )
 """Claude Code hook event names, as ``hook_event_name`` spells them."""

@@ -424,3 +424,14 @@ async def test_astrid_emit_exits_0_quickly_when_the_supervisor_is_down(tmp_path:
     assert code == 0
     assert 1.9 < seconds < 4.0  # the deadline plus the interpreter's start
     assert "not delivered" in err
+
+
+async def test_a_bad_emit_command_line_exits_0_not_2() -> None:
+    """Claude reads exit 2 of a hook as "block the action": a mistyped hook command
+    in settings must not block a session (argparse would exit 2)."""
+    for args in (["--no-such-flag"], ["PreToolUse", "extra"]):
+        result = await anyio.run_process(
+            [str(EMIT), *args], input=b"{}", env={"PATH": "/usr/bin:/bin"}, check=False
+        )
+        assert result.returncode == 0, args
+        assert b"nothing sent" in result.stderr

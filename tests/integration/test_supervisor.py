@@ -40,14 +40,22 @@ def test_status_shows_uptime_capsules_and_bus(daemon: Daemon) -> None:
     data = daemon.status()
     assert data["pid"] == daemon.proc.pid
     assert data["uptime_s"] >= 0
-    assert [c["name"] for c in data["capsules"]] == ["echo", "runner", "tools", "greeter", "hooks", "forge"]
+    assert [c["name"] for c in data["capsules"]] == [
+        "echo",
+        "runner",
+        "tools",
+        "greeter",
+        "hooks",
+        "forge",
+        "installer",
+    ]
     assert data["capsules"][0]["state"] == "running"
     assert data["bus"]["subscriptions"] >= 2
     assert data["state_store"] == str(daemon.root / "state" / "state.db")
     assert (daemon.root / "state" / "state.db").exists()
     text = daemon.astrid("status")
     assert text.returncode == 0
-    assert "capsules   6" in text.stdout
+    assert "capsules   7" in text.stdout
 
 
 def test_sub_prints_what_pub_publishes(daemon: Daemon) -> None:
@@ -366,7 +374,15 @@ def test_capsule_list_shows_state_and_restarts() -> None:
             line.split()[:3] == ["echo", "0.1.0", "running"] for line in result.stdout.splitlines()
         )
         rows = json.loads(d.astrid("capsule", "list", "--json").stdout)
-        assert {r["name"] for r in rows} == {"echo", "runner", "tools", "greeter", "hooks", "forge"}
+        assert {r["name"] for r in rows} == {
+            "echo",
+            "runner",
+            "tools",
+            "greeter",
+            "hooks",
+            "forge",
+            "installer",
+        }
     finally:
         d.stop()
 

@@ -1,0 +1,1 @@
+"""The installer capsule: writes a principal's home for its modes (see capsule.py)."""

@@ -1,0 +1,203 @@
+"""The installer capsule: (re)writes a principal's home when the runner asks.
+
+Requests, from the session runner (``astrid sage install`` / ``settings``):
+
+- ``sage.v1.install.run`` ``{principal_id, request_id, force?, config}``
+- ``sage.v1.install.relink`` ``{principal_id, request_id, config}``
+
+``config`` is ``{interaction_mode, auth_mode, model?, max_turns?}``.  For each
+request the installer publishes its steps on ``sage.v1.install.status``
+``{principal_id, request_id, step}`` and exactly one
+``sage.v1.install.complete`` ``{principal_id, request_id, success,
+home_path?, error?, config?, changed}``, whatever happens.  A successful
+``run`` is audited as ``sage.v1.audit.install_choices`` ``{principal_id,
+interaction_mode, auth_mode}``.
+
+The files are those of :mod:`capsules.installer.files`.  Each is written
+atomically (temp file in the same folder, fsync, rename, 0600) and only
+when its content differs (``changed`` lists those written; ``force``
+rewrites all); temp files a crashed earlier write left behind are removed
+first.  Requests of one principal run one at a time.  The principal must be
+configured, its home must not be a symlink, another uid's, or writable by
+others (the same check the runner makes before a spawn).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+import msgspec
+
+from bus import BusError, Envelope
+from capsules.installer import files
+from capsules.runner.command import unsafe_home, write_private
+from sage.capsules import CapsuleContext
+from sage.config import NAME_PATTERN
+
+__all__ = ("Installer", "run")
+
+SETTINGS = Path(".claude") / "settings.local.json"
+CLAUDE_MD = Path("CLAUDE.md")
+MARKER = Path(".astrid") / "install.json"
+
+
+class _Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    interaction_mode: Literal["headless", "repl"] = "headless"
+    auth_mode: Literal["api_key", "subscription"] = "api_key"
+    model: str = ""
+    max_turns: int = 0
+
+
+class _Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    principal_id: str
+    config: _Config
+    request_id: str | None = None
+    force: bool = False
+
+
+class InstallFailed(Exception):
+    pass
+
+
+def _emit_command() -> str:
+    """astrid-emit next to the running interpreter (the venv's), else on PATH."""
+    candidate = Path(sys.executable).parent / "astrid-emit"
+    return str(candidate) if candidate.exists() else "astrid-emit"
+
+
+class Installer:
+    def __init__(self, ctx: CapsuleContext) -> None:
+        self.ctx = ctx
+        self._locks: dict[str, anyio.Lock] = {}
+
+    def _publish(self, topic: str, payload: dict[str, Any], principal: str | None) -> None:
+        try:
+            self.ctx.publish(topic, payload, on_behalf_of=principal)
+        except BusError as exc:
+            self.ctx.log.error("installer.publish_failed", topic=topic, error=str(exc))
+
+    async def handle(self, envelope: Envelope) -> None:
+        relink = envelope.topic.endswith(".relink")
+        try:
+            raw = msgspec.json.decode(envelope.payload, type=dict[str, Any])
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            raw = {}
+        claimed = raw.get("principal_id")
+        name = claimed if isinstance(claimed, str) else ""
+        rid = raw.get("request_id") if isinstance(raw.get("request_id"), str) else None
+        principal = name if _valid(name) else None
+        done: dict[str, Any] = {"principal_id": name, "request_id": rid, "success": False}
+        try:
+            request = msgspec.json.decode(envelope.payload, type=_Request)
+            if principal is None:
+                raise InstallFailed(f"principal id {name!r} is not [A-Za-z0-9_-]{{1,64}}")
+            async with self._locks.setdefault(principal, anyio.Lock()):
+                done.update(await self._install(request, rid))
+            done["success"] = True
+        except msgspec.ValidationError as exc:
+            done["error"] = f"bad request: {exc}"
+        except msgspec.DecodeError as exc:
+            done["error"] = f"bad request: not JSON: {exc}"
+        except InstallFailed as exc:
+            done["error"] = str(exc)
+        except OSError as exc:
+            done["error"] = f"cannot write the home: {exc}"
+        finally:
+            self._publish("sage.v1.install.complete", done, principal)
+        if done["success"] and not relink:
+            config = done["config"]
+            self._publish(
+                "sage.v1.audit.install_choices",
+                {
+                    "principal_id": name,
+                    "interaction_mode": config["interaction_mode"],
+                    "auth_mode": config["auth_mode"],
+                },
+                principal,
+            )
+
+    def _step(self, name: str, rid: str | None, step: str) -> None:
+        self._publish(
+            "sage.v1.install.status", {"principal_id": name, "request_id": rid, "step": step}, name
+        )
+
+    async def _install(self, request: _Request, rid: str | None) -> dict[str, Any]:
+        name = request.principal_id
+        principal = self.ctx.config.principal(name)
+        if principal is None:
+            raise InstallFailed(f"no principal {name!r} is configured")
+        home = self.ctx.config.home_of(principal)
+        config = msgspec.to_builtins(request.config)
+        self._step(name, rid, "home")
+        problem = unsafe_home(home)
+        if problem is not None:
+            raise InstallFailed(f"unsafe home: {problem}")
+        home.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._step(name, rid, "scrub")
+        for folder in (home, home / ".claude", home / ".astrid"):
+            for stale in folder.glob(".*.tmp") if folder.is_dir() else ():
+                with contextlib.suppress(OSError):
+                    stale.unlink()
+        contents = {
+            str(SETTINGS): files.settings_local(config, _emit_command()),
+            str(CLAUDE_MD): files.claude_md(name, config),
+        }
+        changed: list[str] = []
+        for rel, step in ((SETTINGS, "settings"), (CLAUDE_MD, "claude_md")):
+            self._step(name, rid, step)
+            if _write(home / rel, contents[str(rel)], force=request.force):
+                changed.append(str(rel))
+        self._step(name, rid, "marker")
+        mark = files.marker(name, config, self.ctx.config.claude.version, contents)
+        previous = _read_json(home / MARKER)
+        if request.force or changed or not _same_marker(previous, mark):
+            mark["installed_at"] = time.time()
+            write_private(home / MARKER, msgspec.json.encode(mark))
+            changed.append(str(MARKER))
+        return {"home_path": str(home), "config": config, "changed": changed}
+
+
+def _valid(name: str) -> bool:
+    import re
+
+    return re.match(NAME_PATTERN, name) is not None
+
+
+def _write(path: Path, data: bytes, *, force: bool) -> bool:
+    """Write ``path`` when its content differs (or ``force``); True if written."""
+    if not force:
+        with contextlib.suppress(OSError):
+            if path.read_bytes() == data:
+                return False
+    if path.is_symlink():
+        raise InstallFailed(f"{path} is a symbolic link; refusing to write through it")
+    write_private(path, data)
+    return True
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return msgspec.json.decode(path.read_bytes())
+    except (OSError, msgspec.DecodeError):
+        return None
+
+
+def _same_marker(previous: Any, new: dict[str, Any]) -> bool:
+    if not isinstance(previous, dict):
+        return False
+    return {k: v for k, v in previous.items() if k != "installed_at"} == new
+
+
+async def run(ctx: CapsuleContext) -> None:
+    installer = Installer(ctx)
+    requests = ctx.subscribe("sage.v1.install.*")
+    ctx.ready()
+    async with anyio.create_task_group() as tg:
+        async for envelope in requests:
+            if envelope.topic.rsplit(".", 1)[1] in ("run", "relink"):
+                tg.start_soon(installer.handle, envelope)

@@ -1,0 +1,118 @@
+"""Installed principals end to end: the real CLI runs the installer's command hooks.
+
+``astrid sage install`` has the installer write ``.claude/settings.local.json``
+into alice's home; the runner starts the real ``claude -p`` there, which reads
+that project-local file by itself.  A tool call the stand-in scripts fires the
+``PreToolUse`` command hook: ``astrid-emit`` sends it with the session's token,
+the hooks capsule checks the token and republishes it on
+``hook.v1.event.before_tool_call`` with ``decision_source: "token"``.  After the
+session ends its token is worthless: the same envelope replayed is audited as a
+spoof and not republished.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+
+from tests.e2e.standin import Standin, Text, ToolUse
+from tests.integration.sage_harness import running_sage, sage_config
+
+pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
+
+EMIT = Path(sys.executable).parent / "astrid-emit"
+KEY = "sk-ant-e2e-principal-key-5d2c"
+
+
+def _config(claude_bin: Path, standin: Standin) -> str:
+    env = {
+        "ANTHROPIC_BASE_URL": standin.url,
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_TELEMETRY": "1",
+    }
+    return sage_config(
+        claude_bin,
+        env,
+        capsules='["runner", "tools", "greeter", "installer", "hooks"]',
+        extra="[limits]\nstop_grace = 2.0\n",
+        principal_extra='allowed_tools = ["mcp__sage__greet"]\n',
+    )
+
+
+async def test_installed_command_hooks_are_validated_and_republished(
+    claude_bin: Path, standin: Standin
+) -> None:
+    async with running_sage(_config(claude_bin, standin)) as sage:
+        installed = await sage.request(
+            "sage.v1.request.install", {"principal_id": "alice", "api_key": KEY}
+        )
+        assert installed["ok"], installed
+        hooks = await sage.client.subscribe("hook.v1.event.before_tool_call")
+        with anyio.fail_after(20):
+            while not (await sage.request("sage.v1.request.tools", {}))["tools"]:  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+        events, spawned = await sage.spawn("h1")
+        assert spawned["ok"], spawned
+        await events.until("init")
+        environ = await anyio.Path(f"/proc/{spawned['pid']}/environ").read_bytes()
+        token = next(
+            v.split(b"=", 1)[1].decode()
+            for v in environ.split(b"\0")
+            if v.startswith(b"ASTRID_HOOK_TOKEN=")
+        )
+        assert f"ANTHROPIC_API_KEY={KEY}".encode() in environ.split(b"\0")
+        standin.push(ToolUse("mcp__sage__greet", {"name": "Ada"}), Text("greeted"))
+        await sage.send("h1", "greet Ada")
+        seen = await events.until("done", 60.0)
+        assert [e for e in seen if e[0] == "text"], (seen, standin.calls)
+        text = "".join(d.get("delta", "") for n, d in seen if n == "text")
+        assert text == "greeted"
+        by_token: list[dict[str, Any]] = []
+        with anyio.fail_after(20):
+            while not by_token:
+                event = msgspec.json.decode((await hooks.get()).payload)
+                if event.get("decision_source") == "token":
+                    by_token.append(event)
+        (event,) = by_token
+        assert event["principal_id"] == "alice"
+        assert event["session_id"] == "h1"
+        assert event["hook"] == "PreToolUse"
+        assert event["payload"]["tool_name"] == "mcp__sage__greet"
+        await sage.request("sage.v1.request.stop.h1", {})
+        await events.until("exited")
+        # the ended session's token, replayed with the real astrid-emit, and a wrong one
+        spoofs = await sage.client.subscribe("sage.v1.audit.hook_spoof_attempt")
+        for stolen in (token, "0" * 43):
+            env = {
+                "PATH": os.environ.get("PATH", ""),
+                "ASTRID_SOCKET": str(sage.daemon.socket),
+                "ASTRID_PRINCIPAL_ID": "alice",
+                "ASTRID_SESSION_ID": "h1",
+                "ASTRID_HOOK_TOKEN": stolen,
+            }
+            payload = json.dumps({"hook_event_name": "PreToolUse", "tool_name": "x"})
+            done = await anyio.run_process(
+                [str(EMIT), "PreToolUse"], input=payload.encode(), env=env, check=False
+            )
+            assert done.returncode == 0
+            with anyio.fail_after(10):
+                report = msgspec.json.decode((await spoofs.get()).payload)
+            assert report["reason"] == "unknown_or_ended_session"
+            assert stolen not in json.dumps(report)
+        with anyio.move_on_after(0.5):
+            late = await hooks.get()
+            assert msgspec.json.decode(late.payload).get("decision_source") != "token"
+        code, out, err = await sage.astrid("audit", "verify")
+        assert code == 0, out + err
+        db = sqlite3.connect(f"file:{sage.daemon.root / 'state' / 'audit.db'}?mode=ro", uri=True)
+        kinds = [r[0] for r in db.execute("SELECT kind FROM entries")]
+        db.close()
+        assert kinds.count("sage.v1.audit.hook_spoof_attempt") == 2
