@@ -13,7 +13,8 @@ home_path?, error?, config?, changed}``, whatever happens.  A successful
 ``run`` is audited as ``sage.v1.audit.install_choices`` ``{principal_id,
 interaction_mode, auth_mode}``.
 
-The files are those of :mod:`capsules.installer.files`.  Each is written
+The files are those of :mod:`capsules.installer.files`: settings, ``.mcp.json``,
+``CLAUDE.md`` and the marker.  Each is written
 atomically (temp file in the same folder, fsync, rename, 0600) and only
 when its content differs (``changed`` lists those written; ``force``
 rewrites all); temp files a crashed earlier write left behind are removed
@@ -43,6 +44,7 @@ __all__ = ("Installer", "run")
 
 SETTINGS = Path(".claude") / "settings.local.json"
 CLAUDE_MD = Path("CLAUDE.md")
+MCP_JSON = Path(".mcp.json")
 MARKER = Path(".astrid") / "install.json"
 
 
@@ -64,10 +66,11 @@ class InstallFailed(Exception):
     pass
 
 
-def _emit_command() -> str:
-    """astrid-emit next to the running interpreter (the venv's), else on PATH."""
-    candidate = Path(sys.executable).parent / "astrid-emit"
-    return str(candidate) if candidate.exists() else "astrid-emit"
+def _command(name: str) -> str:
+    """``name`` (astrid-emit, astrid) next to the running interpreter (the venv's),
+    else as found on PATH."""
+    candidate = Path(sys.executable).parent / name
+    return str(candidate) if candidate.exists() else name
 
 
 class Installer:
@@ -144,11 +147,14 @@ class Installer:
                 with contextlib.suppress(OSError):
                     stale.unlink()
         contents = {
-            str(SETTINGS): files.settings_local(config, _emit_command()),
+            str(SETTINGS): files.settings_local(config, _command("astrid-emit")),
+            str(MCP_JSON): files.mcp_json(
+                name, _command("astrid"), str(self.ctx.config.socket_path)
+            ),
             str(CLAUDE_MD): files.claude_md(name, config),
         }
         changed: list[str] = []
-        for rel, step in ((SETTINGS, "settings"), (CLAUDE_MD, "claude_md")):
+        for rel, step in ((SETTINGS, "settings"), (MCP_JSON, "mcp"), (CLAUDE_MD, "claude_md")):
             self._step(name, rid, step)
             if _write(home / rel, contents[str(rel)], force=request.force):
                 changed.append(str(rel))

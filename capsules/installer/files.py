@@ -38,6 +38,7 @@ __all__ = (
     "claude_md",
     "digest",
     "marker",
+    "mcp_json",
     "settings_local",
 )
 
@@ -92,6 +93,19 @@ def settings_local(config: dict[str, Any], emit: str) -> bytes:
     if config.get("auth_mode", "api_key") == "api_key":
         settings["apiKeyHelper"] = "/bin/false"
     return _json(settings)
+
+
+def mcp_json(principal: str, astrid: str, socket: str) -> bytes:
+    """``.mcp.json``: the ``sage`` MCP server for sessions sage does not run (REPL):
+    ``astrid mcp serve`` proxies the principal's tools from the supervisor.  Headless
+    sessions ignore it (the runner passes ``--strict-mcp-config``)."""
+    server = {
+        "type": "stdio",
+        "command": astrid,
+        "args": ["mcp", "serve", "--principal", principal],
+        "env": {"ASTRID_SOCKET": socket},
+    }
+    return _json({"mcpServers": {"sage": server}})
 
 
 def claude_md(principal: str, config: dict[str, Any]) -> bytes:

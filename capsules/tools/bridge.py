@@ -37,6 +37,7 @@ principal.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,6 +158,7 @@ class ToolBridge:
             (ctx.subscribe("sage.v1.capsules.changed"), self._on_capsule_changed),
         ]
         calls = ctx.subscribe("sage.v1.tool.call.*")
+        direct = ctx.subscribe("sage.v1.request.tool.call")
         followed.append((ctx.subscribe("sage.v1.request.tools"), self._on_listing))
         self._refresh_policy()
         try:
@@ -165,6 +167,7 @@ class ToolBridge:
                 for sub, handler in followed:
                     tg.start_soon(self._follow, sub, handler)
                 tg.start_soon(self._serve_calls, calls)
+                tg.start_soon(self._serve_direct, direct)
                 self._request_describe()
                 ctx.ready()
         finally:
@@ -181,6 +184,30 @@ class ToolBridge:
         async for envelope in calls:
             assert self._tg is not None
             self._tg.start_soon(self._call, envelope)
+
+    async def _serve_direct(self, requests: Subscription) -> None:
+        async for envelope in requests:
+            assert self._tg is not None
+            self._tg.start_soon(self._direct_call, envelope)
+
+    async def _direct_call(self, envelope: Envelope) -> None:
+        """``sage.v1.request.tool.call`` ``{tool_name, arguments, session_id?}``: the same
+        checks, policy, audit and execution as a session's call, answered as a reply
+        (``astrid mcp serve`` for REPL sessions).  The principal is the requester's;
+        only a caller without one (an admin) may name ``principal_id``."""
+        cid = f"r{secrets.token_hex(15)}"
+        try:
+            call = msgspec.json.decode(envelope.payload, type=ToolCall)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            result = error_result(f"bad tool call: {exc}")
+        else:
+            principal = envelope.principal if envelope.principal is not None else call.principal_id
+            result = await self._decide_and_run(cid, call, principal)
+        if envelope.reply_to is not None:
+            try:
+                self.ctx.reply(envelope, result)
+            except BusError as exc:
+                self.log.warning("tools.reply_failed", call_id=cid, error=str(exc))
 
     # -- the catalogue ----------------------------------------------------
 

@@ -31,6 +31,8 @@ def _groups() -> list[Any]:
         config_cmd,
         doctor,
         forge_cmd,
+        llm_cmd,
+        mcp_cmd,
         sage_cmd,
         status,
         supervisor_cmd,
@@ -46,6 +48,8 @@ def _groups() -> list[Any]:
         bus_cmd,
         audit,
         forge_cmd,
+        llm_cmd,
+        mcp_cmd,
     ]
 
 

@@ -116,3 +116,55 @@ async def test_installed_command_hooks_are_validated_and_republished(
         kinds = [r[0] for r in db.execute("SELECT kind FROM entries")]
         db.close()
         assert kinds.count("sage.v1.audit.hook_spoof_attempt") == 2
+
+
+async def test_a_real_claude_uses_the_installed_mcp_json(
+    claude_bin: Path, standin: Standin
+) -> None:
+    """``claude -p --mcp-config <home>/.mcp.json`` starts ``astrid mcp serve``, which
+    lists and calls alice's tools through the tool bridge (the REPL's tool path)."""
+    async with running_sage(_config(claude_bin, standin)) as sage:
+        installed = await sage.request(
+            "sage.v1.request.install", {"principal_id": "alice", "interaction_mode": "repl"}
+        )
+        assert installed["ok"], installed
+        with anyio.fail_after(20):
+            while not (await sage.request("sage.v1.request.tools", {}))["tools"]:  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+        home = Path(installed["home_path"])
+        standin.push(ToolUse("mcp__sage__greet", {"name": "Ada"}), Text("greeted"))
+        env = {
+            "HOME": str(home),
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "ANTHROPIC_BASE_URL": standin.url,
+            "ANTHROPIC_API_KEY": "sk-test",
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+            "DISABLE_TELEMETRY": "1",
+        }
+        argv = [
+            str(claude_bin),
+            "-p",
+            "--output-format",
+            "stream-json",
+            "--verbose",
+            "--mcp-config",
+            str(home / ".mcp.json"),
+            "--strict-mcp-config",
+            "--allowedTools=mcp__sage__greet",  # one token: the flag takes a list
+            "greet Ada",
+        ]
+        with anyio.fail_after(90):
+            done = await anyio.run_process(argv, env=env, cwd=home, check=False)
+        lines = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+        inits = [m for m in lines if m.get("subtype") == "init"]
+        assert inits, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
+        init = inits[0]
+        servers = {m["name"]: m["status"] for m in init["mcp_servers"]}
+        assert servers == {"sage": "connected"}, init
+        assert "mcp__sage__greet" in init["tools"]
+        result = lines[-1]
+        assert result["type"] == "result"
+        assert result["result"] == "greeted", result
+        (tool_result,) = standin.messages[-1].tool_results()
+        assert "Hello, Ada!" in json.dumps(tool_result["content"])
+        assert not tool_result.get("is_error")

@@ -97,8 +97,12 @@ async def test_install_writes_the_home_stores_the_key_and_is_idempotent() -> Non
         assert sorted(forced["changed"]) == [
             ".astrid/install.json",
             ".claude/settings.local.json",
+            ".mcp.json",
             "CLAUDE.md",
         ]
+        mcp = msgspec.json.decode((home / ".mcp.json").read_bytes())["mcpServers"]["sage"]
+        assert mcp["args"] == ["mcp", "serve", "--principal", "alice"]
+        assert mcp["env"]["ASTRID_SOCKET"] == str(sage.daemon.socket)
         await anyio.sleep(0.2)
         seen = 1
         while True:

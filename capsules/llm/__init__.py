@@ -1,0 +1,1 @@
+"""The completion provider capsule (``llm``): see :mod:`capsules.llm.capsule`."""
