@@ -73,6 +73,7 @@ class SupervisorConfig(_Section, frozen=True, kw_only=True, forbid_unknown_field
             "hooks",
             "forge",
             "installer",
+            "llm",
         ]
     )
     """Capsules to start: built-in names (folders of the ``capsules`` package) or paths."""

@@ -48,6 +48,7 @@ def test_status_shows_uptime_capsules_and_bus(daemon: Daemon) -> None:
         "hooks",
         "forge",
         "installer",
+        "llm",
     ]
     assert data["capsules"][0]["state"] == "running"
     assert data["bus"]["subscriptions"] >= 2
@@ -55,7 +56,7 @@ def test_status_shows_uptime_capsules_and_bus(daemon: Daemon) -> None:
     assert (daemon.root / "state" / "state.db").exists()
     text = daemon.astrid("status")
     assert text.returncode == 0
-    assert "capsules   7" in text.stdout
+    assert "capsules   8" in text.stdout
 
 
 def test_sub_prints_what_pub_publishes(daemon: Daemon) -> None:
@@ -382,6 +383,7 @@ def test_capsule_list_shows_state_and_restarts() -> None:
             "hooks",
             "forge",
             "installer",
+            "llm",
         }
     finally:
         d.stop()
