@@ -48,7 +48,7 @@ from typing import Any
 
 import msgspec
 
-from capsules.runner.command import hash_token
+from sage.hooks import KNOWN_HOOKS, hash_token
 
 __all__ = (
     "CANONICAL_NAMES",
@@ -86,47 +86,6 @@ REASONS = (
     "principal_mismatch",
 )
 
-KNOWN_HOOKS = frozenset(
-    {
-        # the events of the original contract
-        "PreToolUse",
-        "PostToolUse",
-        "UserPromptSubmit",
-        "Notification",
-        "Stop",
-        "SubagentStop",
-        "PreCompact",
-        "SessionStart",
-        "SessionEnd",
-        # later additions of the Claude Code hooks reference
-        "PermissionRequest",
-        "PermissionDenied",
-        "PostToolUseFailure",
-        "StopFailure",
-        "SubagentStart",
-        "PostCompact",
-        "TeammateIdle",
-        "TaskCreated",
-        "TaskCompleted",
-        "InstructionsLoaded",
-        "ConfigChange",
-        "CwdChanged",
-        "FileChanged",
-        "WorktreeCreate",
-        "WorktreeRemove",
-        "Elicitation",
-        "ElicitationResult",
-        # accepted by the 2.1.328 CLI too (its settings validator lists them)
-        "PostToolBatch",
-        "UserPromptExpansion",
-        "PreModelSwitch",
-        "PostModelSwitch",
-        "Setup",
-        "DirectoryAdded",
-        "MessageDisplay",
-    }
-)
-"""Claude Code hook event names, as ``hook_event_name`` spells them."""
 
 CANONICAL_NAMES = {
     "PreToolUse": "before_tool_call",

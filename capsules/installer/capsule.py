@@ -36,9 +36,9 @@ import msgspec
 
 from bus import BusError, Envelope
 from capsules.installer import files
-from capsules.runner.command import unsafe_home, write_private
 from sage.capsules import CapsuleContext
 from sage.config import NAME_PATTERN
+from sage.homes import unsafe_home, write_private
 
 __all__ = ("Installer", "run")
 

@@ -29,7 +29,7 @@ from typing import Any, Final
 
 import msgspec
 
-from capsules.hooks.validate import KNOWN_HOOKS
+from sage.hooks import KNOWN_HOOKS
 
 __all__ = (
     "ARTIFACT_VERSION",

@@ -92,7 +92,7 @@ def provider_entry(config: Config) -> dict[str, Any]:
 
 def lookup_api_key(config: Config, principal: str | None) -> str | None:
     """The principal's own key from the secret store, else the operator's (blocking)."""
-    from capsules.runner.command import read_api_key
+    from sage.homes import read_api_key
     from sage.secrets import API_KEY, SecretStore, principal_namespace
 
     if principal is not None and config.secrets_path.exists():

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import secrets
-import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from sage.config import Config, PrincipalConfig
-from sage.errors import ConfigError
+from sage.homes import read_api_key, unsafe_home, write_private
+from sage.hooks import hash_token, mint_token
 
 __all__ = (
     "MCP_CONFIG",
@@ -34,7 +33,6 @@ __all__ = (
 MCP_CONFIG = (
     '{"mcpServers":{"sage":{"type":"sdk","name":"sage"},"forge":{"type":"sdk","name":"forge"}}}'
 )
-API_KEY_CREDENTIAL = "anthropic-api-key"
 LOCALE_VARS = ("LANG", "LC_ALL", "LC_CTYPE")
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 DEFAULT_IDENTITY = (
@@ -62,75 +60,6 @@ def flags_hash(argv: Sequence[str]) -> str:
         digest.update(os.fsencode(arg))
         digest.update(b"\0")
     return f"sha256:{digest.hexdigest()}"
-
-
-def mint_token() -> str:
-    return secrets.token_urlsafe(32)
-
-
-def hash_token(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
-def read_api_key(config: Config, environ: dict[str, str] | None = None) -> str | None:
-    """The API key for ``api_key`` principals, from the first place that has one."""
-    env = os.environ if environ is None else environ
-    candidates: list[Path] = []
-    if config.claude.api_key_file:
-        candidates.append(config._resolve(config.claude.api_key_file))
-    if env.get("CREDENTIALS_DIRECTORY"):
-        candidates.append(Path(env["CREDENTIALS_DIRECTORY"]) / API_KEY_CREDENTIAL)
-    for path in candidates:
-        try:
-            key = path.read_text().strip()
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            raise ConfigError(f"cannot read the API key file {path}: {exc.strerror}") from exc
-        if key:
-            return key
-    key = env.get("ANTHROPIC_API_KEY", "").strip()
-    return key or None
-
-
-def unsafe_home(home: Path) -> str | None:
-    """Why ``home`` must not be used, or None.
-
-    The child runs as the supervisor's user and reads settings (command hooks!)
-    from its home, so a home that someone else can write would let them run
-    code as the supervisor.  A home that does not exist yet is made 0700.
-    """
-    uid = os.getuid()
-    for path in (home, home / ".claude"):
-        try:
-            st = path.lstat()
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            return f"cannot inspect {path}: {exc.strerror}"
-        if stat.S_ISLNK(st.st_mode):
-            return f"{path} is a symbolic link"
-        if st.st_uid != uid:
-            return f"{path} is owned by uid {st.st_uid}, not the supervisor's uid {uid}"
-        if st.st_mode & 0o022:
-            return f"{path} is writable by group or others (mode {st.st_mode & 0o777:o})"
-    return None
-
-
-def write_private(path: Path, data: bytes) -> None:
-    """Write ``path`` atomically (temp file, fsync, rename), mode 0600."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def build_launch(
