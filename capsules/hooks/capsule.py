@@ -24,15 +24,27 @@ Envelopes are handled one at a time, in order (validate.py has the checks):
   logged); the rest are counted, and the next report published for that
   source says how many were left out (``suppressed_before``).
 
+REPL sessions (``astrid sage repl``) get their token from here:
+``sage.v1.request.repl.open`` ``{principal_id}`` (the principal's users or an
+admin) mints a session id ``repl-<hex>`` and a token, stores its hash like
+the runner does (``kind: "repl"``) and replies ``{ok, session_id, token,
+home}`` to the requester only; ``sage.v1.request.repl.close``
+``{session_id}`` scrubs it.  Tokens left by a REPL that never closed are
+scrubbed after 24 hours (and at every supervisor start by the runner).
+
 The token is never published or logged.  When the state store cannot be
 read the envelope is dropped (logged, not audited: it is no spoof).
 """
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable
 from typing import Any
+
+import anyio
+import msgspec
 
 from bus import BusError, Envelope
 from capsules.hooks.validate import (
@@ -45,11 +57,15 @@ from capsules.hooks.validate import (
 )
 from sage.capsules import CapsuleContext
 from sage.errors import SageError
+from sage.hooks import hash_token, mint_token
 from sage.supervisor import DenialLimiter
 
 __all__ = ("AUDIT_BURST", "HookGate", "run")
 
 SUBSCRIBE = "sage.v1.hook.>"
+REPL_SUBSCRIBE = "sage.v1.request.repl.*"
+REPL_TOKEN_TTL = 24 * 3600.0
+"""Seconds after which a REPL token a crashed ``astrid sage repl`` left is scrubbed."""
 NOTIFICATION_TOPIC = "sage.v1.notification"
 SPOOF_TOPIC = "sage.v1.audit.hook_spoof_attempt"
 TOKENS = "hook_tokens"
@@ -71,7 +87,15 @@ class HookGate:
 
     async def run(self) -> None:
         envelopes = self.ctx.subscribe(SUBSCRIBE)
+        repl = self.ctx.subscribe(REPL_SUBSCRIBE)
+        await self._scrub_old_repl_tokens()
         self.ctx.ready()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._serve_repl, repl)
+            await self._serve_hooks(envelopes)
+            tg.cancel_scope.cancel()
+
+    async def _serve_hooks(self, envelopes: Any) -> None:
         async for envelope in envelopes:
             try:
                 await self.handle(envelope)
@@ -107,6 +131,81 @@ class HookGate:
             return False
         self.republished += 1
         return True
+
+    # -- REPL sessions: tokens for `astrid sage repl` ------------------------------
+
+    async def _serve_repl(self, requests: Any) -> None:
+        async for request in requests:
+            try:
+                reply = await self._repl(request)
+            except SageError as exc:
+                reply = {"ok": False, "error": "state_error", "message": str(exc)}
+            if request.reply_to is not None:
+                try:
+                    self.ctx.reply(request, reply)
+                except BusError as exc:
+                    self.log.error("hooks.repl_reply_failed", error=str(exc))
+
+    async def _repl(self, request: Envelope) -> dict[str, Any]:
+        """``repl.open`` ``{principal_id}`` mints a session id and token (reply only,
+        to the requester); ``repl.close`` ``{session_id}`` scrubs it."""
+        try:
+            data = msgspec.json.decode(request.payload, type=dict[str, Any])
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return {"ok": False, "error": "bad_request", "message": "not a JSON object"}
+        if request.topic.endswith(".open"):
+            name = data.get("principal_id")
+            if not isinstance(name, str) or self.ctx.config.principal(name) is None:
+                return {
+                    "ok": False,
+                    "error": "unknown_principal",
+                    "message": f"no principal {name!r}",
+                }
+            if request.principal not in (None, name):
+                return {
+                    "ok": False,
+                    "error": "not_authorized",
+                    "message": f"you may not act for {name!r}",
+                }
+            token = mint_token()
+            sid = f"repl-{secrets.token_hex(8)}"
+            record = {
+                "sha256": hash_token(token),
+                "principal_id": name,
+                "kind": "repl",
+                "created_at": time.time(),
+            }
+            await self.ctx.state.put(TOKENS, sid, record)
+            principal = self.ctx.config.principal(name)
+            assert principal is not None
+            home = str(self.ctx.config.home_of(principal))
+            return {"ok": True, "session_id": sid, "token": token, "home": home}
+        claimed = data.get("session_id")
+        sid = claimed if isinstance(claimed, str) else ""
+        if not sid.startswith("repl-"):
+            return {
+                "ok": False,
+                "error": "bad_request",
+                "message": "session_id must be a repl session",
+            }
+        record = await self.ctx.state.get(TOKENS, sid)
+        if not isinstance(record, dict) or request.principal not in (
+            None,
+            record.get("principal_id"),
+        ):
+            return {"ok": False, "error": "unknown_session", "message": f"no repl session {sid!r}"}
+        await self.ctx.state.delete(TOKENS, sid)
+        return {"ok": True, "session_id": sid}
+
+    async def _scrub_old_repl_tokens(self) -> None:
+        try:
+            for key, value in await self.ctx.state.items(TOKENS):
+                if not isinstance(value, dict) or value.get("kind") != "repl":
+                    continue
+                if time.time() - float(value.get("created_at", 0)) > REPL_TOKEN_TTL:
+                    await self.ctx.state.delete(TOKENS, key)
+        except SageError as exc:
+            self.log.error("hooks.scrub_failed", error=str(exc))
 
     def _reject(self, rejection: HookRejected, source: str) -> None:
         self.rejected += 1

@@ -77,6 +77,25 @@ def register(commands: Any, common: Any) -> None:
     common(listing)
     listing.set_defaults(handler=_principals)
 
+    repl = commands.add_parser(
+        "repl",
+        help="start claude interactively in a principal's home, its hooks validated",
+        description=(
+            "Run `claude` (no -p) in PRINCIPAL's home with HOME set, a hook token minted for"
+            " this run (so the installed command hooks are validated like a headless"
+            " session's), the supervisor's socket, and in api_key mode the principal's key."
+            " The principal's tools come from its .mcp.json (astrid mcp serve). The token is"
+            " scrubbed when claude exits. Arguments after -- go to claude."
+        ),
+    )
+    repl.add_argument("principal_id", metavar="PRINCIPAL")
+    repl.add_argument(
+        "--dry-run", action="store_true", help="print the command and environment (secrets masked)"
+    )
+    repl.add_argument("claude_args", nargs="*", help="arguments for claude, after --")
+    common(repl)
+    repl.set_defaults(handler=_repl)
+
 
 async def _request(client: Any, topic: str, payload: Any, deadline: float) -> dict[str, Any]:
     try:
@@ -179,3 +198,71 @@ async def _principals(args: argparse.Namespace) -> int:
         if row.get("settings_error"):
             print(f"  ! {row['settings_error']}")
     return 0
+
+
+async def _repl(args: argparse.Namespace) -> int:
+    import os
+    import signal
+    import subprocess
+
+    from sage.claude_binary import resolve_claude_binary
+    from sage.cli._connect import config_of
+    from sage.secrets import API_KEY, SecretError, SecretStore, principal_namespace
+
+    config = config_of(args)
+    name = args.principal_id
+    async with connect(args) as client:
+        listing = await _request(client, "sage.v1.request.principals", {}, 10.0)
+        row = next((p for p in listing["principals"] if p["principal_id"] == name), None)
+        if row is None:
+            raise SageError(f"unknown_principal: no principal {name!r} you may act for")
+        opened = await _request(client, "sage.v1.request.repl.open", {"principal_id": name}, 10.0)
+    sid, token, home = opened["session_id"], opened["token"], opened["home"]
+    env = {
+        "HOME": home,
+        "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
+        "ASTRID_PRINCIPAL_ID": name,
+        "ASTRID_SESSION_ID": sid,
+        "ASTRID_HOOK_TOKEN": token,
+        "ASTRID_SOCKET": str(config.socket_path),
+    }
+    for var in ("TERM", "LANG", "LC_ALL", "LC_CTYPE", "COLORTERM"):
+        if os.environ.get(var):
+            env[var] = os.environ[var]
+    if row.get("auth_mode") == "api_key":
+        key = None
+        # not the supervisor's user: the store does not open; the operator's key, if any
+        with contextlib.suppress(SecretError, OSError):
+            key = SecretStore.open(config).get(principal_namespace(name), API_KEY)
+        key = key or os.environ.get("ANTHROPIC_API_KEY")
+        if key:
+            env["ANTHROPIC_API_KEY"] = key
+    env.update(config.claude.env)
+    extra = [a for a in args.claude_args if a != "--"] if args.claude_args else []
+    argv = [str(resolve_claude_binary(config)), *extra]
+    try:
+        if args.dry_run:
+            masked = {
+                k: (
+                    "<token>"
+                    if k == "ASTRID_HOOK_TOKEN"
+                    else "<key>"
+                    if k == "ANTHROPIC_API_KEY"
+                    else v
+                )
+                for k, v in env.items()
+            }
+            print_json({"argv": argv, "cwd": home, "env": masked, "session_id": sid})
+            return 0
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # claude owns the terminal
+        try:
+            done = await anyio.to_thread.run_sync(
+                lambda: subprocess.run(argv, env=env, cwd=home, check=False)
+            )
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        return done.returncode
+    finally:
+        with anyio.CancelScope(shield=True), contextlib.suppress(BusError, SageError, OSError):
+            async with connect(args) as client:
+                await _request(client, "sage.v1.request.repl.close", {"session_id": sid}, 10.0)

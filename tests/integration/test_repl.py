@@ -1,0 +1,97 @@
+"""astrid sage repl: a terminal claude whose command hooks carry a freshly minted token.
+
+The interactive CLI cannot be driven here, so ``[claude] binary`` is a small
+script standing in for it: it fires ``astrid-emit PreToolUse`` as an
+installed hook would, with the environment ``astrid sage repl`` gave it, and
+records that environment.  The hooks capsule must republish the hook as
+token-validated, and the token must be dead once the REPL ended.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import anyio
+import msgspec
+import pytest
+
+from tests.integration.daemon import short_dir
+from tests.integration.sage_harness import running_sage, sage_config
+
+pytestmark = pytest.mark.anyio
+
+EMIT = Path(sys.executable).parent / "astrid-emit"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _fake_claude(folder: Path) -> Path:
+    script = folder / "claude-repl"
+    script.write_text(
+        "#!/bin/sh\n"
+        'env > "$HOME/repl.env"\n'
+        f'echo \'{{"hook_event_name": "PreToolUse", "tool_name": "Bash"}}\''
+        f" | {EMIT} PreToolUse\n"
+    )
+    script.chmod(0o755)
+    return script
+
+
+async def test_repl_hooks_are_validated_and_the_token_dies_with_the_repl() -> None:
+    root = short_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    script = _fake_claude(root)
+    config = sage_config(script, {}, capsules='["runner", "hooks", "installer"]')
+    async with running_sage(config, root=root, env={"ANTHROPIC_API_KEY": ""}) as sage:
+        hooks = await sage.client.subscribe("hook.v1.event.before_tool_call")
+        spoofs = await sage.client.subscribe("sage.v1.audit.hook_spoof_attempt")
+        installed = await sage.request(
+            "sage.v1.request.install", {"principal_id": "alice", "interaction_mode": "repl"}
+        )
+        assert installed["ok"], installed
+        code, out, err = await sage.astrid("sage", "repl", "alice", "--dry-run")
+        assert code == 0, err
+        plan = json.loads(out)
+        assert plan["env"]["ASTRID_HOOK_TOKEN"] == "<token>"
+        assert plan["cwd"] == installed["home_path"]
+        code, out, err = await sage.astrid("sage", "repl", "alice")
+        assert code == 0, err
+        with anyio.fail_after(10):
+            event = msgspec.json.decode((await hooks.get()).payload)
+        assert event["decision_source"] == "token"
+        assert event["principal_id"] == "alice"
+        assert event["session_id"].startswith("repl-")
+        seen = dict(
+            line.split("=", 1)
+            for line in (Path(installed["home_path"]) / "repl.env").read_text().splitlines()
+            if "=" in line
+        )
+        assert seen["HOME"] == installed["home_path"]
+        assert seen["ASTRID_SESSION_ID"] == event["session_id"]
+        # the dry run's token was scrubbed too; replaying the real one now fails
+        done = await anyio.run_process(
+            [str(EMIT), "PreToolUse"],
+            input=b'{"hook_event_name": "PreToolUse"}',
+            env={
+                "PATH": os.environ.get("PATH", ""),
+                "ASTRID_SOCKET": str(sage.daemon.socket),
+                "ASTRID_PRINCIPAL_ID": "alice",
+                "ASTRID_SESSION_ID": seen["ASTRID_SESSION_ID"],
+                "ASTRID_HOOK_TOKEN": seen["ASTRID_HOOK_TOKEN"],
+            },
+            check=False,
+        )
+        assert done.returncode == 0
+        with anyio.fail_after(10):
+            report = msgspec.json.decode((await spoofs.get()).payload)
+        assert report["reason"] == "unknown_or_ended_session"
+        tokens = await sage.request("sage.v1.request.repl.close", {"session_id": "repl-nothing"})
+        assert tokens["error"] == "unknown_session"
+        other = await sage.request("sage.v1.request.repl.open", {"principal_id": "mallory"})
+        assert other["error"] == "unknown_principal"
