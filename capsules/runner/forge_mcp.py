@@ -28,6 +28,8 @@ log = structlog.get_logger("sage.runner.forge_mcp")
 
 SERVER = "forge"
 VERSION = "0.1.0"
+CHANGES_TOOLS = frozenset({"forge_tool", "forge_promote"})
+"""Meta-tools whose success changes the session's tool list."""
 LIST_DEADLINE = 5.0
 
 
@@ -117,7 +119,16 @@ class ForgeMcpServer:
             return _text_error(f"forged tool {name!r} failed: {exc}")
         except ValueError as exc:
             return _text_error(f"the forge sent a bad result: {exc}")
-        return _result(name, data)
+        result = _result(name, data)
+        if name in CHANGES_TOOLS and not result["isError"]:
+            # announce the new tool before the CLI gets this result, so it lists tools
+            # again before its next model request (forge.md: forge, then call at once);
+            # the forge capsule's sage.v1.tools.changed comes too, later
+            try:
+                await proc.tools_changed(SERVER)
+            except Exception as exc:  # the result matters more than the announcement
+                log.warning("forge_mcp.announce_failed", error=type(exc).__name__)
+        return result
 
 
 def _result(name: str, data: Any) -> dict[str, Any]:
