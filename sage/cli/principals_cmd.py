@@ -20,8 +20,9 @@ from typing import Any
 import anyio
 import msgspec
 
-from bus import BusError, NoResponders
+from bus import BusError
 from sage.cli._connect import connect, print_json
+from sage.cli.sage_cmd import _call
 from sage.errors import SageError
 
 __all__ = ("register",)
@@ -97,19 +98,6 @@ def register(commands: Any, common: Any) -> None:
     repl.set_defaults(handler=_repl)
 
 
-async def _request(client: Any, topic: str, payload: Any, deadline: float) -> dict[str, Any]:
-    try:
-        reply = await client.request(topic, payload, deadline=deadline)
-    except NoResponders:
-        raise SageError(
-            "no session runner is running (is `runner` in supervisor.capsules?)"
-        ) from None
-    data: dict[str, Any] = msgspec.json.decode(reply.payload)
-    if not data.get("ok"):
-        raise SageError(f"{data.get('error', 'error')}: {data.get('message', '')}")
-    return data
-
-
 def _read_key(args: argparse.Namespace, current: dict[str, Any] | None) -> str | None:
     """The key to store, if one should be asked for; None when not."""
     if args.api_key_stdin:
@@ -142,7 +130,7 @@ async def _install(args: argparse.Namespace) -> int:
     async with connect(args) as client:
         current = None
         if not (args.api_key_stdin or args.no_api_key):
-            listing = await _request(client, "sage.v1.request.principals", {}, 10.0)
+            listing = await _call(client, "sage.v1.request.principals", {}, 10.0)
             current = next(
                 (p for p in listing["principals"] if p["principal_id"] == args.principal_id),
                 None,
@@ -156,7 +144,7 @@ async def _install(args: argparse.Namespace) -> int:
         async with anyio.create_task_group() as tg:
             if steps is not None and not args.json:
                 tg.start_soon(_progress, steps, args.principal_id)
-            data = await _request(client, "sage.v1.request.install", payload, INSTALL_TIMEOUT)
+            data = await _call(client, "sage.v1.request.install", payload, INSTALL_TIMEOUT)
             tg.cancel_scope.cancel()
     if args.json:
         print_json(data)
@@ -179,7 +167,7 @@ async def _progress(steps: Any, principal: str) -> None:
 
 async def _principals(args: argparse.Namespace) -> int:
     async with connect(args) as client:
-        data = await _request(client, "sage.v1.request.principals", {}, 10.0)
+        data = await _call(client, "sage.v1.request.principals", {}, 10.0)
     rows = data["principals"]
     if args.json:
         print_json(rows)
@@ -212,11 +200,11 @@ async def _repl(args: argparse.Namespace) -> int:
     config = config_of(args)
     name = args.principal_id
     async with connect(args) as client:
-        listing = await _request(client, "sage.v1.request.principals", {}, 10.0)
+        listing = await _call(client, "sage.v1.request.principals", {}, 10.0)
         row = next((p for p in listing["principals"] if p["principal_id"] == name), None)
         if row is None:
             raise SageError(f"unknown_principal: no principal {name!r} you may act for")
-        opened = await _request(client, "sage.v1.request.repl.open", {"principal_id": name}, 10.0)
+        opened = await _call(client, "sage.v1.request.repl.open", {"principal_id": name}, 10.0)
     sid, token, home = opened["session_id"], opened["token"], opened["home"]
     env = {
         "HOME": home,
@@ -265,4 +253,4 @@ async def _repl(args: argparse.Namespace) -> int:
     finally:
         with anyio.CancelScope(shield=True), contextlib.suppress(BusError, SageError, OSError):
             async with connect(args) as client:
-                await _request(client, "sage.v1.request.repl.close", {"session_id": sid}, 10.0)
+                await _call(client, "sage.v1.request.repl.close", {"session_id": sid}, 10.0)
