@@ -299,9 +299,11 @@ class Runner:
             self._secrets = SecretStore.open(self.config)
         return self._secrets
 
-    def _principal_key(self, name: str) -> str | None:
+    async def _principal_key(self, name: str) -> str | None:
+        """The principal's stored key; read in a thread (SQLite), as the llm capsule does."""
+        store = self.secrets()
         try:
-            return self.secrets().get(principal_namespace(name), API_KEY)
+            return await anyio.to_thread.run_sync(store.get, principal_namespace(name), API_KEY)
         except SecretError as exc:
             raise SessionError("api_key_unreadable", str(exc)) from None
 
@@ -418,10 +420,12 @@ class Runner:
                 )
             if not done.success:
                 raise SessionError("install_failed", done.error or "the installer failed")
+            namespace = principal_namespace(name)
             try:
+                store = self.secrets()
                 if key:
-                    self.secrets().put(principal_namespace(name), API_KEY, key)
-                key_stored = self.secrets().has(principal_namespace(name), API_KEY)
+                    await anyio.to_thread.run_sync(store.put, namespace, API_KEY, key)
+                key_stored = await anyio.to_thread.run_sync(store.has, namespace, API_KEY)
             except SecretError as exc:
                 raise SessionError("secret_store_failed", str(exc)) from None
             try:
@@ -462,7 +466,10 @@ class Runner:
                     artifact_version=marker.get("artifact_version"),
                 )
             try:
-                row["key_stored"] = self.secrets().has(principal_namespace(base.name), API_KEY)
+                store = self.secrets()
+                row["key_stored"] = await anyio.to_thread.run_sync(
+                    store.has, principal_namespace(base.name), API_KEY
+                )
             except SecretError:
                 row["key_stored"] = None  # the store cannot be read: say so, not "no"
             row["sessions"] = sum(
@@ -602,7 +609,7 @@ class Runner:
         api_key = None
         if principal.auth_mode == "api_key":
             # the principal's own key (astrid sage install) first, then the operator's
-            api_key = self._principal_key(principal.name)
+            api_key = await self._principal_key(principal.name)
             try:
                 api_key = api_key or read_api_key(config)
             except ConfigError as exc:
