@@ -94,13 +94,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _temp(directory: Path, name: str, data: bytes) -> Path:
+def _temp(directory: Path, name: str, data: bytes, *, durable: bool = True) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / f".{name}.{os.getpid()}.{threading.get_ident()}.{os.urandom(4).hex()}.tmp"
     with open(tmp, "wb") as fh:
         fh.write(data)
         fh.flush()
-        os.fsync(fh.fileno())
+        if durable:
+            os.fsync(fh.fileno())
     return tmp
 
 
@@ -116,10 +117,17 @@ def write_new(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
-def write_replace(path: Path, data: bytes) -> None:
-    tmp = _temp(path.parent, path.name, data)
+def write_replace(path: Path, data: bytes, *, durable: bool = True) -> None:
+    """Replace ``path`` atomically: readers see the old bytes or the new, never a mix.
+
+    ``durable`` (the default) also fsyncs the file and its folder, so the new
+    bytes survive a power cut; without it they may not (a crash can lose
+    the file, never tear it for a reader that runs meanwhile).
+    """
+    tmp = _temp(path.parent, path.name, data, durable=durable)
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    if durable:
+        _fsync_dir(path.parent)
 
 
 def _owned(record: ToolRecord, principal: str | None) -> bool:

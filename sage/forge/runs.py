@@ -57,10 +57,10 @@ class RunStore:
         path.mkdir(parents=True, exist_ok=True)
         return path
 
-    def write(self, run_id: str, manifest: dict[str, Any]) -> Path:
+    def write(self, run_id: str, manifest: dict[str, Any], *, durable: bool = True) -> Path:
+        """Write the manifest; ``durable=False`` skips the fsyncs (see ``write_replace``)."""
         path = self.directory / run_id / "run_manifest.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_replace(path, msgspec.json.format(msgspec.json.encode(manifest)))
+        write_replace(path, msgspec.json.format(msgspec.json.encode(manifest)), durable=durable)
         return path
 
     def read(self, run_id: str) -> dict[str, Any] | None:

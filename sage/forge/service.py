@@ -518,6 +518,9 @@ class Forge:
             hit = self.cache.get(key)
             if hit is not None:
                 envelope = hit["envelope"]
+                # not fsynced: a hit's durable record is its audit entry, which
+                # names the seed run (whose manifest is durable); the fsyncs were
+                # more than half of a hit's time
                 self.runs.write(
                     run_id,
                     {
@@ -528,8 +531,18 @@ class Forge:
                         "cache": {"key": key, "seed_run_id": hit["seed_run_id"]},
                         "secrets_injected": [],
                     },
+                    durable=False,
                 )
-                self._finish(record, who, run_id, True, None, cache="hit", policy=policy)
+                self._finish(
+                    record,
+                    who,
+                    run_id,
+                    True,
+                    None,
+                    cache="hit",
+                    policy=policy,
+                    seed_run_id=str(hit["seed_run_id"]),
+                )
                 return dict(envelope)
         envelope, manifest = await self._run(
             record, caller, arguments, policy, values, run_id, names
@@ -572,21 +585,22 @@ class Forge:
         *,
         cache: str | None,
         policy: Policy,
+        seed_run_id: str | None = None,
     ) -> None:
         self.counts[(record.scope, record.name)] += 1
         if cache != "hit":
             self.breakers.record(record.name, ok, policy.breakers)
-        self.emit(
-            "called",
-            {
-                **who,
-                "scope": record.scope,
-                "ok": ok,
-                "error": error,
-                "run_id": run_id,
-                "cache": cache,
-            },
-        )
+        payload = {
+            **who,
+            "scope": record.scope,
+            "ok": ok,
+            "error": error,
+            "run_id": run_id,
+            "cache": cache,
+        }
+        if seed_run_id is not None:
+            payload["seed_run_id"] = seed_run_id
+        self.emit("called", payload)
 
     def _secrets(self, caller: Caller, names: list[str], policy: Policy) -> dict[str, str]:
         if not names:

@@ -65,6 +65,9 @@ class FakeExecutor:
         out = self.stdout(spec)
         return SandboxResult(0, None, out, len(out), False, None, self.stderr, False, 0.01, "bwrap")
 
+    async def aclose(self) -> None:
+        pass
+
 
 def _fib_out(spec: SandboxSpec) -> bytes:
     n = json.loads(spec.stdin).get("n", 0)
@@ -160,6 +163,10 @@ async def test_forge_list_call_audit(rig: Rig) -> None:
     assert hit_manifest is not None
     assert hit_manifest["kind"] == "cache_hit"
     assert hit_manifest["cache"]["seed_run_id"] == called[-1]["run_id"]
+    # the audit entry, the hit's durable record, names the seed too
+    assert hit["cache"] == "hit"
+    assert hit["seed_run_id"] == called[-1]["run_id"]
+    assert "seed_run_id" not in called[-1]
     listed = await rig.forge.dispatch(ALICE, "forge_list", {})
     assert listed["data"]["tools"] == [
         {"name": "fib", "description": "fib", "scope": "session", "call_count": 2}
