@@ -11,6 +11,15 @@ that command from the host's root layout, so a merged-``/usr`` system
 (``/bin``, ``/lib`` ... symlinks into ``/usr``, as on Debian 12) and an
 older split one both work.  The result is a :class:`BwrapProbe` saying why
 when it is not ok; the probe never raises for a broken host.
+
+Forge starts bwrap through :func:`launcher`: ``setpriv`` (the death signal,
+and the sandbox uid when the caller is root) then ``prlimit`` (the rlimits),
+both from util-linux.  Doing those in small programs instead of between
+fork and exec of the supervisor lets Python spawn with ``vfork``: a fork
+copies the supervisor's page tables (10 ms with a 200 MB heap, with the
+event loop stopped) where ``vfork`` costs a fraction of a millisecond.  The
+probe runs its sandbox through the same launcher, so a host without them
+fails the probe too.
 """
 
 from __future__ import annotations
@@ -19,12 +28,13 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 import anyio
 import msgspec
 
-__all__ = ("BwrapProbe", "probe_bwrap", "sandbox_argv")
+__all__ = ("BwrapProbe", "launcher", "probe_bwrap", "sandbox_argv")
 
 _TOP_LEVEL = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 _VERSION = re.compile(r"\d+(?:\.\d+)+")
@@ -42,6 +52,31 @@ class BwrapProbe(msgspec.Struct, frozen=True, kw_only=True):
     """Its version (``0.8.0``), or its first output line if that has no number."""
     reason: str = ""
     """Why it is not ok, one line; empty when ok."""
+    setpriv: str = ""
+    """util-linux ``setpriv`` (death signal, uid); empty when missing."""
+    prlimit: str = ""
+    """util-linux ``prlimit`` (rlimits); empty when missing."""
+
+
+def launcher(
+    probe: BwrapProbe, *, uid: int | None = None, rlimits: Sequence[tuple[str, int, int]] = ()
+) -> list[str]:
+    """The command that goes before ``bwrap``: death signal, ``uid`` (root only), ``rlimits``.
+
+    ``rlimits`` are ``(name, soft, hard)`` with prlimit's names (``cpu``,
+    ``as``, ``fsize``, ``nofile``, ``core``, ``nproc``).  ``setpriv`` sets
+    ``PR_SET_PDEATHSIG`` after it changes the uid (a uid change clears it),
+    and the signal survives the two ``execve`` that follow.
+    """
+    argv = [probe.setpriv, "--pdeathsig", "KILL"]
+    if uid is not None:
+        argv += ["--reuid", str(uid), "--regid", str(uid), "--clear-groups"]
+    argv.append("--")
+    if rlimits:
+        argv.append(probe.prlimit)
+        argv += [f"--{name}={soft}:{hard}" for name, soft, hard in rlimits]
+        argv.append("--")
+    return argv
 
 
 def sandbox_argv(bwrap: str, root: Path = Path("/")) -> list[str]:
@@ -88,6 +123,17 @@ async def probe_bwrap(
             reason="bwrap not found on PATH (install bubblewrap: `apt-get install bubblewrap`)",
         )
     env = {"PATH": os.environ.get("PATH", os.defpath)}
+    setpriv, prlimit = shutil.which("setpriv"), shutil.which("prlimit")
+    if setpriv is None or prlimit is None:
+        missing = " and ".join(n for n, p in (("setpriv", setpriv), ("prlimit", prlimit)) if not p)
+        return BwrapProbe(
+            ok=False,
+            path=found,
+            reason=f"{missing} not found on PATH (they come with util-linux), and forge"
+            " starts bwrap through them",
+        )
+    tools = BwrapProbe(ok=False, path=found, setpriv=setpriv, prlimit=prlimit)
+    as_uid = uid if uid is not None and os.geteuid() == 0 and uid != 0 else None
     version = ""
     try:
         with anyio.fail_after(timeout):
@@ -97,7 +143,8 @@ async def probe_bwrap(
                     ok=False, path=found, reason=f"bwrap --version {_failure(result)}"
                 )
             version = _version_of(result.stdout.decode(errors="replace"))
-            result = await _run(sandbox_argv(found), env, uid=uid)
+            argv = launcher(tools, uid=as_uid, rlimits=(("core", 0, 0),)) + sandbox_argv(found)
+            result = await _run(argv, env)
     except TimeoutError:
         return BwrapProbe(
             ok=False,
@@ -116,23 +163,10 @@ async def probe_bwrap(
             version=version,
             reason=f"a minimal sandbox {_failure(result)}",
         )
-    return BwrapProbe(ok=True, path=found, version=version)
+    return BwrapProbe(ok=True, path=found, version=version, setpriv=setpriv, prlimit=prlimit)
 
 
-async def _run(
-    argv: list[str], env: dict[str, str], *, uid: int | None = None
-) -> subprocess.CompletedProcess[bytes]:
-    if uid is not None and os.geteuid() == 0 and uid != 0:
-        return await anyio.run_process(
-            argv,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            cwd="/",
-            check=False,
-            user=uid,
-            group=uid,
-            extra_groups=[],
-        )
+async def _run(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[bytes]:
     return await anyio.run_process(argv, stdin=subprocess.DEVNULL, env=env, cwd="/", check=False)
 
 

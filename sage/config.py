@@ -232,6 +232,8 @@ class ForgeConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     """Processes one call's sandbox may hold at once."""
     output_cap: Annotated[int, msgspec.Meta(ge=4096)] = 4 * 1024 * 1024
     """Bytes of stdout returned to Claude (a policy may lower it); the rest is spilled."""
+    spare_sandboxes: Annotated[int, msgspec.Meta(ge=0, le=16)] = 2
+    """Python sandboxes started ahead of the calls that will use them; 0: none."""
 
 
 class PrincipalConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):

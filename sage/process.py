@@ -245,7 +245,12 @@ class Child:
 
     @property
     def running(self) -> bool:
+        """Not reaped yet (it may have exited: see :meth:`has_exited`)."""
         return self.status is None
+
+    def has_exited(self) -> bool:
+        """Has the leader exited, reaped or not? (never blocks)."""
+        return self.status is not None or self._zombie()
 
     def signal_group(self, sig: int) -> bool:
         """Send ``sig`` to the child's process group; False if nobody is left to get it."""

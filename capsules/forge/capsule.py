@@ -84,9 +84,13 @@ class ForgeCapsule:
     async def run(self) -> None:
         requests = self.ctx.subscribe(PREFIX + ">")
         self.ctx.ready()
-        async with anyio.create_task_group() as tg:
-            async for envelope in requests:
-                tg.start_soon(self.serve, envelope)
+        try:
+            async with anyio.create_task_group() as tg:
+                async for envelope in requests:
+                    tg.start_soon(self.serve, envelope)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.forge.aclose()
 
     async def serve(self, envelope: Envelope) -> None:
         try:

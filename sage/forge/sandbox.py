@@ -22,7 +22,9 @@ default, no supplementary groups) in an unprivileged user namespace, so
 RLIMIT_NPROC is enforced (it is not for root) and the tool can only open
 what that uid could; binds are refused unless that uid may reach them.  The
 rlimits (CPU, address space, file size, open files, processes, core 0) are
-set between fork and exec of bwrap.  The wall clock SIGKILLs bwrap's
+set by ``prlimit`` just before bwrap, the uid and the death signal by
+``setpriv`` (:func:`sage.bwrap.launcher`), so the supervisor spawns with
+``vfork`` and never copies its address space.  The wall clock SIGKILLs bwrap's
 process group; ``--die-with-parent`` then kills the pid namespace's init,
 and with it every process of the sandbox, daemonized or not.
 
@@ -38,7 +40,6 @@ import contextlib
 import errno
 import os
 import re
-import resource
 import signal
 import stat
 import subprocess
@@ -50,15 +51,17 @@ from typing import TYPE_CHECKING, Literal
 
 import anyio
 
-from sage.bwrap import probe_bwrap
+from sage.bwrap import BwrapProbe, launcher, probe_bwrap
 from sage.errors import ProcessError, SandboxError
-from sage.process import Child, Ring, tie_to_parent
+from sage.process import Child, Ring
 
 if TYPE_CHECKING:
     from sage.config import Config, ForgeConfig
+    from sage.forge.spares import SparePool
 
 __all__ = (
     "IMPL_PATH",
+    "LOADER_PATH",
     "SYSTEM_FORBIDDEN",
     "Bind",
     "Limits",
@@ -66,15 +69,19 @@ __all__ = (
     "SandboxProbe",
     "SandboxResult",
     "SandboxSpec",
+    "Started",
     "build_args",
     "check_binds",
     "ensure_sandbox",
     "forbidden_for",
     "open_binds",
     "run_sandboxed",
+    "start_sandbox",
+    "supervise",
 )
 
 IMPL_PATH = "/forge/tool.py"
+LOADER_PATH = "/forge/spare.py"
 SHIM_DIR = "/forge/site"
 _TOP_LEVEL = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 _ETC_ALWAYS = ("ld.so.cache", "localtime")
@@ -428,15 +435,23 @@ def build_args(
     *,
     env: Mapping[str, str],
     binds: Sequence[tuple[ResolvedBind, int]],
-    impl_fd: int,
+    impl_fd: int | None,
     status_fd: int,
     network: bool,
     shim_fd: int | None = None,
     tmp_bytes: int = 0,
     impl_path: str = IMPL_PATH,
     root: Path = Path("/"),
+    loader_fd: int | None = None,
+    forge_bytes: int = 0,
 ) -> list[str]:
-    """The bwrap options (they go through ``--args FD``; the command follows ``--``)."""
+    """The bwrap options (they go through ``--args FD``; the command follows ``--``).
+
+    A fresh sandbox gets the tool read-only at ``impl_path``.  A spare (see
+    :mod:`sage.forge.spares`) gets no tool (``impl_fd`` None) but a private
+    tmpfs of ``forge_bytes`` at ``/forge`` and the loader at
+    :data:`LOADER_PATH`, which writes the tool there when it is handed one.
+    """
     args = ["--unshare-all"]
     if network:
         args.append("--share-net")
@@ -468,7 +483,12 @@ def build_args(
     if tmp_bytes > 0:
         args += ["--size", str(tmp_bytes)]
     args += ["--tmpfs", "/tmp"]
-    args += ["--perms", "0444", "--ro-bind-data", str(impl_fd), impl_path]
+    if forge_bytes > 0:
+        args += ["--size", str(forge_bytes), "--tmpfs", "/forge"]
+    if impl_fd is not None:
+        args += ["--perms", "0444", "--ro-bind-data", str(impl_fd), impl_path]
+    if loader_fd is not None:
+        args += ["--perms", "0444", "--ro-bind-data", str(loader_fd), LOADER_PATH]
     if shim_fd is not None:
         args += ["--perms", "0444", "--ro-bind-data", str(shim_fd), f"{SHIM_DIR}/sitecustomize.py"]
     for bind, fd in binds:
@@ -497,12 +517,12 @@ class SandboxProbe:
     retry_after = 30.0
 
     def __init__(self) -> None:
-        self._ok: dict[int | None, str] = {}
+        self._ok: dict[int | None, BwrapProbe] = {}
         self._failed: dict[int | None, tuple[float, str]] = {}
         self._lock = anyio.Lock()
 
-    async def ensure(self, uid: int | None = None) -> str:
-        """The bwrap path; ``SandboxError("sandbox_unavailable")`` when it does not work."""
+    async def ensure(self, uid: int | None = None) -> BwrapProbe:
+        """The working probe; ``SandboxError("sandbox_unavailable")`` when bwrap does not work."""
         key = uid if os.geteuid() == 0 else None
         found = self._ok.get(key)
         if found is not None:
@@ -515,9 +535,9 @@ class SandboxProbe:
             if failed is None or time.monotonic() - failed[0] > self.retry_after:
                 probe = await probe_bwrap(uid=key)
                 if probe.ok:
-                    self._ok[key] = probe.path
+                    self._ok[key] = probe
                     self._failed.pop(key, None)
-                    return probe.path
+                    return probe
                 failed = (time.monotonic(), probe.reason)
                 self._failed[key] = failed
         raise SandboxError(
@@ -534,9 +554,9 @@ class SandboxProbe:
 _PROBE = SandboxProbe()
 
 
-async def ensure_sandbox(*, uid: int | None = 65534) -> None:
+async def ensure_sandbox(*, uid: int | None = 65534) -> BwrapProbe:
     """Fail closed: ``SandboxError("sandbox_unavailable", why)`` unless bwrap works (cached)."""
-    await _PROBE.ensure(uid)
+    return await _PROBE.ensure(uid)
 
 
 # -- running ----------------------------------------------------------------
@@ -561,25 +581,17 @@ def _count_tasks(uid: int) -> int:
     return count
 
 
-def _preexec(limits: Limits, nproc: int, parent: int) -> Callable[[], None]:
-    tie = tie_to_parent(signal.SIGKILL, parent)
+def _rlimits(limits: Limits, nproc: int) -> tuple[tuple[str, int, int], ...]:
+    """The rlimits (prlimit's names) bwrap, and so the whole sandbox, starts with."""
     cpu = max(1, limits.cpu_seconds)
-    pairs = (
-        (resource.RLIMIT_CPU, (cpu, cpu + 1)),
-        (resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes)),
-        (resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes)),
-        (resource.RLIMIT_NOFILE, (limits.open_files, limits.open_files)),
-        (resource.RLIMIT_CORE, (0, 0)),
-        (resource.RLIMIT_NPROC, (nproc, nproc)),
+    return (
+        ("cpu", cpu, cpu + 1),
+        ("as", limits.memory_bytes, limits.memory_bytes),
+        ("fsize", limits.file_bytes, limits.file_bytes),
+        ("nofile", limits.open_files, limits.open_files),
+        ("core", 0, 0),
+        ("nproc", nproc, nproc),
     )
-
-    def preexec() -> None:
-        # after Popen's setgroups/setgid/setuid: the death signal is cleared by a uid change
-        for which, value in pairs:
-            resource.setrlimit(which, value)
-        tie()
-
-    return preexec
 
 
 def _memfd(name: str, data: bytes) -> int:
@@ -663,51 +675,105 @@ def _decode_exit(code: int | None, sig: int | None) -> tuple[int | None, int | N
     return code, sig
 
 
-async def run_sandboxed(spec: SandboxSpec) -> SandboxResult:
-    """Run ``spec`` in a fresh sandbox; ``SandboxError`` when it cannot be set up."""
+async def run_sandboxed(spec: SandboxSpec, spares: SparePool | None = None) -> SandboxResult:
+    """Run ``spec`` in a sandbox of its own; ``SandboxError`` when it cannot be set up.
+
+    With ``spares``, a call that a spare sandbox can take (see
+    :mod:`sage.forge.spares`) runs in one started ahead of it; any other
+    call, or one that finds no spare, gets a fresh sandbox.
+    """
     limits = spec.limits
     root = os.geteuid() == 0
     uid = limits.sandbox_uid if root else os.getuid()
     gids: tuple[int, ...] = (uid,) if root else (os.getgid(), *os.getgroups())
-    bwrap = await _PROBE.ensure(limits.sandbox_uid)
+    tools = await _PROBE.ensure(limits.sandbox_uid)
     if not spec.argv:
         raise SandboxError("bad_command", "empty command line")
     resolved = check_binds(spec.binds, spec.forbidden, uid=uid, gids=gids)
-    shim = spec.network
-    env = sandbox_env(spec.env, shim=shim)
+    if spares is not None and not resolved:
+        result = await spares.run(spec, tools)
+        if result is not None:
+            return result
+    started = start_sandbox(
+        tools,
+        argv=spec.argv,
+        limits=limits,
+        env=sandbox_env(spec.env, shim=spec.network),
+        network=spec.network,
+        loopback=spec.loopback,
+        binds=resolved,
+        impl=spec.impl,
+        impl_path=spec.impl_path,
+    )
+    return await supervise(started, spec)
+
+
+@dataclass(frozen=True)
+class Started:
+    """A sandbox that is running: its bwrap, the read end of its status pipe, when it began."""
+
+    child: Child
+    status_r: int
+    at: float
+
+
+def start_sandbox(
+    tools: BwrapProbe,
+    *,
+    argv: Sequence[str],
+    limits: Limits,
+    env: Mapping[str, str],
+    network: bool,
+    loopback: bool,
+    binds: Sequence[ResolvedBind] = (),
+    impl: bytes | None = None,
+    impl_path: str = IMPL_PATH,
+    loader: bytes | None = None,
+    forge_bytes: int = 0,
+) -> Started:
+    """Start bwrap around ``argv`` (the binds are opened here, as checked); returns at once."""
+    root = os.geteuid() == 0
+    uid = limits.sandbox_uid if root else os.getuid()
     opened: list[int] = []
     status_r = status_w = -1
     try:
-        bind_fds = open_binds(resolved)
+        bind_fds = open_binds(binds)
         opened += bind_fds
-        impl_fd = _memfd("forge-tool", spec.impl)
-        opened.append(impl_fd)
-        shim_fd: int | None = None
-        if shim:
-            source = _SHIMS.get(spec.loopback)
+        impl_fd = loader_fd = shim_fd = None
+        if impl is not None:
+            impl_fd = _memfd("forge-tool", impl)
+            opened.append(impl_fd)
+        if loader is not None:
+            loader_fd = _memfd("forge-loader", loader)
+            opened.append(loader_fd)
+        if network:
+            source = _SHIMS.get(loopback)
             if source is None:
-                source = _SHIMS[spec.loopback] = _shim_source(spec.loopback)
+                source = _SHIMS[loopback] = _shim_source(loopback)
             shim_fd = _memfd("forge-shim", source)
             opened.append(shim_fd)
         status_r, status_w = os.pipe()
         args = build_args(
             env=env,
-            binds=list(zip(resolved, bind_fds, strict=True)),
+            binds=list(zip(binds, bind_fds, strict=True)),
             impl_fd=impl_fd,
             status_fd=status_w,
-            network=spec.network,
+            network=network,
             shim_fd=shim_fd,
             tmp_bytes=limits.tmp_bytes or limits.file_bytes,
-            impl_path=spec.impl_path,
+            impl_path=impl_path,
+            loader_fd=loader_fd,
+            forge_bytes=forge_bytes,
         )
         args_fd = _memfd("forge-args", b"".join(a.encode() + b"\0" for a in args))
         opened.append(args_fd)
         nproc = _count_tasks(uid) + limits.max_processes + 2  # + bwrap and its init
-        ids: dict[str, object] = {"user": uid, "group": uid, "extra_groups": []} if root else {}
-        started = time.monotonic()
+        prefix = launcher(tools, uid=uid if root else None, rlimits=_rlimits(limits, nproc))
+        at = time.monotonic()
         try:
-            popen = subprocess.Popen(  # type: ignore[call-overload]  # noqa: ASYNC220 - fork+exec, as sage.process
-                [bwrap, "--args", str(args_fd), "--", *spec.argv],
+            # no preexec_fn and no user=: Python spawns with vfork (see sage.bwrap.launcher)
+            popen = subprocess.Popen(
+                [*prefix, tools.path, "--args", str(args_fd), "--", *argv],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -716,11 +782,11 @@ async def run_sandboxed(spec: SandboxSpec) -> SandboxResult:
                 start_new_session=True,
                 close_fds=True,
                 pass_fds=(*opened, status_w),
-                preexec_fn=_preexec(limits, nproc, os.getpid()),
                 bufsize=0,
-                **ids,
             )
         except (OSError, subprocess.SubprocessError) as exc:
+            if status_r >= 0:
+                os.close(status_r)
             raise SandboxError("sandbox_failed", f"cannot start bwrap: {exc}") from exc
     finally:
         for fd in opened:
@@ -734,13 +800,21 @@ async def run_sandboxed(spec: SandboxSpec) -> SandboxResult:
         popen.wait()
         os.close(status_r)
         raise SandboxError("sandbox_failed", f"pidfd_open failed: {exc.strerror}") from exc
-    child = Child(popen, pidfd)
-    return await _supervise(child, spec, status_r, started)
+    return Started(Child(popen, pidfd), status_r, at)
 
 
-async def _supervise(
-    child: Child, spec: SandboxSpec, status_r: int, started: float
+async def supervise(
+    sandbox: Started,
+    spec: SandboxSpec,
+    *,
+    handed_over: Callable[[], None] | None = None,
 ) -> SandboxResult:
+    """Feed ``spec.stdin``, collect the output under the limits, reap; the result.
+
+    ``handed_over`` runs once all of the input is written (a spare starts
+    its successor then, while the tool runs).
+    """
+    child, status_r, started = sandbox.child, sandbox.status_r, sandbox.at
     limits = spec.limits
     out = _Stdout(limits.output_cap, limits.spill_cap, spec.artifacts_dir)
     err = Ring(limits.stderr_tail)
@@ -751,6 +825,8 @@ async def _supervise(
             with contextlib.suppress(ProcessError):
                 await child.write(spec.stdin)
             child.close_stdin()
+            if handed_over is not None:
+                handed_over()
 
         stdout_done = anyio.Event()
         stderr_done = anyio.Event()

@@ -65,12 +65,17 @@ class Executor(Protocol):
 
     async def run(self, spec: SandboxSpec) -> SandboxResult: ...
 
+    async def aclose(self) -> None: ...
+
 
 class SandboxExecutor:
-    """The real bubblewrap sandbox."""
+    """The real bubblewrap sandbox, with up to ``spares`` started ahead (sage.forge.spares)."""
 
-    def __init__(self, uid: int) -> None:
+    def __init__(self, uid: int, spares: int = 0) -> None:
+        from sage.forge.spares import SparePool
+
         self.uid = uid
+        self.spares = SparePool(spares)
 
     async def ensure(self) -> None:
         from sage.forge.sandbox import ensure_sandbox
@@ -80,7 +85,10 @@ class SandboxExecutor:
     async def run(self, spec: SandboxSpec) -> SandboxResult:
         from sage.forge.sandbox import run_sandboxed
 
-        return await run_sandboxed(spec)
+        return await run_sandboxed(spec, self.spares)
+
+    async def aclose(self) -> None:
+        await self.spares.aclose()
 
 
 def mcp_result(envelope: dict[str, Any]) -> dict[str, Any]:
@@ -189,7 +197,13 @@ class Forge:
         self.cache = ResultCache(root / "cache")
         self.runs = RunStore(root / "runs")
         if self.executor is None:
-            self.executor = SandboxExecutor(self.config.forge.sandbox_uid)
+            forge = self.config.forge
+            self.executor = SandboxExecutor(forge.sandbox_uid, forge.spare_sandboxes)
+
+    async def aclose(self) -> None:
+        """Stop what runs ahead of calls (the spare sandboxes)."""
+        if self.executor is not None:
+            await self.executor.aclose()
 
     def _current(self) -> Config:
         return self.config if self.config_of is None else self.config_of()

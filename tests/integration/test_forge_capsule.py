@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,17 @@ FIB_ARGS = {
 }
 
 
+_OPEN: list[Forge] = []
+
+
+@pytest.fixture(autouse=True)
+async def _close_forges() -> AsyncIterator[None]:
+    """Every Forge a test makes is closed after it (its spare sandboxes killed)."""
+    yield
+    while _OPEN:
+        await _OPEN.pop().aclose()
+
+
 def _forge(tmp: Path, vault: dict[str, str] | None = None) -> tuple[Forge, list[Any]]:
     config = Config(
         supervisor=SupervisorConfig(state_dir=str(tmp / "state")),
@@ -51,6 +63,7 @@ def _forge(tmp: Path, vault: dict[str, str] | None = None) -> tuple[Forge, list[
     )
     events: list[Any] = []
     forge = Forge(config, lambda e, p: events.append((e, p)), secrets=(vault or {}).get)
+    _OPEN.append(forge)
     return forge, events
 
 
@@ -307,6 +320,7 @@ async def test_real_sandbox_wall_clock(tmp_path: Path) -> None:
     )
     events: list[Any] = []
     forge = Forge(config, lambda e, p: events.append((e, p)))
+    _OPEN.append(forge)
     caller = Caller("alice", "s1")
     await forge.forge(
         caller,

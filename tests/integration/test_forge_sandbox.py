@@ -1,4 +1,9 @@
-"""The forge sandbox escape suite: each test tries one way out, with real bwrap, and asserts it failed."""
+"""The forge sandbox escape suite: each test tries one way out, with real bwrap, and asserts it failed.
+
+Tests marked ``both`` run twice: in a fresh sandbox and in a spare one
+(sage.forge.spares, started ahead of the call); the spare run asserts the
+call really took the spare.
+"""
 
 from __future__ import annotations
 
@@ -22,19 +27,30 @@ from sage.errors import SandboxError
 from sage.forge import sandbox as sb
 from sage.forge.redact import redact_json, redact_text
 from sage.forge.sandbox import Bind, Limits, SandboxResult, SandboxSpec, run_sandboxed
+from sage.forge.spares import SparePool, kind_of
+from tests.integration.sandbox_rig import LIMITS, PY
 
 pytestmark = pytest.mark.anyio
 
-PY = "/usr/bin/python3"
-LIMITS = Limits(
-    wall_clock=5.0,
-    cpu_seconds=5,
-    memory_bytes=512 * 1024 * 1024,
-    file_bytes=16 * 1024 * 1024,
-    open_files=64,
-    max_processes=16,
-    output_cap=1024 * 1024,
-)
+
+_POOL: SparePool | None = None
+
+
+@pytest.fixture(params=["fresh", "spare"])
+async def sandbox(request: pytest.FixtureRequest) -> Any:
+    """``fresh``: every call starts its own sandbox; ``spare``: calls take a primed spare."""
+    global _POOL
+    pool = SparePool(2) if request.param == "spare" else None
+    _POOL = pool
+    try:
+        yield request.param
+    finally:
+        _POOL = None
+        if pool is not None:
+            await pool.aclose()
+
+
+both = pytest.mark.usefixtures("sandbox")
 
 
 @pytest.fixture
@@ -58,7 +74,14 @@ async def _run(code: str, *, stdin: Any = None, **kwargs: Any) -> SandboxResult:
         limits=limits,
         **kwargs,
     )
-    return await run_sandboxed(spec)
+    pool = _POOL
+    if pool is None or kind_of(spec) is None:
+        return await run_sandboxed(spec)
+    assert await pool.prime(spec), "no spare sandbox could be started"
+    taken = pool.taken
+    result = await run_sandboxed(spec, pool)
+    assert pool.taken == taken + 1, "the call did not run in the spare"
+    return result
 
 
 def _json(result: SandboxResult) -> Any:
@@ -86,6 +109,7 @@ def _tokens_alive(token: str) -> list[int]:
     return alive
 
 
+@both
 async def test_a_plain_tool_runs_as_the_sandbox_uid() -> None:
     """Baseline: stdin in, JSON out, uid 65534, a clean environment, label bwrap."""
     result = await _run(
@@ -153,6 +177,7 @@ async def test_cannot_write_to_an_ro_path(open_dir: Path) -> None:
     assert not (folder / "new.txt").exists()
 
 
+@both
 async def test_cannot_read_etc_shadow_or_the_vault(open_dir: Path) -> None:
     """/etc/shadow and the state folder's secrets.db are absent inside; binding them is refused."""
     state = open_dir / "state"
@@ -179,6 +204,7 @@ async def test_cannot_read_etc_shadow_or_the_vault(open_dir: Path) -> None:
         assert caught.value.kind == "mount_refused"
 
 
+@both
 async def test_cannot_open_a_tcp_connection_without_network() -> None:
     """No network namespace: a listener on the host's loopback gets nothing, outbound fails."""
     with socket.socket() as listener:
@@ -205,6 +231,7 @@ async def test_cannot_open_a_tcp_connection_without_network() -> None:
     assert "connected" not in data.values()
 
 
+@both
 async def test_cannot_reach_loopback_with_network_allowed() -> None:
     """With the network shared, the shim refuses 127.0.0.1, localhost, ::ffff:127.0.0.1, IMDS.
 
@@ -269,6 +296,7 @@ async def test_fork_bomb_is_contained() -> None:
     assert os.waitstatus_to_exitcode(os.system("/bin/true")) == 0  # noqa: ASYNC221 - the host still forks
 
 
+@both
 async def test_memory_balloon_is_contained() -> None:
     """RLIMIT_AS: allocation fails with MemoryError well below the host's memory."""
     limits = Limits(**{**LIMITS.__dict__, "memory_bytes": 256 * 1024 * 1024})
@@ -289,6 +317,7 @@ async def test_memory_balloon_is_contained() -> None:
     assert _json(result)["mib"] < 256
 
 
+@both
 async def test_infinite_loop_is_killed_by_the_cpu_limit_or_wall_clock() -> None:
     """A busy loop is killed by RLIMIT_CPU (SIGXCPU); a sleeping one by the wall clock."""
     limits = Limits(**{**LIMITS.__dict__, "cpu_seconds": 1, "wall_clock": 4.0})
@@ -301,6 +330,7 @@ async def test_infinite_loop_is_killed_by_the_cpu_limit_or_wall_clock() -> None:
     assert idle.duration < 3.0
 
 
+@both
 async def test_a_daemonized_grandchild_dies_with_the_sandbox() -> None:
     """setsid + double fork inside: gone after the call, whether it ended or timed out."""
     for ending in ("exit", "hang"):
@@ -441,6 +471,7 @@ async def test_a_path_swapped_for_a_symlink_after_the_check(
         assert hostname.encode() not in result.stdout
 
 
+@both
 async def test_ten_megabytes_of_stdout_are_capped_and_spilled(tmp_path: Path) -> None:
     """1 MiB cap: the first MiB returned, all 10 MiB in full_stdout.bin (0600), counted."""
     artifacts = tmp_path / "runs" / "r1" / "artifacts"
@@ -465,6 +496,7 @@ async def test_ten_megabytes_of_stdout_are_capped_and_spilled(tmp_path: Path) ->
     assert result.stdout_artifact.stat().st_mode & 0o777 == 0o600
 
 
+@both
 async def test_a_secret_printed_raw_base64_and_split_is_redacted() -> None:
     """The caller redacts stdout (JSON) and stderr: no form of the secret survives."""
     secret = "sk-test-1234567890abcdefSECRET"
@@ -495,6 +527,7 @@ async def test_a_secret_printed_raw_base64_and_split_is_redacted() -> None:
     assert "<redacted>" in text
 
 
+@both
 async def test_proc_shows_only_the_sandbox() -> None:
     """A fresh /proc of its own pid namespace: a handful of pids, and none of the host's."""
     result = await _run(
