@@ -11,8 +11,9 @@ from __future__ import annotations
 import enum
 import threading
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any, TypeGuard
 
 from sage.forge.policy import Breakers as BreakerPolicy
 
@@ -137,3 +138,62 @@ class BreakerBoard:
                 return Trip("forge_count", session, 0.0)
             self._forges[session] += 1
             return None
+
+    # -- across restarts -------------------------------------------------------
+
+    def export(self) -> dict[str, Any]:
+        """What :meth:`restore` needs: failure breakers not at rest, sessions' forge counts.
+
+        Reset times are given as seconds from now (the clock is monotonic and
+        does not survive a restart).  Rate windows are not kept: a restart
+        forgets the last minute's calls.
+        """
+        with self._lock:
+            now = self.clock()
+            failures = {
+                name: {
+                    "state": b.state.value,
+                    "failures": b.failures,
+                    "reset_in": max(0.0, b.reset_at - now) if b.state is State.OPEN else 0.0,
+                }
+                for name, b in self._failures.items()
+                if b.state is not State.CLOSED or b.failures
+            }
+            return {"failures": failures, "forges": dict(self._forges)}
+
+    def restore(self, saved: Mapping[str, Any]) -> None:
+        """Take back what :meth:`export` gave; bad entries are skipped.
+
+        A breaker saved half-open comes back open with its cooldown over, so
+        the next call is its probe.
+        """
+        now = self.clock()
+        with self._lock:
+            for name, entry in _items(saved.get("failures")):
+                if not isinstance(entry, dict):
+                    continue
+                state, failures = entry.get("state"), entry.get("failures")
+                if state not in ("closed", "open", "half_open"):
+                    continue
+                if not _count(failures):
+                    continue
+                breaker = self.failure(name)
+                breaker.failures = failures
+                if state != "closed":
+                    reset_in = entry.get("reset_in")
+                    wait = reset_in if isinstance(reset_in, int | float) else 0.0
+                    breaker.state = State.OPEN
+                    breaker.reset_at = now + max(0.0, float(wait))
+            for session, count in _items(saved.get("forges")):
+                if _count(count):
+                    self._forges[session] = count
+
+
+def _items(value: Any) -> list[tuple[str, Any]]:
+    if not isinstance(value, dict):
+        return []
+    return [(k, v) for k, v in value.items() if isinstance(k, str)]
+
+
+def _count(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

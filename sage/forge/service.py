@@ -42,6 +42,7 @@ from sage.forge.registry import (
 from sage.forge.runs import RunStore, mask_input, new_run_id
 from sage.forge.sandbox import Bind, Limits, SandboxResult, SandboxSpec, forbidden_for
 from sage.forge.static_check import check_impl
+from sage.forge.stats import SAVE_EVERY, StatsFile
 
 __all__ = ("Caller", "Executor", "Forge", "SandboxExecutor", "mcp_result")
 
@@ -187,6 +188,9 @@ class Forge:
     cache: ResultCache = field(init=False)
     runs: RunStore = field(init=False)
     counts: Counter[tuple[str, str]] = field(init=False, default_factory=Counter)
+    stats: StatsFile = field(init=False)
+    _saved_at: float = field(init=False, default=float("-inf"))
+    _breaker_moved: bool = field(init=False, default=False)
     _validators: dict[str, Callable[[Any], Any]] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -196,14 +200,31 @@ class Forge:
         self.breakers = BreakerBoard(self.clock, self._breaker_changed)
         self.cache = ResultCache(root / "cache")
         self.runs = RunStore(root / "runs")
+        self.stats = StatsFile(root / "stats.json", self.emit)
+        self.counts, saved = self.stats.load()
+        self.breakers.restore(saved)
+        self._saved_at = self.clock()
         if self.executor is None:
             forge = self.config.forge
             self.executor = SandboxExecutor(forge.sandbox_uid, forge.spare_sandboxes)
 
     async def aclose(self) -> None:
-        """Stop what runs ahead of calls (the spare sandboxes)."""
+        """Save the counts and breakers; stop what runs ahead of calls (the spare sandboxes)."""
+        self._persist(force=True)
         if self.executor is not None:
             await self.executor.aclose()
+
+    def _persist(self, *, force: bool = False) -> None:
+        """Save stats.json when a breaker moved, a second of calls passed, or ``force``."""
+        now = self.clock()
+        if not (force or self._breaker_moved or now - self._saved_at >= SAVE_EVERY):
+            return
+        self._breaker_moved = False
+        self._saved_at = now
+        try:
+            self.stats.save(self.counts, self.breakers.export())
+        except OSError as exc:
+            self.emit("stats_save_failed", {"reason": exc.strerror or type(exc).__name__})
 
     def _current(self) -> Config:
         return self.config if self.config_of is None else self.config_of()
@@ -214,6 +235,7 @@ class Forge:
         return None if found is None else config.home_of(found)
 
     def _breaker_changed(self, breaker: str, name: str, state: State, reset_at: float) -> None:
+        self._breaker_moved = True  # saved by the next _persist (the board's lock is held here)
         if state is State.OPEN:
             wall = time.time() + max(0.0, reset_at - self.clock()) if reset_at else None
             self.emit("breaker_open", {"breaker": breaker, "name": name, "reset_at": wall})
@@ -328,6 +350,7 @@ class Forge:
         except Exception as exc:  # fastjsonschema raises several types for a bad schema
             raise ForgeError("bad_schema", f"input_schema does not compile: {exc}") from None
         trip = self.breakers.admit_forge(caller.session_id, policy.breakers)
+        self._persist()
         if trip is not None:
             raise ForgeError(
                 "breaker_open",
@@ -439,6 +462,7 @@ class Forge:
         removed = self.registry.remove(scope, name, caller.principal, caller.session_id)  # type: ignore[arg-type]
         if not removed:
             raise ForgeError("unknown_tool", f"no {scope} tool named {name!r}")
+        self.counts.pop((scope, name), None)
         self.emit(
             "removed",
             {
@@ -488,6 +512,7 @@ class Forge:
             )
         trip = self.breakers.admit_call(name, policy.breakers)
         if trip is not None:
+            self._persist()
             raise ForgeError(
                 "breaker_open",
                 f"the {trip.breaker} breaker of {name!r} is open"
@@ -615,6 +640,7 @@ class Forge:
         if seed_run_id is not None:
             payload["seed_run_id"] = seed_run_id
         self.emit("called", payload)
+        self._persist()
 
     def _secrets(self, caller: Caller, names: list[str], policy: Policy) -> dict[str, str]:
         if not names:

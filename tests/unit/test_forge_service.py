@@ -486,6 +486,92 @@ async def test_breakers(rig: Rig) -> None:
     assert "rate" in closed
 
 
+def _restarted(rig: Rig, now: float) -> Forge:
+    """A second Forge on the same folder, as after a supervisor restart (a new clock)."""
+    return Forge(
+        rig.config,
+        lambda e, p: rig.events.append((e, p)),
+        executor=rig.executor,
+        clock=lambda: now,
+    )
+
+
+async def test_call_counts_breakers_and_forge_counts_survive_a_restart(rig: Rig) -> None:
+    """stats.json: call_count, an open failure breaker (its cooldown left) and forge counts."""
+    rig.policy(
+        breakers={
+            "per_tool_rpm": 0,
+            "per_session_forge_count": 2,
+            "failure_threshold": 2,
+            "failure_cooldown_seconds": 30,
+        }
+    )
+    await rig.fib(ALICE)
+    await rig.fib(ALICE, name="fib2")
+    for n in range(3):
+        assert (await rig.forge.dispatch(ALICE, "fib2", {"n": n}))["ok"]
+    rig.executor.stdout = lambda spec: b"garbage"
+    for _ in range(2):
+        assert (await rig.forge.dispatch(ALICE, "fib", {"n": 1}))["error"]["kind"] == "bad_output"
+    assert (await rig.forge.dispatch(ALICE, "fib", {"n": 1}))["error"]["kind"] == "breaker_open"
+    rig.now[0] += 10  # 20 s of the cooldown left
+    await rig.forge.aclose()
+
+    again = _restarted(rig, now=5.0)
+    listed = {t["name"]: t["call_count"] for t in again.list_tools(ALICE, None)}
+    assert listed == {"fib": 2, "fib2": 3}
+    out = await again.dispatch(ALICE, "fib", {"n": 1})
+    assert out["error"]["kind"] == "breaker_open", out
+    assert "resets in 20s" in out["error"]["message"]
+    with pytest.raises(ForgeError) as caught:  # the session's forge allowance is used up too
+        await again.forge(
+            ALICE,
+            {
+                "name": "fib3",
+                "description": "",
+                "input_schema": SCHEMA,
+                "impl": FIB,
+                "runtime": "python",
+            },
+        )
+    assert caught.value.kind == "breaker_open"
+    await again.aclose()
+
+    later = _restarted(rig, now=100.0)  # a clock that starts anywhere: the cooldown is relative
+    rig.executor.stdout = _fib_out
+    out = await later.dispatch(ALICE, "fib", {"n": 1})
+    assert out["error"]["kind"] == "breaker_open"  # still 20 s: no time passed while stopped
+    await later.aclose()
+
+
+async def test_a_bad_stats_file_is_reported_and_the_forge_starts_from_zero(rig: Rig) -> None:
+    await rig.fib(ALICE)
+    assert (await rig.forge.dispatch(ALICE, "fib", {"n": 3}))["ok"]
+    await rig.forge.aclose()
+    stats = rig.config.forge_dir / "stats.json"
+    saved = json.loads(stats.read_text())
+    assert saved["schema"] == 1
+    assert saved["calls"] == {"session:fib": 1}
+    for bad in (b"{not json", b'{"schema": 99}', b"[]"):
+        stats.write_bytes(bad)
+        before = len(rig.events)
+        again = _restarted(rig, now=0.0)
+        failed = [p for e, p in rig.events[before:] if e == "stats_load_failed"]
+        assert len(failed) == 1
+        assert failed[0]["path"] == str(stats)
+        assert [t["call_count"] for t in again.list_tools(ALICE, None)] == [0]
+        await again.aclose()  # and it writes a good file again
+        assert json.loads(stats.read_text())["schema"] == 1
+
+
+async def test_removing_a_tool_drops_its_count(rig: Rig) -> None:
+    await rig.fib(ALICE)
+    assert (await rig.forge.dispatch(ALICE, "fib", {"n": 3}))["ok"]
+    await rig.forge.remove(ALICE, "session", "fib")
+    await rig.fib(ALICE)
+    assert [t["call_count"] for t in rig.forge.list_tools(ALICE, None)] == [0]
+
+
 def test_breaker_state_machine() -> None:
     changes: list[tuple[str, State]] = []
     now = [0.0]
