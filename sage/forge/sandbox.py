@@ -494,6 +494,9 @@ def build_args(
     for bind, fd in binds:
         option = "--ro-bind-fd" if bind.mode == "ro" else "--bind-fd"
         args += [option, str(fd), str(bind.path)]
+    # bwrap's root is a tmpfs the sandbox uid may write, with no size cap:
+    # read-only once everything is mounted (/tmp and a spare's /forge are mounts of their own)
+    args += ["--remount-ro", "/"]
     args += ["--json-status-fd", str(status_fd), "--chdir", "/tmp"]
     return args
 

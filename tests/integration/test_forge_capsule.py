@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.abc
 import msgspec
 import pytest
 
 from sage.config import Config, PrincipalConfig, SupervisorConfig
+from sage.errors import ForgeError
 from sage.forge.service import Caller, Forge
 from tests.integration.sage_harness import Sage, running_sage, sage_config
 
@@ -337,3 +339,172 @@ async def test_real_sandbox_wall_clock(tmp_path: Path) -> None:
     manifest = forge.runs.read([p for e, p in events if e == "called"][-1]["run_id"])
     assert manifest is not None
     assert manifest["timed_out"] is True
+
+
+def _host_address() -> str | None:
+    """This host's address on its default route (no packet is sent), or None."""
+    import socket
+
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("10.255.255.255", 9))
+        address: str = probe.getsockname()[0]
+    except OSError:
+        return None
+    finally:
+        probe.close()
+    return None if address.startswith("127.") else address
+
+
+CONNECT = (
+    "import json, socket, sys\n"
+    "args = json.load(sys.stdin)\n"
+    "out = {}\n"
+    "for host in args['hosts']:\n"
+    "    try:\n"
+    "        socket.create_connection((host, args['port']), timeout=3).close()\n"
+    "        out[host] = 'connected'\n"
+    "    except OSError as exc:\n"
+    "        out[host] = type(exc).__name__\n"
+    "print(json.dumps({'ok': True, 'data': out}))\n"
+)
+
+
+async def test_real_sandbox_network_follows_the_persona_policy(tmp_path: Path) -> None:
+    """Through the forge: no network by default; allowed, the host is reachable, loopback not."""
+    host = _host_address()
+    assert host is not None, "the test needs an address other than loopback"
+    forge, events = _forge(tmp_path)
+    caller = Caller("alice", "s1")
+    args = {
+        "name": "dial",
+        "description": "",
+        "input_schema": {
+            "type": "object",
+            "properties": {"hosts": {"type": "array"}, "port": {"type": "integer"}},
+        },
+        "impl": CONNECT,
+        "runtime": "python",
+    }
+    with pytest.raises(ForgeError) as refused:  # the static check: socket needs the network
+        await forge.forge(caller, args)
+    assert refused.value.kind == "static_check_failed"
+
+    accepted: list[str] = []
+    listener = await anyio.create_tcp_listener(local_host="0.0.0.0", local_port=0)
+
+    async def serve(stream: anyio.abc.SocketStream) -> None:
+        accepted.append(str(stream.extra(anyio.abc.SocketAttribute.remote_address)))
+        await stream.aclose()
+
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    forge.policy_file.current()
+    policy = json.loads(forge.policy_file.path.read_text())
+
+    def allow(**override: str) -> None:
+        policy["persona_sandbox_overrides"] = {"alice": override}
+        tmp = forge.policy_file.path.with_suffix(".new")
+        tmp.write_text(json.dumps(policy))
+        tmp.replace(forge.policy_file.path)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, serve)
+        allow(network="allow")
+        await forge.forge(caller, args)
+        out = await forge.dispatch(caller, "dial", {"hosts": [host, "127.0.0.1"], "port": port})
+        assert out["ok"] is True, out
+        assert out["data"] == {host: "connected", "127.0.0.1": "PermissionError"}
+        manifest = forge.runs.read([p for e, p in events if e == "called"][-1]["run_id"])
+        assert manifest is not None
+        assert manifest["sandbox"]["network"] is True
+        assert manifest["sandbox"]["label"] == "bwrap+net-noloop"
+
+        allow(network="allow", loopback="allow")
+        out = await forge.dispatch(caller, "dial", {"hosts": ["127.0.0.1"], "port": port})
+        assert out["data"] == {"127.0.0.1": "connected"}, out
+
+        allow(network="deny")  # the next call: no network namespace of the host any more
+        out = await forge.dispatch(caller, "dial", {"hosts": [host], "port": port})
+        assert out["ok"] is True, out
+        assert out["data"][host] != "connected"
+        tg.cancel_scope.cancel()
+    await listener.aclose()
+    assert len(accepted) == 2
+
+
+async def test_real_sandbox_x_bind_paths_through_the_forge(tmp_path: Path) -> None:
+    """x-bind ro/rw fields name what is mounted; nothing else of the host is there."""
+    import os
+    import shutil
+    import time
+
+    base = Path("/tmp") / f"forge-xbind-{os.getpid()}-{time.monotonic_ns()}"
+    data, out_dir, hidden = base / "data", base / "out", base / "hidden"
+    for folder in (base, data, out_dir, hidden):
+        folder.mkdir(mode=0o755)
+        folder.chmod(0o755)
+    (data / "in.txt").write_text("forty-two")
+    (data / "in.txt").chmod(0o644)
+    (hidden / "secret.txt").write_text("not for the tool")
+    if os.geteuid() == 0:
+        os.chown(out_dir, 65534, 65534)
+    else:
+        out_dir.chmod(0o777)
+    try:
+        forge, _ = _forge(tmp_path)
+        caller = Caller("alice", "s1")
+        impl = (
+            "import json, os, sys\n"
+            "a = json.load(sys.stdin)\n"
+            "text = open(a['src']).read()\n"
+            "open(os.path.join(a['dst'], 'out.txt'), 'w').write(text.upper())\n"
+            "try:\n"
+            "    open(a['src'], 'a').write('more')\n"
+            "    ro = 'writable'\n"
+            "except OSError as exc:\n"
+            "    ro = type(exc).__name__\n"
+            "print(json.dumps({'ok': True, 'data': {'read': text, 'ro': ro,\n"
+            "    'hidden': os.path.exists(a['hidden'])}}))\n"
+        )
+        await forge.forge(
+            caller,
+            {
+                "name": "shout",
+                "description": "",
+                "input_schema": {
+                    "type": "object",
+                    "properties": {
+                        "src": {"type": "string", "x-bind": "ro"},
+                        "dst": {"type": "string", "x-bind": "rw"},
+                        "hidden": {"type": "string"},
+                    },
+                    "required": ["src", "dst", "hidden"],
+                },
+                "impl": impl,
+                "runtime": "python",
+            },
+        )
+        out = await forge.dispatch(
+            caller,
+            "shout",
+            {
+                "src": str(data / "in.txt"),
+                "dst": str(out_dir),
+                "hidden": str(hidden / "secret.txt"),
+            },
+        )
+        assert out["ok"] is True, out
+        assert out["data"]["read"] == "forty-two"
+        assert out["data"]["hidden"] is False
+        assert out["data"]["ro"] != "writable"
+        assert (out_dir / "out.txt").read_text() == "FORTY-TWO"
+        assert (data / "in.txt").read_text() == "forty-two"
+        refused = await forge.dispatch(
+            caller,
+            "shout",
+            {"src": "/etc/passwd", "dst": str(out_dir), "hidden": "/"},
+        )
+        assert refused["ok"] is False
+        assert refused["error"]["kind"] == "mount_refused", refused
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

@@ -528,6 +528,30 @@ async def test_a_secret_printed_raw_base64_and_split_is_redacted() -> None:
 
 
 @both
+async def test_the_sandbox_root_is_read_only(open_dir: Path) -> None:
+    """bwrap's root tmpfs has no size cap: nothing may be written there (only /tmp, capped)."""
+    (open_dir / "f.txt").write_text("x")
+    (open_dir / "f.txt").chmod(0o644)
+    result = await _run(
+        f"""
+        import errno, json
+        out = {{}}
+        for path in ("/x", "/usr-like", "/forge/extra", {str(open_dir / "g.txt")!r}, "/tmp/ok"):
+            try:
+                open(path, "w").write("x")
+                out[path] = "written"
+            except OSError as exc:
+                out[path] = errno.errorcode[exc.errno]
+        print(json.dumps(out))
+        """,
+    )
+    data = _json(result)
+    assert data.pop("/tmp/ok") == "written"
+    assert data.pop(str(open_dir / "g.txt")) == "ENOENT"  # not bound: not there
+    assert set(data.values()) <= {"EROFS", "EACCES"}, data
+
+
+@both
 async def test_proc_shows_only_the_sandbox() -> None:
     """A fresh /proc of its own pid namespace: a handful of pids, and none of the host's."""
     result = await _run(
