@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -250,6 +251,7 @@ async def _nats_pub(url: str, n: int) -> dict[str, Any]:
 
 def _child(argv: list[str]) -> None:
     kind, role, address, n = argv[0], argv[1], argv[2], int(argv[3])
+    fn: Callable[[str, int], Coroutine[Any, Any, dict[str, Any]]]
     if kind == "ours":
         fn = _ours_sub if role == "sub" else _ours_pub
         result = anyio.run(fn, address, n)

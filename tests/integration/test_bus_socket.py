@@ -64,7 +64,7 @@ class Gate:
 
     def __init__(self) -> None:
         self.peers: list[PeerCred] = []
-        self.allowed = {os.getuid(): ("alice", "ops")}
+        self.allowed: dict[int, tuple[str, ...]] = {os.getuid(): ("alice", "ops")}
 
     def __call__(self, peer: PeerCred, hello: Hello) -> Identity:
         self.peers.append(peer)

@@ -467,12 +467,12 @@ async def test_settings_patches_apply_to_new_sessions_and_survive_a_restart() ->
         async with BusClient.connect(
             sage.daemon.socket, role="cli", name="bob", principal="bob"
         ) as bob:
-            answer = await bob.request(
+            refused = await bob.request(
                 "sage.v1.request.settings.set",
                 {"principal_id": "alice", "model": "evil"},
                 deadline=5,
             )
-            assert msgspec.json.decode(answer.payload)["error"] == "not_authorized"
+            assert msgspec.json.decode(refused.payload)["error"] == "not_authorized"
         code, out, err = await sage.astrid("sage", "settings", "alice", "--max-turns", "7")
         assert code == 0, err
         assert "claude-x" in out

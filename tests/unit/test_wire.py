@@ -156,6 +156,15 @@ _STREAM = b"".join(encode(f) for f in _STREAM_FRAMES)
 _BODIES = [encode(f)[4:] for f in _STREAM_FRAMES]
 
 
+def _bodies(frames: list[memoryview | FrameTooLarge]) -> list[bytes]:
+    """The bodies of ``frames`` as bytes; fails on a refused frame."""
+    out = []
+    for frame in frames:
+        assert isinstance(frame, memoryview), frame
+        out.append(bytes(frame))
+    return out
+
+
 def _chunks(data: bytes, cuts: list[int]) -> list[bytes]:
     points = sorted({c for c in cuts if 0 < c < len(data)})
     edges = [0, *points, len(data)]
@@ -170,7 +179,7 @@ def test_reader_yields_same_frames_whatever_the_chunking(cuts: list[int]) -> Non
     out: list[memoryview | FrameTooLarge] = []
     for chunk in _chunks(_STREAM, cuts):
         out.extend(reader.feed(chunk))
-    assert out == _BODIES
+    assert _bodies(out) == _BODIES
     assert reader.buffered == 0
 
 
@@ -181,14 +190,14 @@ def test_reader_keeps_partial_frame_buffered() -> None:
     assert reader.feed(data[:2]) == []
     assert reader.feed(data[2:-1]) == []
     assert reader.buffered == len(data) - 1
-    assert reader.feed(data[-1:]) == [data[4:]]
+    assert _bodies(reader.feed(data[-1:])) == [data[4:]]
 
 
 def test_frame_at_the_limit_is_accepted() -> None:
     """A frame whose body is exactly the limit is delivered, not refused."""
     body = b'"' + b"z" * 98 + b'"'
     reader = FrameReader(limit=100)
-    assert reader.feed(struct.pack(">I", 100) + body) == [body]
+    assert _bodies(reader.feed(struct.pack(">I", 100) + body)) == [body]
 
 
 def test_oversized_frame_is_reported_and_skipped() -> None:
