@@ -158,6 +158,8 @@ class SecretStore:
             raise SecretError("the secrets key must be 32 bytes")
         self.path = path
         self._aead = AESGCM(key)
+        self._made = False
+        """The file and its table exist (made once per store, not on every call)."""
 
     @classmethod
     def open(cls, config: Config, environ: Mapping[str, str] | None = None) -> SecretStore:
@@ -166,8 +168,9 @@ class SecretStore:
 
     @contextlib.contextmanager
     def _db(self) -> Iterator[sqlite3.Connection]:
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if not self.path.exists():
+        if not self.path.exists():  # 0600 from the start, never sqlite's default mode
+            self._made = False
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             with contextlib.suppress(FileExistsError):
                 os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         try:
@@ -176,7 +179,9 @@ class SecretStore:
             raise SecretError(f"{self.path}: cannot open the secret store: {exc}") from exc
         try:
             with db:
-                db.execute(_SCHEMA)
+                if not self._made:
+                    db.execute(_SCHEMA)
+                    self._made = True
                 yield db
         except sqlite3.Error as exc:
             raise SecretError(f"{self.path}: secret store: {exc}") from exc

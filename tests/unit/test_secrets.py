@@ -103,3 +103,14 @@ def test_names_with_path_tricks_are_refused(tmp_path: Path) -> None:
     for bad in ("../x", "a b", "", "x" * 129):
         with pytest.raises(SecretError):
             store.put("forge", bad, "value-long-enough")
+
+
+def test_a_vault_deleted_under_a_live_store_comes_back_0600(tmp_path: Path) -> None:
+    """The table is made once per store, but a vanished file is made again, private."""
+    store = SecretStore(tmp_path / "vault" / "secrets.db", b"k" * 32)
+    store.put("forge", "API_KEY", "value-long-enough")
+    (tmp_path / "vault" / "secrets.db").unlink()
+    assert store.get("forge", "API_KEY") is None
+    store.put("forge", "API_KEY", "another-long-value")
+    assert store.get("forge", "API_KEY") == "another-long-value"
+    assert (tmp_path / "vault" / "secrets.db").stat().st_mode & 0o777 == 0o600
