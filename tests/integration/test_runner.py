@@ -478,7 +478,8 @@ async def test_settings_patches_apply_to_new_sessions_and_survive_a_restart() ->
         assert "claude-x" in out
     async with running_sage(_config() + extra, env=ENV, root=root) as sage:
         _, reply = await sage.spawn("patched")
-        argv = (await anyio.Path(f"/proc/{reply['pid']}/cmdline").read_bytes()).split(b"\0")
+        argv = await _cmdline(reply["pid"])
+        assert b"--model" in argv, argv
         assert argv[argv.index(b"--model") + 1] == b"claude-x"
         assert argv[argv.index(b"--max-turns") + 1] == b"7"
     db = sqlite3.connect(f"file:{root / 'state' / 'audit.db'}?mode=ro", uri=True)
@@ -490,6 +491,16 @@ async def test_settings_patches_apply_to_new_sessions_and_survive_a_restart() ->
     assert first["previous_config"]["model"] == ""
     assert first["new_config"]["model"] == "claude-x"
     assert len(rows) == 2
+
+
+async def _cmdline(pid: int) -> list[bytes]:
+    """The argv of ``pid`` from /proc, read again while it is empty (a zombie or a
+    process caught mid-exec shows none); a process that never shows one fails."""
+    path = anyio.Path(f"/proc/{pid}/cmdline")
+    with anyio.fail_after(5):
+        while not (raw := await path.read_bytes()):
+            await anyio.sleep(0.05)
+    return raw.split(b"\0")
 
 
 async def test_a_cancelled_control_request_gets_no_answer(sage: Sage) -> None:
