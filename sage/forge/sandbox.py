@@ -74,6 +74,7 @@ __all__ = (
     "check_binds",
     "ensure_sandbox",
     "forbidden_for",
+    "nproc_limit",
     "open_binds",
     "run_sandboxed",
     "start_sandbox",
@@ -584,6 +585,18 @@ def _count_tasks(uid: int) -> int:
     return count
 
 
+def nproc_limit(limits: Limits, *, running: int = 0) -> int:
+    """RLIMIT_NPROC for a sandbox: what its uid runs now, plus ``max_processes``, plus 2.
+
+    The 2 are bwrap and its init, which do not exist yet for a fresh
+    sandbox; ``running`` is how many of the counted tasks are the sandbox's
+    own already (a spare: bwrap, its init and the interpreter, 3), taken off
+    so that the tool and its children get ``max_processes`` either way.
+    """
+    uid = limits.sandbox_uid if os.geteuid() == 0 else os.getuid()
+    return _count_tasks(uid) - running + limits.max_processes + 2
+
+
 def _rlimits(limits: Limits, nproc: int) -> tuple[tuple[str, int, int], ...]:
     """The rlimits (prlimit's names) bwrap, and so the whole sandbox, starts with."""
     cpu = max(1, limits.cpu_seconds)
@@ -770,7 +783,7 @@ def start_sandbox(
         )
         args_fd = _memfd("forge-args", b"".join(a.encode() + b"\0" for a in args))
         opened.append(args_fd)
-        nproc = _count_tasks(uid) + limits.max_processes + 2  # + bwrap and its init
+        nproc = nproc_limit(limits)
         prefix = launcher(tools, uid=uid if root else None, rlimits=_rlimits(limits, nproc))
         at = time.monotonic()
         try:
@@ -829,7 +842,8 @@ async def supervise(
                 await child.write(spec.stdin)
             child.close_stdin()
             if handed_over is not None:
-                handed_over()
+                with contextlib.suppress(Exception):  # never at the cost of the running tool
+                    handed_over()
 
         stdout_done = anyio.Event()
         stderr_done = anyio.Event()
@@ -872,9 +886,9 @@ async def supervise(
             if child.status is None:
                 await child.wait()
             out.close()
-    os.set_blocking(status_r, False)
-    status = _drain(status_r)
-    os.close(status_r)
+        os.set_blocking(status_r, False)
+        status = _drain(status_r)
+        os.close(status_r)
     duration = time.monotonic() - started
     assert child.status is not None
     if b'"child-pid"' not in status and not timed_out:

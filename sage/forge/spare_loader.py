@@ -5,19 +5,24 @@ bytes at ``/forge/spare.py`` in a spare sandbox, where the interpreter runs
 it as ``python3 /forge/spare.py`` with nothing but the standard library.
 
 It writes one byte, ``R``, to stdout once the interpreter is up, then
-blocks on stdin for the hand-over, read with ``os.read`` so that nothing
+blocks on stdin for the hand-over (and writes ``T`` once it holds it, so
+the pool knows the tool, not a dead spare, owns what follows), read with ``os.read`` so that nothing
 past it is buffered::
 
-    8 bytes   big-endian lengths: the environment block, then the tool
+    12 bytes  big-endian: length of the environment block, length of the
+              tool, RLIMIT_NPROC counted at the hand-over
     env       NAME=VALUE pairs, each ended by a NUL byte
     tool      the tool's source
 
-Everything after that on stdin is the tool's own input.  The loader sets
-the environment, writes the tool to ``/forge/tool.py`` (read-only, and
+Everything after that on stdin is the tool's own input.  The loader lowers
+RLIMIT_NPROC to the count given (a limit set when the spare started would
+count what ran before the call; lowering is always allowed), sets the
+environment, writes the tool to ``/forge/tool.py`` (read-only, and
 ``/forge`` then read-only too) and runs it as ``python3 /forge/tool.py``
 would: ``sys.argv``, ``__main__``, ``__file__``, ``sys.path[0]`` are the
-same, and a traceback starts at the tool's frame, not the loader's.  Its
-exit status is the tool's.  When stdin ends before the hand-over is
+same, ``__loader__`` is a ``SourceFileLoader``, a traceback starts at the
+tool's frame, not the loader's, and an uncaught KeyboardInterrupt ends the
+process by SIGINT.  Its exit status is the tool's.  When stdin ends before the hand-over is
 complete, it exits 125 without running anything.
 """
 
@@ -25,11 +30,15 @@ from __future__ import annotations
 
 import builtins
 import os
+import resource
+import signal
 import sys
 import types
+from importlib.machinery import SourceFileLoader
 
 TOOL_PATH = "/forge/tool.py"
 READY = b"R"
+TAKEN = b"T"
 INCOMPLETE = 125
 
 
@@ -46,9 +55,14 @@ def _read_exact(size: int) -> bytes:
 
 
 def _take() -> bytes:
-    head = _read_exact(8)
-    env_size = int.from_bytes(head[:4], "big")
-    tool_size = int.from_bytes(head[4:], "big")
+    head = _read_exact(12)
+    env_size = int.from_bytes(head[0:4], "big")
+    tool_size = int.from_bytes(head[4:8], "big")
+    nproc = int.from_bytes(head[8:12], "big")
+    _, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+    if hard != resource.RLIM_INFINITY:
+        nproc = min(nproc, hard)
+    resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
     for item in _read_exact(env_size).split(b"\0"):
         if item:
             name, _, value = item.partition(b"=")
@@ -71,9 +85,11 @@ def main() -> None:
     os.write(1, READY)
     source = _take()
     _write_tool(source)
+    os.write(1, TAKEN)
     sys.argv[:] = [TOOL_PATH]
     module = types.ModuleType("__main__")
     module.__file__ = TOOL_PATH
+    module.__loader__ = SourceFileLoader("__main__", TOOL_PATH)
     module.__dict__["__builtins__"] = builtins
     module.__dict__["__cached__"] = None
     sys.modules["__main__"] = module
@@ -86,6 +102,11 @@ def main() -> None:
         tb = exc.__traceback__
         exc = exc.with_traceback(tb.tb_next if tb is not None else None)
         sys.excepthook(type(exc), exc, exc.__traceback__)
+        if isinstance(exc, KeyboardInterrupt):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
         sys.exit(1)
 
 

@@ -20,7 +20,15 @@ import anyio
 import pytest
 
 from sage.forge import spares as spares_mod
-from sage.forge.sandbox import IMPL_PATH, Bind, Limits, SandboxResult, SandboxSpec, run_sandboxed
+from sage.forge.sandbox import (
+    IMPL_PATH,
+    Bind,
+    Limits,
+    SandboxResult,
+    SandboxSpec,
+    ensure_sandbox,
+    run_sandboxed,
+)
 from sage.forge.spares import SparePool, kind_of
 from tests.integration.sandbox_rig import LIMITS, PY
 
@@ -78,6 +86,7 @@ here = {
     "input": json.load(sys.stdin),
     "secret": os.environ.get("FORGE_TOKEN"),
     "uid": os.getuid(),
+    "loader": type(__loader__).__name__,
 }
 print(json.dumps(here))
 """
@@ -108,6 +117,10 @@ async def test_errors_and_exit_codes_are_the_tools_own(pool: SparePool) -> None:
     assert broken.exit_code == 1
     assert "SyntaxError" in broken.stderr_tail.decode()
     assert "spare.py" not in broken.stderr_tail.decode()
+    interrupted = _spec("raise KeyboardInterrupt\n")
+    fresh = await run_sandboxed(interrupted)
+    spared = await _in_spare(pool, interrupted)
+    assert fresh.signal == spared.signal == 2  # SIGINT, as the interpreter ends itself
     future = await _in_spare(pool, _spec("def f(x: undefined_name) -> None: pass\nprint('{}')\n"))
     assert future.exit_code == 1  # annotations are evaluated: no __future__ leaks from the loader
     assert "NameError" in future.stderr_tail.decode()
@@ -264,3 +277,93 @@ async def test_aclose_kills_every_spare_and_an_unfed_spare_runs_nothing() -> Non
         assert spare.status is not None  # killed and reaped
         with pytest.raises(ProcessLookupError):
             os.kill(spare.pid, 0)
+
+
+FORKS = """
+import json, os, time
+made = 0
+while True:
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        time.sleep(2)
+        os._exit(0)
+    made += 1
+print(json.dumps({"made": made}))
+"""
+
+
+async def test_the_process_limit_is_counted_at_the_hand_over_not_at_the_spare_start(
+    pool: SparePool,
+) -> None:
+    """A spare started while another sandbox held many processes gets no more than max_processes."""
+    limits = Limits(**{**LIMITS.__dict__, "max_processes": 12, "wall_clock": 10.0})
+    crowd = _spec(
+        "import os, time\nfor _ in range(10):\n    if os.fork() == 0:\n        time.sleep(1.5)\n"
+        "        os._exit(0)\ntime.sleep(1.5)\nprint('{}')\n",
+        limits=limits,
+    )
+    forks = _spec(FORKS, limits=limits)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run_sandboxed, crowd)
+        await anyio.sleep(0.5)  # the crowd is up: a limit counted now would include it
+        assert await pool.prime(forks)
+    result = await _in_spare(pool, forks)  # the crowd is gone
+    assert json.loads(result.stdout)["made"] <= limits.max_processes, result.stdout
+
+
+async def test_a_spare_that_dies_before_the_hand_over_leaves_the_call_to_a_fresh_sandbox(
+    pool: SparePool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tool never ran in it, so the call runs fresh; it is not the tool's failure."""
+    spec = _spec("print('{\"ok\": true}')")
+    assert await pool.prime(spec)
+    ready = pool._wait_ready
+
+    async def ready_then_dead(spare: Any) -> bool:
+        fine = await ready(spare)
+        # all of it dies, as when the OOM killer takes it: bwrap's init (its pid
+        # namespace with it), then bwrap
+        status = os.read(spare.sandbox.status_r, 4096)
+        init = json.loads(status.splitlines()[0])["child-pid"]
+        os.kill(init, 9)
+        os.killpg(spare.sandbox.child.pid, 9)
+        with anyio.fail_after(5):
+            await spare.sandbox.child.wait()
+        return fine
+
+    monkeypatch.setattr(pool, "_wait_ready", ready_then_dead)
+    taken, missed = pool.taken, pool.missed
+    result = await run_sandboxed(spec, pool)
+    assert result.exit_code == 0, result
+    assert json.loads(result.stdout) == {"ok": True}
+    assert (pool.taken, pool.missed) == (taken, missed + 1)
+
+
+async def test_a_call_cancelled_while_its_spare_starts_kills_that_spare(pool: SparePool) -> None:
+    spec = _spec("print('{}')")
+    kind = kind_of(spec)
+    assert kind is not None
+    pool._refill(kind, await ensure_sandbox(uid=LIMITS.sandbox_uid))  # starting, not ready
+    spare = pool._spares[kind]
+    with anyio.move_on_after(0.002) as scope:
+        await run_sandboxed(spec, pool)
+    assert scope.cancelled_caught
+    assert not spare.ready
+    with anyio.fail_after(5):
+        await spare.sandbox.child.wait()  # killed, not left waiting for a hand-over
+    assert pool._spares.get(kind) is not spare
+
+
+async def test_after_aclose_calls_run_fresh_and_start_no_spare() -> None:
+    pool = SparePool(2)
+    spec = _spec("print('{\"ok\": true}')")
+    assert await pool.prime(spec)
+    await pool.aclose()
+    assert not await pool.prime(spec)
+    result = await run_sandboxed(spec, pool)
+    assert json.loads(result.stdout) == {"ok": True}
+    assert len(pool) == 0
+    assert pool.taken == 0

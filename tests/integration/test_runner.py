@@ -498,7 +498,7 @@ async def _cmdline(pid: int) -> list[bytes]:
     process caught mid-exec shows none); a process that never shows one fails."""
     path = anyio.Path(f"/proc/{pid}/cmdline")
     with anyio.fail_after(5):
-        while not (raw := await path.read_bytes()):
+        while not (raw := await path.read_bytes()):  # noqa: ASYNC110 - /proc has no event
             await anyio.sleep(0.05)
     return raw.split(b"\0")
 
