@@ -23,7 +23,6 @@ import os
 import re
 import secrets as _random
 import sqlite3
-import stat
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -34,6 +33,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from sage.config import Config
 from sage.errors import SageError
+from sage.private import read_private
 
 __all__ = (
     "API_KEY",
@@ -80,25 +80,9 @@ def _check(namespace: str, name: str) -> None:
 
 
 def _read_key_file(path: Path, *, strict_owner: bool) -> bytes:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        raise SecretError(f"{path}: cannot open the secrets key: {exc.strerror}") from exc
-    try:
-        info = os.fstat(fd)
-        mode = stat.S_IMODE(info.st_mode)
-        if strict_owner and mode & 0o077:
-            raise SecretError(
-                f"{path}: secrets key is accessible by group or other (mode {mode:04o});"
-                f" run `chmod 600 {path}`"
-            )
-        if strict_owner and info.st_uid != os.geteuid():
-            raise SecretError(f"{path}: secrets key is owned by uid {info.st_uid}, not by us")
-        data = os.read(fd, 4096)
-    finally:
-        os.close(fd)
+    data = read_private(
+        path, what="secrets key", error=SecretError, check_owner=strict_owner, limit=4096
+    )
     key = data.strip() if len(data) != 32 else data
     if len(key) == 64:  # hex, as `systemd-creds` users often write it
         with contextlib.suppress(ValueError):

@@ -19,7 +19,6 @@ import base64
 import binascii
 import contextlib
 import os
-import stat
 from pathlib import Path
 from typing import Final
 
@@ -32,6 +31,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 from bus import BusError
 from bus.server import ensure_private_dir
 from sage.errors import AuditError
+from sage.private import read_private
 
 __all__ = (
     "KEY_FILENAME",
@@ -84,28 +84,7 @@ def _write_private(path: Path, data: bytes, mode: int) -> bool:
 
 
 def _read_private(path: Path) -> bytes:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        raise AuditError(f"{path}: cannot open the audit key: {exc.strerror}") from exc
-    try:
-        info = os.fstat(fd)
-        mode = stat.S_IMODE(info.st_mode)
-        if mode & 0o077:
-            raise AuditError(
-                f"{path}: audit key is accessible by group or other (mode {mode:04o});"
-                f" run `chmod 600 {path}`"
-            )
-        if info.st_uid != os.geteuid():
-            raise AuditError(f"{path}: audit key is owned by uid {info.st_uid}, not by us")
-        chunks: list[bytes] = []
-        while chunk := os.read(fd, 65536):
-            chunks.append(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
+    return read_private(path, what="audit key", error=AuditError)
 
 
 def _decode_private(path: Path, data: bytes) -> Ed25519PrivateKey:
