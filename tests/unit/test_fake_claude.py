@@ -888,7 +888,7 @@ def test_unknown_fault_answers_normally(spawn: Callable[..., Fake]) -> None:
     fake = spawn()
     fake.initialize()
     assert last_result(fake.turn("/fault warp 9")).result == "echo: /fault warp 9"
-    assert b"unknown fault 'warp'" in fake.stderr
+    fake.wait_for(lambda: b"unknown fault 'warp'" in fake.stderr)  # read by its own thread
 
 
 # -- start-up modes ---------------------------------------------------------------------------
