@@ -236,12 +236,7 @@ async def _cli(report: Report) -> None:
     await standin.start()
     root = short_dir()
     try:
-        env = {
-            "ANTHROPIC_API_KEY": API_KEY,
-            "ANTHROPIC_BASE_URL": standin.url,
-            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-            "DISABLE_TELEMETRY": "1",
-        }
+        env = {"ANTHROPIC_API_KEY": API_KEY, **standin.offline_env()}
         async with running_sage(sage_config(CLAUDE_BIN, env, extra=LIMITS), root=root) as sage:
             bare = _Bare(sage.daemon.config)
             print("  sessions: warming up (one bare, one supervised)", flush=True)

@@ -57,6 +57,7 @@ from sage.protocol import (
     encode_permission_deny,
     encode_user_turn,
 )
+from tests.e2e.standin import offline_env
 
 __all__ = ("FINDINGS", "MCP_CONFIG", "Host", "HostClosed", "run_claude")
 
@@ -339,10 +340,8 @@ def claude_env(home: Path, base_url: str) -> dict[str, str]:
     return {
         "HOME": str(home),
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "ANTHROPIC_BASE_URL": base_url,
         "ANTHROPIC_API_KEY": "sk-test",
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-        "DISABLE_TELEMETRY": "1",
+        **offline_env(base_url),
     }
 
 

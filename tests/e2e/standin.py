@@ -143,6 +143,15 @@ def _sse(event: dict[str, Any]) -> bytes:
     return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
 
 
+def offline_env(base_url: str) -> dict[str, str]:
+    """What points the CLI at a stand-in and keeps it off the network (NOTES.md)."""
+    return {
+        "ANTHROPIC_BASE_URL": base_url,
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_TELEMETRY": "1",
+    }
+
+
 class Standin:
     """The server; use ``async with Standin() as s`` or start()/stop()."""
 
@@ -168,6 +177,10 @@ class Standin:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def offline_env(self) -> dict[str, str]:
+        """:func:`offline_env` for this stand-in."""
+        return offline_env(self.url)
 
     @property
     def messages(self) -> list[Recorded]:

@@ -48,14 +48,9 @@ FORGE_FIB = {
 
 
 def _config(claude_bin: Path, standin: Standin) -> str:
-    env = {
-        "ANTHROPIC_BASE_URL": standin.url,
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-        "DISABLE_TELEMETRY": "1",
-    }
     return sage_config(
         claude_bin,
-        env,
+        standin.offline_env(),
         capsules='["runner", "tools", "forge"]',
         extra="[limits]\nstop_grace = 2.0\n",
         principal_extra='allowed_tools = ["mcp__forge__forge_tool", "mcp__forge__fib"]\n',

@@ -23,6 +23,7 @@ import anyio
 import msgspec
 import pytest
 
+from tests.e2e.host import claude_env
 from tests.e2e.standin import Standin, Text, ToolUse
 from tests.integration.sage_harness import running_sage, sage_config
 
@@ -33,14 +34,9 @@ KEY = "sk-ant-e2e-principal-key-5d2c"
 
 
 def _config(claude_bin: Path, standin: Standin) -> str:
-    env = {
-        "ANTHROPIC_BASE_URL": standin.url,
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-        "DISABLE_TELEMETRY": "1",
-    }
     return sage_config(
         claude_bin,
-        env,
+        standin.offline_env(),
         capsules='["runner", "tools", "greeter", "installer", "hooks"]',
         extra="[limits]\nstop_grace = 2.0\n",
         principal_extra='allowed_tools = ["mcp__sage__greet"]\n',
@@ -133,14 +129,7 @@ async def test_a_real_claude_uses_the_installed_mcp_json(
                 await anyio.sleep(0.05)
         home = Path(installed["home_path"])
         standin.push(ToolUse("mcp__sage__greet", {"name": "Ada"}), Text("greeted"))
-        env = {
-            "HOME": str(home),
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-            "ANTHROPIC_BASE_URL": standin.url,
-            "ANTHROPIC_API_KEY": "sk-test",
-            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-            "DISABLE_TELEMETRY": "1",
-        }
+        env = claude_env(home, standin.url)
         argv = [
             str(claude_bin),
             "-p",

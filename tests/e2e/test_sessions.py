@@ -34,17 +34,11 @@ GREET = {
 }
 
 
-def _env(standin: Standin) -> dict[str, str]:
-    return {
-        "ANTHROPIC_BASE_URL": standin.url,
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-        "DISABLE_TELEMETRY": "1",
-    }
-
-
 def _config(claude_bin: Path, standin: Standin, extra: str = "") -> str:
     return sage_config(
-        claude_bin, _env(standin), extra="[limits]\nstop_grace = 2.0\ninit_timeout = 30.0\n" + extra
+        claude_bin,
+        standin.offline_env(),
+        extra="[limits]\nstop_grace = 2.0\ninit_timeout = 30.0\n" + extra,
     )
 
 

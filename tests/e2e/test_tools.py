@@ -30,14 +30,9 @@ GREET = "mcp__sage__greet"
 def _config(
     claude_bin: Path, standin: Standin, *, allowed: str = '["mcp__sage__greet", "mcp__sage__shout"]'
 ) -> str:
-    env = {
-        "ANTHROPIC_BASE_URL": standin.url,
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-        "DISABLE_TELEMETRY": "1",
-    }
     return sage_config(
         claude_bin,
-        env,
+        standin.offline_env(),
         capsules='["runner", "tools", "greeter"]',
         extra="[limits]\nstop_grace = 2.0\n",
         principal_extra=f"allowed_tools = {allowed}\n",

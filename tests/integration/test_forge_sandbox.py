@@ -28,7 +28,7 @@ from sage.forge import sandbox as sb
 from sage.forge.redact import redact_json, redact_text
 from sage.forge.sandbox import Bind, Limits, SandboxResult, SandboxSpec, run_sandboxed
 from sage.forge.spares import SparePool, kind_of
-from tests.integration.sandbox_rig import LIMITS, PY
+from tests.integration.sandbox_rig import LIMITS, PY, in_spare
 
 pytestmark = pytest.mark.anyio
 
@@ -77,11 +77,7 @@ async def _run(code: str, *, stdin: Any = None, **kwargs: Any) -> SandboxResult:
     pool = _POOL
     if pool is None or kind_of(spec) is None:
         return await run_sandboxed(spec)
-    assert await pool.prime(spec), "no spare sandbox could be started"
-    taken = pool.taken
-    result = await run_sandboxed(spec, pool)
-    assert pool.taken == taken + 1, "the call did not run in the spare"
-    return result
+    return await in_spare(pool, spec)
 
 
 def _json(result: SandboxResult) -> Any:

@@ -24,13 +24,12 @@ from sage.forge.sandbox import (
     IMPL_PATH,
     Bind,
     Limits,
-    SandboxResult,
     SandboxSpec,
     ensure_sandbox,
     run_sandboxed,
 )
 from sage.forge.spares import SparePool, kind_of
-from tests.integration.sandbox_rig import LIMITS, PY
+from tests.integration.sandbox_rig import LIMITS, PY, in_spare
 
 pytestmark = pytest.mark.anyio
 
@@ -52,14 +51,6 @@ async def pool() -> AsyncIterator[SparePool]:
         yield spares
     finally:
         await spares.aclose()
-
-
-async def _in_spare(pool: SparePool, spec: SandboxSpec) -> SandboxResult:
-    assert await pool.prime(spec)
-    taken = pool.taken
-    result = await run_sandboxed(spec, pool)
-    assert pool.taken == taken + 1
-    return result
 
 
 def _alive_with(token: str) -> list[int]:
@@ -96,7 +87,7 @@ async def test_a_spare_runs_a_tool_as_python3_forge_tool_py_would(pool: SparePoo
     """Same argv, __file__, __main__, sys.path[0], input and environment as a fresh sandbox."""
     spec = _spec(PARITY, {"n": 5}, env={"FORGE_TOKEN": "tok-123456789"})
     fresh = await run_sandboxed(spec)
-    spare = await _in_spare(pool, spec)
+    spare = await in_spare(pool, spec)
     assert fresh.exit_code == spare.exit_code == 0, spare.stderr_tail
     assert json.loads(spare.stdout) == json.loads(fresh.stdout)
     assert json.loads(spare.stdout)["secret"] == "tok-123456789"
@@ -105,23 +96,23 @@ async def test_a_spare_runs_a_tool_as_python3_forge_tool_py_would(pool: SparePoo
 
 async def test_errors_and_exit_codes_are_the_tools_own(pool: SparePool) -> None:
     """A traceback starts at the tool's frame; sys.exit(N) and syntax errors exit as usual."""
-    crash = await _in_spare(pool, _spec("def f():\n    raise ValueError('boom')\nf()\n"))
+    crash = await in_spare(pool, _spec("def f():\n    raise ValueError('boom')\nf()\n"))
     text = crash.stderr_tail.decode()
     assert crash.exit_code == 1
     assert 'File "/forge/tool.py", line 2, in f' in text
     assert "ValueError: boom" in text
     assert "spare.py" not in text
-    exited = await _in_spare(pool, _spec("import sys\nsys.exit(3)\n"))
+    exited = await in_spare(pool, _spec("import sys\nsys.exit(3)\n"))
     assert exited.exit_code == 3
-    broken = await _in_spare(pool, _spec("def f(:\n"))
+    broken = await in_spare(pool, _spec("def f(:\n"))
     assert broken.exit_code == 1
     assert "SyntaxError" in broken.stderr_tail.decode()
     assert "spare.py" not in broken.stderr_tail.decode()
     interrupted = _spec("raise KeyboardInterrupt\n")
     fresh = await run_sandboxed(interrupted)
-    spared = await _in_spare(pool, interrupted)
+    spared = await in_spare(pool, interrupted)
     assert fresh.signal == spared.signal == 2  # SIGINT, as the interpreter ends itself
-    future = await _in_spare(pool, _spec("def f(x: undefined_name) -> None: pass\nprint('{}')\n"))
+    future = await in_spare(pool, _spec("def f(x: undefined_name) -> None: pass\nprint('{}')\n"))
     assert future.exit_code == 1  # annotations are evaluated: no __future__ leaks from the loader
     assert "NameError" in future.stderr_tail.decode()
 
@@ -146,8 +137,8 @@ async def test_a_spare_is_used_once_and_forge_is_read_only_after_the_hand_over(
         tool = "read-only"
     print(json.dumps({"seen": seen, "forge": forge, "tool": tool, "pid": os.getpid()}))
     """
-    first = json.loads((await _in_spare(pool, _spec(code))).stdout)
-    second = json.loads((await _in_spare(pool, _spec(code))).stdout)
+    first = json.loads((await in_spare(pool, _spec(code))).stdout)
+    second = json.loads((await in_spare(pool, _spec(code))).stdout)
     assert first["seen"] is second["seen"] is False
     assert first["forge"] == first["tool"] == second["forge"] == "read-only"
 
@@ -188,10 +179,10 @@ async def test_kinds_are_kept_apart_and_the_pool_stays_bounded() -> None:
         tighter = _spec("print('{}')", limits=Limits(**{**LIMITS.__dict__, "cpu_seconds": 2}))
         assert len({kind_of(offline), kind_of(online), kind_of(tighter)}) == 3
         for spec in (offline, online, tighter):
-            result = await _in_spare(pool, spec)
+            result = await in_spare(pool, spec)
             assert result.exit_code == 0, result.stderr_tail
             assert len(pool) <= 1
-        assert (await _in_spare(pool, online)).label == "bwrap+net-noloop"
+        assert (await in_spare(pool, online)).label == "bwrap+net-noloop"
     finally:
         await pool.aclose()
 
@@ -250,7 +241,7 @@ async def test_a_process_flood_in_a_spare_is_contained(pool: SparePool) -> None:
             os.execv("/bin/sh", ["sh", "-c", "while :; do sleep 1; done # {token}"])
         made += 1
     """
-    result = await _in_spare(pool, _spec(code, limits=limits))
+    result = await in_spare(pool, _spec(code, limits=limits))
     assert result.timed_out
     await anyio.sleep(0.1)
     assert _alive_with(token) == []
@@ -310,7 +301,7 @@ async def test_the_process_limit_is_counted_at_the_hand_over_not_at_the_spare_st
         tg.start_soon(run_sandboxed, crowd)
         await anyio.sleep(0.5)  # the crowd is up: a limit counted now would include it
         assert await pool.prime(forks)
-    result = await _in_spare(pool, forks)  # the crowd is gone
+    result = await in_spare(pool, forks)  # the crowd is gone
     assert json.loads(result.stdout)["made"] <= limits.max_processes, result.stdout
 
 
