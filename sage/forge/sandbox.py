@@ -585,6 +585,11 @@ def _count_tasks(uid: int) -> int:
     return count
 
 
+def run_as(limits: Limits) -> int | None:
+    """The uid bwrap is switched to: the sandbox uid when we are root, else None (our own)."""
+    return limits.sandbox_uid if os.geteuid() == 0 else None
+
+
 def nproc_limit(limits: Limits, *, running: int = 0) -> int:
     """RLIMIT_NPROC for a sandbox: what its uid runs now, plus ``max_processes``, plus 2.
 
@@ -593,7 +598,8 @@ def nproc_limit(limits: Limits, *, running: int = 0) -> int:
     own already (a spare: bwrap, its init and the interpreter, 3), taken off
     so that the tool and its children get ``max_processes`` either way.
     """
-    uid = limits.sandbox_uid if os.geteuid() == 0 else os.getuid()
+    switched = run_as(limits)
+    uid = os.getuid() if switched is None else switched
     return _count_tasks(uid) - running + limits.max_processes + 2
 
 
@@ -699,9 +705,11 @@ async def run_sandboxed(spec: SandboxSpec, spares: SparePool | None = None) -> S
     call, or one that finds no spare, gets a fresh sandbox.
     """
     limits = spec.limits
-    root = os.geteuid() == 0
-    uid = limits.sandbox_uid if root else os.getuid()
-    gids: tuple[int, ...] = (uid,) if root else (os.getgid(), *os.getgroups())
+    switched = run_as(limits)
+    if switched is None:
+        uid, gids = os.getuid(), (os.getgid(), *os.getgroups())
+    else:
+        uid, gids = switched, (switched,)
     tools = await _PROBE.ensure(limits.sandbox_uid)
     if not spec.argv:
         raise SandboxError("bad_command", "empty command line")
@@ -748,8 +756,6 @@ def start_sandbox(
     forge_bytes: int = 0,
 ) -> Started:
     """Start bwrap around ``argv`` (the binds are opened here, as checked); returns at once."""
-    root = os.geteuid() == 0
-    uid = limits.sandbox_uid if root else os.getuid()
     opened: list[int] = []
     status_r = status_w = -1
     try:
@@ -784,7 +790,7 @@ def start_sandbox(
         args_fd = _memfd("forge-args", b"".join(a.encode() + b"\0" for a in args))
         opened.append(args_fd)
         nproc = nproc_limit(limits)
-        prefix = launcher(tools, uid=uid if root else None, rlimits=_rlimits(limits, nproc))
+        prefix = launcher(tools, uid=run_as(limits), rlimits=_rlimits(limits, nproc))
         at = time.monotonic()
         try:
             # no preexec_fn and no user=: Python spawns with vfork (see sage.bwrap.launcher)

@@ -189,7 +189,7 @@ class Forge:
     runs: RunStore = field(init=False)
     counts: Counter[tuple[str, str]] = field(init=False, default_factory=Counter)
     stats: StatsFile = field(init=False)
-    _saved_at: float = field(init=False, default=float("-inf"))
+    _saved_at: float = field(init=False)
     _breaker_moved: bool = field(init=False, default=False)
     _validators: dict[str, Callable[[Any], Any]] = field(init=False, default_factory=dict)
 
