@@ -9,7 +9,7 @@ CLAUDE_VERSION := 2.1.328
 CLAUDE_BIN := $(TOOLS)/node_modules/@anthropic-ai/claude-code-linux-x64/claude
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test check lint typecheck format bench clean system-deps
+.PHONY: setup run test check lint typecheck format bench clean system-deps transcripts
 
 setup: $(STAMP) $(CLAUDE_BIN) system-deps
 
@@ -63,6 +63,11 @@ check: setup lint typecheck test
 
 bench: setup
 	$(BIN)/python -m tests.bench
+
+# Re-record the golden stream-json transcripts (tests/fixtures/claude-code-<version>/)
+# from the real CLI against the Messages API stand-in; CLAUDE=path for another release.
+transcripts: setup
+	$(BIN)/python -m tests.e2e.record $(if $(CLAUDE),--binary $(CLAUDE))
 
 clean:
 	rm -rf $(VENV) $(TOOLS) .state

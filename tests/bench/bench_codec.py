@@ -33,9 +33,7 @@ from sage.protocol import (
 )
 from tests.bench.report import Report
 
-REFERENCE = (
-    Path(__file__).resolve().parents[2].parent / "shared" / "reference" / "claude-code-2.1.328"
-)
+REFERENCE = Path(__file__).resolve().parents[1] / "fixtures" / "claude-code-2.1.328"
 TARGET_LINES = 100_000
 CHUNK = 64 * 1024
 ROUNDS = 5

@@ -6,7 +6,7 @@ where the real CLI cannot be made to misbehave on cue.  Standard library
 only; it starts in a few tens of milliseconds.  The real CLI stays the
 proof that the protocol works (tests/e2e); this double copies its wire
 format, including the field order of ``result`` lines, as observed in
-``reference/claude-code-2.1.328`` and in live runs of the pinned binary.
+``tests/fixtures/claude-code-2.1.328`` and in live runs of the pinned binary.
 
 Command line
 ------------

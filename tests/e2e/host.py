@@ -113,6 +113,7 @@ class Host:
         self.invalid: list[InvalidLine | LineTooLong] = []
         self.unknown: list[UnknownMessage] = []
         self.stderr = bytearray()
+        self.stdout = bytearray()  # every byte the CLI wrote, for recording transcripts
         self.tools: list[str] = ["greet"]
         self.mcp_methods: list[str] = []
         self.tool_calls: list[dict[str, Any]] = []
@@ -169,9 +170,11 @@ class Host:
         await self.write(encode_user_turn(text))
         return await self.until(ResultMessage)
 
-    async def request(self, subtype: str, encode: Callable[[str], bytes]) -> ControlOutcome:
+    async def request(
+        self, subtype: str, encode: Callable[[str], bytes], request_id: str | None = None
+    ) -> ControlOutcome:
         """Send a control request (``encode(request_id)``) and wait for its answer."""
-        request_id = self.channel.open_request(subtype)
+        request_id = self.channel.open_request(subtype, request_id=request_id)
         self.log.append(f"-> {subtype} {request_id}")
         await self.write(encode(request_id))
         await self.wait_until(lambda: request_id in self._outcomes)
@@ -191,6 +194,7 @@ class Host:
         assert self.proc.stdout is not None
         try:
             async for chunk in self.proc.stdout:
+                self.stdout += chunk
                 for event in self.decoder.feed(chunk):
                     await self._handle(event)
                 self._notify()
@@ -377,7 +381,7 @@ async def run_claude(
             try:
                 matchers = {"PreToolUse": [HookMatcher(None, [HOOK_ID])]} if hooks else None
                 outcome = await host.request(
-                    "initialize", lambda rid: encode_initialize(rid, matchers)
+                    "initialize", lambda rid: encode_initialize(rid, matchers), "req_init"
                 )
                 assert outcome.state is OutgoingState.COMPLETED, outcome
                 yield host
