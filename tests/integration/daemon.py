@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -20,6 +21,27 @@ ASTRID = [sys.executable, "-m", "sage.cli"]
 def short_dir() -> Path:
     """A temp folder with a short path (AF_UNIX paths are limited to 107 bytes)."""
     return Path(tempfile.mkdtemp(prefix="sg", dir="/tmp"))
+
+
+def descendants(root: int) -> list[int]:
+    """Every live process below ``root`` (children first found, from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as file:
+                ppid = int(file.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out: list[int] = []
+    todo = [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 class Daemon:
@@ -98,7 +120,10 @@ class Daemon:
         try:
             code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            # a supervisor that does not stop: kill it and all it started, by pid
+            for pid in [self.proc.pid, *descendants(self.proc.pid)]:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
             code = self.proc.wait()
         self._log.close()
         return code

@@ -11,6 +11,7 @@ process.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -26,6 +27,8 @@ from bus.client import BusClient, RemoteSubscription
 from tests.integration.daemon import Daemon, short_dir
 
 __all__ = ("Events", "Sage", "running_sage", "sage_config")
+
+STOP_DEADLINE = 8.0  # seconds a supervisor gets to stop before it and its children are killed
 
 
 def sage_config(
@@ -126,14 +129,21 @@ class Sage:
 async def running_sage(
     config: str, *, env: dict[str, str] | None = None, root: Path | None = None
 ) -> AsyncIterator[Sage]:
+    """Start a supervisor, yield it connected; stop it however the body ends.
+
+    The stop is shielded from the test's cancellation (a test that passed its
+    deadline still stops what it started) and bounded: SIGTERM, then after
+    ``STOP_DEADLINE`` s SIGKILL to the supervisor and every process it
+    started (its process tree, found by pid)."""
     own = root is None
     daemon = Daemon(root or short_dir(), config, env=env)
     daemon.launch()  # in the loop's thread: the daemon's death signal is tied to it
-    await anyio.to_thread.run_sync(daemon.wait_ready)
     try:
+        await anyio.to_thread.run_sync(daemon.wait_ready)
         async with BusClient.connect(daemon.socket, role="cli", name="test") as client:
             yield Sage(daemon, client)
     finally:
-        await anyio.to_thread.run_sync(daemon.stop)
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(functools.partial(daemon.stop, STOP_DEADLINE))
         if own:
             shutil.rmtree(daemon.root, ignore_errors=True)

@@ -1,0 +1,68 @@
+"""Every tier: an async test that overruns ends inside its own event loop.
+
+pytest-timeout's signal method raises in whatever frame the main thread is
+in; inside a running asyncio loop that leaves the test, its async fixtures
+and the supervisors it started waiting on a loop that never turns again, and
+one stuck test stalls the whole run.  So each async test body runs under an
+anyio deadline a little shorter than its pytest timeout: a hang becomes a
+``TimeoutError`` in the test, the ``async with`` blocks unwind (shielded
+teardowns stop what they started), and pytest-timeout stays the backstop.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any
+
+import anyio
+import pytest
+
+#: Seconds kept back from the pytest timeout for the test's teardown.
+TEARDOWN_MARGIN = 10.0
+
+
+def body_deadline(item: pytest.Item) -> float | None:
+    """The anyio deadline of a test body: its pytest timeout less the margin."""
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and marker.args:
+        timeout = float(marker.args[0])
+    elif marker is not None and "timeout" in marker.kwargs:
+        timeout = float(marker.kwargs["timeout"])
+    else:
+        timeout = float(item.config.getini("timeout") or 0)
+    if timeout <= 0:
+        return None
+    return max(timeout - TEARDOWN_MARGIN, timeout * 0.5)
+
+
+def _bounded(
+    func: Callable[..., Coroutine[Any, Any, Any]], deadline: float
+) -> Callable[..., Coroutine[Any, Any, Any]]:
+    @functools.wraps(func)
+    async def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            with anyio.fail_after(deadline):
+                return await func(*args, **kwargs)
+        except TimeoutError as exc:
+            raise TimeoutError(
+                f"test body passed its {deadline:g} s deadline (pytest timeout less"
+                f" {TEARDOWN_MARGIN:g} s for teardown)"
+            ) from exc
+
+    return run
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> Iterator[None]:
+    func = pyfuncitem.obj
+    deadline = body_deadline(pyfuncitem)
+    if deadline is None or not inspect.iscoroutinefunction(func):
+        yield
+        return
+    pyfuncitem.obj = _bounded(func, deadline)
+    try:
+        yield
+    finally:
+        pyfuncitem.obj = func

@@ -1,0 +1,52 @@
+"""The test harness itself: a hung test ends inside its loop and stops what it started."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import anyio
+import pytest
+
+from tests.conftest import TEARDOWN_MARGIN, _bounded
+from tests.integration.daemon import descendants
+from tests.integration.sage_harness import running_sage, sage_config
+
+pytestmark = pytest.mark.anyio
+
+FAKE = os.path.join(os.path.dirname(__file__), "..", "doubles", "fake_claude.py")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def test_a_hung_body_becomes_a_timeout_error() -> None:
+    async def hang() -> None:
+        await anyio.sleep(3600)
+
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=f"less {TEARDOWN_MARGIN:g} s for teardown"):
+        await _bounded(hang, 0.2)()
+    assert time.monotonic() - t0 < 2
+
+
+async def test_a_cancelled_body_still_stops_its_supervisor_and_sessions() -> None:
+    """The cancel that ends a hung test must not skip the supervisor's stop."""
+    config = sage_config(FAKE, {})
+    with anyio.move_on_after(20) as scope:
+        async with running_sage(config, env={"ANTHROPIC_API_KEY": "sk-double"}) as sage:
+            assert sage.daemon.proc is not None
+            daemon = sage.daemon.proc.pid
+            await sage.ready("hung")
+            below = descendants(daemon)
+            assert below  # the session's claude double
+            scope.deadline = anyio.current_time()  # the test's deadline passes here
+            await anyio.sleep(3600)
+    assert scope.cancelled_caught
+    assert not _alive(daemon)
+    assert not [pid for pid in below if _alive(pid)]
