@@ -5,13 +5,23 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 TOOLS := .tools
-CLAUDE_VERSION := 2.1.328
-CLAUDE_BIN := $(TOOLS)/node_modules/@anthropic-ai/claude-code-linux-x64/claude
+# Claude Code releases, read from the one place that names them (sage/claude_binary.py):
+# the pin (the whole suite), the supported range's floor and newest (the e2e suite),
+# and a release whose -p default permission mode is auto (e2e witness).
+claude_const = $(shell sed -n 's/^$(1): Final = "\(.*\)"/\1/p' sage/claude_binary.py)
+CLAUDE_VERSION := $(call claude_const,PINNED)
+CLAUDE_FLOOR := $(call claude_const,FLOOR)
+CLAUDE_NEWEST := $(call claude_const,NEWEST_TESTED)
+CLAUDE_WITNESS := $(call claude_const,AUTO_DEFAULT_WITNESS)
+NATIVE := node_modules/@anthropic-ai/claude-code-linux-x64/claude
+CLAUDE_BIN := $(TOOLS)/$(NATIVE)
+CLAUDE_OTHERS := $(foreach v,$(sort $(CLAUDE_FLOOR) $(CLAUDE_NEWEST) $(CLAUDE_WITNESS)),$(TOOLS)/$(v)/$(NATIVE))
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test check lint typecheck format bench clean system-deps transcripts
+.PHONY: setup run test test-matrix check lint typecheck format bench clean system-deps \
+	transcripts claude-versions
 
-setup: $(STAMP) $(CLAUDE_BIN) system-deps
+setup: $(STAMP) $(CLAUDE_BIN) $(CLAUDE_OTHERS) system-deps
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON)"; exit 1; }
@@ -30,6 +40,19 @@ $(CLAUDE_BIN):
 	  @anthropic-ai/claude-code-linux-x64@$(CLAUDE_VERSION)
 	test -x $(CLAUDE_BIN)
 
+# Other releases, each in .tools/<version>/ (its own package.json: npm must not walk
+# up to .tools/ and replace the pin).
+$(TOOLS)/%/$(NATIVE):
+	mkdir -p $(TOOLS)/$*
+	echo '{"private": true}' > $(TOOLS)/$*/package.json
+	cd $(TOOLS)/$* && npm install --no-audit --no-fund --loglevel=error \
+	  --ignore-scripts \
+	  @anthropic-ai/claude-code@$* @anthropic-ai/claude-code-linux-x64@$*
+	test -x $@
+
+claude-versions:
+	@echo "pin $(CLAUDE_VERSION) floor $(CLAUDE_FLOOR) newest $(CLAUDE_NEWEST) witness $(CLAUDE_WITNESS)"
+
 # bubblewrap (forge sandbox) and nats-server (benchmark reference), with
 # apt when we are root and they are missing.
 system-deps:
@@ -45,8 +68,18 @@ system-deps:
 run: setup
 	$(BIN)/astrid supervisor run
 
+# The whole suite on the pin, then the end-to-end suite on the floor and the newest
+# release of the supported range (docs/operations.md, "Claude Code versions").
 test: setup
 	$(BIN)/python -m pytest
+	$(MAKE) --no-print-directory test-matrix
+
+test-matrix: setup
+	@for v in $(CLAUDE_FLOOR) $(CLAUDE_NEWEST); do \
+	  echo "== tests/e2e on Claude Code $$v"; \
+	  SAGE_CLAUDE_BIN=$(CURDIR)/$(TOOLS)/$$v/$(NATIVE) $(BIN)/python -m pytest tests/e2e -q \
+	    || exit 1; \
+	done
 
 lint:
 	$(BIN)/ruff format --check sage bus capsules tests

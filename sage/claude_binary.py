@@ -8,16 +8,24 @@ expanded), else the binary ``make setup`` installs into the repository's
 :class:`~sage.errors.ConfigError` line.  :func:`read_claude_version` runs
 ``claude --version`` in a small clean environment (a throw-away HOME, no
 telemetry, none of ``[claude] env``) under a deadline, and
-:func:`parse_claude_version` is its pure core.  A version is "tested" when
-it is the configured ``claude.version`` or one of :data:`TESTED_VERSIONS`.
+:func:`parse_claude_version` is its pure core.
+
+The version policy (:func:`support`) is built in, not configured: a release
+is ``supported`` inside [:data:`FLOOR`, :data:`NEWEST_TESTED`] (the lowest and
+the highest release the end-to-end suite passes on; CI runs it on both and
+on :data:`PINNED`), ``untested`` above that (it may work: a warning),
+``too_old`` below the floor and ``known_bad`` when listed in
+:data:`KNOWN_BAD` (both refused: doctor fails, the runner will not spawn).
 """
 
 from __future__ import annotations
 
+import enum
 import os
 import re
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -28,16 +36,86 @@ from sage.config import Config
 from sage.errors import ConfigError, ProcessError
 
 __all__ = (
+    "AUTO_DEFAULT_WITNESS",
+    "FLOOR",
     "INSTALLED_BINARY",
-    "TESTED_VERSIONS",
-    "is_tested",
+    "KNOWN_BAD",
+    "NEWEST_TESTED",
+    "PINNED",
+    "Support",
+    "Verdict",
     "parse_claude_version",
     "read_claude_version",
     "resolve_claude_binary",
+    "support",
+    "version_key",
 )
 
-TESTED_VERSIONS: Final[frozenset[str]] = frozenset({"2.1.328"})
-"""Claude Code versions this release of sage was tested against."""
+PINNED: Final = "2.1.328"
+"""The release ``make setup`` installs and the whole test suite runs on."""
+FLOOR: Final = "2.1.275"
+"""The lowest release the end-to-end suite passes on (CI runs it there).  Below it:
+<= ~2.1.250 ignores ``notifications/tools/list_changed`` from an sdk MCP server (a
+tool added mid-session never reaches the model); 2.1.0 sends no
+``system/api_retry`` and drops a whole ``settings.local.json`` naming a hook event
+it does not know; 2.0.x lacks ``--tools`` and ``--append-system-prompt-file``."""
+NEWEST_TESTED: Final = "2.1.332"
+"""The highest release the end-to-end suite passes on (CI runs it there)."""
+AUTO_DEFAULT_WITNESS: Final = "2.1.300"
+"""A release (of 2.1.296 to 2.1.301) whose ``-p`` default permission mode is ``auto``;
+``make setup`` installs it and the e2e suite shows sessions on it still ask sage."""
+KNOWN_BAD: Final[dict[str, str]] = {}
+"""Releases inside the range that must not run, with the reason.  2.1.296 to 2.1.301,
+whose ``-p`` default permission mode is ``auto``, are not listed: sage passes
+``--permission-mode default`` and checks the mode the CLI reports, and the suite
+passes on 2.1.300 that way."""
+
+
+class Support(enum.Enum):
+    SUPPORTED = "supported"
+    UNTESTED = "untested"  # newer than NEWEST_TESTED: allowed, with a warning
+    TOO_OLD = "too_old"
+    KNOWN_BAD = "known_bad"
+
+    @property
+    def allowed(self) -> bool:
+        """Whether sessions may run on such a release."""
+        return self in (Support.SUPPORTED, Support.UNTESTED)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    version: str
+    support: Support
+    message: str
+
+
+def version_key(version: str) -> tuple[int, ...]:
+    """``2.1.328`` -> ``(2, 1, 328)``; a suffix (``-beta``) is ignored."""
+    match = re.match(r"(\d+)\.(\d+)\.(\d+)", version)
+    if match is None:
+        raise ValueError(f"not a Claude Code version: {version!r}")
+    return tuple(int(part) for part in match.groups())
+
+
+def support(version: str) -> Verdict:
+    """Where ``version`` stands against the built-in policy, with a one-line message."""
+    span = f"supported: {FLOOR} to {NEWEST_TESTED}"
+    bad = KNOWN_BAD.get(version)
+    if bad is not None:
+        return Verdict(version, Support.KNOWN_BAD, f"{version} is known bad ({bad}); {span}")
+    key = version_key(version)
+    if key < version_key(FLOOR):
+        return Verdict(version, Support.TOO_OLD, f"{version} is older than the floor ({span})")
+    if key > version_key(NEWEST_TESTED):
+        return Verdict(
+            version,
+            Support.UNTESTED,
+            f"{version} is newer than any release sage was tested with ({span});"
+            " run the e2e suite on it (docs/operations.md, Claude Code versions)",
+        )
+    return Verdict(version, Support.SUPPORTED, f"{version} ({span})")
+
 
 INSTALLED_BINARY: Final[Path] = (
     Path(sage.__file__).resolve().parents[1]
@@ -119,11 +197,6 @@ async def read_claude_version(path: Path, *, timeout: float = 15.0) -> str:  # n
         return parse_claude_version(stdout)
     except ProcessError as exc:
         raise ProcessError(f"{path} --version: {exc}") from None
-
-
-def is_tested(version: str, config: Config) -> bool:
-    """Whether sage was tested with this Claude Code version (config's or built in)."""
-    return version == config.claude.version or version in TESTED_VERSIONS
 
 
 def _exit_text(returncode: int) -> str:

@@ -133,8 +133,9 @@ class AuditConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
 class ClaudeConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     binary: str = ""
     """Path of the ``claude`` binary; empty means the one ``make setup`` installed, else PATH."""
-    version: str = "2.1.328"
-    """The Claude Code version this release of sage was tested against."""
+    version: str = ""
+    """Ignored, kept so older configs load: the supported Claude Code range is built
+    into sage (``sage/claude_binary.py``); ``astrid doctor`` warns when it is set."""
     env: dict[str, str] = {}
     """Extra environment for every ``claude`` child (e.g. ANTHROPIC_BASE_URL)."""
     api_key_file: str = ""

@@ -6,7 +6,9 @@ from __future__ import annotations
 import hashlib
 import secrets
 
-__all__ = ("KNOWN_HOOKS", "hash_token", "mint_token")
+from sage.claude_binary import version_key
+
+__all__ = ("HOOK_EVENTS_SINCE", "KNOWN_HOOKS", "hash_token", "hooks_known_by", "mint_token")
 
 KNOWN_HOOKS = frozenset(
     {
@@ -49,6 +51,63 @@ KNOWN_HOOKS = frozenset(
     }
 )
 """Claude Code hook event names, as ``hook_event_name`` spells them."""
+
+_BASE = "2.1.0"
+HOOK_EVENTS_SINCE: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "PreToolUse",
+            "PostToolUse",
+            "PostToolUseFailure",
+            "UserPromptSubmit",
+            "Notification",
+            "Stop",
+            "SubagentStart",
+            "SubagentStop",
+            "PreCompact",
+            "SessionStart",
+            "SessionEnd",
+            "PermissionRequest",
+        ),
+        _BASE,
+    ),
+    **dict.fromkeys(
+        (
+            "ConfigChange",
+            "CwdChanged",
+            "Elicitation",
+            "ElicitationResult",
+            "FileChanged",
+            "InstructionsLoaded",
+            "PermissionDenied",
+            "PostCompact",
+            "Setup",
+            "StopFailure",
+            "TaskCompleted",
+            "TaskCreated",
+            "TeammateIdle",
+            "WorktreeCreate",
+            "WorktreeRemove",
+        ),
+        "2.1.100",
+    ),
+    **dict.fromkeys(("MessageDisplay", "PostToolBatch", "UserPromptExpansion"), "2.1.200"),
+    "DirectoryAdded": "2.1.250",
+    **dict.fromkeys(("PreModelSwitch", "PostModelSwitch"), "2.1.275"),
+}
+"""The first release known to accept each hook event in its settings.
+
+Read off the released binaries of 2.1.0, 2.1.100, 2.1.200, 2.1.250 and 2.1.275
+(an event is known when the CLI names it), so a release between two of those
+gets only the events of the older one: leaving a hook out is safe, naming one
+the CLI does not know is not (2.1.0 drops the whole ``settings.local.json``,
+deny rules and ``apiKeyHelper`` included, without a word)."""
+
+
+def hooks_known_by(version: str) -> frozenset[str]:
+    """The hook events Claude Code ``version`` knows (see :data:`HOOK_EVENTS_SINCE`)."""
+    key = version_key(version)
+    return frozenset(e for e, since in HOOK_EVENTS_SINCE.items() if version_key(since) <= key)
 
 
 def mint_token() -> str:

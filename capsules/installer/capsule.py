@@ -13,7 +13,8 @@ home_path?, error?, config?, changed}``, whatever happens.  A successful
 ``run`` is audited as ``sage.v1.audit.install_choices`` ``{principal_id,
 interaction_mode, auth_mode}``.
 
-The files are those of :mod:`capsules.installer.files`: settings, ``.mcp.json``,
+The files are those of :mod:`capsules.installer.files`: settings (hooks for
+the events the installed ``claude`` knows, by its version), ``.mcp.json``,
 ``CLAUDE.md`` and the marker.  Each is written
 atomically (temp file in the same folder, fsync, rename, 0600) and only
 when its content differs (``changed`` lists those written; ``force``
@@ -37,7 +38,9 @@ import msgspec
 from bus import BusError, Envelope
 from capsules.installer import files
 from sage.capsules import CapsuleContext
+from sage.claude_binary import FLOOR, read_claude_version, resolve_claude_binary
 from sage.config import NAME_PATTERN
+from sage.errors import SageError
 from sage.homes import unsafe_home, write_private
 
 __all__ = ("Installer", "run")
@@ -77,6 +80,19 @@ class Installer:
     def __init__(self, ctx: CapsuleContext) -> None:
         self.ctx = ctx
         self._locks: dict[str, anyio.Lock] = {}
+        self._versions: dict[Path, str] = {}
+
+    async def claude_version(self) -> str:
+        """The version of the claude sessions will run, which decides the hook events
+        written; the floor's when it cannot be read (the runner refuses to spawn then)."""
+        try:
+            binary = resolve_claude_binary(self.ctx.config)
+            if binary not in self._versions:
+                self._versions[binary] = await read_claude_version(binary)
+            return self._versions[binary]
+        except SageError as exc:
+            self.ctx.log.warning("installer.claude_version_unknown", error=str(exc), using=FLOOR)
+            return FLOOR
 
     def _publish(self, topic: str, payload: dict[str, Any], principal: str | None) -> None:
         try:
@@ -146,8 +162,9 @@ class Installer:
             for stale in folder.glob(".*.tmp") if folder.is_dir() else ():
                 with contextlib.suppress(OSError):
                     stale.unlink()
+        version = await self.claude_version()
         contents = {
-            str(SETTINGS): files.settings_local(config, _command("astrid-emit")),
+            str(SETTINGS): files.settings_local(config, _command("astrid-emit"), version),
             str(MCP_JSON): files.mcp_json(
                 name, _command("astrid"), str(self.ctx.config.socket_path)
             ),
@@ -159,7 +176,7 @@ class Installer:
             if _write(home / rel, contents[str(rel)], force=request.force):
                 changed.append(str(rel))
         self._step(name, rid, "marker")
-        mark = files.marker(name, config, self.ctx.config.claude.version, contents)
+        mark = files.marker(name, config, version, contents)
         previous = _read_json(home / MARKER)
         if request.force or changed or not _same_marker(previous, mark):
             mark["installed_at"] = time.time()

@@ -29,7 +29,7 @@ from typing import Any, Final
 
 import msgspec
 
-from sage.hooks import KNOWN_HOOKS
+from sage.hooks import KNOWN_HOOKS, hooks_known_by
 
 __all__ = (
     "ARTIFACT_VERSION",
@@ -69,10 +69,13 @@ def _json(value: Any) -> bytes:
     return msgspec.json.format(msgspec.json.encode(value), indent=2) + b"\n"
 
 
-def settings_local(config: dict[str, Any], emit: str) -> bytes:
-    """``.claude/settings.local.json`` for ``config`` (interaction_mode, auth_mode, ...)."""
+def settings_local(config: dict[str, Any], emit: str, claude_version: str) -> bytes:
+    """``.claude/settings.local.json`` for ``config`` (interaction_mode, auth_mode, ...),
+    hooking only the events ``claude_version`` knows (a release that meets one it does
+    not know may drop the whole file, deny rules and ``apiKeyHelper`` with it)."""
+    known = hooks_known_by(claude_version)
     hooks: dict[str, list[dict[str, Any]]] = {}
-    for event in HOOK_EVENTS:
+    for event in (e for e in HOOK_EVENTS if e in known):
         entry: dict[str, Any] = {
             "hooks": [
                 {

@@ -20,6 +20,7 @@ from sage.hooks import hash_token, mint_token
 
 __all__ = (
     "MCP_CONFIG",
+    "PERMISSION_MODE",
     "Launch",
     "build_launch",
     "flags_hash",
@@ -35,6 +36,10 @@ MCP_CONFIG = (
 )
 LOCALE_VARS = ("LANG", "LC_ALL", "LC_CTYPE")
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
+#: Every session asks for it: in ``default`` a tool that is not pre-allowed comes to
+#: sage as ``can_use_tool``.  Never left to the CLI, whose default was ``auto`` (its
+#: own classifier decides, sage sees nothing) in 2.1.296 to 2.1.301.
+PERMISSION_MODE = "default"
 DEFAULT_IDENTITY = (
     "You are {principal}, an agent run by the sage supervisor in session {session}. "
     "Use the tools offered to you; every tool call is checked and audited."
@@ -52,6 +57,7 @@ class Launch:
     claude_session: str
     flags_hash: str
     identity_fallback: bool
+    permission_mode: str = PERMISSION_MODE
 
 
 def flags_hash(argv: Sequence[str]) -> str:
@@ -97,6 +103,8 @@ def build_launch(
         "",
         "--permission-prompt-tool",
         "stdio",
+        "--permission-mode",
+        PERMISSION_MODE,
         "--append-system-prompt-file",
         str(identity_file),
     ]

@@ -62,7 +62,13 @@ from capsules.runner.messages import (
 from capsules.runner.principals import PrincipalSettings, SettingsError
 from capsules.runner.session import ClaudeProcess, Ending, SessionError
 from sage.capsules import CapsuleContext
-from sage.claude_binary import is_tested, read_claude_version, resolve_claude_binary
+from sage.claude_binary import (
+    Support,
+    Verdict,
+    read_claude_version,
+    resolve_claude_binary,
+    support,
+)
 from sage.config import NAME_PATTERN, Config, PrincipalConfig
 from sage.errors import ConfigError, SageError
 from sage.protocol import CanUseToolRequest, HookCallbackRequest, HookMatcher, McpMessageRequest
@@ -144,6 +150,8 @@ class Runner:
         self._secrets: SecretStore | None = None
         self.binary: Path | None = None
         self.version = ""
+        self.verdict: Verdict | None = None  # None: the version could not be read
+        self._version_checked = anyio.Event()
         self._tg: anyio.abc.TaskGroup | None = None
 
     @property
@@ -176,12 +184,12 @@ class Runner:
         async with anyio.create_task_group() as tg:
             self._tg = tg
             tg.start_soon(self.mcp.follow, catalogue)
+            tg.start_soon(self._check_version)  # spawns (reconcile's too) wait for it
             await self._reconcile()
             for pattern, handler in subscriptions.items():
                 tg.start_soon(self._serve, subscribed[pattern], handler)
             tg.start_soon(self._tools_changed, changed)
             tg.start_soon(self._identity_saved, identities)
-            tg.start_soon(self._check_version)
             ctx.ready()
 
     async def _serve(self, requests: Any, handler: Any) -> None:
@@ -226,21 +234,40 @@ class Runner:
             log.error("runner.claude_missing", error=str(exc))
 
     async def _check_version(self) -> None:
-        """Audit a binary whose version is not the one this release was tested with."""
-        if self.binary is None:
-            return
+        """Read the binary's version once and judge it against the built-in range;
+        audit a release newer than any tested (sessions run) or unsupported (refused)."""
         try:
-            self.version = await read_claude_version(self.binary)
-        except SageError as exc:
-            log.error("runner.claude_unusable", binary=str(self.binary), error=str(exc))
-            return
-        tested = self.config.claude.version
-        log.info("runner.claude", binary=str(self.binary), version=self.version, tested=tested)
-        if not is_tested(self.version, self.config):
-            self.audit(
-                "claude_version_drift",
-                {"binary": str(self.binary), "version": self.version, "tested": tested},
+            if self.binary is None:
+                return
+            try:
+                self.version = await read_claude_version(self.binary)
+            except SageError as exc:
+                log.error("runner.claude_unusable", binary=str(self.binary), error=str(exc))
+                return
+            try:
+                self.verdict = verdict = support(self.version)
+            except ValueError as exc:
+                log.error("runner.claude_unusable", binary=str(self.binary), error=str(exc))
+                return
+            log.info(
+                "runner.claude",
+                binary=str(self.binary),
+                version=self.version,
+                support=verdict.support.value,
             )
+            if verdict.support is Support.UNTESTED:
+                self.audit(
+                    "claude_version_drift",
+                    {
+                        "binary": str(self.binary),
+                        "version": self.version,
+                        "message": verdict.message,
+                    },
+                )
+            elif not verdict.support.allowed:
+                log.error("runner.claude_unsupported", message=verdict.message)
+        finally:
+            self._version_checked.set()
 
     # -- records --------------------------------------------------------------
 
@@ -602,6 +629,26 @@ class Runner:
         config = self.config
         if self.binary is None:
             raise SessionError("claude_missing", "no usable claude binary (see `astrid doctor`)")
+        await self._version_checked.wait()
+        verdict = self.verdict
+        if verdict is None or not verdict.support.allowed:
+            message = (
+                f"claude {verdict.message}"
+                if verdict is not None
+                else f"the version of {self.binary} could not be read (see `astrid doctor`)"
+            )
+            self.audit(
+                "claude_unsupported",
+                {
+                    "principal_id": session.principal.name,
+                    "session_id": session.id,
+                    "binary": str(self.binary),
+                    "version": self.version,
+                    "support": verdict.support.value if verdict is not None else "unknown",
+                    "message": message,
+                },
+            )
+            raise SessionError("claude_unsupported", message)
         try:
             principal = self.principal(session.principal.name) or session.principal
         except SettingsError as exc:
@@ -933,6 +980,20 @@ class Runner:
                 session.respawn_reason = None  # the respawned child is up
             session.respawns = 0
         self._event(proc.session_id, name, payload, proc.principal_id)
+        who = {"principal_id": proc.principal_id, "session_id": proc.session_id}
+        if name == "permission_denied":  # the CLI decided a tool call by itself
+            self.audit("permission_denied", {**payload, **who})
+        elif name == "error" and payload.get("reason") == "permission_mode_mismatch":
+            self.audit(
+                "permission_mode_mismatch",
+                {
+                    **who,
+                    "expected": payload.get("expected"),
+                    "got": payload.get("got"),
+                    "where": payload.get("where"),
+                    "claude_code_version": self.version,
+                },
+            )
 
     async def mcp_message(self, proc: ClaudeProcess, request: McpMessageRequest) -> Any:
         return await self.mcp.handle(proc, request)

@@ -9,8 +9,12 @@ opens and closes, so a cancel never leaves a reader behind.
 States: ``STARTING`` (spawned, ``initialize`` sent) -> ``READY`` (answered;
 idle) <-> ``BUSY`` (a turn is running) -> ``STOPPING`` -> ``EXITED``.  The
 first reason to end wins (:meth:`ClaudeProcess.end`): ``stopped``,
-``auth_failed`` (``system/api_retry`` with 401/403), ``init_timeout``,
-``line_too_long``, ``supervisor_shutdown``...; a child that exits on its
+``auth_failed`` (``system/api_retry`` with 401/403, or a turn the API refused
+with 401/403, which the CLI does not retry), ``permission_mode_mismatch``
+(the ``initialize`` answer or ``system/init`` names another permission mode
+than the one sage passed; turns wait until ``initialize`` is checked, so
+none reaches such a CLI), ``init_timeout``, ``line_too_long``,
+``supervisor_shutdown``...; a child that exits on its
 own ends with ``exited`` (code 0) or ``crashed``.  :meth:`run` returns an
 :class:`Ending` once the child is reaped and every pending control request
 has been failed.
@@ -57,7 +61,9 @@ from sage.protocol import (
     StreamDecoder,
     StreamEvent,
     SystemApiRetry,
+    SystemInformational,
     SystemInit,
+    SystemPermissionDenied,
     TextBlock,
     UnknownMessage,
     encode_control_error,
@@ -77,6 +83,7 @@ __all__ = ("ClaudeProcess", "Ending", "Host", "ProcessState", "SessionError", "T
 log = structlog.get_logger("sage.runner")
 
 AUTH_STATUSES = frozenset({401, 403})
+AUTH_ERROR = "authentication_failed"  # an assistant message's ``error`` for a 401/403
 STDERR_TAIL = 16 * 1024
 STDOUT_TAIL = 4 * 1024
 EVENT_TAIL = 4 * 1024  # bytes of each tail carried in the exited event
@@ -129,6 +136,18 @@ class _StreamEventBody(msgspec.Struct, frozen=True):
 
 
 _decode_stream_event = msgspec.json.Decoder(_StreamEventBody).decode
+
+
+class _InitializeAnswer(msgspec.Struct, frozen=True):
+    current_permission_mode: str | None = None
+
+
+def _initialize_mode(response: msgspec.Raw) -> str | None:
+    """The permission mode the CLI says it runs in, from its ``initialize`` answer."""
+    try:
+        return msgspec.json.decode(response, type=_InitializeAnswer).current_permission_mode
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
 
 
 @dataclass
@@ -209,6 +228,7 @@ class ClaudeProcess:
         self._stdout_done = anyio.Event()
         self._deltas = 0  # text deltas since the last assistant message
         self._busy_at_end = False
+        self._auth_refused = False  # the turn's assistant message said authentication_failed
         self.unknown = 0
 
     # -- public -------------------------------------------------------------
@@ -269,7 +289,11 @@ class ClaudeProcess:
         self._ending.set()
 
     async def send(self, text: str) -> int:
-        """Write one user turn; returns the turn's number."""
+        """Write one user turn; returns the turn's number.
+
+        A turn sent while the process starts waits until ``initialize`` is answered
+        and its permission mode checked: no turn reaches a CLI that sage has not
+        seen run in the mode it asked for."""
         if self.state in (ProcessState.STOPPING, ProcessState.EXITED):
             raise SessionError("session_ended", f"session {self.session_id} is ending")
         line = encode_user_turn(text)
@@ -278,11 +302,25 @@ class ClaudeProcess:
                 "stdin_quota",
                 f"the encoded turn is {len(line)} bytes; the limit is {self.stdin_quota}",
             )
+        if self.state is ProcessState.STARTING:
+            await self._ready_or_ending()
+            if self.state in (ProcessState.STOPPING, ProcessState.EXITED):
+                raise SessionError("session_ended", f"session {self.session_id} has ended")
         await self._write(line)
         self.turn.started += 1
         if self.state is ProcessState.READY:
             self.state = ProcessState.BUSY
         return self.turn.started
+
+    async def _ready_or_ending(self) -> None:
+        async with anyio.create_task_group() as tg:
+
+            async def wait(event: anyio.Event) -> None:
+                await event.wait()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(wait, self._ready)
+            tg.start_soon(wait, self._ending)
 
     async def interrupt(self, within: float = 10.0) -> dict[str, Any]:
         """Interrupt the running turn; the CLI's answer."""
@@ -365,7 +403,7 @@ class ClaudeProcess:
 
     async def _initialize(self, request_id: str) -> None:
         try:
-            await self._answer_to(request_id, "initialize", self._init_timeout)
+            outcome = await self._answer_to(request_id, "initialize", self._init_timeout)
         except SessionError as exc:
             if exc.code == "timeout":
                 log.warning("session.init_timeout", session_id=self.session_id)
@@ -377,6 +415,8 @@ class ClaudeProcess:
                 self._error("init_failed", message=str(exc))
                 self.end("init_failed")
             return  # session_ended: the child is gone; its exit tells the rest
+        if not self._mode_is_ours(_initialize_mode(outcome.response), "initialize"):
+            return
         if self.state is ProcessState.STARTING:
             # a turn sent while starting is already queued behind initialize
             busy = self.turn.started > self.turn.finished
@@ -399,6 +439,23 @@ class ClaudeProcess:
                 await self.send(self._initial)
             except SessionError as exc:
                 self._error(exc.code)
+
+    def _mode_is_ours(self, mode: str | None, where: str) -> bool:
+        """Whether the CLI runs in the permission mode sage asked for; if not, the
+        session ends before a turn reaches it (or at once, mid-turn)."""
+        expected = self.launch.permission_mode
+        if mode == expected:
+            return True
+        log.warning(
+            "session.permission_mode_mismatch",
+            session_id=self.session_id,
+            expected=expected,
+            got=mode,
+            where=where,
+        )
+        self._error("permission_mode_mismatch", expected=expected, got=mode, where=where)
+        self.end("permission_mode_mismatch")
+        return False
 
     def launch_model(self) -> str:
         argv = self.launch.argv
@@ -479,7 +536,7 @@ class ClaudeProcess:
                 if scope is not None:
                     scope.cancel()
         elif isinstance(event, SystemApiRetry):
-            if event.error_status in AUTH_STATUSES:
+            if event.error_status in AUTH_STATUSES and self.reason is None:
                 log.warning(
                     "session.auth_failed", session_id=self.session_id, status=event.error_status
                 )
@@ -487,6 +544,23 @@ class ClaudeProcess:
                 self.end("auth_failed")
         elif isinstance(event, SystemInit):
             self.init = event
+            if self.state is not ProcessState.STOPPING:
+                self._mode_is_ours(event.permission_mode, "system/init")
+        elif isinstance(event, SystemPermissionDenied):
+            self.host.event(
+                self,
+                "permission_denied",
+                {
+                    "principal_id": self.principal_id,
+                    "session_id": self.session_id,
+                    "tool_name": event.tool_name,
+                    "tool_use_id": event.tool_use_id,
+                    "decision_reason_type": event.decision_reason_type,
+                    "decision_reason": event.decision_reason,
+                },
+            )
+        elif isinstance(event, SystemInformational):
+            self.host.event(self, "informational", {"content": event.content})
         elif isinstance(event, LineTooLong):
             log.warning("session.line_too_long", session_id=self.session_id, seen=event.seen)
             self._error("line_too_long")
@@ -507,6 +581,8 @@ class ClaudeProcess:
             self.host.event(self, "text", {"delta": delta.text})
 
     def _assistant(self, msg: AssistantMessage) -> None:
+        if msg.error == AUTH_ERROR:
+            self._auth_refused = True
         if self._deltas == 0 and msg.parent_tool_use_id is None:
             # not streamed (no partial messages for this one): send the text whole
             for block in msg.message.content:
@@ -536,6 +612,14 @@ class ClaudeProcess:
                 "turn": self.turn.finished,
             },
         )
+        status = msg.api_error_status
+        refused = status in AUTH_STATUSES or self._auth_refused
+        if msg.is_error and refused and self.reason is None:
+            # a 403 is not retried: the turn ends at once, and so does the session
+            log.warning("session.auth_failed", session_id=self.session_id, status=status)
+            self._error("auth_failed", status=status)
+            self.end("auth_failed")
+        self._auth_refused = False
 
     # -- control protocol -------------------------------------------------------
 

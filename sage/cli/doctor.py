@@ -26,14 +26,15 @@ from bus.wire import frame_limit
 from sage.audit.keys import KEY_FILENAME, PUBLIC_KEY_FILENAME
 from sage.bwrap import probe_bwrap
 from sage.claude_binary import (
-    TESTED_VERSIONS,
-    is_tested,
+    Support,
     read_claude_version,
     resolve_claude_binary,
+    support,
 )
 from sage.cli._connect import print_json
 from sage.config import Config, load_config
 from sage.errors import ConfigError, ProcessError
+from sage.hooks import hooks_known_by
 
 Status = Literal["ok", "warn", "fail"]
 
@@ -46,8 +47,13 @@ checks:
               embedded defaults) and how many principals it declares; fail: it
               does not load (fix what the line names)
   claude      the claude binary sessions will run (claude.binary, else the one
-              `make setup` installs in .tools/, else PATH) and its version; warn:
-              not a tested version; fail: none found or it does not run
+              `make setup` installs in .tools/, else PATH) and its version against
+              the supported range built into sage; warn: newer than any tested
+              release; fail: none found, it does not run, older than the floor or
+              a known-bad release (the runner refuses to spawn on it)
+  homes       installed principals' .claude/settings.local.json name only hook
+              events this claude knows; fail: reinstall (`astrid sage install
+              NAME --force`)
   bwrap       bubblewrap really runs a minimal sandbox (as forge.sandbox_uid when
               run as root); fail: forge refuses to run any forged tool (fail
               closed) - install bubblewrap, allow unprivileged user namespaces
@@ -107,12 +113,16 @@ async def run_checks(config_file: str | None) -> list[Check]:
     """Every check, in report order; a config that does not load skips those that need it."""
     config_check, config = _check_config(config_file)
     checks = [config_check]
+    version = None
     if config is not None:
-        checks.append(await _check_claude(config))
+        claude_check, version = await _check_claude(config)
+        checks.append(claude_check)
     checks.append(await _check_bwrap(config))
     if config is None:
         return checks
     checks.append(_check_state(config))
+    if version is not None:
+        checks.append(_check_homes(config, version))
     checks.append(_check_keys(config))
     socket_check, listening = _check_socket(config)
     checks.append(socket_check)
@@ -147,24 +157,72 @@ def _check_config(config_file: str | None) -> tuple[Check, Config | None]:
     )
 
 
-async def _check_claude(config: Config) -> Check:
+_SUPPORT_STATUS: dict[Support, Status] = {
+    Support.SUPPORTED: "ok",
+    Support.UNTESTED: "warn",
+    Support.TOO_OLD: "fail",
+    Support.KNOWN_BAD: "fail",
+}
+
+
+async def _check_claude(config: Config) -> tuple[Check, str | None]:
+    """The binary and where its version stands in the supported range; its version."""
     try:
         path = resolve_claude_binary(config)
     except ConfigError as exc:
-        return Check(name="claude", status="fail", detail=str(exc))
+        return Check(name="claude", status="fail", detail=str(exc)), None
     try:
         version = await read_claude_version(path)
-    except ProcessError as exc:
-        return Check(name="claude", status="fail", detail=str(exc), facts={"path": str(path)})
-    tested = is_tested(version, config)
-    facts = {"path": str(path), "version": version, "tested": tested}
-    if tested:
-        return Check(name="claude", status="ok", detail=f"{path} {version} (tested)", facts=facts)
-    known = ", ".join(sorted({config.claude.version, *TESTED_VERSIONS}))
+        verdict = support(version)
+    except (ProcessError, ValueError) as exc:
+        return Check(name="claude", status="fail", detail=str(exc), facts={"path": str(path)}), None
+    facts: dict[str, Any] = {
+        "path": str(path),
+        "version": version,
+        "support": verdict.support.value,
+    }
+    detail = f"{path} {verdict.message}"
+    status = _SUPPORT_STATUS[verdict.support]
+    if status == "fail":
+        detail += "; sessions will not start (install a supported release: `make setup`)"
+    if config.claude.version:
+        facts["ignored_config_version"] = config.claude.version
+        detail += "; claude.version in the config is ignored (the range is built in)"
+        if status == "ok":
+            status = "warn"
+    return Check(name="claude", status=status, detail=detail, facts=facts), version
+
+
+def _check_homes(config: Config, version: str) -> Check:
+    """Installed principals' settings name only hook events this claude knows."""
+    known = hooks_known_by(version)
+    problems: list[str] = []
+    checked = 0
+    for principal in config.principals:
+        settings = config.home_of(principal) / ".claude" / "settings.local.json"
+        try:
+            data = msgspec.json.decode(settings.read_bytes())
+        except FileNotFoundError:
+            continue  # not installed
+        except (OSError, msgspec.DecodeError) as exc:
+            problems.append(f"{principal.name}: {settings} unreadable ({exc})")
+            continue
+        checked += 1
+        hooks = data.get("hooks") if isinstance(data, dict) else None
+        unknown = sorted(set(hooks or {}) - known)
+        if unknown:
+            problems.append(
+                f"{principal.name}: hook events claude {version} does not know:"
+                f" {', '.join(unknown)} (it may drop the whole file, deny rules included)"
+                f" - run `astrid sage install {principal.name} --force`"
+            )
+    facts: dict[str, Any] = {"checked": checked, "problems": problems}
+    if problems:
+        return Check(name="homes", status="fail", detail="; ".join(problems), facts=facts)
     return Check(
-        name="claude",
-        status="warn",
-        detail=f"{path} {version} (not tested; sage is tested with {known})",
+        name="homes",
+        status="ok",
+        detail=f"{checked} installed home{'' if checked == 1 else 's'} match claude {version}",
         facts=facts,
     )
 

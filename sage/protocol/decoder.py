@@ -37,7 +37,9 @@ from sage.protocol.messages import (
     ResultMessage,
     StreamEvent,
     SystemApiRetry,
+    SystemInformational,
     SystemInit,
+    SystemPermissionDenied,
     SystemStatus,
     UnknownBlock,
     UnknownMessage,
@@ -120,6 +122,12 @@ class _System(msgspec.Struct, tag_field="type", tag="system", frozen=True, gc=Fa
     error_status: int | None = None
     error: str | None = None
     status: str | None = None
+    tool_name: str = ""
+    tool_use_id: str = ""
+    decision_reason_type: str | None = None
+    decision_reason: str | None = None
+    message: str | None = None
+    content: str = ""
 
 
 def _promote(s: _System) -> Message | None:
@@ -150,6 +158,18 @@ def _promote(s: _System) -> Message | None:
         )
     if sub == "status":
         return SystemStatus(status=s.status, session_id=s.session_id, uuid=s.uuid)
+    if sub == "permission_denied":
+        return SystemPermissionDenied(
+            tool_name=s.tool_name,
+            tool_use_id=s.tool_use_id,
+            decision_reason_type=s.decision_reason_type,
+            decision_reason=s.decision_reason,
+            message=s.message,
+            session_id=s.session_id,
+            uuid=s.uuid,
+        )
+    if sub == "informational":
+        return SystemInformational(content=s.content, session_id=s.session_id, uuid=s.uuid)
     return None
 
 
@@ -192,6 +212,8 @@ _SYSTEM: dict[str, msgspec.json.Decoder[Any]] = {
     "init": msgspec.json.Decoder(SystemInit),
     "api_retry": msgspec.json.Decoder(SystemApiRetry),
     "status": msgspec.json.Decoder(SystemStatus),
+    "permission_denied": msgspec.json.Decoder(SystemPermissionDenied),
+    "informational": msgspec.json.Decoder(SystemInformational),
 }
 _CONVERSATION: dict[str, type[AssistantMessage] | type[UserMessage]] = {
     "assistant": AssistantMessage,

@@ -39,7 +39,9 @@ __all__ = (
     "ResultMessage",
     "StreamEvent",
     "SystemApiRetry",
+    "SystemInformational",
     "SystemInit",
+    "SystemPermissionDenied",
     "SystemStatus",
     "TextBlock",
     "ThinkingBlock",
@@ -226,6 +228,29 @@ class SystemStatus(_Base, frozen=True):
     uuid: str = ""
 
 
+class SystemPermissionDenied(_Base, frozen=True):
+    """The CLI refused a tool call by itself (seen: ``decision_reason_type``
+    ``classifier`` in the ``auto`` permission mode of 2.1.296 to 2.1.301)."""
+
+    kind: ClassVar[str] = "system/permission_denied"
+    tool_name: str = ""
+    tool_use_id: str = ""
+    decision_reason_type: str | None = None
+    decision_reason: str | None = None
+    message: str | None = None
+    session_id: str = ""
+    uuid: str = ""
+
+
+class SystemInformational(_Base, frozen=True):
+    """A notice the CLI prints for its user (``content`` is prose, not protocol)."""
+
+    kind: ClassVar[str] = "system/informational"
+    content: str = ""
+    session_id: str = ""
+    uuid: str = ""
+
+
 # -- control protocol -------------------------------------------------------
 
 
@@ -318,6 +343,8 @@ Message: TypeAlias = (
     SystemInit
     | SystemApiRetry
     | SystemStatus
+    | SystemPermissionDenied
+    | SystemInformational
     | AssistantMessage
     | UserMessage
     | ResultMessage

@@ -149,6 +149,11 @@ Start-up modes: env ``FAKE_CLAUDE_MODE``, comma-separated
   ``initialize``.
 - ``stderr_banner``: write ``apiKeyHelper failed: exited 1`` to stderr at
   start (what the real CLI prints for a failing apiKeyHelper).
+- ``permission_mode=M``: run in permission mode M whatever ``--permission-mode``
+  says (a release that ignores the flag); the ``initialize`` answer and
+  ``system/init`` both say M.
+- ``init_permission_mode=M``: the ``initialize`` answer says the mode asked
+  for, ``system/init`` says M (a mode changed after the handshake).
 
 Known differences from the real CLI
 -----------------------------------
@@ -181,7 +186,15 @@ DEFAULT_MODEL = "claude-sonnet-4-5"
 COST_PER_CALL = 0.0001
 INTERRUPTED = "[Request interrupted by user]"
 PARTIAL_TEXT = "partial answer "
-MODES = ("no_init", "ignore_sigterm", "grandchild", "exit_on_init", "stderr_banner")
+MODES = (
+    "no_init",
+    "ignore_sigterm",
+    "grandchild",
+    "exit_on_init",
+    "stderr_banner",
+    "permission_mode",
+    "init_permission_mode",
+)
 
 BUILTIN_TOOLS = [
     "Task", "Bash", "CronCreate", "CronDelete", "CronList", "Edit", "EnterWorktree",
@@ -401,8 +414,9 @@ class Session:
         )
         model = opts.get("--model")
         self.model = model if isinstance(model, str) and model else DEFAULT_MODEL
-        mode = opts.get("--permission-mode")
+        mode = modes.get("permission_mode") or opts.get("--permission-mode")
         self.permission_mode = mode if isinstance(mode, str) and mode else "default"
+        self.init_permission_mode = modes.get("init_permission_mode") or self.permission_mode
         self.partial = opts.get("--include-partial-messages") is True
         self.cwd = os.getcwd()
         self.key_source = "ANTHROPIC_API_KEY" if os.environ.get("ANTHROPIC_API_KEY") else "none"
@@ -791,7 +805,7 @@ class Session:
                 "tools": tools,
                 "mcp_servers": servers,
                 "model": self.model,
-                "permissionMode": self.permission_mode,
+                "permissionMode": self.init_permission_mode,
                 "slash_commands": ["compact", "context", "cost", "init"],
                 "apiKeySource": self.key_source,
                 "claude_code_version": VERSION,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
@@ -10,13 +11,18 @@ from typing import Any
 
 import pytest
 
+from sage.claude_binary import AUTO_DEFAULT_WITNESS
 from tests.e2e.host import FINDINGS, Host, run_claude
 from tests.e2e.standin import Standin
 
-CLAUDE_BIN = (
-    Path(__file__).resolve().parents[2]
-    / ".tools/node_modules/@anthropic-ai/claude-code-linux-x64/claude"
-)
+ROOT = Path(__file__).resolve().parents[2]
+NATIVE = "node_modules/@anthropic-ai/claude-code-linux-x64/claude"
+#: The binary under test: $SAGE_CLAUDE_BIN (the CI matrix sets it for the floor and
+#: the newest release; `make setup` installs them under .tools/<version>/), else the pin.
+CLAUDE_BIN = Path(os.environ.get("SAGE_CLAUDE_BIN") or ROOT / ".tools" / NATIVE)
+#: A release whose -p default permission mode is "auto" (2.1.296 to 2.1.301).
+AUTO_DEFAULT_VERSION = AUTO_DEFAULT_WITNESS
+AUTO_DEFAULT_BIN = ROOT / ".tools" / AUTO_DEFAULT_VERSION / NATIVE
 
 
 @pytest.fixture
@@ -27,10 +33,18 @@ def anyio_backend() -> str:
 
 @pytest.fixture
 def claude_bin() -> Path:
-    """The pinned native CLI binary; a missing one is a failure, never a skip."""
+    """The native CLI binary under test; a missing one is a failure, never a skip."""
     if not CLAUDE_BIN.is_file():
         pytest.fail(f"Claude Code CLI not found at {CLAUDE_BIN}: run `make setup`", pytrace=False)
     return CLAUDE_BIN
+
+
+@pytest.fixture
+def auto_default_claude_bin() -> Path:
+    """The release whose default mode is auto, which `make setup` installs as a witness."""
+    if not AUTO_DEFAULT_BIN.is_file():
+        pytest.fail(f"{AUTO_DEFAULT_BIN} missing: run `make setup`", pytrace=False)
+    return AUTO_DEFAULT_BIN
 
 
 @pytest.fixture

@@ -226,8 +226,15 @@ async def test_can_use_tool_goes_to_the_approval_topics(
         assert [d["tool_name"] for d in done["permission_denials"]] == ["mcp__sage__greet"]
 
 
-async def test_auth_failure_ends_the_session_in_seconds(claude_bin: Path, standin: Standin) -> None:
-    standin.default = Error(401, "authentication_error", "invalid x-api-key")
+@pytest.mark.parametrize(
+    ("status", "kind"), [(401, "authentication_error"), (403, "permission_error")]
+)
+async def test_auth_failure_ends_the_session_in_seconds(
+    claude_bin: Path, standin: Standin, status: int, kind: str
+) -> None:
+    """A 401 is retried by the CLI (system/api_retry), a 403 ends the turn at once
+    (result is_error, api_error_status 403); both end the session as auth_failed."""
+    standin.default = Error(status, kind, "invalid x-api-key")
     async with running_sage(
         _config(claude_bin, standin), env={"ANTHROPIC_API_KEY": "sk-bad"}
     ) as sage:
@@ -237,10 +244,42 @@ async def test_auth_failure_ends_the_session_in_seconds(claude_bin: Path, standi
         seen = await events.until("exited", within=20)
         elapsed = time.monotonic() - t0
     names = [n for n, _ in seen]
-    assert ("error", "auth_failed") in [(n, d.get("reason")) for n, d in seen]
+    errors = [d for n, d in seen if n == "error"]
+    assert [(e["reason"], e["status"]) for e in errors] == [("auth_failed", status)]
     assert seen[-1][1]["reason"] == "auth_failed"
+    if status == 403:  # the turn's end reached the client before the session ended
+        assert names.index("done") < names.index("error")
     assert names.count("exited") == 1
     assert elapsed < 10, f"auth failure took {elapsed:.1f} s"
+
+
+async def test_a_release_whose_default_mode_is_auto_still_asks_sage(
+    auto_default_claude_bin: Path, standin: Standin
+) -> None:
+    """2.1.300 runs -p sessions in "auto" unless told otherwise: its classifier would
+    decide tool calls and sage would see none. sage passes --permission-mode default,
+    so the call comes to the approval topics, and nothing is decided by the CLI."""
+    async with running_sage(
+        _config(auto_default_claude_bin, standin), env={"ANTHROPIC_API_KEY": "sk-test"}
+    ) as sage:
+        await _tool_bridge(sage)
+        approvals = await sage.client.subscribe("approval.v1.request.*")
+        events = await sage.ready("auto")
+        standin.push(ToolUse("mcp__sage__greet", {"name": "Ada"}), Text("finished"))
+        await sage.send("auto", "greet Ada")
+        with anyio.fail_after(20):
+            request = await approvals.get()
+        assert msgspec.json.decode(request.payload)["tool_name"] == "mcp__sage__greet"
+        cid = request.topic.rsplit(".", 1)[1]
+        sage.client.publish(f"approval.v1.response.{cid}", {"allowed": False, "reason": "no"})
+        await sage.client.flush()
+        text, done = await events.text_until_done()
+        assert text == "finished"
+        assert [d["tool_name"] for d in done["permission_denials"]] == ["mcp__sage__greet"]
+        names = [n for n, _ in events.seen]
+        assert "permission_denied" not in names  # the CLI's classifier never ran
+        assert "error" not in names
+        await sage.request("sage.v1.request.stop.auto", {})
 
 
 async def test_sigkill_of_the_child_mid_turn(sage: Sage, standin: Standin) -> None:

@@ -13,11 +13,14 @@ from typing import Any
 
 import pytest
 
+import sage.claude_binary as claude_binary
 from sage.bwrap import probe_bwrap, sandbox_argv
+from sage.claude_binary import FLOOR, NEWEST_TESTED
 from sage.cli import main
 from tests.integration.daemon import ASTRID, Daemon, short_dir
 
 SECRET = "sk-ant-do-not-print-me"
+_PRINCIPAL = '\n[[principals]]\nname = "alice"\nuids = [4242]\n'
 
 
 def _fake_claude(folder: Path, version: str) -> Path:
@@ -154,17 +157,19 @@ def test_good_host_has_no_fail(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert code == 0
     assert report["ok"] is True
     rows = _rows(report)
-    assert list(rows) == ["config", "claude", "bwrap", "state", "keys", "socket"]
+    assert list(rows) == ["config", "claude", "bwrap", "state", "homes", "keys", "socket"]
     assert rows["config"]["status"] == "ok"
     assert rows["config"]["source"] == str(config)
     assert rows["claude"] == {
         "name": "claude",
         "status": "ok",
-        "detail": f"{tmp_path / 'fake-claude'} 2.1.328 (tested)",
+        "detail": f"{tmp_path / 'fake-claude'} 2.1.328 (supported: {FLOOR} to {NEWEST_TESTED})",
         "path": str(tmp_path / "fake-claude"),
         "version": "2.1.328",
-        "tested": True,
+        "support": "supported",
     }
+    assert rows["homes"]["status"] == "ok"
+    assert rows["homes"]["checked"] == 0
     assert rows["bwrap"]["status"] == "ok"
     assert rows["state"]["status"] == "ok"
     assert rows["state"]["mode"] == "0700"
@@ -173,15 +178,75 @@ def test_good_host_has_no_fail(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "not running" in rows["socket"]["detail"]
 
 
-def test_untested_version_warns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A claude printing 9.9.9 is a warn naming the tested version, not a fail."""
-    config = _setup(tmp_path, version="9.9.9")
-    code, report = _doctor(capsys, config)
-    assert code == 0
+@pytest.mark.parametrize(
+    ("version", "status", "code", "words"),
+    [
+        ("2.1.200", "fail", 1, "older than the floor"),
+        ("2.0.77", "fail", 1, "older than the floor"),
+        ("2.1.300", "ok", 0, "supported"),
+        ("2.1.333", "warn", 0, "newer than any release sage was tested with"),
+    ],
+)
+def test_the_claude_check_follows_the_supported_range(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    version: str,
+    status: str,
+    code: int,
+    words: str,
+) -> None:
+    """Below the floor: fail (exit 1); inside: ok; above the newest tested: warn."""
+    config = _setup(tmp_path, version=version)
+    exit_code, report = _doctor(capsys, config)
     claude = _rows(report)["claude"]
-    assert claude["status"] == "warn"
-    assert claude["tested"] is False
-    assert "9.9.9 (not tested; sage is tested with 2.1.328)" in claude["detail"]
+    assert (claude["status"], exit_code) == (status, code)
+    assert words in claude["detail"]
+    assert f"{FLOOR} to {NEWEST_TESTED}" in claude["detail"]
+    if status == "fail":
+        assert "sessions will not start" in claude["detail"]
+
+
+def test_a_known_bad_release_fails(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(claude_binary.KNOWN_BAD, "2.1.310", "loses hook callbacks")
+    config = _setup(tmp_path, version="2.1.310")
+    code, report = _doctor(capsys, config)
+    claude = _rows(report)["claude"]
+    assert (claude["status"], claude["support"], code) == ("fail", "known_bad", 1)
+    assert "loses hook callbacks" in claude["detail"]
+
+
+def test_a_configured_version_marks_nothing_tested(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`[claude] version` once silenced the check for any release; now it is ignored."""
+    config = _setup(tmp_path, version="2.1.100")
+    config.write_text(config.read_text().replace("[claude]\n", '[claude]\nversion = "2.1.100"\n'))
+    code, report = _doctor(capsys, config)
+    claude = _rows(report)["claude"]
+    assert (claude["status"], code) == ("fail", 1)
+    assert "claude.version in the config is ignored" in claude["detail"]
+
+
+def test_an_installed_home_naming_hooks_the_binary_does_not_know_fails(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A home installed for a newer CLI, run by one that does not know its hook events."""
+    config = _setup(tmp_path, version="2.1.200", extra=_PRINCIPAL)
+    settings = tmp_path / "state" / "homes" / "alice" / ".claude" / "settings.local.json"
+    settings.parent.mkdir(parents=True)
+    settings.write_text(json.dumps({"hooks": {"PreToolUse": [], "DirectoryAdded": []}}))
+    code, report = _doctor(capsys, config)
+    homes = _rows(report)["homes"]
+    assert (homes["status"], code) == ("fail", 1)
+    assert "alice: hook events claude 2.1.200 does not know: DirectoryAdded" in homes["detail"]
+    assert "astrid sage install alice --force" in homes["detail"]
+    # the same home with a binary that knows the event is fine
+    _fake_claude(tmp_path, "2.1.328")
+    _, report = _doctor(capsys, config)
+    assert _rows(report)["homes"]["status"] == "ok"
+    assert _rows(report)["homes"]["checked"] == 1
 
 
 def test_missing_claude_binary_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -284,7 +349,9 @@ def test_human_output_is_an_aligned_table_without_secrets(
     assert main(["doctor", "--config", str(config)]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
-    assert lines[1] == f"ok    claude   {tmp_path / 'fake-claude'} 2.1.328 (tested)"
+    assert lines[1] == (
+        f"ok    claude   {tmp_path / 'fake-claude'} 2.1.328 (supported: {FLOOR} to {NEWEST_TESTED})"
+    )
     assert lines[0].startswith("ok    config   ")
     assert [line[:15] for line in lines[2:4]] == ["ok    bwrap    ", "ok    state    "]
     assert SECRET not in out
@@ -297,7 +364,7 @@ def test_help_explains_each_check(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["doctor", "--help"])
     out = capsys.readouterr().out
-    for name in ("config", "claude", "bwrap", "state", "keys", "socket", "supervisor"):
+    for name in ("config", "claude", "bwrap", "state", "homes", "keys", "socket", "supervisor"):
         assert f"\n  {name} " in out
     assert "exit status" in out
 
@@ -321,6 +388,7 @@ def test_running_supervisor_is_all_ok(daemon: Daemon) -> None:
         "claude": "ok",
         "bwrap": "ok",
         "state": "ok",
+        "homes": "ok",
         "keys": "ok",
         "socket": "ok",
         "supervisor": "ok",

@@ -23,6 +23,7 @@ import msgspec
 import pytest
 
 from bus import FrameError
+from sage.claude_binary import FLOOR, NEWEST_TESTED
 from tests.integration.sage_harness import Events, Sage, running_sage, sage_config
 
 pytestmark = pytest.mark.anyio
@@ -289,6 +290,52 @@ async def test_endless_401_retries_end_as_auth_failed(sage: Sage) -> None:
     assert time.monotonic() - t0 < 5
 
 
+def _audit(root: Path) -> list[tuple[str, dict[str, Any]]]:
+    db = sqlite3.connect(f"file:{root / 'state' / 'audit.db'}?mode=ro", uri=True)
+    rows = db.execute("SELECT kind, payload FROM entries ORDER BY seq").fetchall()
+    db.close()
+    return [(kind, msgspec.json.decode(payload)["payload"]) for kind, payload in rows]
+
+
+async def test_a_cli_in_another_permission_mode_never_gets_a_turn() -> None:
+    """A CLI that ignores --permission-mode (answers initialize with "auto") ends at
+    once as permission_mode_mismatch, audited; the turn queued at spawn never reaches it."""
+    from tests.integration.daemon import short_dir
+
+    async with running_sage(_config("permission_mode=auto"), env=ENV, root=short_dir()) as sage:
+        events, reply = await sage.spawn("auto", initial_message="hello")
+        assert reply["ok"], reply
+        seen = await events.until("exited")
+        names = [n for n, _ in seen]
+        assert "text" not in names
+        assert "done" not in names
+        errors = [d for n, d in seen if n == "error"]
+        assert [(e["reason"], e["expected"], e["got"]) for e in errors] == [
+            ("permission_mode_mismatch", "default", "auto")
+        ]
+        assert seen[-1][1]["reason"] == "permission_mode_mismatch"
+        assert (await sage.send("auto", "again"))["error"] == "unknown_session"
+        root = sage.daemon.root
+    audited = [p for k, p in _audit(root) if k == "sage.v1.audit.permission_mode_mismatch"]
+    assert len(audited) == 1
+    assert audited[0]["session_id"] == "auto"
+    assert (audited[0]["expected"], audited[0]["got"]) == ("default", "auto")
+    assert audited[0]["where"] == "initialize"
+
+
+async def test_a_mode_that_changes_after_the_handshake_ends_the_session() -> None:
+    """system/init is the second gate: a mode other than sage's ends the session there."""
+    async with running_sage(_config("init_permission_mode=bypassPermissions"), env=ENV) as sage:
+        events = await sage.ready("late")
+        await sage.send("late", "hello")
+        seen = await events.until("exited")
+        errors = [d for n, d in seen if n == "error"]
+        assert [(e["reason"], e["got"], e["where"]) for e in errors] == [
+            ("permission_mode_mismatch", "bypassPermissions", "system/init")
+        ]
+        assert seen[-1][1]["reason"] == "permission_mode_mismatch"
+
+
 async def test_an_oversized_turn_is_refused_and_the_session_goes_on(sage: Sage) -> None:
     events = await sage.ready("quota")
     # the payload fits the bus (1 MiB), the encoded stdin line does not
@@ -428,13 +475,39 @@ async def test_version_drift_and_identity_fallback_are_audited(tmp_path: Path) -
     rows = db.execute("SELECT kind, payload FROM entries").fetchall()
     db.close()
     kinds = {kind: msgspec.json.decode(payload)["payload"] for kind, payload in rows}
-    assert kinds["sage.v1.audit.claude_version_drift"]["version"] == "9.9.9"
-    assert kinds["sage.v1.audit.claude_version_drift"]["tested"] == "2.1.328"
+    drift = kinds["sage.v1.audit.claude_version_drift"]
+    assert drift["version"] == "9.9.9"
+    assert "newer than any release sage was tested with" in drift["message"]
     assert kinds["sage.v1.audit.identity_fallback"]["principal_id"] == "alice"
     spawn = kinds["sage.v1.audit.spawn"]
     assert spawn["flags_hash"].startswith("sha256:")
     assert len(spawn["flags_hash"]) == 71
     assert "sk-double" not in str(rows)  # the key never reaches the audit log
+
+
+async def test_an_unsupported_claude_is_refused_and_audited(tmp_path: Path) -> None:
+    """Below the floor the runner spawns nothing: claude_unsupported, with the range."""
+    older = tmp_path / "claude"
+    older.write_text(f'#!/bin/sh\nFAKE_CLAUDE_VERSION=2.1.0 exec {FAKE} "$@"\n')
+    older.chmod(0o755)
+    from tests.integration.daemon import short_dir
+
+    config = _config().replace(str(FAKE), str(older))
+    async with running_sage(config, env=ENV, root=short_dir()) as sage:
+        reply = await sage.request(
+            "sage.v1.request.spawn", {"principal_id": "alice", "session_id": "old"}
+        )
+        assert reply["ok"] is False
+        assert reply["error"] == "claude_unsupported"
+        assert "2.1.0 is older than the floor" in reply["message"]
+        assert f"{FLOOR} to {NEWEST_TESTED}" in reply["message"]
+        assert await _listing(sage) == []
+        root = sage.daemon.root
+    refused = [p for k, p in _audit(root) if k == "sage.v1.audit.claude_unsupported"]
+    assert len(refused) == 1
+    assert (refused[0]["version"], refused[0]["support"]) == ("2.1.0", "too_old")
+    assert refused[0]["session_id"] == "old"
+    assert "sage.v1.audit.spawn" not in [k for k, _ in _audit(root)]
 
 
 async def test_settings_patches_apply_to_new_sessions_and_survive_a_restart() -> None:

@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
 
 import sage.claude_binary as claude_binary
 from sage.claude_binary import (
+    FLOOR,
     INSTALLED_BINARY,
-    TESTED_VERSIONS,
-    is_tested,
+    NEWEST_TESTED,
+    PINNED,
+    Support,
     parse_claude_version,
     read_claude_version,
     resolve_claude_binary,
+    support,
+    version_key,
 )
 from sage.config import Config, decode_config
 from sage.errors import ConfigError, ProcessError
@@ -198,14 +203,71 @@ async def test_a_file_that_cannot_run_is_a_process_error(tmp_path: Path) -> None
 
 @pytest.mark.anyio
 async def test_the_installed_binary_is_the_pinned_version() -> None:
-    """The claude make setup installed reports 2.1.328 (fails, not skips, when missing)."""
+    """The claude make setup installed reports the pin (fails, not skips, when missing)."""
     assert REAL_BINARY.is_file(), f"{REAL_BINARY} is missing: run `make setup`"
-    assert await read_claude_version(REAL_BINARY) == "2.1.328"
+    assert await read_claude_version(REAL_BINARY) == PINNED
 
 
-def test_tested_versions() -> None:
-    """A version is tested if it is the configured claude.version or a built-in one."""
-    assert "2.1.328" in TESTED_VERSIONS
-    assert is_tested("2.1.328", Config())
-    assert not is_tested("9.9.9", Config())
-    assert is_tested("9.9.9", decode_config('[claude]\nversion = "9.9.9"\n'))
+@pytest.mark.parametrize(
+    ("version", "expected"),
+    [
+        ("2.1.274", Support.TOO_OLD),
+        ("2.0.77", Support.TOO_OLD),
+        ("2.1.0", Support.TOO_OLD),
+        (FLOOR, Support.SUPPORTED),
+        ("2.1.300", Support.SUPPORTED),
+        (PINNED, Support.SUPPORTED),
+        (NEWEST_TESTED, Support.SUPPORTED),
+        ("2.1.333", Support.UNTESTED),
+        ("3.0.0", Support.UNTESTED),
+        ("2.1.328-beta.1", Support.SUPPORTED),
+    ],
+)
+def test_the_supported_range(version: str, expected: Support) -> None:
+    verdict = support(version)
+    assert verdict.support is expected
+    assert verdict.version == version
+    assert f"{FLOOR} to {NEWEST_TESTED}" in verdict.message
+    assert verdict.support.allowed is (expected in (Support.SUPPORTED, Support.UNTESTED))
+
+
+def test_a_known_bad_release_is_refused_whatever_the_range(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(claude_binary.KNOWN_BAD, "2.1.310", "drops hook callbacks")
+    verdict = support("2.1.310")
+    assert verdict.support is Support.KNOWN_BAD
+    assert not verdict.support.allowed
+    assert "drops hook callbacks" in verdict.message
+
+
+def test_the_range_is_ordered_and_holds_the_pin() -> None:
+    assert version_key(FLOOR) <= version_key(PINNED) <= version_key(NEWEST_TESTED)
+    assert version_key("2.1.10") > version_key("2.1.9")  # numeric, not text
+    with pytest.raises(ValueError, match="not a Claude Code version"):
+        version_key("latest")
+
+
+def test_the_config_no_longer_marks_a_version_tested() -> None:
+    """A copied `[claude] version = X` used to silence the check; it is ignored now."""
+    config = decode_config('[claude]\nversion = "9.9.9"\n')
+    assert config.claude.version == "9.9.9"  # still loads
+    assert support("9.9.9").support is Support.UNTESTED
+    assert support("2.0.1").support is Support.TOO_OLD
+
+
+def test_the_makefile_installs_the_releases_this_module_names() -> None:
+    """The Makefile reads the pin, the range and the witness from this module."""
+    out = subprocess.run(
+        ["make", "-s", "--no-print-directory", "claude-versions"],
+        cwd=INSTALLED_BINARY.parents[4],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert dict(zip(out[::2], out[1::2], strict=True)) == {
+        "pin": PINNED,
+        "floor": FLOOR,
+        "newest": NEWEST_TESTED,
+        "witness": claude_binary.AUTO_DEFAULT_WITNESS,
+    }

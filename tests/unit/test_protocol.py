@@ -35,7 +35,9 @@ from sage.protocol import (
     StreamDecoder,
     StreamEvent,
     SystemApiRetry,
+    SystemInformational,
     SystemInit,
+    SystemPermissionDenied,
     SystemStatus,
     TextBlock,
     ThinkingBlock,
@@ -310,6 +312,39 @@ def test_golden_partial_messages() -> None:
         if isinstance(b, ToolUseBlock)
     ]
     assert tool_uses == ["mcp__sage__greet"]
+
+
+AUTO_MODE = FIXTURES / "claude-code-2.1.300" / "permission_mode_auto.jsonl"
+
+
+def test_golden_auto_mode_classifier_denial() -> None:
+    """2.1.300 without --permission-mode: init says auto, no can_use_tool is sent, the
+    CLI's classifier denies the tool itself, and both system lines are typed."""
+    decoder = StreamDecoder()
+    events = decoder.feed(AUTO_MODE.read_bytes()) + decoder.eof()
+    assert (decoder.counters.unknown, decoder.counters.invalid) == (0, 0)
+    assert of(events, SystemInit)[0].permission_mode == "auto"
+    assert not [e for e in of(events, ControlRequest) if isinstance(e.request, CanUseToolRequest)]
+    (denied,) = of(events, SystemPermissionDenied)
+    assert denied.kind == "system/permission_denied"
+    assert (denied.tool_name, denied.decision_reason_type) == ("mcp__sage__greet", "classifier")
+    tool_use = of(events, AssistantMessage)[0].message.content[0]
+    assert isinstance(tool_use, ToolUseBlock)
+    assert denied.tool_use_id == tool_use.id
+    assert denied.message
+    (note,) = of(events, SystemInformational)
+    assert note.kind == "system/informational"
+    assert "auto mode" in note.content
+
+
+def test_known_system_subtype_with_a_wrong_field_type_is_unknown_not_fatal() -> None:
+    """A permission_denied whose tool_name is not a string is reported, not raised."""
+    line = b'{"type":"system","subtype":"permission_denied","tool_name":7}\n'
+    decoder = StreamDecoder()
+    (event,) = decoder.feed(line)
+    assert isinstance(event, UnknownMessage)
+    assert (event.type, event.subtype) == ("system", "permission_denied")
+    assert event.error is not None
 
 
 # -- chunking, CRLF, blank lines -------------------------------------------

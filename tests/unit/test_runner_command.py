@@ -61,6 +61,9 @@ def test_headless_command_line(tmp_path: Path) -> None:
     assert argv[argv.index("--mcp-config") + 1] == MCP_CONFIG
     assert "--strict-mcp-config" in argv
     assert argv[argv.index("--permission-prompt-tool") + 1] == "stdio"
+    # never the CLI's default, which was "auto" (its own classifier) in 2.1.296-2.1.301
+    assert argv[argv.index("--permission-mode") + 1] == "default"
+    assert launch.permission_mode == "default"
     assert argv[argv.index("--model") + 1] == "claude-x"
     assert argv[argv.index("--max-turns") + 1] == "3"
     assert argv[-1] == f"--session-id={UUID}"  # one token: never read as a flag
