@@ -91,3 +91,5 @@ class Identity(msgspec.Struct, frozen=True):
     principal: str | None = None
     acl: Acl | None = None
     uid: int | None = None
+    """The peer's uid for a socket connection the server authorized; ``None`` for
+    what the process vouches for itself (its own parts, capsules, adopted workers)."""

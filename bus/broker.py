@@ -22,7 +22,7 @@ import anyio
 import msgspec
 import structlog
 
-from bus.acl import Identity, patterns_overlap
+from bus.acl import Identity, pattern_covers, patterns_overlap
 from bus.envelope import Envelope
 from bus.errors import AclDenied, BusClosed, NoResponders, PayloadTooLarge, RequestTimeout
 from bus.subscription import Subscription
@@ -89,10 +89,15 @@ class Bus:
         queue_size: int = 1024,
         request_timeout: float = 5.0,
         sealed: tuple[str, ...] = (),
+        protected: tuple[str, ...] = (),
     ) -> None:
         self.max_payload = max_payload
         self.sealed = sealed
         """Patterns whose envelopes carry secrets: only in-process subscribers get them."""
+        for pattern in protected:
+            split_pattern(pattern)
+        self.protected = protected
+        """Patterns only trusted publishers may use (the audit topics), see :meth:`may_write`."""
         self.queue_size = queue_size
         self.request_timeout = request_timeout
         self._trie: TopicTrie[Subscriber] = TopicTrie()
@@ -104,6 +109,7 @@ class Bus:
         self._closed = False
         self._sealed_off: set[int] = set()
         self._sealed_topics: dict[str, bool] = {}
+        self._protected_topics: dict[str, bool] = {}
         self._audit_hook: Callable[[str, Identity, dict[str, Any]], None] | None = None
         self.published = 0
         self._delivered_gone = 0
@@ -198,7 +204,7 @@ class Bus:
                 if len(self._valid) > 8192:
                     self._valid.clear()
                 self._valid.add(topic)
-        elif not acl.may_publish(topic):
+        elif not acl.may_publish(topic) or (self.protected and not self.may_write(owner, topic)):
             self.acl_denied += 1
             self._on_denied("publish", owner, topic)
             raise AclDenied(f"{owner.source} may not publish to {topic!r}")
@@ -248,13 +254,42 @@ class Bus:
             self._sealed_topics[topic] = hit
         return hit
 
+    def may_write(self, owner: Identity, topic: str) -> bool:
+        """Whether ``owner`` may publish on ``topic`` as far as :attr:`protected` goes.
+
+        A protected topic (an audit topic) is open to publishers without an
+        ACL (the process's own parts, admins) and to an in-process publisher
+        (no uid, no principal: a capsule) whose ACL grants it by a pattern that
+        itself lies inside a protected pattern (``sage.v1.audit.>``, not
+        ``demo.>``).  Never to a socket peer with an ACL (a user, ``emit``),
+        whatever its ACL says."""
+        acl = owner.acl
+        if acl is None or not self._is_protected(topic):
+            return True
+        if owner.uid is not None or owner.principal is not None:
+            return False
+        return any(
+            pattern_covers(granted, topic)
+            and any(pattern_covers(protected, granted) for protected in self.protected)
+            for granted in acl.publish
+        )
+
+    def _is_protected(self, topic: str) -> bool:
+        hit = self._protected_topics.get(topic)
+        if hit is None:
+            hit = any(pattern_covers(protected, topic) for protected in self.protected)
+            if len(self._protected_topics) > 4096:
+                self._protected_topics.clear()
+            self._protected_topics[topic] = hit
+        return hit
+
     def _check_publish(self, owner: Identity, topic: str, payload: bytes) -> None:
         if self._closed:
             raise BusClosed("the bus is closed")
         acl = owner.acl
         if acl is None:
             split_topic(topic)
-        elif not acl.may_publish(topic):
+        elif not acl.may_publish(topic) or (self.protected and not self.may_write(owner, topic)):
             self.acl_denied += 1
             self._on_denied("publish", owner, topic)
             raise AclDenied(f"{owner.source} may not publish to {topic!r}")

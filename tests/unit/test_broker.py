@@ -391,3 +391,46 @@ async def test_a_request_on_behalf_of_a_principal_carries_it_and_a_user_cannot_f
     assert mine.data() == {"principal": "alice"}
     assert public.data() == {"principal": None}
     assert own.data() == {"principal": "alice"}  # a user's own principal wins
+
+
+def test_protected_topics_only_for_trusted_publishers_and_explicit_capsule_grants() -> None:
+    """An audit topic is open to the process and admins, to a capsule whose manifest names an
+    audit pattern, and never to a user or astrid-emit, whatever their ACL says."""
+    bus = Bus(protected=("*.v1.audit.>",))
+    sink = bus.subscribe("*.v1.audit.>", ADMIN)
+    wide = Acl(publish=["demo.>", "sage.v1.audit.>"], subscribe=[])
+    user = Identity("cli:1000", principal="bob", acl=wide, uid=1000)
+    emit = Identity("emit:1000", principal="bob", acl=Acl(publish=[">"]), uid=1000)
+    admin = Identity("cli:0", uid=0)
+    granted = Identity("capsule:tools", acl=Acl(publish=["sage.v1.audit.>", "demo.>"]))
+    wildcard = Identity("capsule:demo", acl=Acl(publish=["demo.>", "sage.>"]))
+    for who, topic in (
+        (user, "demo.v1.audit.x"),
+        (user, "sage.v1.audit.tool_call"),  # even when the operator's ACL names it
+        (emit, "sage.v1.audit.x"),
+        (granted, "demo.v1.audit.x"),  # granted sage's audit topics, not demo's
+        (wildcard, "demo.v1.audit.x"),
+        (wildcard, "sage.v1.audit.x"),
+    ):
+        with pytest.raises(AclDenied):
+            bus.publish(who, topic, {})
+    bus.publish(ADMIN, "sage.v1.audit.started", {})
+    bus.publish(admin, "demo.v1.audit.x", {})
+    bus.publish(granted, "sage.v1.audit.tool_call", {})
+    bus.publish(user, "demo.v1.other", {})  # the rest of demo.> stays the user's
+    assert [(e.topic, e.source) for e in sink.drain()] == [
+        ("sage.v1.audit.started", "supervisor"),
+        ("demo.v1.audit.x", "cli:0"),
+        ("sage.v1.audit.tool_call", "capsule:tools"),
+    ]
+    assert bus.acl_denied == 6
+
+
+@pytest.mark.anyio
+async def test_a_request_on_a_protected_topic_is_refused_to_a_user() -> None:
+    """Requests are checked as publishes, protected topics included."""
+    bus = Bus(protected=("*.v1.audit.>",))
+    bus.subscribe("demo.v1.audit.q", ADMIN)
+    user = Identity("cli:1000", principal="bob", acl=Acl(publish=["demo.>"]), uid=1000)
+    with pytest.raises(AclDenied):
+        await bus.request(user, "demo.v1.audit.q", {}, deadline=1)
