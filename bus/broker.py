@@ -190,10 +190,12 @@ class Bus:
         This is the hot path: checks are inlined and cached by topic.
 
         An envelope carries a principal: the publisher's own, or, for a
-        publisher without one (a capsule, an admin), ``on_behalf_of``.  Such
-        an envelope is private to that principal: a user's connection (one
-        with a principal and an ACL) gets it only if it acts for the same
-        principal; capsules (no principal) and admins (no ACL) see everything.
+        publisher without one (a capsule, an admin), ``on_behalf_of``.  A
+        user's connection (one with a principal and an ACL) gets an envelope
+        only if it carries that same principal: not another principal's, and
+        not one without a principal (the supervisor's, a capsule's or an
+        admin's own).  Capsules (no principal) and admins (no ACL) see
+        everything their ACL covers.
         """
         if self._closed:
             raise BusClosed("the bus is closed")
@@ -230,12 +232,11 @@ class Bus:
             if sealed_off and id(sub) in sealed_off and self._is_sealed(topic):
                 self.scoped += 1  # a secret-bearing topic: in-process subscribers only
                 continue
-            if principal is not None:
-                viewer = sub.owner
-                who = viewer.principal
-                if who is not None and who != principal and viewer.acl is not None:
-                    self.scoped += 1  # another principal's envelope: not for this user
-                    continue
+            viewer = sub.owner
+            who = viewer.principal
+            if who is not None and who != principal and viewer.acl is not None:
+                self.scoped += 1  # another principal's envelope, or nobody's: not for this user
+                continue
             if not sub.deliver(envelope) and _is_power_of_ten(sub.dropped):
                 log.warning(
                     "bus.drop",

@@ -76,6 +76,20 @@ class Child:
         return out["ok"]
 
 
+def mailbox() -> Path:
+    """A folder the other uids may write to (a child says "subscribed" by a file in it)."""
+    folder = short_dir()
+    folder.chmod(0o777)
+    return folder
+
+
+def wait_for(path: Path, what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not path.exists():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
 def run_as(uid: int, daemon: Daemon, script: Script) -> Any:
     return Child(uid, daemon.socket, script).result()
 
@@ -226,3 +240,44 @@ def test_audit_writes_are_rate_limited_per_source_and_the_drops_reported(
     assert all(r[3]["source"].startswith("cli:") for r in stored)
     assert daemon.status()["audit"]["rate_limited"] == dropped
     assert daemon.astrid("audit", "verify").returncode == 0
+
+
+# -- M2: an envelope without a principal is not a user's -----------------------------------
+
+
+def test_an_envelope_without_a_principal_never_reaches_a_user(daemon: Daemon) -> None:
+    """An admin's own publish (astrid llm generate's stream, astrid bus pub) has no principal:
+    admins and capsules get it, alice's connection does not; one for alice she gets."""
+    ready = mailbox() / "ready"
+
+    async def listen(client: BusClient) -> list[list[Any]]:
+        got: list[list[Any]] = []
+        demo = await client.subscribe("demo.>")
+        stream = await client.subscribe("llm.v1.stream.>")
+        ready.write_text("yes")
+
+        async def collect(sub: Any) -> None:
+            async for envelope in sub:
+                got.append([envelope.topic, envelope.principal])
+
+        with anyio.move_on_after(4):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(collect, demo)
+                tg.start_soon(collect, stream)
+        return got
+
+    alice = Child(ALICE, daemon.socket, listen)
+    wait_for(ready, "alice never subscribed")
+    for topic, extra in (
+        ("llm.v1.stream.sage", ()),
+        ("demo.v1.note", ()),
+        ("demo.v1.for_alice", ("--principal", "alice")),
+        ("llm.v1.stream.sage", ("--principal", "alice")),
+    ):
+        result = daemon.astrid("bus", "pub", topic, '{"text": "x"}', *extra)
+        assert result.returncode == 0, result.stderr
+    assert sorted(alice.result(), key=str) == [
+        ["demo.v1.for_alice", "alice"],
+        ["llm.v1.stream.sage", "alice"],
+    ]
+    assert daemon.status()["bus"]["scoped"] >= 2

@@ -364,9 +364,11 @@ def test_an_envelope_of_a_principal_reaches_only_its_users_capsules_and_admins()
     # a user cannot publish on behalf of someone else
     assert bus.publish(bob, "demo.x", {}, on_behalf_of="alice").principal == "bob"
     assert seen() == {"bob", "capsule", "admin", "admin_as_bob"}
-    bus.publish(capsule, "demo.everyone", {})  # no principal: public
-    assert seen() == set(subs)
-    assert bus.stats().scoped == 3
+    bus.publish(capsule, "demo.nobodys", {})  # no principal: not for users
+    assert seen() == {"capsule", "admin", "admin_as_bob"}
+    bus.publish(ADMIN, "demo.nobodys", {})
+    assert seen() == {"capsule", "admin", "admin_as_bob"}
+    assert bus.stats().scoped == 7
 
 
 @pytest.mark.anyio
