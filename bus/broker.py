@@ -4,9 +4,11 @@
 subscribers and hands the envelope to each one's ``deliver``, which never
 blocks (a full in-process queue drops and counts; a remote connection has
 its own slow-consumer rule).  Requests carry a random ``reply_to`` token; a
-reply is routed by that token straight to the waiting requester, so only a
-subscriber that saw the request can answer it.  A request to a topic nobody
-subscribes to fails at once with :class:`NoResponders`.
+reply is routed by that token straight to the waiting requester.  The token
+goes only to the subscribers entitled to answer (not a user's connection,
+unless a user asked), and the broker takes a reply only from one of those.
+A request to a topic nobody subscribes to fails at once with
+:class:`NoResponders`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import itertools
 import math
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import anyio
@@ -71,12 +73,20 @@ class BusStats(msgspec.Struct, frozen=True):
 
 
 class _Pending:
-    __slots__ = ("done", "result", "topic")
+    __slots__ = ("done", "requester", "responders", "result", "topic")
 
-    def __init__(self, topic: str) -> None:
+    def __init__(self, topic: str, requester: Identity) -> None:
         self.topic = topic
+        self.requester = requester
+        self.responders: list[Identity] = []
+        """Who the request was delivered to as a responder: the only ones who may answer."""
         self.done = anyio.Event()
         self.result: Envelope | None = None
+
+
+def _is_user(identity: Identity) -> bool:
+    """A user's connection: it acts for a principal and is bound by an ACL."""
+    return identity.acl is not None and identity.principal is not None
 
 
 class Bus:
@@ -227,6 +237,9 @@ class Bus:
         subs = self._match.get(topic)
         if subs is None:
             subs = self._trie.match(topic)
+        if reply_to is not None:
+            self._fan_out_request(envelope, subs)
+            return envelope
         sealed_off = self._sealed_off
         for sub in subs:
             if sealed_off and id(sub) in sealed_off and self._is_sealed(topic):
@@ -245,6 +258,39 @@ class Bus:
                     dropped=sub.dropped,
                 )
         return envelope
+
+    def _fan_out_request(self, envelope: Envelope, subs: Iterable[Subscriber]) -> None:
+        """Deliver a request: the same scoping as a publish, and the reply token only to
+        the subscribers entitled to answer, who are noted on the pending request.
+
+        Entitled: the process's parts, capsules and admins (whoever is not a
+        user's connection); a user's connection only for a user's request (of
+        its own principal, by the scoping).  Other subscribers get the
+        request without ``reply_to``, as a plain message."""
+        pending = self._pending.get(envelope.reply_to or "")
+        requester_is_user = pending is not None and _is_user(pending.requester)
+        principal = envelope.principal
+        plain: Envelope | None = None
+        for sub in subs:
+            viewer = sub.owner
+            if id(sub) in self._sealed_off and self._is_sealed(envelope.topic):
+                self.scoped += 1
+                continue
+            if viewer.acl is not None and viewer.principal not in (None, principal):
+                self.scoped += 1
+                continue
+            if pending is not None and (requester_is_user or not _is_user(viewer)):
+                delivered = sub.deliver(envelope)
+                if delivered and viewer not in pending.responders:
+                    pending.responders.append(viewer)
+            else:
+                if plain is None:
+                    plain = msgspec.structs.replace(envelope, reply_to=None)
+                delivered = sub.deliver(plain)
+            if not delivered and _is_power_of_ten(sub.dropped):
+                log.warning(
+                    "bus.drop", pattern=sub.pattern, subscriber=viewer.source, dropped=sub.dropped
+                )
 
     def _is_sealed(self, topic: str) -> bool:
         hit = self._sealed_topics.get(topic)
@@ -327,7 +373,7 @@ class Bus:
         on_behalf_of: str | None = None,
     ) -> Envelope:
         token = secrets.token_urlsafe(12)
-        pending = _Pending(topic)
+        pending = _Pending(topic, owner)
         self._pending[token] = pending
         try:
             self.requests += 1
@@ -352,11 +398,20 @@ class Bus:
         return self.reply_raw(owner, reply_to, _encode(payload))
 
     def reply_raw(self, owner: Identity, reply_to: str, payload: bytes) -> bool:
+        """Answer a request; only a subscriber it was delivered to as a responder may
+        (AclDenied for anyone else, counted and audited like any refusal)."""
         _check_size(payload, self.max_payload)
         pending = self._pending.get(reply_to)
         if pending is None or pending.result is not None:
             self.late_replies += 1
             return False
+        if owner not in pending.responders:
+            self.acl_denied += 1
+            self._on_denied("reply", owner, pending.topic)
+            raise AclDenied(
+                f"{owner.source} may not answer this request on {pending.topic!r}:"
+                " it was not delivered to it as a responder"
+            )
         pending.result = Envelope(
             id=next(self._ids),
             topic=pending.topic,

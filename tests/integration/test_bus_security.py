@@ -281,3 +281,54 @@ def test_an_envelope_without_a_principal_never_reaches_a_user(daemon: Daemon) ->
         ["llm.v1.stream.sage", "alice"],
     ]
     assert daemon.status()["bus"]["scoped"] >= 2
+
+
+# -- L5: only a responder entitled to a request may answer it ----------------------------
+
+
+def test_a_user_cannot_answer_an_admins_request(daemon: Daemon) -> None:
+    """bob listens on demo.> and answers every request he sees: an admin's request (even one
+    made for bob) reaches him without its reply token, so the answer is the capsule's or none;
+    bob still answers bob's own requests."""
+    ready = mailbox() / "ready"
+
+    async def hijack(client: BusClient) -> list[Any]:
+        seen: list[Any] = []
+        sub = await client.subscribe("demo.>")
+        ready.write_text("yes")
+        with anyio.move_on_after(6):
+            async for envelope in sub:
+                if envelope.reply_to is None:
+                    seen.append([envelope.topic, None])
+                    continue
+                client.reply(envelope, {"from": "bob"})
+                try:
+                    await client.flush()
+                    seen.append([envelope.topic, "answered"])
+                except Exception as exc:
+                    seen.append([envelope.topic, type(exc).__name__])
+        return seen
+
+    bob = Child(BOB, daemon.socket, hijack)
+    wait_for(ready, "bob never subscribed")
+    for _ in range(3):
+        asked = daemon.astrid(
+            "bus", "request", "demo.v1.only_bob_listens", "{}", "--principal", "bob",
+            "--timeout", "0.5",
+        )  # fmt: skip
+        assert asked.returncode != 0, asked.stdout
+        assert "bob" not in asked.stdout
+        assert "no reply" in asked.stderr
+        echoed = daemon.astrid("bus", "request", "demo.v1.echo", '{"x": 1}', "--principal", "bob")
+        assert echoed.returncode == 0, echoed.stderr
+        assert json.loads(echoed.stdout) == {"echo": {"x": 1}}
+
+    async def ask(client: BusClient) -> Any:
+        return (await client.request("demo.v1.bobs_own", {}, deadline=5)).data()
+
+    assert run_as(BOB, daemon, ask) == {"from": "bob"}
+    seen = bob.result()
+    assert [s for s in seen if s[0] != "demo.v1.bobs_own"] == [
+        [topic, None] for _ in range(3) for topic in ("demo.v1.only_bob_listens", "demo.v1.echo")
+    ]
+    assert ["demo.v1.bobs_own", "answered"] in seen

@@ -436,3 +436,49 @@ async def test_a_request_on_a_protected_topic_is_refused_to_a_user() -> None:
     user = Identity("cli:1000", principal="bob", acl=Acl(publish=["demo.>"]), uid=1000)
     with pytest.raises(AclDenied):
         await bus.request(user, "demo.v1.audit.q", {}, deadline=1)
+
+
+@pytest.mark.anyio
+async def test_only_subscribers_entitled_to_a_request_get_its_token_and_may_answer() -> None:
+    """An admin's request for bob reaches bob's connection without reply_to, and a reply
+    from bob (with a token he got elsewhere) is refused; the capsule's is taken."""
+    bus = Bus()
+    user_acl = Acl(publish=["demo.>"], subscribe=["demo.>"])
+    bob = Identity("cli:1001", principal="bob", acl=user_acl, uid=1001)
+    bob2 = Identity("cli:1001", principal="bob", acl=Acl(["demo.>"], ["demo.>"]), uid=1001)
+    capsule = Identity("capsule:svc", acl=Acl(publish=[], subscribe=["demo.>"]))
+    admin_as_bob = Identity("cli:0", principal="bob", uid=0)
+    bobs = bus.subscribe("demo.>", bob)
+    svc = bus.subscribe("demo.q", capsule)
+    refused: list[str] = []
+
+    async def answer() -> None:
+        request = await svc.get()
+        assert request.reply_to is not None
+        seen = bobs.drain()
+        assert [e.reply_to for e in seen] == [None]  # bob saw the request, not its token
+        try:
+            bus.reply(bob, request.reply_to, {"from": "bob"})
+        except AclDenied as exc:
+            refused.append(str(exc))
+        bus.reply(capsule, request.reply_to, {"from": "capsule"})
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(answer)
+        reply = await bus.request(admin_as_bob, "demo.q", {}, deadline=2)
+    assert reply.data() == {"from": "capsule"}
+    assert len(refused) == 1
+    assert "not delivered to it as a responder" in refused[0]
+    assert bus.acl_denied == 1
+
+    # a user's own request: that principal's connections are entitled (equal identities too)
+    async def own() -> None:
+        request = await bobs.get()
+        assert request.reply_to is not None
+        bus.reply(bob2, request.reply_to, {"from": "bob"})
+
+    svc.close()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(own)
+        reply = await bus.request(bob, "demo.mine", {}, deadline=2)
+    assert reply.data() == {"from": "bob"}
