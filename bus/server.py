@@ -53,6 +53,7 @@ from bus.wire import (
     Sub,
     Unsub,
     Welcome,
+    check_payload,
     decode_client_frame,
     encode_into,
     encode_msg_into,
@@ -372,10 +373,12 @@ class _Connection:
         bus = self.server.bus
         try:
             if isinstance(frame, Pub):
+                payload = bytes(frame.payload)
+                check_payload(payload)
                 bus.publish_raw(
                     identity,
                     frame.topic,
-                    bytes(frame.payload),
+                    payload,
                     correlation_id=frame.cid,
                     on_behalf_of=frame.obo,
                 )
@@ -386,10 +389,17 @@ class _Connection:
                 if sub is not None:
                     bus.remove(sub)
             elif isinstance(frame, Req):
+                try:
+                    check_payload(bytes(frame.payload))
+                except FrameError as exc:
+                    self.push(Result(frame.rid, code=exc.code, message=str(exc)))
+                    return True
                 self.requests += 1
                 self.tg.start_soon(self._request, frame, identity)
             elif isinstance(frame, Reply):
-                bus.reply_raw(identity, frame.to, bytes(frame.payload))
+                payload = bytes(frame.payload)
+                check_payload(payload)
+                bus.reply_raw(identity, frame.to, payload)
             elif isinstance(frame, Ping):
                 if self.server.before_pong is None:
                     self.push(Pong(frame.n))

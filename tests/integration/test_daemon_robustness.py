@@ -142,3 +142,46 @@ def test_new_folder_is_created_private(tmp_path: Path) -> None:
     os.chmod(target, 0o750)
     ensure_private_dir(target)
     assert target.stat().st_mode & 0o777 == 0o700
+
+
+def test_payloads_that_are_not_utf8_reach_neither_a_capsule_nor_a_subscriber(
+    daemon: Daemon,
+) -> None:
+    """b'"\\xff"' requested of demo.v1.echo crashed the echo capsule into failed, and one
+    published on demo.bad killed an admin's astrid bus sub: both are refused at the server."""
+    before = daemon.status()["bus"]["subscriptions"]
+    sub = subprocess.Popen(
+        [*ASTRID, "bus", "sub", "demo.>", "-n", "1", "--config", str(daemon.config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 10
+    while daemon.status()["bus"]["subscriptions"] <= before:
+        assert time.monotonic() < deadline, "astrid bus sub never subscribed"
+        time.sleep(0.05)
+    sock = _connect(daemon.socket)
+    sock.sendall(
+        _frame({"t": "hello", "role": "cli"})
+        + b"".join(
+            _frame(b'{"t":"req","rid":%d,"topic":"demo.v1.echo","payload":"\xff"}' % i)
+            for i in range(8)
+        )
+        + _frame(b'{"t":"pub","topic":"demo.bad","payload":"\xff"}')
+        + _frame({"t": "pub", "topic": "demo.good", "payload": {"ok": 1}})
+        + _frame({"t": "ping", "n": 1})
+    )
+    sock.settimeout(10)
+    data = b""
+    while b'"pong"' not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed; got {data!r}"
+        data += chunk
+    sock.close()
+    assert data.count(b'"bad_payload"') == 9
+    out, err = sub.communicate(timeout=20)
+    assert sub.returncode == 0, err
+    assert [msgspec.json.decode(line)["topic"] for line in out.splitlines()] == ["demo.good"]
+    echo = next(c for c in daemon.status()["capsules"] if c["name"] == "echo")
+    assert (echo["state"], echo["restarts"]) == ("running", 0)
+    answer = daemon.astrid("bus", "request", "demo.v1.echo", '{"hi": 1}')
+    assert answer.returncode == 0, answer.stderr
