@@ -31,7 +31,7 @@ from sage.capsule_install import installed_folders, worker_manifest
 from sage.capsules import CapsuleRunner, capsule_folder, load_manifest
 from sage.config import Config, load_config
 from sage.errors import AuditError, ConfigError, SageError
-from sage.logs import configure_logging
+from sage.logs import configure_logging, log_loop_errors
 from sage.sdnotify import Notifier, watchdog_interval
 from sage.state import StateStore
 from sage.workers import WorkerRunner
@@ -334,6 +334,7 @@ class Supervisor:
         except BusError as exc:
             raise SageError(f"state folder: {exc}") from exc
         _raise_open_file_limit()
+        log_loop_errors()
         key = load_signing_key(config.keys_dir)
         self.started_at = time.time()
         try:
