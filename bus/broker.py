@@ -73,11 +73,13 @@ class BusStats(msgspec.Struct, frozen=True):
 
 
 class _Pending:
-    __slots__ = ("done", "requester", "responders", "result", "topic")
+    __slots__ = ("done", "entitled", "requester", "responders", "result", "topic")
 
     def __init__(self, topic: str, requester: Identity) -> None:
         self.topic = topic
         self.requester = requester
+        self.entitled = 0
+        """Subscribers entitled to answer that the request was offered to."""
         self.responders: list[Identity] = []
         """Who the request was delivered to as a responder: the only ones who may answer."""
         self.done = anyio.Event()
@@ -280,6 +282,7 @@ class Bus:
                 self.scoped += 1
                 continue
             if pending is not None and (requester_is_user or not _is_user(viewer)):
+                pending.entitled += 1
                 delivered = sub.deliver(envelope)
                 if delivered and viewer not in pending.responders:
                     pending.responders.append(viewer)
@@ -382,6 +385,9 @@ class Bus:
                 self.no_responders += 1
                 raise NoResponders(f"no responders on {topic!r}")
             self.publish_raw(owner, topic, payload, reply_to=token, on_behalf_of=on_behalf_of)
+            if not pending.entitled:
+                self.no_responders += 1  # subscribers, but none that may answer
+                raise NoResponders(f"no responders on {topic!r} may answer this request")
             seconds = self.request_timeout if deadline is None else deadline
             with anyio.move_on_after(seconds):
                 await pending.done.wait()

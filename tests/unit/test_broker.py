@@ -482,3 +482,15 @@ async def test_only_subscribers_entitled_to_a_request_get_its_token_and_may_answ
         tg.start_soon(own)
         reply = await bus.request(bob, "demo.mine", {}, deadline=2)
     assert reply.data() == {"from": "bob"}
+
+
+@pytest.mark.anyio
+async def test_a_request_only_users_could_see_but_not_answer_has_no_responders() -> None:
+    """Subscribers that may not answer do not count: no_responders at once, not a timeout."""
+    bus = Bus()
+    bob = Identity("cli:1001", principal="bob", acl=Acl(["demo.>"], ["demo.>"]), uid=1001)
+    seen = bus.subscribe("demo.>", bob)
+    with anyio.fail_after(1), pytest.raises(NoResponders, match="may answer"):
+        await bus.request(Identity("cli:0", principal="bob", uid=0), "demo.q", {}, deadline=5)
+    assert [e.reply_to for e in seen.drain()] == [None]
+    assert bus.no_responders == 1
