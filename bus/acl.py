@@ -83,6 +83,14 @@ class Acl:
     def __repr__(self) -> str:
         return f"Acl(publish={list(self.publish)}, subscribe={list(self.subscribe)})"
 
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Acl):
+            return NotImplemented
+        return (self.publish, self.subscribe) == (other.publish, other.subscribe)
+
+    def __hash__(self) -> int:
+        return hash((self.publish, self.subscribe))
+
 
 class Identity(msgspec.Struct, frozen=True):
     """A publisher or subscriber as the bus knows it (never self-asserted)."""
@@ -91,3 +99,5 @@ class Identity(msgspec.Struct, frozen=True):
     principal: str | None = None
     acl: Acl | None = None
     uid: int | None = None
+    """The peer's uid for a socket connection the server authorized; ``None`` for
+    what the process vouches for itself (its own parts, capsules, adopted workers)."""

@@ -4,9 +4,11 @@
 subscribers and hands the envelope to each one's ``deliver``, which never
 blocks (a full in-process queue drops and counts; a remote connection has
 its own slow-consumer rule).  Requests carry a random ``reply_to`` token; a
-reply is routed by that token straight to the waiting requester, so only a
-subscriber that saw the request can answer it.  A request to a topic nobody
-subscribes to fails at once with :class:`NoResponders`.
+reply is routed by that token straight to the waiting requester.  The token
+goes only to the subscribers entitled to answer (not a user's connection,
+unless a user asked), and the broker takes a reply only from one of those.
+A request to a topic nobody subscribes to fails at once with
+:class:`NoResponders`.
 """
 
 from __future__ import annotations
@@ -15,14 +17,14 @@ import itertools
 import math
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import anyio
 import msgspec
 import structlog
 
-from bus.acl import Identity, patterns_overlap
+from bus.acl import Identity, pattern_covers, patterns_overlap
 from bus.envelope import Envelope
 from bus.errors import AclDenied, BusClosed, NoResponders, PayloadTooLarge, RequestTimeout
 from bus.subscription import Subscription
@@ -71,12 +73,22 @@ class BusStats(msgspec.Struct, frozen=True):
 
 
 class _Pending:
-    __slots__ = ("done", "result", "topic")
+    __slots__ = ("done", "entitled", "requester", "responders", "result", "topic")
 
-    def __init__(self, topic: str) -> None:
+    def __init__(self, topic: str, requester: Identity) -> None:
         self.topic = topic
+        self.requester = requester
+        self.entitled = 0
+        """Subscribers entitled to answer that the request was offered to."""
+        self.responders: list[Identity] = []
+        """Who the request was delivered to as a responder: the only ones who may answer."""
         self.done = anyio.Event()
         self.result: Envelope | None = None
+
+
+def _is_user(identity: Identity) -> bool:
+    """A user's connection: it acts for a principal and is bound by an ACL."""
+    return identity.acl is not None and identity.principal is not None
 
 
 class Bus:
@@ -89,10 +101,15 @@ class Bus:
         queue_size: int = 1024,
         request_timeout: float = 5.0,
         sealed: tuple[str, ...] = (),
+        protected: tuple[str, ...] = (),
     ) -> None:
         self.max_payload = max_payload
         self.sealed = sealed
         """Patterns whose envelopes carry secrets: only in-process subscribers get them."""
+        for pattern in protected:
+            split_pattern(pattern)
+        self.protected = protected
+        """Patterns only trusted publishers may use (the audit topics), see :meth:`may_write`."""
         self.queue_size = queue_size
         self.request_timeout = request_timeout
         self._trie: TopicTrie[Subscriber] = TopicTrie()
@@ -104,6 +121,7 @@ class Bus:
         self._closed = False
         self._sealed_off: set[int] = set()
         self._sealed_topics: dict[str, bool] = {}
+        self._protected_topics: dict[str, bool] = {}
         self._audit_hook: Callable[[str, Identity, dict[str, Any]], None] | None = None
         self.published = 0
         self._delivered_gone = 0
@@ -184,10 +202,12 @@ class Bus:
         This is the hot path: checks are inlined and cached by topic.
 
         An envelope carries a principal: the publisher's own, or, for a
-        publisher without one (a capsule, an admin), ``on_behalf_of``.  Such
-        an envelope is private to that principal: a user's connection (one
-        with a principal and an ACL) gets it only if it acts for the same
-        principal; capsules (no principal) and admins (no ACL) see everything.
+        publisher without one (a capsule, an admin), ``on_behalf_of``.  A
+        user's connection (one with a principal and an ACL) gets an envelope
+        only if it carries that same principal: not another principal's, and
+        not one without a principal (the supervisor's, a capsule's or an
+        admin's own).  Capsules (no principal) and admins (no ACL) see
+        everything their ACL covers.
         """
         if self._closed:
             raise BusClosed("the bus is closed")
@@ -198,7 +218,7 @@ class Bus:
                 if len(self._valid) > 8192:
                     self._valid.clear()
                 self._valid.add(topic)
-        elif not acl.may_publish(topic):
+        elif not acl.may_publish(topic) or (self.protected and not self.may_write(owner, topic)):
             self.acl_denied += 1
             self._on_denied("publish", owner, topic)
             raise AclDenied(f"{owner.source} may not publish to {topic!r}")
@@ -219,17 +239,19 @@ class Bus:
         subs = self._match.get(topic)
         if subs is None:
             subs = self._trie.match(topic)
+        if reply_to is not None:
+            self._fan_out_request(envelope, subs)
+            return envelope
         sealed_off = self._sealed_off
         for sub in subs:
             if sealed_off and id(sub) in sealed_off and self._is_sealed(topic):
                 self.scoped += 1  # a secret-bearing topic: in-process subscribers only
                 continue
-            if principal is not None:
-                viewer = sub.owner
-                who = viewer.principal
-                if who is not None and who != principal and viewer.acl is not None:
-                    self.scoped += 1  # another principal's envelope: not for this user
-                    continue
+            viewer = sub.owner
+            who = viewer.principal
+            if who is not None and who != principal and viewer.acl is not None:
+                self.scoped += 1  # another principal's envelope, or nobody's: not for this user
+                continue
             if not sub.deliver(envelope) and _is_power_of_ten(sub.dropped):
                 log.warning(
                     "bus.drop",
@@ -238,6 +260,40 @@ class Bus:
                     dropped=sub.dropped,
                 )
         return envelope
+
+    def _fan_out_request(self, envelope: Envelope, subs: Iterable[Subscriber]) -> None:
+        """Deliver a request: the same scoping as a publish, and the reply token only to
+        the subscribers entitled to answer, who are noted on the pending request.
+
+        Entitled: the process's parts, capsules and admins (whoever is not a
+        user's connection); a user's connection only for a user's request (of
+        its own principal, by the scoping).  Other subscribers get the
+        request without ``reply_to``, as a plain message."""
+        pending = self._pending.get(envelope.reply_to or "")
+        requester_is_user = pending is not None and _is_user(pending.requester)
+        principal = envelope.principal
+        plain: Envelope | None = None
+        for sub in subs:
+            viewer = sub.owner
+            if id(sub) in self._sealed_off and self._is_sealed(envelope.topic):
+                self.scoped += 1
+                continue
+            if viewer.acl is not None and viewer.principal not in (None, principal):
+                self.scoped += 1
+                continue
+            if pending is not None and (requester_is_user or not _is_user(viewer)):
+                pending.entitled += 1
+                delivered = sub.deliver(envelope)
+                if delivered and viewer not in pending.responders:
+                    pending.responders.append(viewer)
+            else:
+                if plain is None:
+                    plain = msgspec.structs.replace(envelope, reply_to=None)
+                delivered = sub.deliver(plain)
+            if not delivered and _is_power_of_ten(sub.dropped):
+                log.warning(
+                    "bus.drop", pattern=sub.pattern, subscriber=viewer.source, dropped=sub.dropped
+                )
 
     def _is_sealed(self, topic: str) -> bool:
         hit = self._sealed_topics.get(topic)
@@ -248,13 +304,42 @@ class Bus:
             self._sealed_topics[topic] = hit
         return hit
 
+    def may_write(self, owner: Identity, topic: str) -> bool:
+        """Whether ``owner`` may publish on ``topic`` as far as :attr:`protected` goes.
+
+        A protected topic (an audit topic) is open to publishers without an
+        ACL (the process's own parts, admins) and to an in-process publisher
+        (no uid, no principal: a capsule) whose ACL grants it by a pattern that
+        itself lies inside a protected pattern (``sage.v1.audit.>``, not
+        ``demo.>``).  Never to a socket peer with an ACL (a user, ``emit``),
+        whatever its ACL says."""
+        acl = owner.acl
+        if acl is None or not self._is_protected(topic):
+            return True
+        if owner.uid is not None or owner.principal is not None:
+            return False
+        return any(
+            pattern_covers(granted, topic)
+            and any(pattern_covers(protected, granted) for protected in self.protected)
+            for granted in acl.publish
+        )
+
+    def _is_protected(self, topic: str) -> bool:
+        hit = self._protected_topics.get(topic)
+        if hit is None:
+            hit = any(pattern_covers(protected, topic) for protected in self.protected)
+            if len(self._protected_topics) > 4096:
+                self._protected_topics.clear()
+            self._protected_topics[topic] = hit
+        return hit
+
     def _check_publish(self, owner: Identity, topic: str, payload: bytes) -> None:
         if self._closed:
             raise BusClosed("the bus is closed")
         acl = owner.acl
         if acl is None:
             split_topic(topic)
-        elif not acl.may_publish(topic):
+        elif not acl.may_publish(topic) or (self.protected and not self.may_write(owner, topic)):
             self.acl_denied += 1
             self._on_denied("publish", owner, topic)
             raise AclDenied(f"{owner.source} may not publish to {topic!r}")
@@ -291,7 +376,7 @@ class Bus:
         on_behalf_of: str | None = None,
     ) -> Envelope:
         token = secrets.token_urlsafe(12)
-        pending = _Pending(topic)
+        pending = _Pending(topic, owner)
         self._pending[token] = pending
         try:
             self.requests += 1
@@ -300,6 +385,9 @@ class Bus:
                 self.no_responders += 1
                 raise NoResponders(f"no responders on {topic!r}")
             self.publish_raw(owner, topic, payload, reply_to=token, on_behalf_of=on_behalf_of)
+            if not pending.entitled:
+                self.no_responders += 1  # subscribers, but none that may answer
+                raise NoResponders(f"no responders on {topic!r} may answer this request")
             seconds = self.request_timeout if deadline is None else deadline
             with anyio.move_on_after(seconds):
                 await pending.done.wait()
@@ -316,11 +404,20 @@ class Bus:
         return self.reply_raw(owner, reply_to, _encode(payload))
 
     def reply_raw(self, owner: Identity, reply_to: str, payload: bytes) -> bool:
+        """Answer a request; only a subscriber it was delivered to as a responder may
+        (AclDenied for anyone else, counted and audited like any refusal)."""
         _check_size(payload, self.max_payload)
         pending = self._pending.get(reply_to)
         if pending is None or pending.result is not None:
             self.late_replies += 1
             return False
+        if owner not in pending.responders:
+            self.acl_denied += 1
+            self._on_denied("reply", owner, pending.topic)
+            raise AclDenied(
+                f"{owner.source} may not answer this request on {pending.topic!r}:"
+                " it was not delivered to it as a responder"
+            )
         pending.result = Envelope(
             id=next(self._ids),
             topic=pending.topic,

@@ -38,6 +38,7 @@ from bus.errors import (
     error_for_code,
     sole_error,
 )
+from bus.stream import UnixStream, connect_unix
 from bus.wire import (
     Err,
     FrameReader,
@@ -151,7 +152,7 @@ class BusClient:
     ) -> AsyncIterator[BusClient]:
         """Connect to the server at ``path`` and complete the hello."""
         try:
-            stream = await anyio.connect_unix(path)
+            stream = await connect_unix(path)
         except FileNotFoundError as exc:
             raise ConnectionLost(
                 f"no supervisor socket at {os.fspath(path)} (is it running?)"
@@ -216,12 +217,7 @@ class BusClient:
         if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM:
             sock.close()
             raise ConnectionLost(f"descriptor {fd} is not a Unix stream socket")
-        sock.setblocking(False)
-        try:
-            stream = await anyio.abc.UNIXSocketStream.from_socket(sock)
-        except BaseException:
-            sock.close()
-            raise
+        stream = UnixStream(sock)
         async with cls.attach(
             stream, role=role, name=name, max_frame=max_frame, hello_deadline=hello_deadline
         ) as client:

@@ -31,12 +31,12 @@ from typing import cast
 import anyio
 import anyio.abc
 import structlog
-from anyio.abc import SocketAttribute
 
 from bus.acl import Identity
 from bus.broker import Bus
 from bus.envelope import Envelope
 from bus.errors import BusError, FrameError, NotAuthorized, SlowConsumer
+from bus.stream import UnixStream, accept
 from bus.wire import (
     PROTOCOL_VERSION,
     Err,
@@ -53,6 +53,7 @@ from bus.wire import (
     Sub,
     Unsub,
     Welcome,
+    check_payload,
     decode_client_frame,
     encode_into,
     encode_msg_into,
@@ -372,10 +373,12 @@ class _Connection:
         bus = self.server.bus
         try:
             if isinstance(frame, Pub):
+                payload = bytes(frame.payload)
+                check_payload(payload)
                 bus.publish_raw(
                     identity,
                     frame.topic,
-                    bytes(frame.payload),
+                    payload,
                     correlation_id=frame.cid,
                     on_behalf_of=frame.obo,
                 )
@@ -386,10 +389,17 @@ class _Connection:
                 if sub is not None:
                     bus.remove(sub)
             elif isinstance(frame, Req):
+                try:
+                    check_payload(bytes(frame.payload))
+                except FrameError as exc:
+                    self.push(Result(frame.rid, code=exc.code, message=str(exc)))
+                    return True
                 self.requests += 1
                 self.tg.start_soon(self._request, frame, identity)
             elif isinstance(frame, Reply):
-                bus.reply_raw(identity, frame.to, bytes(frame.payload))
+                payload = bytes(frame.payload)
+                check_payload(payload)
+                bus.reply_raw(identity, frame.to, payload)
             elif isinstance(frame, Ping):
                 if self.server.before_pong is None:
                     self.push(Pong(frame.n))
@@ -570,13 +580,16 @@ class BusServer:
         try:
             sock = bind_unix_socket(self.path, self.group)
             bound = True
-            listener = await anyio.abc.SocketListener.from_socket(sock)
-            async with listener, anyio.create_task_group() as tg:
-                task_status.started()
-                log.info("bus.listening", path=str(self.path))
-                while True:
-                    stream = await listener.accept()
-                    tg.start_soon(self._serve_stream, stream)
+            try:
+                async with anyio.create_task_group() as tg:
+                    task_status.started()
+                    log.info("bus.listening", path=str(self.path))
+                    while True:
+                        conn = await accept(sock)
+                        tg.start_soon(self._serve_socket, conn)
+            finally:
+                anyio.notify_closing(sock)
+                sock.close()
         finally:
             # only our own socket: a path bind refused (e.g. a regular file) is left alone
             if bound:
@@ -584,10 +597,10 @@ class BusServer:
                     self.path.unlink()
             lock.release()
 
-    async def _serve_stream(self, stream: anyio.abc.SocketStream) -> None:
-        raw = stream.extra(SocketAttribute.raw_socket)
+    async def _serve_socket(self, sock: socket.socket) -> None:
+        stream = UnixStream(sock)
         try:
-            peer = peer_credentials(raw)
+            peer = peer_credentials(sock)
         except OSError:
             await stream.aclose()
             return
@@ -633,12 +646,7 @@ class BusServer:
         gets a welcome naming ``identity``.  ``pid`` is the peer's, for logs.
         ``sock`` is closed when this returns.
         """
-        sock.setblocking(False)
-        try:
-            stream = await anyio.abc.UNIXSocketStream.from_socket(sock)
-        except BaseException:
-            sock.close()
-            raise
+        stream = UnixStream(sock)
         peer = PeerCred(pid, os.getuid(), os.getgid())
         log.info("bus.adopted", pid=pid, source=identity.source)
         await self._serve(_Connection(self, stream, peer, identity))

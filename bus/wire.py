@@ -41,6 +41,7 @@ __all__ = (
     "Sub",
     "Unsub",
     "Welcome",
+    "check_payload",
     "decode_client_frame",
     "decode_server_frame",
     "encode",
@@ -238,6 +239,22 @@ def _decode(decoder: msgspec.json.Decoder[Any], body: bytes | memoryview) -> obj
         raise FrameError(f"frame is not valid JSON: {exc}") from exc
     except RecursionError as exc:
         raise FrameError("frame is nested too deeply") from exc
+
+
+def check_payload(payload: bytes) -> None:
+    """Raise FrameError ``bad_payload`` unless ``payload`` is UTF-8 (RFC 8259 JSON text is).
+
+    The frame decoder checks a payload's JSON syntax and escapes (a lone
+    surrogate such as ``"\\ud800"`` is a ``bad_frame``) but not the bytes
+    inside its strings, so bytes that are not UTF-8 would pass on to every
+    subscriber, whose decoding then fails.  Checked for every payload a peer
+    sends (pub, req, reply)."""
+    try:
+        payload.decode()
+    except UnicodeDecodeError as exc:
+        err = FrameError(f"payload is not UTF-8 JSON text: {exc.reason} at byte {exc.start}")
+        err.code = "bad_payload"
+        raise err from None
 
 
 _PUB_PREFIX = b'{"t":"pub",'

@@ -128,6 +128,11 @@ class AuditConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     """... or after this many seconds with unsigned entries, whichever is first."""
     batch_max: Annotated[int, msgspec.Meta(gt=0, le=100_000)] = 1024
     """Most entries one group commit writes."""
+    rate_per_source: PositiveFloat = 500.0
+    """Audit entries per second one publisher (source and principal) may add, on average ..."""
+    burst_per_source: PositiveInt = 2000
+    """... and at most this many at once; the rest are dropped, counted and reported
+    (``sage.v1.audit.audit_rate_limited``)."""
 
 
 class ClaudeConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -7,6 +7,7 @@ or key never reaches a log line even when a caller passes one by mistake.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 from collections.abc import MutableMapping
@@ -16,7 +17,7 @@ import structlog
 
 from sage.redaction import REDACTED, is_secret_key, redact
 
-__all__ = ("configure_logging", "redact_secrets")
+__all__ = ("configure_logging", "log_loop_errors", "redact_secrets")
 
 
 _LEVELS = {
@@ -53,4 +54,27 @@ def configure_logging(level: str = "info") -> None:
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
+    )
+
+
+def log_loop_errors() -> None:
+    """Report what the running asyncio loop cannot hand to a task (an exception in a
+    callback, a task never awaited) as one JSON log line, ``asyncio.error``, instead of
+    the logging module's raw multi-line traceback on stderr."""
+    asyncio.get_running_loop().set_exception_handler(_loop_error)
+
+
+def _loop_error(_loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    exc = context.get("exception")
+    details = {
+        key: repr(value)[:500]
+        for key, value in context.items()
+        if key not in ("message", "exception")
+    }
+    structlog.get_logger("asyncio").error(
+        "asyncio.error",
+        message=str(context.get("message", "")),
+        error=repr(exc) if exc is not None else None,
+        exc_info=exc if isinstance(exc, BaseException) else None,
+        **details,
     )

@@ -31,12 +31,12 @@ from sage.capsule_install import installed_folders, worker_manifest
 from sage.capsules import CapsuleRunner, capsule_folder, load_manifest
 from sage.config import Config, load_config
 from sage.errors import AuditError, ConfigError, SageError
-from sage.logs import configure_logging
+from sage.logs import configure_logging, log_loop_errors
 from sage.sdnotify import Notifier, watchdog_interval
 from sage.state import StateStore
 from sage.workers import WorkerRunner
 
-__all__ = ("ROLES", "DenialLimiter", "Supervisor")
+__all__ = ("ROLES", "AuditLimiter", "DenialLimiter", "Supervisor")
 
 log = structlog.get_logger("sage.supervisor")
 
@@ -50,33 +50,82 @@ VERSION = "0.1.0"
 CAPSULE_READY_TIMEOUT = 10.0  # seconds READY waits for capsules to say they serve
 
 
-class _AuditSink:
-    """A bus subscriber that hands every audit envelope to the audit log; never drops."""
+RATE_LIMITED_TOPIC = "sage.v1.audit.audit_rate_limited"
+"""The sink's own entry for audit envelopes it dropped over a publisher's rate."""
 
-    def __init__(self, audit: AuditLog) -> None:
+
+class _AuditSink:
+    """A bus subscriber that hands every audit envelope to the audit log.
+
+    Who may publish on an audit topic at all is the bus's rule
+    (``Bus(protected=...)``: the supervisor, admins, capsules whose manifest
+    names an audit pattern).  Here each publisher (source and principal) is
+    held to ``rate`` entries a second with bursts of ``burst``
+    (:class:`AuditLimiter`); the envelopes over it are dropped, counted, and
+    reported by an entry of the sink's own (:data:`RATE_LIMITED_TOPIC`),
+    itself limited.  Nothing else is ever dropped.
+    """
+
+    def __init__(self, audit: AuditLog, rate: float = 500.0, burst: int = 2000) -> None:
         self.pattern = AUDIT_PATTERN
         self.owner = Identity("audit")
         self.delivered = 0
         self.dropped = 0
+        self.rate_limited = 0
         self._audit = audit
         self._last: AuditReceipt | None = None
+        self.limiter = AuditLimiter(rate, burst)
 
     def deliver(self, envelope: Envelope) -> bool:
+        now = time.monotonic()
+        principal = envelope.principal or ""
+        admitted = self.limiter.admit((envelope.source, principal), now)
+        self.report(now)
+        if not admitted:
+            self.rate_limited += 1
+            return False
         try:
             data: Any = msgspec.json.decode(envelope.payload)
         except (msgspec.DecodeError, RecursionError):
             data = envelope.payload.decode(errors="replace")
         session = data.get("session_id", "") if isinstance(data, dict) else ""
-        try:
-            self._last = self._audit.submit(
-                envelope.topic,
-                envelope.principal or "",
-                session if isinstance(session, str) else "",
-                {"source": envelope.source, "payload": data},
+        return self._submit(
+            envelope.topic,
+            principal,
+            session if isinstance(session, str) else "",
+            {"source": envelope.source, "payload": data},
+        )
+
+    def report(self, now: float) -> None:
+        """Write the rate-limit reports that are due (also called once a second)."""
+        for (source, principal), dropped in self.limiter.reports(now):
+            self._submit(
+                RATE_LIMITED_TOPIC,
+                principal,
+                "",
+                {
+                    "source": self.owner.source,
+                    "payload": {
+                        "source": source,
+                        "principal": principal or None,
+                        "dropped": dropped,
+                        "rate": self.limiter.rate,
+                        "burst": self.limiter.burst,
+                    },
+                },
             )
+
+    async def report_every_second(self) -> None:
+        while True:
+            await anyio.sleep(1.0)
+            self.report(time.monotonic())
+
+    def _submit(self, kind: str, principal: str, session: str, payload: Any) -> bool:
+        try:
+            self._last = self._audit.submit(kind, principal, session, payload)
         except AuditError as exc:
             self.dropped += 1
-            log.error("audit.not_recorded", topic=envelope.topic, error=str(exc))
+            log.error("audit.not_recorded", topic=kind, error=str(exc))
             return False
         self.delivered += 1
         return True
@@ -91,6 +140,83 @@ class _AuditSink:
                 raise BusError(f"audit log failed: {exc}") from exc
 
 
+class AuditLimiter:
+    """A token bucket per publisher for audit entries (pure: the caller's clock).
+
+    Each key holds up to ``burst`` tokens, refilled at ``rate`` a second; an
+    entry takes one or is dropped.  Drops are counted per key and handed out
+    by :meth:`reports` at most once per key per ``report_every`` seconds, and
+    at most ``report_burst`` reports (refilled at ``report_rate`` a second)
+    over all keys: a report that is not due yet stays counted for the next.
+    """
+
+    def __init__(
+        self,
+        rate: float,
+        burst: int,
+        *,
+        report_every: float = 1.0,
+        report_rate: float = 5.0,
+        report_burst: int = 20,
+    ) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.report_every = report_every
+        self.report_rate = report_rate
+        self.report_burst = report_burst
+        self._buckets: dict[tuple[str, str], list[float]] = {}
+        """key -> [tokens, refilled at, dropped not yet reported, last report at]"""
+        self._report_tokens = float(report_burst)
+        self._report_at = 0.0
+        self._unreported = 0
+
+    def admit(self, key: tuple[str, str], now: float) -> bool:
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            if len(self._buckets) > 10_000:
+                self._prune()
+            bucket = self._buckets[key] = [float(self.burst), now, 0.0, -self.report_every]
+        tokens = min(float(self.burst), bucket[0] + (now - bucket[1]) * self.rate)
+        bucket[1] = now
+        if tokens >= 1.0:
+            bucket[0] = tokens - 1.0
+            return True
+        bucket[0] = tokens
+        bucket[2] += 1
+        self._unreported += 1
+        return False
+
+    def reports(self, now: float) -> list[tuple[tuple[str, str], int]]:
+        """``(key, dropped)`` for each key whose drops are due to be reported now."""
+        if not self._unreported:
+            return []
+        self._report_tokens = min(
+            float(self.report_burst),
+            self._report_tokens + (now - self._report_at) * self.report_rate,
+        )
+        self._report_at = now
+        due: list[tuple[tuple[str, str], int]] = []
+        for key, bucket in self._buckets.items():
+            if self._report_tokens < 1.0:
+                break
+            if bucket[2] and now - bucket[3] >= self.report_every:
+                due.append((key, int(bucket[2])))
+                self._unreported -= int(bucket[2])
+                bucket[2] = 0.0
+                bucket[3] = now
+                self._report_tokens -= 1.0
+        return due
+
+    def pending(self) -> int:
+        """Drops not reported yet."""
+        return self._unreported
+
+    def _prune(self) -> None:
+        """Forget full buckets with nothing to report (their state is the default)."""
+        for key in [k for k, b in self._buckets.items() if not b[2] and b[0] >= self.burst - 1]:
+            del self._buckets[key]
+
+
 class Supervisor:
     """One running sage daemon."""
 
@@ -103,8 +229,10 @@ class Supervisor:
             queue_size=config.bus.queue_size,
             request_timeout=config.bus.request_timeout,
             sealed=SEALED_TOPICS,
+            protected=(AUDIT_PATTERN,),
         )
         self.server: BusServer | None = None
+        self.sink: _AuditSink | None = None
         self.audit: AuditLog | None = None
         self.state: StateStore | None = None
         """Records that outlive the supervisor (sessions, settings, tokens: later issues)."""
@@ -206,6 +334,7 @@ class Supervisor:
         except BusError as exc:
             raise SageError(f"state folder: {exc}") from exc
         _raise_open_file_limit()
+        log_loop_errors()
         key = load_signing_key(config.keys_dir)
         self.started_at = time.time()
         try:
@@ -225,7 +354,9 @@ class Supervisor:
     async def _serve(self, audit: AuditLog, task_status: anyio.abc.TaskStatus[None]) -> None:
         config = self.config
         group = _group_id(config.socket.group)
-        sink = _AuditSink(audit)
+        sink = self.sink = _AuditSink(
+            audit, config.audit.rate_per_source, config.audit.burst_per_source
+        )
         self.server = BusServer(
             self.bus,
             config.socket_path,
@@ -249,6 +380,7 @@ class Supervisor:
                 async with anyio.create_task_group() as tg:
                     await tg.start(self.server.serve)
                     self._tg = tg
+                    tg.start_soon(sink.report_every_second)
                     status = self.bus.subscribe(STATUS_TOPIC, self.identity)
                     tg.start_soon(self._answer_status, status)
                     loads = self.bus.subscribe(LOAD_TOPIC, self.identity)
@@ -280,6 +412,8 @@ class Supervisor:
                     task_status.started()
             signals.cancel_scope.cancel()
         # reached when a stop signal cancelled the task group
+        sink.limiter.report_every = 0.0  # the last drops are reported, whenever the last report was
+        sink.report(time.monotonic())
         self.bus.publish(self.identity, "sage.v1.audit.supervisor_stopped", {"pid": os.getpid()})
 
     async def _handle_signals(
@@ -407,7 +541,10 @@ class Supervisor:
             "capsules": [c.describe() for c in self.capsules],
             "bus": msgspec.to_builtins(self.bus.stats()),
             "connections": self.server.stats() if self.server else {},
-            "audit": audit.stats() if audit is not None else {},
+            "audit": {
+                **(audit.stats() if audit is not None else {}),
+                "rate_limited": self.sink.rate_limited if self.sink is not None else 0,
+            },
             "state_store": str(self.state.path) if self.state is not None else "",
             "reloads": self.reloads,
         }

@@ -31,7 +31,8 @@ result, a bus error, the bridge stopping) is an ``isError`` answer, so
 nothing waits for ever.  Each decision is audited as
 ``sage.v1.audit.tool_call`` ``{principal_id, session_id, call_id, tool_name,
 allowed, decision_source}`` (source ``unknown_tool``, ``schema``,
-``policy:<i>``, ``default`` or ``policy_invalid``), on behalf of the
+``policy:<i>``, ``default``, ``policy_invalid``, or ``foreign_session`` for
+a direct call naming a session not of its principal), on behalf of the
 principal.
 """
 
@@ -51,6 +52,7 @@ from bus import BusError, Envelope, Subscription
 from capsules.tools.catalogue import PREFIX, Catalogue, Change, Rejection, Tool
 from capsules.tools.policy import PolicyFile
 from sage.capsules import CapsuleContext
+from sage.errors import SageError
 
 __all__ = ("DOWN_STATES", "EXECUTE_DEADLINE", "POLICY_FILE", "ToolBridge", "run")
 
@@ -194,7 +196,9 @@ class ToolBridge:
         """``sage.v1.request.tool.call`` ``{tool_name, arguments, session_id?}``: the same
         checks, policy, audit and execution as a session's call, answered as a reply
         (``astrid mcp serve`` for REPL sessions).  The principal is the requester's;
-        only a caller without one (an admin) may name ``principal_id``."""
+        only a caller without one (an admin) may name ``principal_id``.  A
+        ``session_id`` must name a session of that principal, else the call is
+        refused (``unknown_session``) and audited without it."""
         cid = f"r{secrets.token_hex(15)}"
         try:
             call = msgspec.json.decode(envelope.payload, type=ToolCall)
@@ -202,12 +206,55 @@ class ToolBridge:
             result = error_result(f"bad tool call: {exc}")
         else:
             principal = envelope.principal if envelope.principal is not None else call.principal_id
-            result = await self._decide_and_run(cid, call, principal)
+            refusal = await self._foreign_session(call, principal)
+            if refusal is None:
+                result = await self._decide_and_run(cid, call, principal)
+            else:
+                # audited without the session id the caller named: it is not theirs
+                self._audit(
+                    "tool_call",
+                    {
+                        "principal_id": principal,
+                        "session_id": None,
+                        "call_id": cid,
+                        "tool_use_id": call.tool_use_id,
+                        "tool_name": call.tool_name.removeprefix(PREFIX),
+                        "allowed": False,
+                        "decision_source": "foreign_session",
+                    },
+                    principal,
+                )
+                result = error_result(refusal)
         if envelope.reply_to is not None:
             try:
                 self.ctx.reply(envelope, result)
             except BusError as exc:
                 self.log.warning("tools.reply_failed", call_id=cid, error=str(exc))
+
+    async def _foreign_session(self, call: ToolCall, principal: str | None) -> str | None:
+        """Why the session a direct call names is not the caller's, else None.
+
+        The session id is the caller's claim; it names the caller's session
+        only if the runner's record (``sessions``) or the REPL token record
+        (``hook_tokens``) of that id belongs to the call's principal.  The
+        answer is the same for another principal's session and for none."""
+        sid = call.session_id
+        if sid is None:
+            return None
+        owner: object = None
+        try:
+            for namespace in ("sessions", "hook_tokens"):
+                record = await self.ctx.state.get(namespace, sid)
+                if isinstance(record, dict):
+                    owner = record.get("principal_id")
+                    break
+        except SageError as exc:
+            self.log.error("tools.session_check_failed", error=str(exc))
+            return f"unknown_session: session {sid!r} could not be checked: {exc}"
+        if owner is None or owner != principal:
+            who = f"principal {principal!r}" if principal is not None else "a caller without one"
+            return f"unknown_session: {sid!r} is not a session of {who}"
+        return None
 
     # -- the catalogue ----------------------------------------------------
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from bus import BusError
+from bus import BusError, Envelope
 from sage.cli._connect import connect, print_json
 from sage.errors import SageError
 
@@ -77,6 +77,32 @@ async def _pub(args: argparse.Namespace) -> int:
     return 0
 
 
+def envelope_line(envelope: Envelope) -> str:
+    """One envelope as a JSON line, whatever its payload.
+
+    The server refuses payloads that are not UTF-8 JSON text, but an
+    in-process publisher is not checked: such a payload is printed as a
+    string (undecodable bytes as U+FFFD) with ``"bad_payload": true``, so one
+    bad envelope never ends a ``sub`` nor breaks its JSON lines."""
+    try:
+        envelope.payload.decode()
+        msgspec.json.decode(envelope.payload)
+    except (UnicodeDecodeError, msgspec.DecodeError, RecursionError):
+        fields = {
+            "id": envelope.id,
+            "topic": envelope.topic,
+            "payload": envelope.payload.decode(errors="replace"),
+            "bad_payload": True,
+            "source": envelope.source,
+            "principal": envelope.principal,
+            "correlation_id": envelope.correlation_id,
+            "reply_to": envelope.reply_to,
+            "ts": envelope.ts,
+        }
+        return msgspec.json.encode({k: v for k, v in fields.items() if v is not None}).decode()
+    return msgspec.json.encode(envelope.to_wire()).decode()
+
+
 async def _sub(args: argparse.Namespace) -> int:
     async with connect(args) as client:
         subscription = await client.subscribe(args.pattern)
@@ -84,7 +110,7 @@ async def _sub(args: argparse.Namespace) -> int:
         out = sys.stdout
         try:
             async for envelope in subscription:
-                out.write(msgspec.json.encode(envelope.to_wire()).decode() + "\n")
+                out.write(envelope_line(envelope) + "\n")
                 out.flush()
                 seen += 1
                 if args.count and seen >= args.count:
@@ -99,7 +125,7 @@ async def _request(args: argparse.Namespace) -> int:
     async with connect(args) as client:
         reply = await client.request_raw(args.topic, payload, deadline=args.timeout)
     if args.json:
-        print_json(msgspec.json.decode(msgspec.json.encode(reply.to_wire())))
+        sys.stdout.write(envelope_line(reply) + "\n")
     else:
-        sys.stdout.write(reply.payload.decode() + "\n")
+        sys.stdout.write(reply.payload.decode(errors="replace") + "\n")
     return 0

@@ -37,6 +37,7 @@ from bus.wire import (
     Ok,
     Ping,
     Pong,
+    Result,
     ServerFrame,
     Sub,
     Welcome,
@@ -568,3 +569,104 @@ async def test_reauthorize_cuts_connections_whose_access_changed(sock_path: Path
                 await sub.get()
         alice.publish("demo.still", {})
         await alice.flush()
+
+
+# -- payloads that are not JSON text --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("payload", "code"),
+    [
+        (b'"\xff"', "bad_payload"),
+        (b'{"a": "\xc3"}', "bad_payload"),
+        (b'"\\ud800"', "bad_frame"),  # the frame decoder checks escapes itself
+        (b'["\\udfff x"]', "bad_frame"),
+    ],
+    ids=["not-utf8", "truncated-utf8", "lone-surrogate", "lone-low-surrogate"],
+)
+async def test_a_payload_that_is_not_json_text_is_refused_and_nothing_is_delivered(
+    sock_path: Path, payload: bytes, code: str
+) -> None:
+    """pub, req and reply with such a payload are each refused; subscribers see nothing
+    and the connection goes on."""
+    bus = Bus()
+    watcher = bus.subscribe(">", Identity("watcher"))
+    async with serving(sock_path, bus), raw(sock_path) as conn:
+        await conn.send(_frame(b'{"t":"pub","topic":"demo.bad","payload":' + payload + b"}"))
+        await conn.send(Ping(1))
+        err = await conn.recv()
+        assert isinstance(err, Err)
+        assert (err.code, err.fatal) == (code, False)
+        assert await conn.recv() == Pong(1)
+        await conn.send(
+            _frame(b'{"t":"req","rid":5,"topic":"demo.v1.echo","payload":' + payload + b"}")
+        )
+        answer = await conn.recv()
+        if code == "bad_payload":  # a request the server could read gets its result
+            assert isinstance(answer, Result)
+            assert (answer.rid, answer.code, answer.env) == (5, code, None)
+        else:
+            assert isinstance(answer, Err)
+            assert answer.code == code
+        await conn.send(_frame(b'{"t":"reply","to":"x","payload":' + payload + b"}"))
+        await conn.send(Ping(2))
+        err = await conn.recv()
+        assert isinstance(err, Err)
+        assert err.code == code
+        assert await conn.recv() == Pong(2)
+    assert watcher.drain() == []
+    assert bus.published == 0
+
+
+async def test_astrid_bus_sub_survives_an_envelope_that_is_not_json_text(
+    sock_path: Path, tmp_path: Path
+) -> None:
+    """An in-process publisher is not checked by the server: astrid bus sub prints such an
+    envelope as a JSON line flagged bad_payload, and goes on to the next."""
+    import json
+    import subprocess
+    import sys
+
+    config = tmp_path / "s.toml"
+    config.write_text(f'[supervisor]\nstate_dir = "{tmp_path}"\nsocket = "{sock_path}"\n')
+    bus = Bus()
+    async with serving(sock_path, bus):
+        proc = await anyio.open_process(
+            [
+                sys.executable,
+                "-m",
+                "sage.cli",
+                "bus",
+                "sub",
+                ">",
+                "-n",
+                "2",
+                "--config",
+                str(config),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        async with proc:
+            with anyio.fail_after(20):
+                while not bus.has_subscribers("demo.bad"):  # noqa: ASYNC110
+                    await anyio.sleep(0.02)
+                bus.publish_raw(Identity("capsule:buggy"), "demo.bad", b'"\xff"')
+                bus.publish_raw(Identity("capsule:buggy"), "demo.good", b'{"ok": 1}')
+                await proc.wait()
+            assert proc.stdout is not None
+            assert proc.stderr is not None
+            out = (await _read_all(proc.stdout)).decode()
+            err = await _read_all(proc.stderr)
+    assert proc.returncode == 0, err
+    bad, good = (json.loads(line) for line in out.splitlines())
+    assert (bad["topic"], bad["payload"], bad["bad_payload"]) == ("demo.bad", '"\ufffd"', True)
+    assert (good["topic"], good["payload"]) == ("demo.good", {"ok": 1})
+
+
+async def _read_all(stream: anyio.abc.ByteReceiveStream) -> bytes:
+    data = b""
+    with contextlib.suppress(anyio.EndOfStream):
+        while True:
+            data += await stream.receive()
+    return data

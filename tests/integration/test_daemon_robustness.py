@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
@@ -142,3 +143,107 @@ def test_new_folder_is_created_private(tmp_path: Path) -> None:
     os.chmod(target, 0o750)
     ensure_private_dir(target)
     assert target.stat().st_mode & 0o777 == 0o700
+
+
+def test_payloads_that_are_not_utf8_reach_neither_a_capsule_nor_a_subscriber(
+    daemon: Daemon,
+) -> None:
+    """b'"\\xff"' requested of demo.v1.echo crashed the echo capsule into failed, and one
+    published on demo.bad killed an admin's astrid bus sub: both are refused at the server."""
+    before = daemon.status()["bus"]["subscriptions"]
+    sub = subprocess.Popen(
+        [*ASTRID, "bus", "sub", "demo.>", "-n", "1", "--config", str(daemon.config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 10
+    while daemon.status()["bus"]["subscriptions"] <= before:
+        assert time.monotonic() < deadline, "astrid bus sub never subscribed"
+        time.sleep(0.05)
+    sock = _connect(daemon.socket)
+    sock.sendall(
+        _frame({"t": "hello", "role": "cli"})
+        + b"".join(
+            _frame(b'{"t":"req","rid":%d,"topic":"demo.v1.echo","payload":"\xff"}' % i)
+            for i in range(8)
+        )
+        + _frame(b'{"t":"pub","topic":"demo.bad","payload":"\xff"}')
+        + _frame({"t": "pub", "topic": "demo.good", "payload": {"ok": 1}})
+        + _frame({"t": "ping", "n": 1})
+    )
+    sock.settimeout(10)
+    data = b""
+    while b'"pong"' not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed; got {data!r}"
+        data += chunk
+    sock.close()
+    assert data.count(b'"bad_payload"') == 9
+    out, err = sub.communicate(timeout=20)
+    assert sub.returncode == 0, err
+    assert [msgspec.json.decode(line)["topic"] for line in out.splitlines()] == ["demo.good"]
+    echo = next(c for c in daemon.status()["capsules"] if c["name"] == "echo")
+    assert (echo["state"], echo["restarts"]) == ("running", 0)
+    answer = daemon.astrid("bus", "request", "demo.v1.echo", '{"hi": 1}')
+    assert answer.returncode == 0, answer.stderr
+
+
+def test_the_log_stays_json_lines_while_slow_consumers_are_cut_off_mid_read() -> None:
+    """Subscribers that never read but keep writing are cut off as slow consumers while their
+    socket is readable: anyio's own stream then made asyncio print InvalidStateError
+    tracebacks (191 under fuzzing). Every line of the supervisor's log must stay JSON."""
+    import json
+    import threading
+
+    d = Daemon(
+        short_dir(),
+        "capsules = []\n[bus]\nqueue_size = 4\nslow_consumer_timeout = 0.01\n",
+    ).start()
+    stop = time.monotonic() + 4.0
+
+    def victim() -> None:
+        while time.monotonic() < stop:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(str(d.socket))
+            sock.sendall(
+                _frame({"t": "hello", "role": "cli"})
+                + _frame({"t": "sub", "sid": 1, "pattern": "demo.>"})
+            )
+            sock.settimeout(0.5)
+            with contextlib.suppress(OSError):
+                for i in range(2000):  # never reads; writes until it is cut off
+                    sock.send(_frame({"t": "ping", "n": i}))
+                    time.sleep(0.0005)
+            sock.close()
+
+    def publisher() -> None:
+        sock = _connect(d.socket)
+        sock.sendall(_frame({"t": "hello", "role": "cli"}))
+        sock.settimeout(10)
+        burst = _frame({"t": "pub", "topic": "demo.x", "payload": {"x": "y" * 20000}}) * 20
+        while time.monotonic() < stop:
+            sock.sendall(burst + _frame({"t": "ping", "n": 1}))
+            sock.recv(65536)
+        sock.close()
+
+    threads = [threading.Thread(target=victim) for _ in range(6)]
+    threads += [threading.Thread(target=publisher) for _ in range(2)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert d.status()["pid"]
+    finally:
+        assert d.stop() == 0
+    lines = d.log().splitlines()
+    not_json = []
+    for line in lines:
+        try:
+            json.loads(line)
+        except ValueError:
+            not_json.append(line)
+    assert not_json == [], f"{len(not_json)} lines are not JSON, e.g. {not_json[:6]}"
+    assert not [line for line in lines if '"asyncio.error"' in line]  # nor errors in JSON
+    assert sum('"bus.disconnect"' in line for line in lines) >= 50  # it was provoked

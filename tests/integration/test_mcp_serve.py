@@ -41,12 +41,14 @@ async def _session(
 
 
 async def test_tools_list_and_call_through_the_bridge() -> None:
-    config = sage_config(FAKE, {}, capsules='["tools", "greeter"]')
+    config = sage_config(FAKE, {}, capsules='["tools", "greeter", "hooks"]')
     async with running_sage(config) as sage:
         with anyio.fail_after(20):
             while not (await sage.request("sage.v1.request.tools", {}))["tools"]:  # noqa: ASYNC110
                 await anyio.sleep(0.05)
-        env = {"ASTRID_SOCKET": str(sage.daemon.socket), "ASTRID_SESSION_ID": "repl-1"}
+        # the session must be one of the principal's (the bridge checks), as astrid repl's is
+        opened = await sage.request("sage.v1.request.repl.open", {"principal_id": "alice"})
+        env = {"ASTRID_SOCKET": str(sage.daemon.socket), "ASTRID_SESSION_ID": opened["session_id"]}
         answers = await _session(
             [
                 {

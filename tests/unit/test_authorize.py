@@ -100,3 +100,30 @@ def test_denial_audits_are_rate_limited_per_source() -> None:
     assert limiter.admit("cli:2", 3.0) == 0  # other sources are not affected
     assert limiter.admit("cli:1", 10.5) == 2  # a new window: the suppressed count is reported
     assert limiter.admit("cli:1", 11.0) == 0
+
+
+def test_audit_limiter_is_a_token_bucket_per_publisher_with_limited_reports() -> None:
+    """Past its bucket a publisher's entries are dropped and counted; the counts come out as
+    reports, at most one per publisher a second and a few a second over all of them."""
+    from sage.supervisor import AuditLimiter
+
+    limiter = AuditLimiter(rate=2.0, burst=3, report_every=1.0, report_rate=1.0, report_burst=2)
+    bob = ("cli:1000", "bob")
+    assert [limiter.admit(bob, 0.0) for _ in range(5)] == [True, True, True, False, False]
+    assert limiter.admit(("cli:1001", "carol"), 0.0)  # another publisher has its own bucket
+    assert limiter.reports(0.0) == [(bob, 2)]
+    assert not limiter.admit(bob, 0.1)
+    assert limiter.reports(0.5) == []  # reported less than a second ago: kept for later
+    assert limiter.pending() == 1
+    assert limiter.admit(bob, 1.0)  # refilled: two tokens a second
+    assert limiter.reports(1.2) == [(bob, 1)]
+    assert limiter.pending() == 0
+    # reports are limited over all publishers too: the rest wait, counted
+    for n in range(5):
+        key = (f"capsule:c{n}", "")
+        for _ in range(4):
+            limiter.admit(key, 2.0)
+    assert len(limiter.reports(5.0)) == 2  # the report bucket is full again (2)
+    assert limiter.pending() == 3
+    assert len(limiter.reports(6.0)) == 1  # one more refilled
+    assert limiter.pending() == 2

@@ -364,9 +364,11 @@ def test_an_envelope_of_a_principal_reaches_only_its_users_capsules_and_admins()
     # a user cannot publish on behalf of someone else
     assert bus.publish(bob, "demo.x", {}, on_behalf_of="alice").principal == "bob"
     assert seen() == {"bob", "capsule", "admin", "admin_as_bob"}
-    bus.publish(capsule, "demo.everyone", {})  # no principal: public
-    assert seen() == set(subs)
-    assert bus.stats().scoped == 3
+    bus.publish(capsule, "demo.nobodys", {})  # no principal: not for users
+    assert seen() == {"capsule", "admin", "admin_as_bob"}
+    bus.publish(ADMIN, "demo.nobodys", {})
+    assert seen() == {"capsule", "admin", "admin_as_bob"}
+    assert bus.stats().scoped == 7
 
 
 @pytest.mark.anyio
@@ -391,3 +393,104 @@ async def test_a_request_on_behalf_of_a_principal_carries_it_and_a_user_cannot_f
     assert mine.data() == {"principal": "alice"}
     assert public.data() == {"principal": None}
     assert own.data() == {"principal": "alice"}  # a user's own principal wins
+
+
+def test_protected_topics_only_for_trusted_publishers_and_explicit_capsule_grants() -> None:
+    """An audit topic is open to the process and admins, to a capsule whose manifest names an
+    audit pattern, and never to a user or astrid-emit, whatever their ACL says."""
+    bus = Bus(protected=("*.v1.audit.>",))
+    sink = bus.subscribe("*.v1.audit.>", ADMIN)
+    wide = Acl(publish=["demo.>", "sage.v1.audit.>"], subscribe=[])
+    user = Identity("cli:1000", principal="bob", acl=wide, uid=1000)
+    emit = Identity("emit:1000", principal="bob", acl=Acl(publish=[">"]), uid=1000)
+    admin = Identity("cli:0", uid=0)
+    granted = Identity("capsule:tools", acl=Acl(publish=["sage.v1.audit.>", "demo.>"]))
+    wildcard = Identity("capsule:demo", acl=Acl(publish=["demo.>", "sage.>"]))
+    for who, topic in (
+        (user, "demo.v1.audit.x"),
+        (user, "sage.v1.audit.tool_call"),  # even when the operator's ACL names it
+        (emit, "sage.v1.audit.x"),
+        (granted, "demo.v1.audit.x"),  # granted sage's audit topics, not demo's
+        (wildcard, "demo.v1.audit.x"),
+        (wildcard, "sage.v1.audit.x"),
+    ):
+        with pytest.raises(AclDenied):
+            bus.publish(who, topic, {})
+    bus.publish(ADMIN, "sage.v1.audit.started", {})
+    bus.publish(admin, "demo.v1.audit.x", {})
+    bus.publish(granted, "sage.v1.audit.tool_call", {})
+    bus.publish(user, "demo.v1.other", {})  # the rest of demo.> stays the user's
+    assert [(e.topic, e.source) for e in sink.drain()] == [
+        ("sage.v1.audit.started", "supervisor"),
+        ("demo.v1.audit.x", "cli:0"),
+        ("sage.v1.audit.tool_call", "capsule:tools"),
+    ]
+    assert bus.acl_denied == 6
+
+
+@pytest.mark.anyio
+async def test_a_request_on_a_protected_topic_is_refused_to_a_user() -> None:
+    """Requests are checked as publishes, protected topics included."""
+    bus = Bus(protected=("*.v1.audit.>",))
+    bus.subscribe("demo.v1.audit.q", ADMIN)
+    user = Identity("cli:1000", principal="bob", acl=Acl(publish=["demo.>"]), uid=1000)
+    with pytest.raises(AclDenied):
+        await bus.request(user, "demo.v1.audit.q", {}, deadline=1)
+
+
+@pytest.mark.anyio
+async def test_only_subscribers_entitled_to_a_request_get_its_token_and_may_answer() -> None:
+    """An admin's request for bob reaches bob's connection without reply_to, and a reply
+    from bob (with a token he got elsewhere) is refused; the capsule's is taken."""
+    bus = Bus()
+    user_acl = Acl(publish=["demo.>"], subscribe=["demo.>"])
+    bob = Identity("cli:1001", principal="bob", acl=user_acl, uid=1001)
+    bob2 = Identity("cli:1001", principal="bob", acl=Acl(["demo.>"], ["demo.>"]), uid=1001)
+    capsule = Identity("capsule:svc", acl=Acl(publish=[], subscribe=["demo.>"]))
+    admin_as_bob = Identity("cli:0", principal="bob", uid=0)
+    bobs = bus.subscribe("demo.>", bob)
+    svc = bus.subscribe("demo.q", capsule)
+    refused: list[str] = []
+
+    async def answer() -> None:
+        request = await svc.get()
+        assert request.reply_to is not None
+        seen = bobs.drain()
+        assert [e.reply_to for e in seen] == [None]  # bob saw the request, not its token
+        try:
+            bus.reply(bob, request.reply_to, {"from": "bob"})
+        except AclDenied as exc:
+            refused.append(str(exc))
+        bus.reply(capsule, request.reply_to, {"from": "capsule"})
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(answer)
+        reply = await bus.request(admin_as_bob, "demo.q", {}, deadline=2)
+    assert reply.data() == {"from": "capsule"}
+    assert len(refused) == 1
+    assert "not delivered to it as a responder" in refused[0]
+    assert bus.acl_denied == 1
+
+    # a user's own request: that principal's connections are entitled (equal identities too)
+    async def own() -> None:
+        request = await bobs.get()
+        assert request.reply_to is not None
+        bus.reply(bob2, request.reply_to, {"from": "bob"})
+
+    svc.close()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(own)
+        reply = await bus.request(bob, "demo.mine", {}, deadline=2)
+    assert reply.data() == {"from": "bob"}
+
+
+@pytest.mark.anyio
+async def test_a_request_only_users_could_see_but_not_answer_has_no_responders() -> None:
+    """Subscribers that may not answer do not count: no_responders at once, not a timeout."""
+    bus = Bus()
+    bob = Identity("cli:1001", principal="bob", acl=Acl(["demo.>"], ["demo.>"]), uid=1001)
+    seen = bus.subscribe("demo.>", bob)
+    with anyio.fail_after(1), pytest.raises(NoResponders, match="may answer"):
+        await bus.request(Identity("cli:0", principal="bob", uid=0), "demo.q", {}, deadline=5)
+    assert [e.reply_to for e in seen.drain()] == [None]
+    assert bus.no_responders == 1

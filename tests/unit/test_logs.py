@@ -51,3 +51,37 @@ def test_json_lines_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
         assert "timestamp" in record
     finally:
         structlog.reset_defaults()
+
+
+_LOOP_ERROR = """
+import asyncio
+from sage.logs import configure_logging, log_loop_errors
+
+async def main():
+    log_loop_errors()
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+    future.cancel()
+    loop.call_soon(future.set_result, None)  # what a racing I/O callback does
+    await asyncio.sleep(0.05)
+
+configure_logging("info")
+asyncio.run(main())
+"""
+
+
+def test_asyncio_loop_errors_are_json_log_lines() -> None:
+    """An exception in a loop callback is one JSON line (asyncio.error), not a raw traceback."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", _LOOP_ERROR], capture_output=True, text=True, timeout=30
+    )
+    assert result.returncode == 0, result.stderr
+    (line,) = result.stderr.splitlines()
+    event = json.loads(line)
+    assert (event["event"], event["level"]) == ("asyncio.error", "error")
+    assert "InvalidStateError" in event["error"]
+    assert "InvalidStateError" in event["exception"]
+    assert "Future.set_result" in event["handle"]
