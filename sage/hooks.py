@@ -6,7 +6,11 @@ from __future__ import annotations
 import hashlib
 import secrets
 
-__all__ = ("KNOWN_HOOKS", "hash_token", "mint_token")
+__all__ = ("KNOWN_HOOKS", "PAYLOAD_LIMIT", "hash_token", "mint_token")
+
+PAYLOAD_LIMIT = 64 * 1024
+"""Bytes of JSON a republished hook input may have; a larger one is dropped
+(``payload: null, truncated: true``), by astrid-emit already."""
 
 KNOWN_HOOKS = frozenset(
     {

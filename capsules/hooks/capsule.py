@@ -1,7 +1,7 @@
 """The hooks capsule: validates astrid-emit's hook envelopes and republishes them.
 
 Claude Code runs ``astrid-emit`` for each command hook; it publishes
-``{hook, payload, correlation_id, principal_id, session_id, token}`` on
+``{hook, payload, correlation_id, principal_id, session_id, token, truncated?}`` on
 ``sage.v1.hook.<Hook>`` (the CamelCase event name, e.g. ``PreToolUse``).
 Any process of a uid allowed on the socket can publish there, so every
 field is a claim until the token proves it: the session runner minted the

@@ -10,6 +10,7 @@ log records what was refused.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sqlite3
@@ -351,6 +352,18 @@ async def test_astrid_emit_through_the_supervisor() -> None:
         assert data["correlation_id"] == "toolu_7"
         assert data["payload"] == hook_input
 
+        # an input over the bus's max_payload (a big tool response): still reported
+        big = {**hook_input, "hook_event_name": "PostToolUse", "tool_response": "r" * 2_000_000}
+        code, _, err = await _emit({**env, "ASTRID_HOOK_TOKEN": token}, big)
+        assert code == 0, err
+        assert "not delivered" not in err
+        event = await _get(hooks)
+        assert event.topic == "hook.v1.event.after_tool_call"
+        data = msgspec.json.decode(event.payload)
+        assert data["truncated"] is True
+        assert data["payload"] is None
+        assert data["session_id"] == "hk1"
+
         # a wrong token: audited, not republished
         code, _, err = await _emit({**env, "ASTRID_HOOK_TOKEN": mint_token()}, hook_input)
         assert code == 0, err
@@ -435,3 +448,110 @@ async def test_a_bad_emit_command_line_exits_0_not_2() -> None:
         )
         assert result.returncode == 0, args
         assert b"nothing sent" in result.stderr
+
+
+def _run_emit_raw(stdin: Any, env: dict[str, str], *args: str) -> tuple[int, float, bytes]:
+    """Run the real astrid-emit with ``stdin`` (bytes, a file descriptor, or None for a
+    closed fd 0); (exit code, seconds, stderr).  Blocking: call it in a thread."""
+    import subprocess
+
+    full = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **env}
+    start = time.monotonic()
+    if isinstance(stdin, bytes):
+        result = subprocess.run(
+            [str(EMIT), *args], input=stdin, env=full, capture_output=True, timeout=20
+        )
+    elif stdin is None:  # fd 0 closed in the child: sys.stdin is None
+        result = subprocess.run(
+            [str(EMIT), *args],
+            stdin=subprocess.DEVNULL,
+            env=full,
+            capture_output=True,
+            timeout=20,
+            preexec_fn=lambda: os.close(0),
+        )
+    else:
+        result = subprocess.run(
+            [str(EMIT), *args], stdin=stdin, env=full, capture_output=True, timeout=20
+        )
+    return result.returncode, time.monotonic() - start, result.stderr
+
+
+async def test_astrid_emit_exits_0_on_any_input(tmp_path: Path) -> None:
+    """Claude reads a hook's exit 2 as "block" and any other non-zero as an error:
+    whatever is on stdin, astrid-emit exits 0, quickly, and says why on stderr."""
+    env = {
+        "ASTRID_PRINCIPAL_ID": "alice",
+        "ASTRID_SESSION_ID": "s1",
+        "ASTRID_HOOK_TOKEN": mint_token(),
+        "ASTRID_SOCKET": str(tmp_path / "nobody-here.sock"),
+    }
+    inputs = {
+        "deeply nested": b"[" * 100_000,
+        "deeply nested, valid": b"[" * 100_000 + b"]" * 100_000,
+        "nested objects": b'{"a":' * 50_000,
+        "binary garbage": os.urandom(64 * 1024),
+        "huge": b'{"hook_event_name": "PreToolUse", "x": "' + b"y" * (8 * 1024 * 1024) + b'"}',
+        "empty": b"",
+        "invalid utf-8": b'{"hook_event_name": "\xff\xfe"}',
+    }
+    for name, data in inputs.items():
+        code, seconds, err = await anyio.to_thread.run_sync(_run_emit_raw, data, env, "PreToolUse")
+        assert code == 0, (name, err[-400:])
+        assert b"Traceback" not in err, (name, err[-400:])
+        assert seconds < 5.0, name
+    # fd 0 closed: no stdin at all
+    code, seconds, err = await anyio.to_thread.run_sync(_run_emit_raw, None, env, "PreToolUse")
+    assert code == 0, err[-400:]
+    assert b"Traceback" not in err
+    assert seconds < 5.0
+
+
+async def test_astrid_emit_exits_0_in_bounded_time_whatever_hangs(tmp_path: Path) -> None:
+    """A stdin that never ends and a socket whose backlog is full (connect never
+    completes) both hit the deadline: exit 0, well before Claude's own hook timeout."""
+    env = {
+        "ASTRID_PRINCIPAL_ID": "alice",
+        "ASTRID_SESSION_ID": "s1",
+        "ASTRID_HOOK_TOKEN": mint_token(),
+        "ASTRID_SOCKET": str(tmp_path / "nobody-here.sock"),
+    }
+    # stdin a pipe whose writer stays open and silent
+    reader, writer = os.pipe()
+    try:
+        code, seconds, err = await anyio.to_thread.run_sync(
+            _run_emit_raw, reader, env, "PreToolUse"
+        )
+    finally:
+        os.close(reader)
+        os.close(writer)
+    assert code == 0, err[-400:]
+    assert seconds < 8.0
+    assert b"gave up" in err
+    # a listener that never accepts, its backlog filled: connect() itself waits
+    path = f"/tmp/sg-full-{os.getpid()}.sock"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(path)
+        listener.listen(0)
+        fillers = []
+        try:
+            for _ in range(4):
+                filler = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                filler.setblocking(False)
+                fillers.append(filler)
+                try:
+                    filler.connect(path)
+                except BlockingIOError:
+                    break
+            code, seconds, err = await anyio.to_thread.run_sync(
+                _run_emit_raw, b'{"hook_event_name": "Stop"}', {**env, "ASTRID_SOCKET": path}
+            )
+        finally:
+            for filler in fillers:
+                filler.close()
+            os.unlink(path)
+    assert code == 0, err[-400:]
+    assert seconds < 8.0
+    assert b"not delivered" in err or b"gave up" in err
