@@ -24,6 +24,14 @@ Envelopes are handled one at a time, in order (validate.py has the checks):
   logged); the rest are counted, and the next report published for that
   source says how many were left out (``suppressed_before``).
 
+Floods: any allowed uid may publish on ``sage.v1.hook.>``, so the
+subscription is a :class:`bus.FairSubscription` keyed by :func:`source_key`
+(the publisher's uid): each uid has a queue of ``[bus] queue_size``
+envelopes, served in turn, and a flooding uid overflows only its own.  Its
+drops are reported on ``sage.v1.audit.hook_flood`` ``{source, dropped,
+window}``: within :data:`FLOOD_TICK` of the first, then at most once per
+source per :data:`FLOOD_WINDOW` with the count since the last.
+
 REPL sessions (``astrid sage repl``) get their token from here:
 ``sage.v1.request.repl.open`` ``{principal_id}`` (the principal's users or an
 admin) mints a session id ``repl-<hex>`` and a token, stores its hash like
@@ -46,7 +54,7 @@ from typing import Any
 import anyio
 import msgspec
 
-from bus import BusError, Envelope
+from bus import BusError, Envelope, FairSubscription
 from capsules.hooks.validate import (
     HookRejected,
     event_name,
@@ -72,6 +80,20 @@ TOKENS = "hook_tokens"
 AUDIT_BURST = 20
 """Spoof reports published per source per :data:`AUDIT_WINDOW` seconds."""
 AUDIT_WINDOW = 60.0
+FLOOD_TOPIC = "sage.v1.audit.hook_flood"
+FLOOD_WINDOW = 60.0
+"""Seconds between two flood reports for one source (the first is at once)."""
+FLOOD_TICK = 1.0
+"""Seconds between two looks at the queue's drop counts."""
+
+
+def source_key(envelope: Envelope) -> str:
+    """Whose lane an envelope goes to: the publisher's uid for a socket connection
+    (``emit:1001`` and ``cli:1001`` share ``uid:1001``), else its source."""
+    role, _, uid = envelope.source.partition(":")
+    if role and uid.isdigit():
+        return f"uid:{uid}"
+    return envelope.source
 
 
 class HookGate:
@@ -84,16 +106,33 @@ class HookGate:
         self.limiter = DenialLimiter(burst=AUDIT_BURST, window=AUDIT_WINDOW)
         self.republished = 0
         self.rejected = 0
+        self.flood_dropped = 0
+        """Envelopes the queue dropped (a source over its share), all sources."""
+        self._flood_pending: dict[str, int] = {}
+        self._flood_reported: dict[str, float] = {}
 
     async def run(self) -> None:
-        envelopes = self.ctx.subscribe(SUBSCRIBE)
-        repl = self.ctx.subscribe(REPL_SUBSCRIBE)
-        await self._scrub_old_repl_tokens()
-        self.ctx.ready()
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._serve_repl, repl)
-            await self._serve_hooks(envelopes)
-            tg.cancel_scope.cancel()
+        bus = self.ctx.bus
+        # one lane per uid: a flooding uid fills its own lane only (L2)
+        envelopes = FairSubscription(
+            SUBSCRIBE,
+            self.ctx.identity,
+            self.ctx.config.bus.queue_size,
+            key=source_key,
+            on_close=bus.remove,
+        )
+        bus.add(envelopes)
+        try:
+            repl = self.ctx.subscribe(REPL_SUBSCRIBE)
+            await self._scrub_old_repl_tokens()
+            self.ctx.ready()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._serve_repl, repl)
+                tg.start_soon(self._watch_floods, envelopes)
+                await self._serve_hooks(envelopes)
+                tg.cancel_scope.cancel()
+        finally:
+            envelopes.close()
 
     async def _serve_hooks(self, envelopes: Any) -> None:
         async for envelope in envelopes:
@@ -206,6 +245,38 @@ class HookGate:
                     await self.ctx.state.delete(TOKENS, key)
         except SageError as exc:
             self.log.error("hooks.scrub_failed", error=str(exc))
+
+    # -- floods: envelopes dropped because their source's lane was full ----------
+
+    async def _watch_floods(self, envelopes: FairSubscription) -> None:
+        while True:
+            await anyio.sleep(FLOOD_TICK)
+            self.report_floods(envelopes.take_drops())
+
+    def report_floods(self, drops: dict[str, int]) -> None:
+        """Audit the drops per source: at once the first time, then at most one
+        report per source per :data:`FLOOD_WINDOW` with the count since the last."""
+        now = self.clock()
+        pending = self._flood_pending
+        for source, count in drops.items():
+            pending[source] = pending.get(source, 0) + count
+            self.flood_dropped += count
+        reported = self._flood_reported
+        for source in [s for s, t in reported.items() if now - t >= FLOOD_WINDOW]:
+            if source not in pending:
+                del reported[source]  # quiet for a window: forgotten
+        for source, count in list(pending.items()):
+            last = reported.get(source)
+            if last is not None and now - last < FLOOD_WINDOW:
+                continue
+            del pending[source]
+            reported[source] = now
+            report = {"source": source, "dropped": count, "window": FLOOD_WINDOW}
+            self.log.warning("hooks.flood_dropped", **report)
+            try:
+                self.ctx.publish(FLOOD_TOPIC, report)
+            except BusError as exc:
+                self.log.error("hooks.audit_failed", reason="flood", error=str(exc))
 
     def _reject(self, rejection: HookRejected, source: str) -> None:
         self.rejected += 1

@@ -30,6 +30,7 @@ from capsules.hooks.capsule import HookGate
 from capsules.hooks.validate import PAYLOAD_LIMIT
 from capsules.runner.command import hash_token, mint_token
 from sage.capsules import CapsuleContext, capsule_folder, load_manifest
+from sage.config import Config
 from sage.state import StateStore
 from tests.integration.sage_harness import Sage, running_sage, sage_config
 
@@ -56,6 +57,7 @@ class Rig:
         self.hooks = bus.subscribe("hook.v1.event.>", observer)
         self.notifications = bus.subscribe("sage.v1.notification", observer)
         self.audits = bus.subscribe(SPOOF, observer)
+        self.floods = bus.subscribe("sage.v1.audit.hook_flood", observer)
 
     def emit(
         self,
@@ -251,6 +253,35 @@ async def test_spoof_audits_are_rate_limited_per_source(tmp_path: Path) -> None:
         assert rig.gate.rejected == 27
 
 
+async def test_a_flooding_source_fills_only_its_own_lane(tmp_path: Path) -> None:
+    """5000 spoofs from uid 1001 at once (over any queue) and then alice's genuine
+    hook from uid 1000: hers is validated; bob's drops are audited with their
+    count, at once and then at most once a minute per source."""
+    async with _rig(tmp_path) as rig:
+        token = await _session(rig.store)
+        for _ in range(5000):  # no await: the capsule cannot drain meanwhile
+            rig.emit(token="W" * 43, source="emit:1001", principal="bob")
+        rig.emit(token=token)
+        assert (await rig.next(rig.hooks)).principal == "alice"
+        dropped = 5000 - Config().bus.queue_size
+        report = (await rig.next(rig.floods)).data()
+        assert report == {"source": "uid:1001", "dropped": dropped, "window": 60.0}
+        assert rig.gate.flood_dropped == dropped
+        # later drops of the same source wait for the window, then come as one count
+        rig.gate.report_floods({"uid:1001": 3})
+        rig.clock[0] = 30.0
+        rig.gate.report_floods({"uid:1001": 4, "uid:1002": 1})  # another source: at once
+        assert (await rig.next(rig.floods)).data()["source"] == "uid:1002"
+        assert len(rig.floods) == 0
+        rig.clock[0] = 61.0
+        rig.gate.report_floods({})
+        assert (await rig.next(rig.floods)).data() == {
+            "source": "uid:1001",
+            "dropped": 7,
+            "window": 60.0,
+        }
+
+
 async def test_the_capsule_survives_bad_envelopes_and_a_closed_store(tmp_path: Path) -> None:
     """Deeply nested garbage is malformed; without a state store nothing passes."""
     async with _rig(tmp_path) as rig:
@@ -294,10 +325,10 @@ async def _emit(
     return result.returncode, time.monotonic() - start, result.stderr.decode()
 
 
-def _audit_rows(sage: Sage) -> list[dict[str, Any]]:
+def _audit_rows(sage: Sage, kind: str = SPOOF) -> list[dict[str, Any]]:
     db = sqlite3.connect(f"file:{sage.daemon.root / 'state' / 'audit.db'}?mode=ro", uri=True)
     try:
-        rows = db.execute("SELECT payload FROM entries WHERE kind = ?", (SPOOF,)).fetchall()
+        rows = db.execute("SELECT payload FROM entries WHERE kind = ?", (kind,)).fetchall()
     finally:
         db.close()
     return [msgspec.json.decode(row[0]) for row in rows]
@@ -555,3 +586,119 @@ async def test_astrid_emit_exits_0_in_bounded_time_whatever_hangs(tmp_path: Path
     assert code == 0, err[-400:]
     assert seconds < 8.0
     assert b"not delivered" in err or b"gave up" in err
+
+
+def _flood_as(uid: int, socket_path: str, seconds: float) -> tuple[int, int]:
+    """Fork a client that runs as ``uid`` and floods ``sage.v1.hook.PreToolUse`` with
+    spoofs for ``seconds`` (an emit connection); it writes "flooding" when it starts
+    and the count it sent at the end.  Returns (pid, read end of its pipe)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(write)
+        return pid, read
+    try:  # the child: no exec, the interpreter is already loaded
+        os.close(read)
+        os.setgroups([])
+        os.setgid(65534)
+        os.setuid(uid)
+
+        async def main() -> None:
+            from bus.client import BusClient
+
+            spoof = {
+                "hook": "PreToolUse",
+                "payload": {"hook_event_name": "PreToolUse"},
+                "principal_id": "alice",
+                "session_id": "s-forged",
+                "token": "W" * 43,
+            }
+            sent = 0
+            async with BusClient.connect(socket_path, role="emit", name="flood") as client:
+                os.write(write, b"flooding\n")
+                end = time.monotonic() + seconds
+                while time.monotonic() < end:
+                    for _ in range(500):
+                        client.publish("sage.v1.hook.PreToolUse", spoof)
+                    sent += 500
+                    await client.flush()
+            os.write(write, f"{sent}\n".encode())
+
+        anyio.run(main)
+        os._exit(0)
+    except BaseException as exc:  # report, never return into pytest
+        os.write(write, f"error {exc!r}\n".encode())
+        os._exit(1)
+
+
+def _flood_config() -> str:
+    """The hooks capsule alone; alice is the test's uid, bob is 65534, who may
+    connect (socket group nogroup)."""
+    return sage_config(
+        FAKE,
+        {},
+        extra='[socket]\ngroup = "nogroup"\n',
+        capsules='["hooks"]',
+        principal_extra='[[principals]]\nname = "bob"\nuids = [65534]\n',
+    )
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to flood as another uid")
+async def test_a_hook_flood_from_one_uid_does_not_drop_anothers_hooks() -> None:
+    """bob (uid 65534) floods sage.v1.hook.> with spoofs over the real socket while
+    alice's astrid-emit sends genuine hooks: every genuine hook is validated and
+    republished; bob's dropped envelopes are audited once, with their count."""
+    from tests.integration.daemon import short_dir
+
+    root = short_dir()
+    root.chmod(0o755)  # uid 65534 must reach the socket's folder (0750, group nogroup)
+    async with running_sage(_flood_config(), root=root, env={"ANTHROPIC_API_KEY": ""}) as sage:
+        hooks = await sage.client.subscribe("hook.v1.event.before_tool_call")
+        floods = await sage.client.subscribe("sage.v1.audit.hook_flood")
+        opened = await sage.request("sage.v1.request.repl.open", {"principal_id": "alice"})
+        assert opened["ok"], opened
+        env = {
+            "ASTRID_SOCKET": str(sage.daemon.socket),
+            "ASTRID_PRINCIPAL_ID": "alice",
+            "ASTRID_SESSION_ID": opened["session_id"],
+            "ASTRID_HOOK_TOKEN": opened["token"],
+        }
+        # forked from a worker thread: the loop's thread has asyncio running
+        pid, fd = await anyio.to_thread.run_sync(_flood_as, 65534, str(sage.daemon.socket), 12.0)
+        lines = os.fdopen(fd)
+        try:
+            first = await anyio.to_thread.run_sync(lines.readline)
+            assert first == "flooding\n", first
+            await anyio.sleep(1.0)  # the capsule's queue is full by now
+            genuine = 24
+            codes = []
+            for i in range(genuine):
+                payload = {"hook_event_name": "PreToolUse", "tool_use_id": f"tu_{i}"}
+                code, _, err = await _emit(env, payload)
+                assert "not delivered" not in err, err
+                codes.append(code)
+            assert codes == [0] * genuine
+            last = await anyio.to_thread.run_sync(lines.readline)
+        finally:
+            await anyio.to_thread.run_sync(os.waitpid, pid, 0)
+            lines.close()
+        assert not last.startswith("error"), last
+        sent = int(last)
+        seen: set[str] = set()
+        with anyio.move_on_after(10):
+            while len(seen) < genuine:
+                event = msgspec.json.decode((await hooks.get()).payload)
+                assert event["decision_source"] == "token"
+                seen.add(event["correlation_id"])
+        assert seen == {f"tu_{i}" for i in range(genuine)}, f"lost {genuine - len(seen)}"
+        report = msgspec.json.decode((await _get(floods, within=10)).payload)
+        assert report["source"] == "uid:65534"
+        assert 0 < report["dropped"] <= sent
+        with anyio.move_on_after(1.5):  # one summary per source per interval
+            extra = await floods.get()
+            raise AssertionError(f"a second flood report: {extra.payload!r}")
+        flood = "sage.v1.audit.hook_flood"
+        await _wait(lambda: len(_audit_rows(sage, flood)) >= 1, within=10)
+        [row] = _audit_rows(sage, flood)
+        assert row["payload"] == report
+        assert row["source"] == "capsule:hooks"
