@@ -37,8 +37,12 @@ REPL sessions (``astrid sage repl``) get their token from here:
 admin) mints a session id ``repl-<hex>`` and a token, stores its hash like
 the runner does (``kind: "repl"``) and replies ``{ok, session_id, token,
 home}`` to the requester only; ``sage.v1.request.repl.close``
-``{session_id}`` scrubs it.  Tokens left by a REPL that never closed are
-scrubbed after 24 hours (and at every supervisor start by the runner).
+``{session_id}`` scrubs it.  A principal may hold at most ``[limits]
+max_repl_tokens_per_principal`` live REPL tokens (``too_many_repl_sessions``
+past it).  A REPL token expires :data:`REPL_TOKEN_TTL` after minting, closed
+or not: it then validates no hook, counts for no limit, and is scrubbed (at
+a ``repl.open``, every :data:`REPL_SCRUB_EVERY`, at every start; the runner
+also clears all tokens when it starts).
 
 The token is never published or logged.  When the state store cannot be
 read the envelope is dropped (logged, not audited: it is no spoof).
@@ -73,7 +77,10 @@ __all__ = ("AUDIT_BURST", "HookGate", "run")
 SUBSCRIBE = "sage.v1.hook.>"
 REPL_SUBSCRIBE = "sage.v1.request.repl.*"
 REPL_TOKEN_TTL = 24 * 3600.0
-"""Seconds after which a REPL token a crashed ``astrid sage repl`` left is scrubbed."""
+"""Seconds a REPL token lives: past it, it validates no hook, counts for no
+cap, and is scrubbed (a crashed ``astrid sage repl`` never closed it)."""
+REPL_SCRUB_EVERY = 3600.0
+"""Seconds between two scrubs of expired REPL tokens while the capsule runs."""
 NOTIFICATION_TOPIC = "sage.v1.notification"
 SPOOF_TOPIC = "sage.v1.audit.hook_spoof_attempt"
 TOKENS = "hook_tokens"
@@ -129,6 +136,7 @@ class HookGate:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._serve_repl, repl)
                 tg.start_soon(self._watch_floods, envelopes)
+                tg.start_soon(self._scrub_repl_tokens_hourly)
                 await self._serve_hooks(envelopes)
                 tg.cancel_scope.cancel()
         finally:
@@ -155,6 +163,9 @@ class HookGate:
                     "hooks.state_unavailable", session_id=claim.session_id, error=str(exc)
                 )
                 return False
+            if _expired(record, time.time()):
+                await self._forget(claim.session_id)
+                record = None  # a REPL token past its lifetime: as if closed
             principal = verify(claim, record, envelope.principal)
         except HookRejected as rejection:
             self._reject(rejection, envelope.source)
@@ -206,6 +217,19 @@ class HookGate:
                     "error": "not_authorized",
                     "message": f"you may not act for {name!r}",
                 }
+            live = await self._live_repl_tokens(name)
+            cap = self.ctx.config.limits.max_repl_tokens_per_principal
+            if live >= cap:
+                return {
+                    "ok": False,
+                    "error": "too_many_repl_sessions",
+                    "message": (
+                        f"principal {name!r} has {live} live repl sessions"
+                        f" (limits.max_repl_tokens_per_principal = {cap}); end one"
+                        f" (exit its astrid sage repl) or wait {REPL_TOKEN_TTL / 3600:g} h"
+                        " for it to expire"
+                    ),
+                }
             token = mint_token()
             sid = f"repl-{secrets.token_hex(8)}"
             record = {
@@ -236,15 +260,40 @@ class HookGate:
         await self.ctx.state.delete(TOKENS, sid)
         return {"ok": True, "session_id": sid}
 
+    async def _live_repl_tokens(self, principal: str) -> int:
+        """The principal's REPL tokens within their lifetime; expired ones are scrubbed."""
+        live = 0
+        now = time.time()
+        for key, value in await self.ctx.state.items(TOKENS):
+            if _expired(value, now):
+                await self.ctx.state.delete(TOKENS, key)
+            elif (
+                isinstance(value, dict)
+                and value.get("kind") == "repl"
+                and value.get("principal_id") == principal
+            ):
+                live += 1
+        return live
+
+    async def _forget(self, sid: str) -> None:
+        try:
+            await self.ctx.state.delete(TOKENS, sid)
+        except SageError as exc:
+            self.log.error("hooks.scrub_failed", error=str(exc))
+
     async def _scrub_old_repl_tokens(self) -> None:
         try:
+            now = time.time()
             for key, value in await self.ctx.state.items(TOKENS):
-                if not isinstance(value, dict) or value.get("kind") != "repl":
-                    continue
-                if time.time() - float(value.get("created_at", 0)) > REPL_TOKEN_TTL:
+                if _expired(value, now):
                     await self.ctx.state.delete(TOKENS, key)
         except SageError as exc:
             self.log.error("hooks.scrub_failed", error=str(exc))
+
+    async def _scrub_repl_tokens_hourly(self) -> None:
+        while True:
+            await anyio.sleep(REPL_SCRUB_EVERY)
+            await self._scrub_old_repl_tokens()
 
     # -- floods: envelopes dropped because their source's lane was full ----------
 
@@ -289,6 +338,16 @@ class HookGate:
             self.ctx.publish(SPOOF_TOPIC, {**report, "suppressed_before": suppressed})
         except BusError as exc:
             self.log.error("hooks.audit_failed", reason=rejection.reason, error=str(exc))
+
+
+def _expired(record: Any, now: float) -> bool:
+    """A REPL token record past :data:`REPL_TOKEN_TTL` (or with no usable time)."""
+    if not isinstance(record, dict) or record.get("kind") != "repl":
+        return False  # the runner's records end with their session
+    created = record.get("created_at")
+    if not isinstance(created, int | float):
+        return True
+    return bool(now - created > REPL_TOKEN_TTL)
 
 
 async def run(ctx: CapsuleContext) -> None:

@@ -26,11 +26,11 @@ import msgspec
 import pytest
 
 from bus import Acl, Bus, Envelope, Identity, Subscription
-from capsules.hooks.capsule import HookGate
+from capsules.hooks.capsule import REPL_TOKEN_TTL, HookGate
 from capsules.hooks.validate import PAYLOAD_LIMIT
 from capsules.runner.command import hash_token, mint_token
 from sage.capsules import CapsuleContext, capsule_folder, load_manifest
-from sage.config import Config
+from sage.config import Config, LimitsConfig, PrincipalConfig
 from sage.state import StateStore
 from tests.integration.sage_harness import Sage, running_sage, sage_config
 
@@ -98,7 +98,7 @@ async def _wait(predicate: Callable[[], bool], within: float = 5) -> None:
 
 
 @asynccontextmanager
-async def _rig(tmp_path: Path) -> AsyncIterator[Rig]:
+async def _rig(tmp_path: Path, config: Config | None = None) -> AsyncIterator[Rig]:
     bus = Bus()
     manifest = load_manifest(capsule_folder("hooks"))
     identity = Identity(
@@ -106,7 +106,14 @@ async def _rig(tmp_path: Path) -> AsyncIterator[Rig]:
     )
     async with StateStore.open(tmp_path / "state.db") as store:
         ready = anyio.Event()
-        ctx = CapsuleContext(bus, identity, manifest, state_of=lambda: store, ready=ready)
+        ctx = CapsuleContext(
+            bus,
+            identity,
+            manifest,
+            config_of=lambda: config or Config(),
+            state_of=lambda: store,
+            ready=ready,
+        )
         clock = [0.0]
         gate = HookGate(ctx, clock=lambda: clock[0])
         rig = Rig(bus, store, gate, clock)
@@ -280,6 +287,57 @@ async def test_a_flooding_source_fills_only_its_own_lane(tmp_path: Path) -> None
             "dropped": 7,
             "window": 60.0,
         }
+
+
+async def _repl(rig: Rig, verb: str, **payload: Any) -> dict[str, Any]:
+    """A ``repl.open`` / ``repl.close`` request from an admin's connection."""
+    admin = Identity("cli:0", None, None, uid=0)
+    reply = await rig.bus.request(admin, f"sage.v1.request.repl.{verb}", payload, deadline=5)
+    data: dict[str, Any] = reply.data()
+    return data
+
+
+async def test_repl_tokens_are_capped_per_principal_freed_by_close_and_expiry(
+    tmp_path: Path,
+) -> None:
+    """At most ``limits.max_repl_tokens_per_principal`` live REPL tokens per
+    principal: past it ``repl.open`` is refused; a close or an expired token
+    frees a place, and an expired token validates no hook."""
+    config = Config(
+        principals=[
+            PrincipalConfig(name="alice", uids=[1000]),
+            PrincipalConfig(name="bob", uids=[1001]),
+        ],
+        limits=LimitsConfig(max_repl_tokens_per_principal=2),
+    )
+    async with _rig(tmp_path, config) as rig:
+        first = await _repl(rig, "open", principal_id="alice")
+        second = await _repl(rig, "open", principal_id="alice")
+        assert first["ok"], first
+        assert second["ok"], second
+        refused = await _repl(rig, "open", principal_id="alice")
+        assert refused["ok"] is False
+        assert refused["error"] == "too_many_repl_sessions"
+        assert "max_repl_tokens_per_principal" in refused["message"]
+        assert "token" not in refused
+        assert (await _repl(rig, "open", principal_id="bob"))["ok"]  # per principal
+        # a close frees a place
+        assert (await _repl(rig, "close", session_id=first["session_id"]))["ok"]
+        third = await _repl(rig, "open", principal_id="alice")
+        assert third["ok"]
+        assert (await _repl(rig, "open", principal_id="alice"))["error"] == "too_many_repl_sessions"
+        # a token past its lifetime: no longer counted, and worthless
+        old = await rig.store.get("hook_tokens", second["session_id"])
+        old["created_at"] = time.time() - REPL_TOKEN_TTL - 1
+        await rig.store.put("hook_tokens", second["session_id"], old)
+        rig.emit(token=second["token"], session_id=second["session_id"])
+        report = (await rig.next(rig.audits)).data()
+        assert report["reason"] == "unknown_or_ended_session"
+        assert await rig.store.get("hook_tokens", second["session_id"]) is None
+        fourth = await _repl(rig, "open", principal_id="alice")
+        assert fourth["ok"], fourth
+        rig.emit(token=fourth["token"], session_id=fourth["session_id"])
+        assert (await rig.next(rig.hooks)).principal == "alice"
 
 
 async def test_the_capsule_survives_bad_envelopes_and_a_closed_store(tmp_path: Path) -> None:
