@@ -646,6 +646,24 @@ async def test_astrid_emit_exits_0_in_bounded_time_whatever_hangs(tmp_path: Path
     assert b"not delivered" in err or b"gave up" in err
 
 
+async def test_astrid_emit_watchdog_ends_any_other_hang(tmp_path: Path) -> None:
+    """Whatever else blocks (here: the config file is a FIFO nobody writes, read
+    outside the bus deadline), the watchdog ends astrid-emit with status 0."""
+    fifo = tmp_path / "supervisor.toml"
+    os.mkfifo(fifo)
+    env = {
+        "ASTRID_PRINCIPAL_ID": "alice",
+        "ASTRID_SESSION_ID": "s1",
+        "ASTRID_HOOK_TOKEN": mint_token(),
+    }
+    code, seconds, err = await anyio.to_thread.run_sync(
+        _run_emit_raw, b'{"hook_event_name": "Stop"}', env, "--config", str(fifo)
+    )
+    assert code == 0, err[-400:]
+    assert 5.5 < seconds < 9.0
+    assert b"gave up after 6 s" in err
+
+
 def _flood_as(uid: int, socket_path: str, seconds: float) -> tuple[int, int]:
     """Fork a client that runs as ``uid`` and floods ``sage.v1.hook.PreToolUse`` with
     spoofs for ``seconds`` (an emit connection); it writes "flooding" when it starts
