@@ -23,7 +23,7 @@ from bus.errors import (
     TopicError,
     sole_error,
 )
-from bus.subscription import Subscription, SubscriptionState
+from bus.subscription import FairSubscription, Subscription, SubscriptionState
 from bus.topics import pattern_matches, split_pattern, split_topic
 from bus.trie import TopicTrie
 
@@ -36,6 +36,7 @@ __all__ = (
     "BusStats",
     "ConnectionLost",
     "Envelope",
+    "FairSubscription",
     "FrameError",
     "Identity",
     "NoResponders",

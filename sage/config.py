@@ -155,6 +155,8 @@ class ClaudeConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
 class LimitsConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     max_sessions_per_principal: Annotated[int, msgspec.Meta(gt=0, le=1000)] = 4
     """Live sessions one principal may have."""
+    max_repl_tokens_per_principal: Annotated[int, msgspec.Meta(gt=0, le=1000)] = 16
+    """Live REPL hook tokens (``astrid sage repl`` runs) one principal may have."""
     max_line_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 16 * 1024 * 1024
     """Longest stdout line accepted from ``claude``; longer ends the session."""
     init_timeout: PositiveFloat = 60.0

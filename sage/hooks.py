@@ -8,7 +8,18 @@ import secrets
 
 from sage.claude_binary import version_key
 
-__all__ = ("HOOK_EVENTS_SINCE", "KNOWN_HOOKS", "hash_token", "hooks_known_by", "mint_token")
+__all__ = (
+    "HOOK_EVENTS_SINCE",
+    "KNOWN_HOOKS",
+    "PAYLOAD_LIMIT",
+    "hash_token",
+    "hooks_known_by",
+    "mint_token",
+)
+
+PAYLOAD_LIMIT = 64 * 1024
+"""Bytes of JSON a republished hook input may have; a larger one is dropped
+(``payload: null, truncated: true``), by astrid-emit already."""
 
 KNOWN_HOOKS = frozenset(
     {

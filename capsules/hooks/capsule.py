@@ -1,7 +1,7 @@
 """The hooks capsule: validates astrid-emit's hook envelopes and republishes them.
 
 Claude Code runs ``astrid-emit`` for each command hook; it publishes
-``{hook, payload, correlation_id, principal_id, session_id, token}`` on
+``{hook, payload, correlation_id, principal_id, session_id, token, truncated?}`` on
 ``sage.v1.hook.<Hook>`` (the CamelCase event name, e.g. ``PreToolUse``).
 Any process of a uid allowed on the socket can publish there, so every
 field is a claim until the token proves it: the session runner minted the
@@ -24,13 +24,25 @@ Envelopes are handled one at a time, in order (validate.py has the checks):
   logged); the rest are counted, and the next report published for that
   source says how many were left out (``suppressed_before``).
 
+Floods: any allowed uid may publish on ``sage.v1.hook.>``, so the
+subscription is a :class:`bus.FairSubscription` keyed by :func:`source_key`
+(the publisher's uid): each uid has a queue of ``[bus] queue_size``
+envelopes, served in turn, and a flooding uid overflows only its own.  Its
+drops are reported on ``sage.v1.audit.hook_flood`` ``{source, dropped,
+window}``: within :data:`FLOOD_TICK` of the first, then at most once per
+source per :data:`FLOOD_WINDOW` with the count since the last.
+
 REPL sessions (``astrid sage repl``) get their token from here:
 ``sage.v1.request.repl.open`` ``{principal_id}`` (the principal's users or an
 admin) mints a session id ``repl-<hex>`` and a token, stores its hash like
 the runner does (``kind: "repl"``) and replies ``{ok, session_id, token,
 home}`` to the requester only; ``sage.v1.request.repl.close``
-``{session_id}`` scrubs it.  Tokens left by a REPL that never closed are
-scrubbed after 24 hours (and at every supervisor start by the runner).
+``{session_id}`` scrubs it.  A principal may hold at most ``[limits]
+max_repl_tokens_per_principal`` live REPL tokens (``too_many_repl_sessions``
+past it).  A REPL token expires :data:`REPL_TOKEN_TTL` after minting, closed
+or not: it then validates no hook, counts for no limit, and is scrubbed (at
+a ``repl.open``, every :data:`REPL_SCRUB_EVERY`, at every start; the runner
+also clears all tokens when it starts).
 
 The token is never published or logged.  When the state store cannot be
 read the envelope is dropped (logged, not audited: it is no spoof).
@@ -46,7 +58,7 @@ from typing import Any
 import anyio
 import msgspec
 
-from bus import BusError, Envelope
+from bus import BusError, Envelope, FairSubscription
 from capsules.hooks.validate import (
     HookRejected,
     event_name,
@@ -65,13 +77,30 @@ __all__ = ("AUDIT_BURST", "HookGate", "run")
 SUBSCRIBE = "sage.v1.hook.>"
 REPL_SUBSCRIBE = "sage.v1.request.repl.*"
 REPL_TOKEN_TTL = 24 * 3600.0
-"""Seconds after which a REPL token a crashed ``astrid sage repl`` left is scrubbed."""
+"""Seconds a REPL token lives: past it, it validates no hook, counts for no
+cap, and is scrubbed (a crashed ``astrid sage repl`` never closed it)."""
+REPL_SCRUB_EVERY = 3600.0
+"""Seconds between two scrubs of expired REPL tokens while the capsule runs."""
 NOTIFICATION_TOPIC = "sage.v1.notification"
 SPOOF_TOPIC = "sage.v1.audit.hook_spoof_attempt"
 TOKENS = "hook_tokens"
 AUDIT_BURST = 20
 """Spoof reports published per source per :data:`AUDIT_WINDOW` seconds."""
 AUDIT_WINDOW = 60.0
+FLOOD_TOPIC = "sage.v1.audit.hook_flood"
+FLOOD_WINDOW = 60.0
+"""Seconds between two flood reports for one source (the first is at once)."""
+FLOOD_TICK = 1.0
+"""Seconds between two looks at the queue's drop counts."""
+
+
+def source_key(envelope: Envelope) -> str:
+    """Whose lane an envelope goes to: the publisher's uid for a socket connection
+    (``emit:1001`` and ``cli:1001`` share ``uid:1001``), else its source."""
+    role, _, uid = envelope.source.partition(":")
+    if role and uid.isdigit():
+        return f"uid:{uid}"
+    return envelope.source
 
 
 class HookGate:
@@ -84,16 +113,34 @@ class HookGate:
         self.limiter = DenialLimiter(burst=AUDIT_BURST, window=AUDIT_WINDOW)
         self.republished = 0
         self.rejected = 0
+        self.flood_dropped = 0
+        """Envelopes the queue dropped (a source over its share), all sources."""
+        self._flood_pending: dict[str, int] = {}
+        self._flood_reported: dict[str, float] = {}
 
     async def run(self) -> None:
-        envelopes = self.ctx.subscribe(SUBSCRIBE)
-        repl = self.ctx.subscribe(REPL_SUBSCRIBE)
-        await self._scrub_old_repl_tokens()
-        self.ctx.ready()
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._serve_repl, repl)
-            await self._serve_hooks(envelopes)
-            tg.cancel_scope.cancel()
+        bus = self.ctx.bus
+        # one lane per uid: a flooding uid fills its own lane only (L2)
+        envelopes = FairSubscription(
+            SUBSCRIBE,
+            self.ctx.identity,
+            self.ctx.config.bus.queue_size,
+            key=source_key,
+            on_close=bus.remove,
+        )
+        bus.add(envelopes)
+        try:
+            repl = self.ctx.subscribe(REPL_SUBSCRIBE)
+            await self._scrub_old_repl_tokens()
+            self.ctx.ready()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._serve_repl, repl)
+                tg.start_soon(self._watch_floods, envelopes)
+                tg.start_soon(self._scrub_repl_tokens_hourly)
+                await self._serve_hooks(envelopes)
+                tg.cancel_scope.cancel()
+        finally:
+            envelopes.close()
 
     async def _serve_hooks(self, envelopes: Any) -> None:
         async for envelope in envelopes:
@@ -116,6 +163,9 @@ class HookGate:
                     "hooks.state_unavailable", session_id=claim.session_id, error=str(exc)
                 )
                 return False
+            if _expired(record, time.time()):
+                await self._forget(claim.session_id)
+                record = None  # a REPL token past its lifetime: as if closed
             principal = verify(claim, record, envelope.principal)
         except HookRejected as rejection:
             self._reject(rejection, envelope.source)
@@ -167,6 +217,19 @@ class HookGate:
                     "error": "not_authorized",
                     "message": f"you may not act for {name!r}",
                 }
+            live = await self._live_repl_tokens(name)
+            cap = self.ctx.config.limits.max_repl_tokens_per_principal
+            if live >= cap:
+                return {
+                    "ok": False,
+                    "error": "too_many_repl_sessions",
+                    "message": (
+                        f"principal {name!r} has {live} live repl sessions"
+                        f" (limits.max_repl_tokens_per_principal = {cap}); end one"
+                        f" (exit its astrid sage repl) or wait {REPL_TOKEN_TTL / 3600:g} h"
+                        " for it to expire"
+                    ),
+                }
             token = mint_token()
             sid = f"repl-{secrets.token_hex(8)}"
             record = {
@@ -197,15 +260,72 @@ class HookGate:
         await self.ctx.state.delete(TOKENS, sid)
         return {"ok": True, "session_id": sid}
 
+    async def _live_repl_tokens(self, principal: str) -> int:
+        """The principal's REPL tokens within their lifetime; expired ones are scrubbed."""
+        live = 0
+        now = time.time()
+        for key, value in await self.ctx.state.items(TOKENS):
+            if _expired(value, now):
+                await self.ctx.state.delete(TOKENS, key)
+            elif (
+                isinstance(value, dict)
+                and value.get("kind") == "repl"
+                and value.get("principal_id") == principal
+            ):
+                live += 1
+        return live
+
+    async def _forget(self, sid: str) -> None:
+        try:
+            await self.ctx.state.delete(TOKENS, sid)
+        except SageError as exc:
+            self.log.error("hooks.scrub_failed", error=str(exc))
+
     async def _scrub_old_repl_tokens(self) -> None:
         try:
+            now = time.time()
             for key, value in await self.ctx.state.items(TOKENS):
-                if not isinstance(value, dict) or value.get("kind") != "repl":
-                    continue
-                if time.time() - float(value.get("created_at", 0)) > REPL_TOKEN_TTL:
+                if _expired(value, now):
                     await self.ctx.state.delete(TOKENS, key)
         except SageError as exc:
             self.log.error("hooks.scrub_failed", error=str(exc))
+
+    async def _scrub_repl_tokens_hourly(self) -> None:
+        while True:
+            await anyio.sleep(REPL_SCRUB_EVERY)
+            await self._scrub_old_repl_tokens()
+
+    # -- floods: envelopes dropped because their source's lane was full ----------
+
+    async def _watch_floods(self, envelopes: FairSubscription) -> None:
+        while True:
+            await anyio.sleep(FLOOD_TICK)
+            self.report_floods(envelopes.take_drops())
+
+    def report_floods(self, drops: dict[str, int]) -> None:
+        """Audit the drops per source: at once the first time, then at most one
+        report per source per :data:`FLOOD_WINDOW` with the count since the last."""
+        now = self.clock()
+        pending = self._flood_pending
+        for source, count in drops.items():
+            pending[source] = pending.get(source, 0) + count
+            self.flood_dropped += count
+        reported = self._flood_reported
+        for source in [s for s, t in reported.items() if now - t >= FLOOD_WINDOW]:
+            if source not in pending:
+                del reported[source]  # quiet for a window: forgotten
+        for source, count in list(pending.items()):
+            last = reported.get(source)
+            if last is not None and now - last < FLOOD_WINDOW:
+                continue
+            del pending[source]
+            reported[source] = now
+            report = {"source": source, "dropped": count, "window": FLOOD_WINDOW}
+            self.log.warning("hooks.flood_dropped", **report)
+            try:
+                self.ctx.publish(FLOOD_TOPIC, report)
+            except BusError as exc:
+                self.log.error("hooks.audit_failed", reason="flood", error=str(exc))
 
     def _reject(self, rejection: HookRejected, source: str) -> None:
         self.rejected += 1
@@ -218,6 +338,16 @@ class HookGate:
             self.ctx.publish(SPOOF_TOPIC, {**report, "suppressed_before": suppressed})
         except BusError as exc:
             self.log.error("hooks.audit_failed", reason=rejection.reason, error=str(exc))
+
+
+def _expired(record: Any, now: float) -> bool:
+    """A REPL token record past :data:`REPL_TOKEN_TTL` (or with no usable time)."""
+    if not isinstance(record, dict) or record.get("kind") != "repl":
+        return False  # the runner's records end with their session
+    created = record.get("created_at")
+    if not isinstance(created, int | float):
+        return True
+    return bool(now - created > REPL_TOKEN_TTL)
 
 
 async def run(ctx: CapsuleContext) -> None:

@@ -6,8 +6,8 @@ to :func:`parse`, looks up the session's token record, and hands both to
 :data:`REASONS`; the checks run in this order, the first failure wins:
 
 1. ``malformed``: the payload is not a JSON object of the envelope's shape
-   (``{hook, payload, correlation_id?, principal_id, session_id, token}``,
-   each a string where one is expected).
+   (``{hook, payload, correlation_id?, principal_id, session_id, token, truncated?}``,
+   each a string where one is expected, ``truncated`` a boolean).
 2. ``bad_session_id``: ``session_id`` does not match ``[A-Za-z0-9_-]{1,64}``.
 3. ``unknown_hook``: ``hook`` is not a Claude Code hook event
    (:data:`KNOWN_HOOKS`, the CamelCase form astrid-emit sends, e.g.
@@ -37,7 +37,10 @@ top of that the republished ``payload`` field (Claude's hook input) is kept
 only if its JSON is at most :data:`PAYLOAD_LIMIT` bytes.  A larger one is
 dropped, not cut: the event is still republished, with ``payload: null``
 and ``truncated: true``, so subscribers learn the hook fired without
-receiving half a JSON document.  ``truncated`` is absent otherwise.
+receiving half a JSON document.  astrid-emit drops such an input itself
+(and one it could not read whole) and says so with ``truncated: true`` in
+the envelope, which is honoured the same way.  ``truncated`` is absent
+otherwise.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from typing import Any
 
 import msgspec
 
-from sage.hooks import KNOWN_HOOKS, hash_token
+from sage.hooks import KNOWN_HOOKS, PAYLOAD_LIMIT, hash_token
 
 __all__ = (
     "CANONICAL_NAMES",
@@ -69,8 +72,6 @@ __all__ = (
 TOPIC_PREFIX = "sage.v1.hook."
 FIELD_LIMIT = 128
 """Characters kept of each field of a spoof report."""
-PAYLOAD_LIMIT = 64 * 1024
-"""Bytes of JSON a republished hook ``payload`` may have; a larger one is dropped."""
 SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 REDACTED = "[redacted]"
 TOKEN_MIN = 16
@@ -108,6 +109,8 @@ class HookEnvelope(msgspec.Struct, frozen=True):
     principal_id: str = ""
     session_id: str = ""
     token: str = ""
+    truncated: bool = False
+    """astrid-emit left the hook input out (over :data:`PAYLOAD_LIMIT`, or cut)."""
 
 
 class HookRejected(Exception):
@@ -243,7 +246,7 @@ def republished(envelope: HookEnvelope, principal: str) -> dict[str, Any]:
         "decision_source": "token",
     }
     data = msgspec.json.encode(payload)
-    if len(data) > PAYLOAD_LIMIT:
+    if envelope.truncated or len(data) > PAYLOAD_LIMIT:
         out["truncated"] = True
     else:
         out["payload"] = _without_token(payload, data, envelope.token)

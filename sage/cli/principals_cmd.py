@@ -206,29 +206,29 @@ async def _repl(args: argparse.Namespace) -> int:
             raise SageError(f"unknown_principal: no principal {name!r} you may act for")
         opened = await _call(client, "sage.v1.request.repl.open", {"principal_id": name}, 10.0)
     sid, token, home = opened["session_id"], opened["token"], opened["home"]
-    env = {
-        "HOME": home,
-        "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
-        "ASTRID_PRINCIPAL_ID": name,
-        "ASTRID_SESSION_ID": sid,
-        "ASTRID_HOOK_TOKEN": token,
-        "ASTRID_SOCKET": str(config.socket_path),
-    }
-    for var in ("TERM", "LANG", "LC_ALL", "LC_CTYPE", "COLORTERM"):
-        if os.environ.get(var):
-            env[var] = os.environ[var]
-    if row.get("auth_mode") == "api_key":
-        key = None
-        # not the supervisor's user: the store does not open; the operator's key, if any
-        with contextlib.suppress(SecretError, OSError):
-            key = SecretStore.open(config).get(principal_namespace(name), API_KEY)
-        key = key or os.environ.get("ANTHROPIC_API_KEY")
-        if key:
-            env["ANTHROPIC_API_KEY"] = key
-    env.update(config.claude.env)
-    extra = [a for a in args.claude_args if a != "--"] if args.claude_args else []
-    argv = [str(resolve_claude_binary(config)), *extra]
-    try:
+    try:  # from here on the token is closed however this ends
+        env = {
+            "HOME": home,
+            "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
+            "ASTRID_PRINCIPAL_ID": name,
+            "ASTRID_SESSION_ID": sid,
+            "ASTRID_HOOK_TOKEN": token,
+            "ASTRID_SOCKET": str(config.socket_path),
+        }
+        for var in ("TERM", "LANG", "LC_ALL", "LC_CTYPE", "COLORTERM"):
+            if os.environ.get(var):
+                env[var] = os.environ[var]
+        if row.get("auth_mode") == "api_key":
+            key = None
+            # not the supervisor's user: the store does not open; the operator's key, if any
+            with contextlib.suppress(SecretError, OSError):
+                key = SecretStore.open(config).get(principal_namespace(name), API_KEY)
+            key = key or os.environ.get("ANTHROPIC_API_KEY")
+            if key:
+                env["ANTHROPIC_API_KEY"] = key
+        env.update(config.claude.env)
+        extra = [a for a in args.claude_args if a != "--"] if args.claude_args else []
+        argv = [str(resolve_claude_binary(config)), *extra]
         if args.dry_run:
             masked = {
                 k: (
@@ -247,6 +247,8 @@ async def _repl(args: argparse.Namespace) -> int:
             done = await anyio.to_thread.run_sync(
                 lambda: subprocess.run(argv, env=env, cwd=home, check=False)
             )
+        except OSError as exc:  # no home (not installed), claude not runnable
+            raise SageError(f"cannot start {argv[0]} in {home}: {exc.strerror}") from None
         finally:
             signal.signal(signal.SIGINT, previous)
         return done.returncode

@@ -10,6 +10,7 @@ log records what was refused.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sqlite3
@@ -25,10 +26,11 @@ import msgspec
 import pytest
 
 from bus import Acl, Bus, Envelope, Identity, Subscription
-from capsules.hooks.capsule import HookGate
+from capsules.hooks.capsule import REPL_TOKEN_TTL, HookGate
 from capsules.hooks.validate import PAYLOAD_LIMIT
 from capsules.runner.command import hash_token, mint_token
 from sage.capsules import CapsuleContext, capsule_folder, load_manifest
+from sage.config import Config, LimitsConfig, PrincipalConfig
 from sage.state import StateStore
 from tests.integration.sage_harness import Sage, running_sage, sage_config
 
@@ -55,6 +57,7 @@ class Rig:
         self.hooks = bus.subscribe("hook.v1.event.>", observer)
         self.notifications = bus.subscribe("sage.v1.notification", observer)
         self.audits = bus.subscribe(SPOOF, observer)
+        self.floods = bus.subscribe("sage.v1.audit.hook_flood", observer)
 
     def emit(
         self,
@@ -95,7 +98,7 @@ async def _wait(predicate: Callable[[], bool], within: float = 5) -> None:
 
 
 @asynccontextmanager
-async def _rig(tmp_path: Path) -> AsyncIterator[Rig]:
+async def _rig(tmp_path: Path, config: Config | None = None) -> AsyncIterator[Rig]:
     bus = Bus()
     manifest = load_manifest(capsule_folder("hooks"))
     identity = Identity(
@@ -103,7 +106,14 @@ async def _rig(tmp_path: Path) -> AsyncIterator[Rig]:
     )
     async with StateStore.open(tmp_path / "state.db") as store:
         ready = anyio.Event()
-        ctx = CapsuleContext(bus, identity, manifest, state_of=lambda: store, ready=ready)
+        ctx = CapsuleContext(
+            bus,
+            identity,
+            manifest,
+            config_of=lambda: config or Config(),
+            state_of=lambda: store,
+            ready=ready,
+        )
         clock = [0.0]
         gate = HookGate(ctx, clock=lambda: clock[0])
         rig = Rig(bus, store, gate, clock)
@@ -250,6 +260,86 @@ async def test_spoof_audits_are_rate_limited_per_source(tmp_path: Path) -> None:
         assert rig.gate.rejected == 27
 
 
+async def test_a_flooding_source_fills_only_its_own_lane(tmp_path: Path) -> None:
+    """5000 spoofs from uid 1001 at once (over any queue) and then alice's genuine
+    hook from uid 1000: hers is validated; bob's drops are audited with their
+    count, at once and then at most once a minute per source."""
+    async with _rig(tmp_path) as rig:
+        token = await _session(rig.store)
+        for _ in range(5000):  # no await: the capsule cannot drain meanwhile
+            rig.emit(token="W" * 43, source="emit:1001", principal="bob")
+        rig.emit(token=token)
+        assert (await rig.next(rig.hooks)).principal == "alice"
+        dropped = 5000 - Config().bus.queue_size
+        report = (await rig.next(rig.floods)).data()
+        assert report == {"source": "uid:1001", "dropped": dropped, "window": 60.0}
+        assert rig.gate.flood_dropped == dropped
+        # later drops of the same source wait for the window, then come as one count
+        rig.gate.report_floods({"uid:1001": 3})
+        rig.clock[0] = 30.0
+        rig.gate.report_floods({"uid:1001": 4, "uid:1002": 1})  # another source: at once
+        assert (await rig.next(rig.floods)).data()["source"] == "uid:1002"
+        assert len(rig.floods) == 0
+        rig.clock[0] = 61.0
+        rig.gate.report_floods({})
+        assert (await rig.next(rig.floods)).data() == {
+            "source": "uid:1001",
+            "dropped": 7,
+            "window": 60.0,
+        }
+
+
+async def _repl(rig: Rig, verb: str, **payload: Any) -> dict[str, Any]:
+    """A ``repl.open`` / ``repl.close`` request from an admin's connection."""
+    admin = Identity("cli:0", None, None, uid=0)
+    reply = await rig.bus.request(admin, f"sage.v1.request.repl.{verb}", payload, deadline=5)
+    data: dict[str, Any] = reply.data()
+    return data
+
+
+async def test_repl_tokens_are_capped_per_principal_freed_by_close_and_expiry(
+    tmp_path: Path,
+) -> None:
+    """At most ``limits.max_repl_tokens_per_principal`` live REPL tokens per
+    principal: past it ``repl.open`` is refused; a close or an expired token
+    frees a place, and an expired token validates no hook."""
+    config = Config(
+        principals=[
+            PrincipalConfig(name="alice", uids=[1000]),
+            PrincipalConfig(name="bob", uids=[1001]),
+        ],
+        limits=LimitsConfig(max_repl_tokens_per_principal=2),
+    )
+    async with _rig(tmp_path, config) as rig:
+        first = await _repl(rig, "open", principal_id="alice")
+        second = await _repl(rig, "open", principal_id="alice")
+        assert first["ok"], first
+        assert second["ok"], second
+        refused = await _repl(rig, "open", principal_id="alice")
+        assert refused["ok"] is False
+        assert refused["error"] == "too_many_repl_sessions"
+        assert "max_repl_tokens_per_principal" in refused["message"]
+        assert "token" not in refused
+        assert (await _repl(rig, "open", principal_id="bob"))["ok"]  # per principal
+        # a close frees a place
+        assert (await _repl(rig, "close", session_id=first["session_id"]))["ok"]
+        third = await _repl(rig, "open", principal_id="alice")
+        assert third["ok"]
+        assert (await _repl(rig, "open", principal_id="alice"))["error"] == "too_many_repl_sessions"
+        # a token past its lifetime: no longer counted, and worthless
+        old = await rig.store.get("hook_tokens", second["session_id"])
+        old["created_at"] = time.time() - REPL_TOKEN_TTL - 1
+        await rig.store.put("hook_tokens", second["session_id"], old)
+        rig.emit(token=second["token"], session_id=second["session_id"])
+        report = (await rig.next(rig.audits)).data()
+        assert report["reason"] == "unknown_or_ended_session"
+        assert await rig.store.get("hook_tokens", second["session_id"]) is None
+        fourth = await _repl(rig, "open", principal_id="alice")
+        assert fourth["ok"], fourth
+        rig.emit(token=fourth["token"], session_id=fourth["session_id"])
+        assert (await rig.next(rig.hooks)).principal == "alice"
+
+
 async def test_the_capsule_survives_bad_envelopes_and_a_closed_store(tmp_path: Path) -> None:
     """Deeply nested garbage is malformed; without a state store nothing passes."""
     async with _rig(tmp_path) as rig:
@@ -293,10 +383,10 @@ async def _emit(
     return result.returncode, time.monotonic() - start, result.stderr.decode()
 
 
-def _audit_rows(sage: Sage) -> list[dict[str, Any]]:
+def _audit_rows(sage: Sage, kind: str = SPOOF) -> list[dict[str, Any]]:
     db = sqlite3.connect(f"file:{sage.daemon.root / 'state' / 'audit.db'}?mode=ro", uri=True)
     try:
-        rows = db.execute("SELECT payload FROM entries WHERE kind = ?", (SPOOF,)).fetchall()
+        rows = db.execute("SELECT payload FROM entries WHERE kind = ?", (kind,)).fetchall()
     finally:
         db.close()
     return [msgspec.json.decode(row[0]) for row in rows]
@@ -350,6 +440,18 @@ async def test_astrid_emit_through_the_supervisor() -> None:
         assert data["decision_source"] == "token"
         assert data["correlation_id"] == "toolu_7"
         assert data["payload"] == hook_input
+
+        # an input over the bus's max_payload (a big tool response): still reported
+        big = {**hook_input, "hook_event_name": "PostToolUse", "tool_response": "r" * 2_000_000}
+        code, _, err = await _emit({**env, "ASTRID_HOOK_TOKEN": token}, big)
+        assert code == 0, err
+        assert "not delivered" not in err
+        event = await _get(hooks)
+        assert event.topic == "hook.v1.event.after_tool_call"
+        data = msgspec.json.decode(event.payload)
+        assert data["truncated"] is True
+        assert data["payload"] is None
+        assert data["session_id"] == "hk1"
 
         # a wrong token: audited, not republished
         code, _, err = await _emit({**env, "ASTRID_HOOK_TOKEN": mint_token()}, hook_input)
@@ -435,3 +537,244 @@ async def test_a_bad_emit_command_line_exits_0_not_2() -> None:
         )
         assert result.returncode == 0, args
         assert b"nothing sent" in result.stderr
+
+
+def _run_emit_raw(stdin: Any, env: dict[str, str], *args: str) -> tuple[int, float, bytes]:
+    """Run the real astrid-emit with ``stdin`` (bytes, a file descriptor, or None for a
+    closed fd 0); (exit code, seconds, stderr).  Blocking: call it in a thread."""
+    import subprocess
+
+    full = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **env}
+    start = time.monotonic()
+    if isinstance(stdin, bytes):
+        result = subprocess.run(
+            [str(EMIT), *args], input=stdin, env=full, capture_output=True, timeout=20
+        )
+    elif stdin is None:  # fd 0 closed in the child: sys.stdin is None
+        result = subprocess.run(
+            [str(EMIT), *args],
+            stdin=subprocess.DEVNULL,
+            env=full,
+            capture_output=True,
+            timeout=20,
+            preexec_fn=lambda: os.close(0),
+        )
+    else:
+        result = subprocess.run(
+            [str(EMIT), *args], stdin=stdin, env=full, capture_output=True, timeout=20
+        )
+    return result.returncode, time.monotonic() - start, result.stderr
+
+
+async def test_astrid_emit_exits_0_on_any_input(tmp_path: Path) -> None:
+    """Claude reads a hook's exit 2 as "block" and any other non-zero as an error:
+    whatever is on stdin, astrid-emit exits 0, quickly, and says why on stderr."""
+    env = {
+        "ASTRID_PRINCIPAL_ID": "alice",
+        "ASTRID_SESSION_ID": "s1",
+        "ASTRID_HOOK_TOKEN": mint_token(),
+        "ASTRID_SOCKET": str(tmp_path / "nobody-here.sock"),
+    }
+    inputs = {
+        "deeply nested": b"[" * 100_000,
+        "deeply nested, valid": b"[" * 100_000 + b"]" * 100_000,
+        "nested objects": b'{"a":' * 50_000,
+        "binary garbage": os.urandom(64 * 1024),
+        "huge": b'{"hook_event_name": "PreToolUse", "x": "' + b"y" * (8 * 1024 * 1024) + b'"}',
+        "empty": b"",
+        "invalid utf-8": b'{"hook_event_name": "\xff\xfe"}',
+    }
+    for name, data in inputs.items():
+        code, seconds, err = await anyio.to_thread.run_sync(_run_emit_raw, data, env, "PreToolUse")
+        assert code == 0, (name, err[-400:])
+        assert b"Traceback" not in err, (name, err[-400:])
+        assert seconds < 5.0, name
+    # fd 0 closed: no stdin at all
+    code, seconds, err = await anyio.to_thread.run_sync(_run_emit_raw, None, env, "PreToolUse")
+    assert code == 0, err[-400:]
+    assert b"Traceback" not in err
+    assert seconds < 5.0
+
+
+async def test_astrid_emit_exits_0_in_bounded_time_whatever_hangs(tmp_path: Path) -> None:
+    """A stdin that never ends and a socket whose backlog is full (connect never
+    completes) both hit the deadline: exit 0, well before Claude's own hook timeout."""
+    env = {
+        "ASTRID_PRINCIPAL_ID": "alice",
+        "ASTRID_SESSION_ID": "s1",
+        "ASTRID_HOOK_TOKEN": mint_token(),
+        "ASTRID_SOCKET": str(tmp_path / "nobody-here.sock"),
+    }
+    # stdin a pipe whose writer stays open and silent
+    reader, writer = os.pipe()
+    try:
+        code, seconds, err = await anyio.to_thread.run_sync(
+            _run_emit_raw, reader, env, "PreToolUse"
+        )
+    finally:
+        os.close(reader)
+        os.close(writer)
+    assert code == 0, err[-400:]
+    assert seconds < 8.0
+    assert b"gave up" in err
+    # a listener that never accepts, its backlog filled: connect() itself waits
+    path = f"/tmp/sg-full-{os.getpid()}.sock"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(path)
+        listener.listen(0)
+        fillers = []
+        try:
+            for _ in range(4):
+                filler = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                filler.setblocking(False)
+                fillers.append(filler)
+                try:
+                    filler.connect(path)
+                except BlockingIOError:
+                    break
+            code, seconds, err = await anyio.to_thread.run_sync(
+                _run_emit_raw, b'{"hook_event_name": "Stop"}', {**env, "ASTRID_SOCKET": path}
+            )
+        finally:
+            for filler in fillers:
+                filler.close()
+            os.unlink(path)
+    assert code == 0, err[-400:]
+    assert seconds < 8.0
+    assert b"not delivered" in err or b"gave up" in err
+
+
+async def test_astrid_emit_watchdog_ends_any_other_hang(tmp_path: Path) -> None:
+    """Whatever else blocks (here: the config file is a FIFO nobody writes, read
+    outside the bus deadline), the watchdog ends astrid-emit with status 0."""
+    fifo = tmp_path / "supervisor.toml"
+    os.mkfifo(fifo)
+    env = {
+        "ASTRID_PRINCIPAL_ID": "alice",
+        "ASTRID_SESSION_ID": "s1",
+        "ASTRID_HOOK_TOKEN": mint_token(),
+    }
+    code, seconds, err = await anyio.to_thread.run_sync(
+        _run_emit_raw, b'{"hook_event_name": "Stop"}', env, "--config", str(fifo)
+    )
+    assert code == 0, err[-400:]
+    assert 5.5 < seconds < 9.0
+    assert b"gave up after 6 s" in err
+
+
+def _flood_as(uid: int, socket_path: str, seconds: float) -> tuple[int, int]:
+    """Fork a client that runs as ``uid`` and floods ``sage.v1.hook.PreToolUse`` with
+    spoofs for ``seconds`` (an emit connection); it writes "flooding" when it starts
+    and the count it sent at the end.  Returns (pid, read end of its pipe)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(write)
+        return pid, read
+    try:  # the child: no exec, the interpreter is already loaded
+        os.close(read)
+        os.setgroups([])
+        os.setgid(65534)
+        os.setuid(uid)
+
+        async def main() -> None:
+            from bus.client import BusClient
+
+            spoof = {
+                "hook": "PreToolUse",
+                "payload": {"hook_event_name": "PreToolUse"},
+                "principal_id": "alice",
+                "session_id": "s-forged",
+                "token": "W" * 43,
+            }
+            sent = 0
+            async with BusClient.connect(socket_path, role="emit", name="flood") as client:
+                os.write(write, b"flooding\n")
+                end = time.monotonic() + seconds
+                while time.monotonic() < end:
+                    for _ in range(500):
+                        client.publish("sage.v1.hook.PreToolUse", spoof)
+                    sent += 500
+                    await client.flush()
+            os.write(write, f"{sent}\n".encode())
+
+        anyio.run(main)
+        os._exit(0)
+    except BaseException as exc:  # report, never return into pytest
+        os.write(write, f"error {exc!r}\n".encode())
+        os._exit(1)
+
+
+def _flood_config() -> str:
+    """The hooks capsule alone; alice is the test's uid, bob is 65534, who may
+    connect (socket group nogroup)."""
+    return sage_config(
+        FAKE,
+        {},
+        extra='[socket]\ngroup = "nogroup"\n',
+        capsules='["hooks"]',
+        principal_extra='[[principals]]\nname = "bob"\nuids = [65534]\n',
+    )
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to flood as another uid")
+async def test_a_hook_flood_from_one_uid_does_not_drop_anothers_hooks() -> None:
+    """bob (uid 65534) floods sage.v1.hook.> with spoofs over the real socket while
+    alice's astrid-emit sends genuine hooks: every genuine hook is validated and
+    republished; bob's dropped envelopes are audited once, with their count."""
+    from tests.integration.daemon import short_dir
+
+    root = short_dir()
+    root.chmod(0o755)  # uid 65534 must reach the socket's folder (0750, group nogroup)
+    async with running_sage(_flood_config(), root=root, env={"ANTHROPIC_API_KEY": ""}) as sage:
+        hooks = await sage.client.subscribe("hook.v1.event.before_tool_call")
+        floods = await sage.client.subscribe("sage.v1.audit.hook_flood")
+        opened = await sage.request("sage.v1.request.repl.open", {"principal_id": "alice"})
+        assert opened["ok"], opened
+        env = {
+            "ASTRID_SOCKET": str(sage.daemon.socket),
+            "ASTRID_PRINCIPAL_ID": "alice",
+            "ASTRID_SESSION_ID": opened["session_id"],
+            "ASTRID_HOOK_TOKEN": opened["token"],
+        }
+        # forked from a worker thread: the loop's thread has asyncio running
+        pid, fd = await anyio.to_thread.run_sync(_flood_as, 65534, str(sage.daemon.socket), 12.0)
+        lines = os.fdopen(fd)
+        try:
+            first = await anyio.to_thread.run_sync(lines.readline)
+            assert first == "flooding\n", first
+            await anyio.sleep(1.0)  # the capsule's queue is full by now
+            genuine = 24
+            codes = []
+            for i in range(genuine):
+                payload = {"hook_event_name": "PreToolUse", "tool_use_id": f"tu_{i}"}
+                code, _, err = await _emit(env, payload)
+                assert "not delivered" not in err, err
+                codes.append(code)
+            assert codes == [0] * genuine
+            last = await anyio.to_thread.run_sync(lines.readline)
+        finally:
+            await anyio.to_thread.run_sync(os.waitpid, pid, 0)
+            lines.close()
+        assert not last.startswith("error"), last
+        sent = int(last)
+        seen: set[str] = set()
+        with anyio.move_on_after(10):
+            while len(seen) < genuine:
+                event = msgspec.json.decode((await hooks.get()).payload)
+                assert event["decision_source"] == "token"
+                seen.add(event["correlation_id"])
+        assert seen == {f"tu_{i}" for i in range(genuine)}, f"lost {genuine - len(seen)}"
+        report = msgspec.json.decode((await _get(floods, within=10)).payload)
+        assert report["source"] == "uid:65534"
+        assert 0 < report["dropped"] <= sent
+        with anyio.move_on_after(1.5):  # one summary per source per interval
+            extra = await floods.get()
+            raise AssertionError(f"a second flood report: {extra.payload!r}")
+        flood = "sage.v1.audit.hook_flood"
+        await _wait(lambda: len(_audit_rows(sage, flood)) >= 1, within=10)
+        [row] = _audit_rows(sage, flood)
+        assert row["payload"] == report
+        assert row["source"] == "capsule:hooks"

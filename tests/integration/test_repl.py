@@ -95,3 +95,54 @@ async def test_repl_hooks_are_validated_and_the_token_dies_with_the_repl() -> No
         assert tokens["error"] == "unknown_session"
         other = await sage.request("sage.v1.request.repl.open", {"principal_id": "mallory"})
         assert other["error"] == "unknown_principal"
+
+
+async def test_repl_tokens_are_capped_per_principal() -> None:
+    """5,000 repl.open in a row minted 5,000 live tokens: now the 17th live one
+    (``limits.max_repl_tokens_per_principal``, default 16) is refused with
+    ``too_many_repl_sessions``, also through ``astrid sage repl``; a close frees a place."""
+    root = short_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    script = _fake_claude(root)
+    config = sage_config(script, {}, capsules='["runner", "hooks", "installer"]')
+    async with running_sage(config, root=root, env={"ANTHROPIC_API_KEY": ""}) as sage:
+        installed = await sage.request(
+            "sage.v1.request.install", {"principal_id": "alice", "interaction_mode": "repl"}
+        )
+        assert installed["ok"], installed
+        opened = []
+        for _ in range(16):
+            reply = await sage.request("sage.v1.request.repl.open", {"principal_id": "alice"})
+            assert reply["ok"], reply
+            opened.append(reply["session_id"])
+        refused = await sage.request("sage.v1.request.repl.open", {"principal_id": "alice"})
+        assert refused["ok"] is False
+        assert refused["error"] == "too_many_repl_sessions"
+        assert "token" not in refused
+        code, _, err = await sage.astrid("sage", "repl", "alice")
+        assert code == 1
+        assert "too_many_repl_sessions" in err
+        closed = await sage.request("sage.v1.request.repl.close", {"session_id": opened[0]})
+        assert closed["ok"], closed
+        code, _, err = await sage.astrid("sage", "repl", "alice")
+        assert code == 0, err  # it ran, and closed its own token when done
+        again = await sage.request("sage.v1.request.repl.open", {"principal_id": "alice"})
+        assert again["ok"], again
+
+
+async def test_a_repl_that_cannot_start_claude_releases_its_token() -> None:
+    """``astrid sage repl`` mints a token before it looks for the claude binary:
+    when that fails, the token is closed all the same (it used to leak)."""
+    root = short_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    config = sage_config(
+        root / "no-such-claude", {}, capsules='["runner", "hooks"]', extra="[limits]\n"
+    ).replace("[limits]\n", "[limits]\nmax_repl_tokens_per_principal = 2\n")
+    async with running_sage(config, root=root, env={"ANTHROPIC_API_KEY": ""}) as sage:
+        for _ in range(3):
+            code, _, err = await sage.astrid("sage", "repl", "alice")
+            assert code == 1
+            assert "claude.binary" in err, err
+        for _ in range(2):
+            reply = await sage.request("sage.v1.request.repl.open", {"principal_id": "alice"})
+            assert reply["ok"], reply

@@ -17,7 +17,7 @@ from bus.errors import (
     RequestTimeout,
     TopicError,
 )
-from bus.subscription import SubscriptionState
+from bus.subscription import FairSubscription, SubscriptionState
 
 ADMIN = Identity("supervisor")
 ALICE = Identity("cli:alice", principal="alice")
@@ -129,6 +129,39 @@ async def test_consumer_receives_in_order_and_stops_after_close() -> None:
         bus.publish(ADMIN, "t", 5)
         sub.close()
     assert got == [0, 1, 2, 3, 4, 5]
+
+
+def _fair(bus: Bus, limit: int) -> FairSubscription:
+    sub = FairSubscription("t", ADMIN, limit, key=lambda e: e.source, on_close=bus.remove)
+    bus.add(sub)
+    return sub
+
+
+@pytest.mark.anyio
+async def test_a_fair_subscription_bounds_each_source_and_serves_them_in_turn() -> None:
+    """A flooding source fills its own lane only: another source's envelopes are
+    all queued and served between the flood's, and the drops are counted per source."""
+    bus = Bus()
+    sub = _fair(bus, 3)
+    bob, carol = Identity("emit:1001"), Identity("emit:1002")
+    for i in range(10):
+        bus.publish(bob, "t", f"b{i}")
+    bus.publish(carol, "t", "c0")
+    bus.publish(carol, "t", "c1")
+    assert len(sub) == 5
+    assert sub.dropped == 7
+    assert sub.take_drops() == {"emit:1001": 7}
+    assert sub.take_drops() == {}
+    got = [sub.get_nowait(), await sub.get(), await sub.__anext__()]
+    assert [e.data() for e in got if e is not None] == ["b0", "c0", "b1"]
+    bus.publish(bob, "t", "b10")  # a freed slot in bob's lane
+    assert [e.data() for e in sub.drain()] == ["c1", "b2", "b10"]
+    assert len(sub) == 0
+    sub.close()
+    bus.publish(carol, "t", "late")
+    assert len(sub) == 0
+    with pytest.raises(anyio.EndOfStream):
+        await sub.get()
 
 
 def test_malformed_or_wildcard_topic_is_refused() -> None:

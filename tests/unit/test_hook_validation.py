@@ -287,7 +287,16 @@ def test_the_envelope_type_matches_astrid_emit() -> None:
     """What sage/emit.py builds decodes into HookEnvelope."""
     from sage.emit import _build
 
-    built = _build("PreToolUse", b'{"hook_event_name": "PreToolUse"}')
+    built = _build("PreToolUse", {"hook_event_name": "PreToolUse"}, False)
     envelope = msgspec.json.decode(msgspec.json.encode(built), type=HookEnvelope)
     assert envelope.hook == "PreToolUse"
     assert envelope.payload == {"hook_event_name": "PreToolUse"}
+    assert envelope.truncated is False
+    # an input left out: republished as fired, without it
+    built = _build("PreToolUse", {"big": "x"}, True)
+    envelope = msgspec.json.decode(msgspec.json.encode(built), type=HookEnvelope)
+    assert envelope.payload is None
+    assert envelope.truncated is True
+    out = republished(envelope, "alice")
+    assert out["truncated"] is True
+    assert out["payload"] is None
