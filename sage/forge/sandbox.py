@@ -12,7 +12,8 @@ persona's policy allows the network), nested user namespaces disabled, no
 capabilities, a clean environment, ``/usr`` read-only (the merged-``/usr``
 links recreated), a few ``/etc`` files (``ld.so.cache``; DNS and TLS roots
 only with the network), a fresh ``/proc`` of its own pid namespace, a
-minimal ``/dev``, a private size-capped tmpfs ``/tmp``, the tool at
+minimal ``/dev`` (read-only), private size-capped tmpfs ``/tmp`` and
+``/dev/shm`` (the only writable filesystems: :meth:`Limits.writable_bytes`), the tool at
 ``/forge/tool.py`` and the binds at their own absolute paths.  Options,
 environment (with the secrets) and the tool travel in memfds
 (``--args FD``, ``--ro-bind-data FD``): nothing of them shows in ``ps``.
@@ -166,6 +167,16 @@ class Limits:
     stderr_tail: int = 8192
     tmp_bytes: int = 0
     """Size of the private /tmp tmpfs; 0: ``file_bytes``."""
+    shm_bytes: int = 8 * 1024 * 1024
+    """Size of the private /dev/shm tmpfs (POSIX shared memory, semaphores)."""
+
+    def writable_bytes(self, forge_bytes: int = 0) -> int:
+        """Bytes one call may write to its filesystems at most: /tmp, /dev/shm (and a spare's /forge).
+
+        Every other mount is read-only (``x-bind`` ``rw`` paths aside: host
+        folders the operator chose), so this caps the memory a call's files hold.
+        """
+        return (self.tmp_bytes or self.file_bytes) + self.shm_bytes + forge_bytes
 
     @classmethod
     def from_config(cls, config: ForgeConfig) -> Limits:
@@ -440,7 +451,8 @@ def build_args(
     status_fd: int,
     network: bool,
     shim_fd: int | None = None,
-    tmp_bytes: int = 0,
+    tmp_bytes: int = 64 * 1024 * 1024,
+    shm_bytes: int = 8 * 1024 * 1024,
     impl_path: str = IMPL_PATH,
     root: Path = Path("/"),
     loader_fd: int | None = None,
@@ -452,7 +464,13 @@ def build_args(
     :mod:`sage.forge.spares`) gets no tool (``impl_fd`` None) but a private
     tmpfs of ``forge_bytes`` at ``/forge`` and the loader at
     :data:`LOADER_PATH`, which writes the tool there when it is handed one.
+    The only writable filesystems are those tmpfs, each with its size cap
+    (``SandboxError("bad_limits")`` for a size that is not positive: a tmpfs
+    without one would take up to half the host's memory).
     """
+    for name, size in (("/tmp", tmp_bytes), ("/dev/shm", shm_bytes)):
+        if size <= 0:
+            raise SandboxError("bad_limits", f"the {name} tmpfs needs a size cap, got {size}")
     args = ["--unshare-all"]
     if network:
         args.append("--share-net")
@@ -480,10 +498,10 @@ def build_args(
     for name in etc:
         if (root / "etc" / name).exists():
             args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
-    args += ["--proc", "/proc", "--dev", "/dev"]
-    if tmp_bytes > 0:
-        args += ["--size", str(tmp_bytes)]
-    args += ["--tmpfs", "/tmp"]
+    # bwrap's /dev is a tmpfs with no size cap (its /dev/shm a folder in it, half the
+    # host's memory): /dev/shm is a capped tmpfs of its own and /dev read-only (below)
+    args += ["--proc", "/proc", "--dev", "/dev", "--size", str(shm_bytes), "--tmpfs", "/dev/shm"]
+    args += ["--size", str(tmp_bytes), "--tmpfs", "/tmp"]
     if forge_bytes > 0:
         args += ["--size", str(forge_bytes), "--tmpfs", "/forge"]
     if impl_fd is not None:
@@ -495,9 +513,10 @@ def build_args(
     for bind, fd in binds:
         option = "--ro-bind-fd" if bind.mode == "ro" else "--bind-fd"
         args += [option, str(fd), str(bind.path)]
-    # bwrap's root is a tmpfs the sandbox uid may write, with no size cap:
-    # read-only once everything is mounted (/tmp and a spare's /forge are mounts of their own)
-    args += ["--remount-ro", "/"]
+    # bwrap's root and /dev are tmpfs the sandbox uid may write, with no size cap:
+    # read-only once everything is mounted (/tmp, /dev/shm and a spare's /forge are
+    # capped mounts of their own; --remount-ro is not recursive)
+    args += ["--remount-ro", "/dev", "--remount-ro", "/"]
     args += ["--json-status-fd", str(status_fd), "--chdir", "/tmp"]
     return args
 
@@ -783,6 +802,7 @@ def start_sandbox(
             network=network,
             shim_fd=shim_fd,
             tmp_bytes=limits.tmp_bytes or limits.file_bytes,
+            shm_bytes=limits.shm_bytes,
             impl_path=impl_path,
             loader_fd=loader_fd,
             forge_bytes=forge_bytes,

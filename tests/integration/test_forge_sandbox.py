@@ -12,6 +12,7 @@ import json
 import os
 import pty
 import socket
+import stat
 import subprocess
 import sys
 import textwrap
@@ -27,7 +28,7 @@ from sage.errors import SandboxError
 from sage.forge import sandbox as sb
 from sage.forge.redact import redact_json, redact_text
 from sage.forge.sandbox import Bind, Limits, SandboxResult, SandboxSpec, run_sandboxed
-from sage.forge.spares import SparePool, kind_of
+from sage.forge.spares import SparePool, kind_of, spare_forge_bytes
 from tests.integration.sandbox_rig import LIMITS, PY, in_spare
 
 pytestmark = pytest.mark.anyio
@@ -545,6 +546,92 @@ async def test_the_sandbox_root_is_read_only(open_dir: Path) -> None:
     assert data.pop("/tmp/ok") == "written"
     assert data.pop(str(open_dir / "g.txt")) == "ENOENT"  # not bound: not there
     assert set(data.values()) <= {"EROFS", "EACCES"}, data
+
+
+_MOUNT_WALK = """
+import errno, json, os, stat
+
+def unescape(text):
+    return text.encode().decode("unicode_escape")
+
+mounts = []
+for line in open("/proc/self/mountinfo"):
+    left, _, right = line.rstrip("\\n").partition(" - ")
+    fields, tail = left.split(), right.split()
+    mounts.append({
+        "point": unescape(fields[4]),
+        "opts": fields[5].split(","),
+        "fstype": tail[0],
+        "super": tail[2].split(","),
+    })
+# every place that takes a file: each mount point that is a folder, and /dev/shm
+places = sorted({m["point"] for m in mounts if os.path.isdir(m["point"])} | {"/dev/shm"})
+chunk = b"x" * (1 << 20)
+stop = LIMIT + (8 << 20)  # a little past the whole cap, then give up
+written = {}
+
+
+def fill(place):
+    total = 0
+    for n in range(stop // (4 << 20) + 1):
+        try:
+            fd = os.open(f"{place}/.fill{n}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError:
+            return total
+        try:
+            for _ in range(4):  # files of 4 MiB: under RLIMIT_FSIZE
+                if total >= stop:
+                    return total
+                total += os.write(fd, chunk)
+        except OSError:
+            return total
+        finally:
+            os.close(fd)
+    return total
+
+
+for place in places:
+    total = fill(place)
+    if total:
+        written[place] = total
+kinds = {m["point"]: stat.S_IFMT(os.stat(m["point"]).st_mode) for m in mounts}
+print(json.dumps({"mounts": mounts, "written": written, "kinds": kinds}))
+"""
+
+
+def _cap_of(spare: bool) -> int:
+    return LIMITS.writable_bytes(spare_forge_bytes() if spare else 0)
+
+
+@both
+async def test_no_writable_filesystem_without_a_cap(sandbox: str) -> None:
+    """Every writable mount is a capped tmpfs (or proc, devpts, a device node): no /dev/shm of host RAM."""
+    cap = _cap_of(sandbox == "spare")
+    data = _json(await _run(_MOUNT_WALK.replace("LIMIT", str(cap))))
+    sizes = 0
+    for mount in data["mounts"]:
+        if "rw" not in mount["opts"]:
+            continue
+        kind = data["kinds"][mount["point"]]
+        if mount["fstype"] in ("proc", "devpts") or kind == stat.S_IFCHR:
+            continue
+        assert mount["fstype"] == "tmpfs", mount
+        size = [o for o in mount["super"] if o.startswith("size=")]
+        assert size, f"{mount['point']} is a writable tmpfs with no size cap: {mount}"
+        sizes += int(size[0][5:].rstrip("k")) * 1024
+    assert 0 < sizes <= cap
+
+
+@both
+async def test_the_bytes_one_call_may_write_are_capped(sandbox: str) -> None:
+    """Filling every writable place (/tmp, /dev/shm, /dev, /forge, ...) stops at the call's cap."""
+    cap = _cap_of(sandbox == "spare")
+    data = _json(await _run(_MOUNT_WALK.replace("LIMIT", str(cap))))
+    written = data["written"]
+    assert written.get("/tmp", 0) >= 8 << 20, written  # /tmp takes writes, up to its size
+    assert "/dev" not in written, written
+    assert written.get("/dev/shm", 0) <= LIMITS.shm_bytes, written
+    assert sum(written.values()) <= cap, written
 
 
 @both

@@ -137,6 +137,18 @@ def test_build_args(tmp_path: Path) -> None:
     assert "--ro-bind-data 5 /forge/tool.py" in joined
     assert "/etc/resolv.conf" not in joined
     assert args.index("--clearenv") < args.index("--setenv")
+    # every writable tmpfs has a size cap; /dev (bwrap's, uncapped) and / are read-only
+    assert f"--size {64 << 20} --tmpfs /tmp" in joined
+    assert f"--size {8 << 20} --tmpfs /dev/shm" in joined
+    assert args.count("--tmpfs") == 2
+    assert args[args.index("--dev") + 1] == "/dev"
+    assert "--remount-ro /dev --remount-ro /" in joined
+    assert args.index("--tmpfs") > args.index("--dev")
+    for size in (0, -1):
+        with pytest.raises(SandboxError):
+            build_args(env={}, binds=[], impl_fd=5, status_fd=6, network=False, shm_bytes=size)
+        with pytest.raises(SandboxError):
+            build_args(env={}, binds=[], impl_fd=5, status_fd=6, network=False, tmp_bytes=size)
     net = build_args(env={}, binds=[], impl_fd=5, status_fd=6, network=True, shim_fd=8)
     assert "--share-net" in net
     assert "8" in net
