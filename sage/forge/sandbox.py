@@ -54,6 +54,7 @@ import anyio
 
 from sage.bwrap import BwrapProbe, launcher, probe_bwrap
 from sage.errors import ProcessError, SandboxError
+from sage.forge.registry import private_dir
 from sage.process import Child, Ring
 
 if TYPE_CHECKING:
@@ -669,7 +670,7 @@ class _Stdout:
         if self.total <= self.cap:
             return
         if self._fd is None and self.artifacts_dir is not None and self.artifact is None:
-            self.artifacts_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            private_dir(self.artifacts_dir)
             path = self.artifacts_dir / "full_stdout.bin"
             self._fd = os.open(
                 path,

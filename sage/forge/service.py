@@ -38,6 +38,7 @@ from sage.forge.registry import (
     Registry,
     ToolRecord,
     fingerprint,
+    tighten,
 )
 from sage.forge.runs import RunStore, mask_input, new_run_id
 from sage.forge.sandbox import Bind, Limits, SandboxResult, SandboxSpec, forbidden_for
@@ -195,6 +196,10 @@ class Forge:
 
     def __post_init__(self) -> None:
         root = self.config.forge_dir
+        # owner-only, whatever an older version or the umask left (0644 in 0755 folders)
+        tighten(root)
+        for principal in self.config.principals:
+            tighten(self.config.home_of(principal) / ".astrid" / "forge")
         self.policy_file = PolicyFile(root / "policy.json", self.emit)
         self.registry = Registry(root, self._home, self.emit)
         self.breakers = BreakerBoard(self.clock, self._breaker_changed)
