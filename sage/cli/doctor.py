@@ -48,7 +48,7 @@ checks:
   claude      the claude binary sessions will run (claude.binary, else the one
               `make setup` installs in .tools/, else PATH) and its version; warn:
               not a tested version; fail: none found or it does not run
-  bwrap       bubblewrap really runs a minimal sandbox (as forge.sandbox_uid when
+  bwrap       bubblewrap really runs a minimal sandbox (as forge.sandbox_uid_base when
               run as root); fail: forge refuses to run any forged tool (fail
               closed) - install bubblewrap, allow unprivileged user namespaces
   state       state_dir is yours, mode 0700 (0750 with socket.group); warn: not
@@ -171,7 +171,8 @@ async def _check_claude(config: Config) -> Check:
 
 async def _check_bwrap(config: Config | None) -> Check:
     # as root, forge runs bwrap as the sandbox uid (unprivileged user namespaces): probe that
-    uid = config.forge.sandbox_uid if config is not None and os.geteuid() == 0 else None
+    # (the first of the range: every one of its uids is as unprivileged as the others)
+    uid = config.forge.sandbox_uid_base if config is not None and os.geteuid() == 0 else None
     probe = await probe_bwrap(uid=uid)
     facts: dict[str, Any] = {"path": probe.path, "version": probe.version}
     as_uid = f" as uid {uid}" if uid is not None else ""

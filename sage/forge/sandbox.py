@@ -18,8 +18,9 @@ minimal ``/dev`` (read-only), private size-capped tmpfs ``/tmp`` and
 environment (with the secrets) and the tool travel in memfds
 (``--args FD``, ``--ro-bind-data FD``): nothing of them shows in ``ps``.
 
-When the supervisor is root, bwrap runs as ``Limits.sandbox_uid`` (65534 by
-default, no supplementary groups) in an unprivileged user namespace, so
+When the supervisor is root, bwrap runs as ``Limits.sandbox_uid`` (the
+principal's own uid from ``[forge] sandbox_uid_base``, see
+:mod:`sage.forge.uids`; no supplementary groups) in an unprivileged user namespace, so
 RLIMIT_NPROC is enforced (it is not for root) and the tool can only open
 what that uid could; binds are refused unless that uid may reach them.  The
 rlimits (CPU, address space, file size, open files, processes, core 0) are
@@ -55,6 +56,7 @@ import anyio
 from sage.bwrap import BwrapProbe, launcher, probe_bwrap
 from sage.errors import ProcessError, SandboxError
 from sage.forge.registry import private_dir
+from sage.forge.uids import DEFAULT_UID_BASE
 from sage.process import Child, Ring
 
 if TYPE_CHECKING:
@@ -161,8 +163,9 @@ class Limits:
     open_files: int
     max_processes: int
     output_cap: int
-    sandbox_uid: int = 65534
-    """Uid (and gid) bwrap runs as when the supervisor is root."""
+    sandbox_uid: int = DEFAULT_UID_BASE
+    """Uid (and gid) bwrap runs as when the supervisor is root: the principal's own
+    (:class:`sage.forge.uids.SandboxUids`), never one another program uses."""
     spill_cap: int = 256 * 1024 * 1024
     """Stdout bytes spilled to the artifact at most; past it the sandbox is killed."""
     stderr_tail: int = 8192
@@ -189,7 +192,7 @@ class Limits:
             open_files=config.open_files,
             max_processes=config.max_processes,
             output_cap=config.output_cap,
-            sandbox_uid=config.sandbox_uid,
+            sandbox_uid=config.sandbox_uid_base,
         )
 
 
@@ -578,7 +581,7 @@ class SandboxProbe:
 _PROBE = SandboxProbe()
 
 
-async def ensure_sandbox(*, uid: int | None = 65534) -> BwrapProbe:
+async def ensure_sandbox(*, uid: int | None = DEFAULT_UID_BASE) -> BwrapProbe:
     """Fail closed: ``SandboxError("sandbox_unavailable", why)`` unless bwrap works (cached)."""
     return await _PROBE.ensure(uid)
 

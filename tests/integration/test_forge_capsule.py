@@ -10,6 +10,7 @@ from __future__ import annotations
 import grp
 import json
 import os
+import pwd
 import shutil
 import sqlite3
 import sys
@@ -372,6 +373,49 @@ async def test_project_tools_and_an_old_forge_tree_are_owner_only(tmp_path: Path
     assert loose == {}, loose
 
 
+UID_TOOL = {
+    **FIB_ARGS,
+    "name": "whoami",
+    "input_schema": {"type": "object"},
+    "impl": "import json, os\nprint(json.dumps({'ok': True, 'data': os.getuid()}))\n",
+    "meta": {},
+}
+
+
+async def test_each_principal_s_tools_run_under_a_uid_of_its_own(tmp_path: Path) -> None:
+    """Not nobody (65534, shared with host daemons), not a host user, not another's."""
+    config = Config(
+        supervisor=SupervisorConfig(state_dir=str(tmp_path / "state")),
+        principals=[PrincipalConfig(name="alice"), PrincipalConfig(name="bob")],
+    )
+
+    async def uids_of(forge: Forge) -> dict[str | None, int]:
+        seen: dict[str | None, int] = {}
+        for who in ("alice", "bob", None):
+            out = await forge.dispatch(Caller(who, "s1"), "whoami", {})
+            assert out["ok"] is True, out
+            seen[who] = out["data"]
+        return seen
+
+    forge = Forge(config, lambda e, p: None)
+    _OPEN.append(forge)
+    await forge.forge(Caller("alice", "s1"), UID_TOOL)
+    await forge.promote(Caller("alice", "s1"), "whoami")  # user scope: everyone's
+    seen = await uids_of(forge)
+    assert len(set(seen.values())) == 3, seen
+    for uid in seen.values():
+        assert uid != 65534
+        with pytest.raises(KeyError):
+            pwd.getpwuid(uid)  # no user of this host shares it
+    # the same uids for a new forge on the same state, even with the principals reordered
+    again = Forge(
+        msgspec.structs.replace(config, principals=list(reversed(config.principals))),
+        lambda e, p: None,
+    )
+    _OPEN.append(again)
+    assert await uids_of(again) == seen
+
+
 async def test_real_sandbox_output_over_the_cap_is_spilled(tmp_path: Path) -> None:
     forge, events = _forge(tmp_path)
     forge.policy_file.current()
@@ -573,13 +617,14 @@ async def test_real_sandbox_x_bind_paths_through_the_forge(tmp_path: Path) -> No
     (data / "in.txt").write_text("forty-two")
     (data / "in.txt").chmod(0o644)
     (hidden / "secret.txt").write_text("not for the tool")
-    if os.geteuid() == 0:
-        os.chown(out_dir, 65534, 65534)
-    else:
-        out_dir.chmod(0o777)
     try:
         forge, _ = _forge(tmp_path)
         caller = Caller("alice", "s1")
+        if os.geteuid() == 0:  # rw: writable by alice's own sandbox uid
+            uid = forge.uids.uid_for("alice")
+            os.chown(out_dir, uid, uid)
+        else:
+            out_dir.chmod(0o777)
         impl = (
             "import json, os, sys\n"
             "a = json.load(sys.stdin)\n"

@@ -108,7 +108,7 @@ def _tokens_alive(token: str) -> list[int]:
 
 @both
 async def test_a_plain_tool_runs_as_the_sandbox_uid() -> None:
-    """Baseline: stdin in, JSON out, uid 65534, a clean environment, label bwrap."""
+    """Baseline: stdin in, JSON out, the sandbox uid, a clean environment, label bwrap."""
     result = await _run(
         """
         import json, os, sys
@@ -118,7 +118,8 @@ async def test_a_plain_tool_runs_as_the_sandbox_uid() -> None:
     )
     data = _json(result)
     assert data["in"] == {"n": 3}
-    assert data["uid"] == (65534 if os.geteuid() == 0 else os.getuid())
+    assert data["uid"] == (LIMITS.sandbox_uid if os.geteuid() == 0 else os.getuid())
+    assert data["uid"] != 65534
     assert set(data["env"]) <= {"PATH", "LANG", "HOME", "TMPDIR", "PWD", "LC_CTYPE"}
     assert result.label == "bwrap"
     assert not result.timed_out

@@ -163,7 +163,7 @@ def test_labels_and_limits() -> None:
 
     limits = Limits.from_config(ForgeConfig())
     assert limits.output_cap == 4 * 1024 * 1024
-    assert limits.sandbox_uid == 65534
+    assert limits.sandbox_uid == 90000  # the first of the range, never nobody
 
 
 @pytest.mark.parametrize(
