@@ -14,7 +14,9 @@ links recreated), a few ``/etc`` files (``ld.so.cache``; DNS and TLS roots
 only with the network), a fresh ``/proc`` of its own pid namespace, a
 minimal ``/dev`` (read-only), private size-capped tmpfs ``/tmp`` and
 ``/dev/shm`` (the only writable filesystems: :meth:`Limits.writable_bytes`), the tool at
-``/forge/tool.py`` and the binds at their own absolute paths.  Options,
+``/forge/tool.py`` and the binds at their own absolute paths, and a seccomp
+filter (:func:`seccomp_program`) that refuses the memory a tool could hold
+outside those (memfds, System V shm and message queues) and foreign ABIs.  Options,
 environment (with the secrets) and the tool travel in memfds
 (``--args FD``, ``--ro-bind-data FD``): nothing of them shows in ``ps``.
 
@@ -44,6 +46,7 @@ import os
 import re
 import signal
 import stat
+import struct
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -81,6 +84,7 @@ __all__ = (
     "nproc_limit",
     "open_binds",
     "run_sandboxed",
+    "seccomp_program",
     "start_sandbox",
     "supervise",
 )
@@ -461,6 +465,7 @@ def build_args(
     root: Path = Path("/"),
     loader_fd: int | None = None,
     forge_bytes: int = 0,
+    seccomp_fd: int | None = None,
 ) -> list[str]:
     """The bwrap options (they go through ``--args FD``; the command follows ``--``).
 
@@ -521,8 +526,55 @@ def build_args(
     # read-only once everything is mounted (/tmp, /dev/shm and a spare's /forge are
     # capped mounts of their own; --remount-ro is not recursive)
     args += ["--remount-ro", "/dev", "--remount-ro", "/"]
+    if seccomp_fd is not None:
+        args += ["--seccomp", str(seccomp_fd)]
     args += ["--json-status-fd", str(status_fd), "--chdir", "/tmp"]
     return args
+
+
+# -- the seccomp filter ------------------------------------------------------
+
+_DENIED_CALLS = ("memfd_create", "shmget", "msgget")
+"""Memory a tool could hold outside its capped file systems and RLIMIT_AS: memfds
+(RLIMIT_FSIZE each, as many as it may open), System V shared memory (kept when
+detached, up to the namespace's shmall) and message queues."""
+_ARCHES: dict[str, tuple[int, dict[str, int], int | None]] = {
+    # machine: (AUDIT_ARCH_*, syscall numbers, x32 bit to refuse)
+    "x86_64": (0xC000003E, {"memfd_create": 319, "shmget": 29, "msgget": 68}, 0x40000000),
+    "aarch64": (0xC00000B7, {"memfd_create": 279, "shmget": 194, "msgget": 186}, None),
+}
+_BPF_LD_W_ABS, _BPF_JEQ_K, _BPF_JGE_K, _BPF_RET_K = 0x20, 0x15, 0x35, 0x06
+_RET_ALLOW, _RET_KILL_PROCESS = 0x7FFF0000, 0x80000000
+_RET_EPERM = 0x00050000 | errno.EPERM
+
+
+def seccomp_program(machine: str | None = None) -> bytes | None:
+    """The classic-BPF filter bwrap loads (``--seccomp FD``) before it runs the tool.
+
+    :data:`_DENIED_CALLS` fail with ``EPERM``; a syscall of another ABI (32-bit
+    ``int 0x80``, x32) kills the process, as those have numbers of their own.
+    None on a machine it does not know (the sandbox then runs without it).
+    """
+    found = _ARCHES.get(machine or os.uname().machine)
+    if found is None:
+        return None
+    arch, numbers, x32 = found
+    denied = [numbers[name] for name in _DENIED_CALLS]
+    # (code, jt, jf, k); jumps count the instructions skipped
+    prog: list[tuple[int, int, int, int]] = [
+        (_BPF_LD_W_ABS, 0, 0, 4),  # seccomp_data.arch
+        (_BPF_JEQ_K, 1, 0, arch),
+        (_BPF_RET_K, 0, 0, _RET_KILL_PROCESS),
+        (_BPF_LD_W_ABS, 0, 0, 0),  # seccomp_data.nr
+    ]
+    to_deny = len(denied) + (1 if x32 is not None else 0)  # tests before "allow"
+    if x32 is not None:
+        prog.append((_BPF_JGE_K, to_deny, 0, x32))
+    for index, number in enumerate(denied):
+        remaining = len(denied) - index - 1
+        prog.append((_BPF_JEQ_K, remaining + 1, 0, number))
+    prog += [(_BPF_RET_K, 0, 0, _RET_ALLOW), (_BPF_RET_K, 0, 0, _RET_EPERM)]
+    return b"".join(struct.pack("=HBBI", *ins) for ins in prog)
 
 
 def _shim_source(loopback: bool) -> bytes:
@@ -533,6 +585,7 @@ def _shim_source(loopback: bool) -> bytes:
 
 
 _SHIMS: dict[bool, bytes] = {}
+_SECCOMP = seccomp_program()
 
 
 # -- the probe --------------------------------------------------------------
@@ -797,6 +850,10 @@ def start_sandbox(
                 source = _SHIMS[loopback] = _shim_source(loopback)
             shim_fd = _memfd("forge-shim", source)
             opened.append(shim_fd)
+        seccomp_fd = None
+        if _SECCOMP is not None:
+            seccomp_fd = _memfd("forge-seccomp", _SECCOMP)
+            opened.append(seccomp_fd)
         status_r, status_w = os.pipe()
         args = build_args(
             env=env,
@@ -810,6 +867,7 @@ def start_sandbox(
             impl_path=impl_path,
             loader_fd=loader_fd,
             forge_bytes=forge_bytes,
+            seccomp_fd=seccomp_fd,
         )
         args_fd = _memfd("forge-args", b"".join(a.encode() + b"\0" for a in args))
         opened.append(args_fd)

@@ -11,6 +11,7 @@ import base64
 import json
 import os
 import pty
+import signal
 import socket
 import stat
 import subprocess
@@ -633,6 +634,66 @@ async def test_the_bytes_one_call_may_write_are_capped(sandbox: str) -> None:
     assert "/dev" not in written, written
     assert written.get("/dev/shm", 0) <= LIMITS.shm_bytes, written
     assert sum(written.values()) <= cap, written
+
+
+@both
+async def test_memory_outside_the_file_systems_is_refused(sandbox: str) -> None:
+    """memfds (RLIMIT_FSIZE each, not the cap), System V shm and message queues (no
+    limit but the namespace's) would hold bytes past the cap and RLIMIT_AS: refused."""
+    cap = _cap_of(sandbox == "spare")
+    result = await _run(
+        f"""
+        import ctypes, errno, json, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.shmat.restype = ctypes.c_void_p
+        out, held, chunk = {{}}, 0, b"x" * (1 << 20)
+        try:
+            while held < {cap} + (8 << 20):
+                fd = os.memfd_create("fill")  # files of 4 MiB: under RLIMIT_FSIZE
+                for _ in range(4):
+                    held += os.write(fd, chunk)
+            out["memfd"] = "held"
+        except OSError as exc:
+            out["memfd"] = errno.errorcode[exc.errno]
+        size, shm = 8 << 20, 0
+        while held + shm < {cap} + (8 << 20):
+            sid = libc.shmget(0, ctypes.c_size_t(size), 0o1600)
+            if sid < 0:
+                out["shm"] = errno.errorcode[ctypes.get_errno()]
+                break
+            addr = libc.shmat(sid, None, 0)
+            ctypes.memset(addr, 1, size)
+            libc.shmdt(ctypes.c_void_p(addr))  # detached: no longer in RLIMIT_AS
+            shm += size
+        else:
+            out["shm"] = "held"
+        queue = libc.msgget(0, 0o1600)
+        out["msg"] = "made" if queue >= 0 else errno.errorcode[ctypes.get_errno()]
+        out["held"] = held + shm
+        print(json.dumps(out))
+        """
+    )
+    data = _json(result)
+    assert data["held"] <= cap, data
+    assert (data["memfd"], data["shm"], data["msg"]) == ("EPERM", "EPERM", "EPERM"), data
+
+
+@both
+async def test_a_syscall_of_another_abi_kills_the_tool() -> None:
+    """``int 0x80`` (the 32-bit ABI, numbers of its own) would pass a filter by number."""
+    assert os.uname().machine == "x86_64", "this row is written for x86_64"
+    result = await _run(
+        """
+        import ctypes, mmap
+        code = b"\\xb8\\x14\\x00\\x00\\x00\\xcd\\x80\\xc3"  # mov eax, 20 (getpid); int 0x80; ret
+        page = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+        page.write(code)
+        call = ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(page)))
+        print("returned", call(), flush=True)
+        """
+    )
+    assert result.signal == signal.SIGSYS, result
+    assert b"returned" not in result.stdout
 
 
 @both
