@@ -224,8 +224,13 @@ class ForgeConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     """Interpreter for ``python`` tools (inside the sandbox, from the read-only /usr)."""
     bash: str = "/bin/bash"
     """Interpreter for ``bash`` tools."""
-    sandbox_uid: Annotated[int, msgspec.Meta(ge=1, le=2**32 - 1)] = 65534
-    """Uid the sandbox runs as when the supervisor is root (never root itself)."""
+    sandbox_uid_base: Annotated[int, msgspec.Meta(ge=1000, le=2**31 - 1)] = 90000
+    """First uid of the sandbox uids (supervisor root only): one per principal, see
+    sage/forge/uids.py; none of them may be a user of the host."""
+    sandbox_uid_count: Annotated[int, msgspec.Meta(ge=2, le=65536)] = 1000
+    """How many uids the range holds (calls without a principal take the first)."""
+    sandbox_uid: int | None = None
+    """Gone (one uid for every principal, 65534 by default); refused with a pointer."""
     wall_clock: PositiveFloat = 30.0
     """Seconds a call may run before its whole sandbox is killed."""
     cpu_seconds: PositiveInt = 10
@@ -242,6 +247,21 @@ class ForgeConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     """Bytes of stdout returned to Claude (a policy may lower it); the rest is spilled."""
     spare_sandboxes: Annotated[int, msgspec.Meta(ge=0, le=16)] = 2
     """Python sandboxes started ahead of the calls that will use them; 0: none."""
+
+    def __post_init__(self) -> None:
+        if self.sandbox_uid is not None:
+            raise ValueError(
+                "sandbox_uid is gone: each principal's tools now run under a uid of their own"
+                " from sandbox_uid_base (default 90000) to sandbox_uid_base + sandbox_uid_count"
+                " - 1, never nobody (65534); remove sandbox_uid (firewall rules keyed on it:"
+                " match the range, e.g. `-m owner --uid-owner 90000-90999`; rw x-bind"
+                " folders: chown them to the principal's uid, see docs/forge-sandbox.md)"
+            )
+        last = self.sandbox_uid_base + self.sandbox_uid_count - 1
+        if self.sandbox_uid_base <= 65534 <= last:
+            raise ValueError("sandbox_uid_base: the range holds 65534 (nobody), shared by others")
+        if last > 2**32 - 2:
+            raise ValueError("sandbox_uid_base + sandbox_uid_count: past the last valid uid")
 
 
 class PrincipalConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -51,15 +51,15 @@ checks:
               the supported range built into sage; warn: newer than any tested
               release; fail: none found, it does not run, older than the floor or
               a known-bad release (the runner refuses to spawn on it)
-  homes       installed principals' .claude/settings.local.json name only hook
-              events this claude knows; fail: reinstall (`astrid sage install
-              NAME --force`)
-  bwrap       bubblewrap really runs a minimal sandbox (as forge.sandbox_uid when
-              run as root); fail: forge refuses to run any forged tool (fail
+  bwrap       bubblewrap really runs a minimal sandbox (as forge.sandbox_uid_base
+              when run as root); fail: forge refuses to run any forged tool (fail
               closed) - install bubblewrap, allow unprivileged user namespaces
   state       state_dir is yours, mode 0700 (0750 with socket.group); warn: not
               created yet (the supervisor does on first start); fail: owned by
               another uid or open to others (chmod/chown it)
+  homes       installed principals' .claude/settings.local.json name only hook
+              events this claude knows; fail: reinstall (`astrid sage install
+              NAME --force`)
   keys        state_dir/keys is 0700, the audit key 0600 (its .pub 0644 at most)
   socket      the control socket is 0600 (0660 with socket.group) in a 0700
               (0750) folder; warn: absent, the supervisor is not running
@@ -229,7 +229,8 @@ def _check_homes(config: Config, version: str) -> Check:
 
 async def _check_bwrap(config: Config | None) -> Check:
     # as root, forge runs bwrap as the sandbox uid (unprivileged user namespaces): probe that
-    uid = config.forge.sandbox_uid if config is not None and os.geteuid() == 0 else None
+    # (the first of the range: every one of its uids is as unprivileged as the others)
+    uid = config.forge.sandbox_uid_base if config is not None and os.geteuid() == 0 else None
     probe = await probe_bwrap(uid=uid)
     facts: dict[str, Any] = {"path": probe.path, "version": probe.version}
     as_uid = f" as uid {uid}" if uid is not None else ""

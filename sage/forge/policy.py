@@ -21,6 +21,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from sage.forge.registry import private_temp
+
 __all__ = ("DEFAULT_POLICY", "Breakers", "Policy", "PolicyFile", "SandboxOverride")
 
 
@@ -116,9 +118,8 @@ class PolicyFile:
     def _ensure(self) -> None:
         if self.path.exists():
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(msgspec.json.format(msgspec.json.encode(DEFAULT_POLICY)) + b"\n")
+        data = msgspec.json.format(msgspec.json.encode(DEFAULT_POLICY)) + b"\n"
+        tmp = private_temp(self.path.parent, self.path.name, data)  # 0600, in a 0700 folder
         try:
             os.link(tmp, self.path)
         except FileExistsError:

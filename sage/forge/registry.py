@@ -8,7 +8,11 @@ Scopes, searched in this order (the first hit shadows the rest):
 
 A record is created with a temp file and ``os.link`` (an existing name:
 ``name_taken``, so of two concurrent forges exactly one wins) and replaced
-with a temp file and ``rename``; both fsync.  A file that does not decode as
+with a temp file and ``rename``; both fsync.  Every file the forge writes is
+0600 and every folder it makes 0700, whatever the umask (:func:`private_dir`,
+:func:`write_new`, :func:`write_replace`): tool sources, run manifests (input,
+output, stderr), policy, stats and cached results are the supervisor's only,
+even when ``[socket] group`` opens the state folder to a group.  A file that does not decode as
 a :class:`ToolRecord` is hidden and reported once per (path, mtime) through
 ``emit("registry_load_failed", {path, error})``.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import stat
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +41,11 @@ __all__ = (
     "ToolRecord",
     "canonical",
     "fingerprint",
+    "private_dir",
+    "private_temp",
+    "tighten",
+    "write_new",
+    "write_replace",
 )
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
@@ -94,10 +104,53 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _temp(directory: Path, name: str, data: bytes, *, durable: bool = True) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
+def private_dir(directory: Path) -> Path:
+    """Make ``directory`` and its missing parents, each 0700 whatever the umask.
+
+    Folders that exist are left as they are (see :func:`tighten`).
+    """
+    missing: list[Path] = []
+    here = directory
+    while not os.path.lexists(here):
+        missing.append(here)
+        here = here.parent
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            continue
+        os.chmod(path, 0o700, follow_symlinks=False)
+    return directory
+
+
+def tighten(root: Path) -> int:
+    """Take group and other bits off everything under ``root`` (and ``root``); how many changed.
+
+    For forge trees written before every writer was private (files 0644 in
+    0755 folders); symlinks are not followed.
+    """
+    changed = 0
+    if not os.path.isdir(root) or os.path.islink(root):
+        return 0
+    for folder, dirs, files in os.walk(root):
+        for path in (folder, *(os.path.join(folder, n) for n in (*dirs, *files))):
+            try:
+                st = os.lstat(path)
+                if stat.S_ISLNK(st.st_mode) or not st.st_mode & 0o077:
+                    continue
+                os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700, follow_symlinks=False)
+                changed += 1
+            except OSError:
+                continue
+    return changed
+
+
+def private_temp(directory: Path, name: str, data: bytes, *, durable: bool = True) -> Path:
+    """A new temp file (0600) in ``directory`` (made 0700 if missing) holding ``data``."""
+    private_dir(directory)
     tmp = directory / f".{name}.{os.getpid()}.{threading.get_ident()}.{os.urandom(4).hex()}.tmp"
-    with open(tmp, "wb") as fh:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
         fh.write(data)
         fh.flush()
         if durable:
@@ -107,7 +160,7 @@ def _temp(directory: Path, name: str, data: bytes, *, durable: bool = True) -> P
 
 def write_new(path: Path, data: bytes) -> None:
     """Create ``path`` atomically; ``ForgeError("name_taken")`` when it exists."""
-    tmp = _temp(path.parent, path.name, data)
+    tmp = private_temp(path.parent, path.name, data)
     try:
         os.link(tmp, path)
     except FileExistsError:
@@ -124,7 +177,7 @@ def write_replace(path: Path, data: bytes, *, durable: bool = True) -> None:
     bytes survive a power cut; without it they may not (a crash can lose
     the file, never tear it for a reader that runs meanwhile).
     """
-    tmp = _temp(path.parent, path.name, data, durable=durable)
+    tmp = private_temp(path.parent, path.name, data, durable=durable)
     os.replace(tmp, path)
     if durable:
         _fsync_dir(path.parent)

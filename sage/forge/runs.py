@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from sage.forge.registry import write_replace
+from sage.forge.registry import private_dir, write_replace
 
 __all__ = ("REDACTED", "RunStore", "mask_input", "new_run_id")
 
@@ -53,9 +53,7 @@ class RunStore:
         self.directory = directory
 
     def artifacts(self, run_id: str) -> Path:
-        path = self.directory / run_id / "artifacts"
-        path.mkdir(parents=True, exist_ok=True)
-        return path
+        return private_dir(self.directory / run_id / "artifacts")
 
     def write(self, run_id: str, manifest: dict[str, Any], *, durable: bool = True) -> Path:
         """Write the manifest; ``durable=False`` skips the fsyncs (see ``write_replace``)."""

@@ -12,13 +12,17 @@ persona's policy allows the network), nested user namespaces disabled, no
 capabilities, a clean environment, ``/usr`` read-only (the merged-``/usr``
 links recreated), a few ``/etc`` files (``ld.so.cache``; DNS and TLS roots
 only with the network), a fresh ``/proc`` of its own pid namespace, a
-minimal ``/dev``, a private size-capped tmpfs ``/tmp``, the tool at
-``/forge/tool.py`` and the binds at their own absolute paths.  Options,
+minimal ``/dev`` (read-only), private size-capped tmpfs ``/tmp`` and
+``/dev/shm`` (the only writable filesystems: :meth:`Limits.writable_bytes`), the tool at
+``/forge/tool.py`` and the binds at their own absolute paths, and a seccomp
+filter (:func:`seccomp_program`) that refuses the memory a tool could hold
+outside those (memfds, System V shm and message queues) and foreign ABIs.  Options,
 environment (with the secrets) and the tool travel in memfds
 (``--args FD``, ``--ro-bind-data FD``): nothing of them shows in ``ps``.
 
-When the supervisor is root, bwrap runs as ``Limits.sandbox_uid`` (65534 by
-default, no supplementary groups) in an unprivileged user namespace, so
+When the supervisor is root, bwrap runs as ``Limits.sandbox_uid`` (the
+principal's own uid from ``[forge] sandbox_uid_base``, see
+:mod:`sage.forge.uids`; no supplementary groups) in an unprivileged user namespace, so
 RLIMIT_NPROC is enforced (it is not for root) and the tool can only open
 what that uid could; binds are refused unless that uid may reach them.  The
 rlimits (CPU, address space, file size, open files, processes, core 0) are
@@ -42,6 +46,7 @@ import os
 import re
 import signal
 import stat
+import struct
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -53,6 +58,8 @@ import anyio
 
 from sage.bwrap import BwrapProbe, launcher, probe_bwrap
 from sage.errors import ProcessError, SandboxError
+from sage.forge.registry import private_dir
+from sage.forge.uids import DEFAULT_UID_BASE
 from sage.process import Child, Ring
 
 if TYPE_CHECKING:
@@ -77,6 +84,7 @@ __all__ = (
     "nproc_limit",
     "open_binds",
     "run_sandboxed",
+    "seccomp_program",
     "start_sandbox",
     "supervise",
 )
@@ -159,13 +167,24 @@ class Limits:
     open_files: int
     max_processes: int
     output_cap: int
-    sandbox_uid: int = 65534
-    """Uid (and gid) bwrap runs as when the supervisor is root."""
+    sandbox_uid: int = DEFAULT_UID_BASE
+    """Uid (and gid) bwrap runs as when the supervisor is root: the principal's own
+    (:class:`sage.forge.uids.SandboxUids`), never one another program uses."""
     spill_cap: int = 256 * 1024 * 1024
     """Stdout bytes spilled to the artifact at most; past it the sandbox is killed."""
     stderr_tail: int = 8192
     tmp_bytes: int = 0
     """Size of the private /tmp tmpfs; 0: ``file_bytes``."""
+    shm_bytes: int = 8 * 1024 * 1024
+    """Size of the private /dev/shm tmpfs (POSIX shared memory, semaphores)."""
+
+    def writable_bytes(self, forge_bytes: int = 0) -> int:
+        """Bytes one call may write to its filesystems at most: /tmp, /dev/shm (and a spare's /forge).
+
+        Every other mount is read-only (``x-bind`` ``rw`` paths aside: host
+        folders the operator chose), so this caps the memory a call's files hold.
+        """
+        return (self.tmp_bytes or self.file_bytes) + self.shm_bytes + forge_bytes
 
     @classmethod
     def from_config(cls, config: ForgeConfig) -> Limits:
@@ -177,7 +196,7 @@ class Limits:
             open_files=config.open_files,
             max_processes=config.max_processes,
             output_cap=config.output_cap,
-            sandbox_uid=config.sandbox_uid,
+            sandbox_uid=config.sandbox_uid_base,
         )
 
 
@@ -440,11 +459,13 @@ def build_args(
     status_fd: int,
     network: bool,
     shim_fd: int | None = None,
-    tmp_bytes: int = 0,
+    tmp_bytes: int = 64 * 1024 * 1024,
+    shm_bytes: int = 8 * 1024 * 1024,
     impl_path: str = IMPL_PATH,
     root: Path = Path("/"),
     loader_fd: int | None = None,
     forge_bytes: int = 0,
+    seccomp_fd: int | None = None,
 ) -> list[str]:
     """The bwrap options (they go through ``--args FD``; the command follows ``--``).
 
@@ -452,7 +473,13 @@ def build_args(
     :mod:`sage.forge.spares`) gets no tool (``impl_fd`` None) but a private
     tmpfs of ``forge_bytes`` at ``/forge`` and the loader at
     :data:`LOADER_PATH`, which writes the tool there when it is handed one.
+    The only writable filesystems are those tmpfs, each with its size cap
+    (``SandboxError("bad_limits")`` for a size that is not positive: a tmpfs
+    without one would take up to half the host's memory).
     """
+    for name, size in (("/tmp", tmp_bytes), ("/dev/shm", shm_bytes)):
+        if size <= 0:
+            raise SandboxError("bad_limits", f"the {name} tmpfs needs a size cap, got {size}")
     args = ["--unshare-all"]
     if network:
         args.append("--share-net")
@@ -480,10 +507,10 @@ def build_args(
     for name in etc:
         if (root / "etc" / name).exists():
             args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
-    args += ["--proc", "/proc", "--dev", "/dev"]
-    if tmp_bytes > 0:
-        args += ["--size", str(tmp_bytes)]
-    args += ["--tmpfs", "/tmp"]
+    # bwrap's /dev is a tmpfs with no size cap (its /dev/shm a folder in it, half the
+    # host's memory): /dev/shm is a capped tmpfs of its own and /dev read-only (below)
+    args += ["--proc", "/proc", "--dev", "/dev", "--size", str(shm_bytes), "--tmpfs", "/dev/shm"]
+    args += ["--size", str(tmp_bytes), "--tmpfs", "/tmp"]
     if forge_bytes > 0:
         args += ["--size", str(forge_bytes), "--tmpfs", "/forge"]
     if impl_fd is not None:
@@ -495,11 +522,59 @@ def build_args(
     for bind, fd in binds:
         option = "--ro-bind-fd" if bind.mode == "ro" else "--bind-fd"
         args += [option, str(fd), str(bind.path)]
-    # bwrap's root is a tmpfs the sandbox uid may write, with no size cap:
-    # read-only once everything is mounted (/tmp and a spare's /forge are mounts of their own)
-    args += ["--remount-ro", "/"]
+    # bwrap's root and /dev are tmpfs the sandbox uid may write, with no size cap:
+    # read-only once everything is mounted (/tmp, /dev/shm and a spare's /forge are
+    # capped mounts of their own; --remount-ro is not recursive)
+    args += ["--remount-ro", "/dev", "--remount-ro", "/"]
+    if seccomp_fd is not None:
+        args += ["--seccomp", str(seccomp_fd)]
     args += ["--json-status-fd", str(status_fd), "--chdir", "/tmp"]
     return args
+
+
+# -- the seccomp filter ------------------------------------------------------
+
+_DENIED_CALLS = ("memfd_create", "shmget", "msgget")
+"""Memory a tool could hold outside its capped file systems and RLIMIT_AS: memfds
+(RLIMIT_FSIZE each, as many as it may open), System V shared memory (kept when
+detached, up to the namespace's shmall) and message queues."""
+_ARCHES: dict[str, tuple[int, dict[str, int], int | None]] = {
+    # machine: (AUDIT_ARCH_*, syscall numbers, x32 bit to refuse)
+    "x86_64": (0xC000003E, {"memfd_create": 319, "shmget": 29, "msgget": 68}, 0x40000000),
+    "aarch64": (0xC00000B7, {"memfd_create": 279, "shmget": 194, "msgget": 186}, None),
+}
+_BPF_LD_W_ABS, _BPF_JEQ_K, _BPF_JGE_K, _BPF_RET_K = 0x20, 0x15, 0x35, 0x06
+_RET_ALLOW, _RET_KILL_PROCESS = 0x7FFF0000, 0x80000000
+_RET_EPERM = 0x00050000 | errno.EPERM
+
+
+def seccomp_program(machine: str | None = None) -> bytes | None:
+    """The classic-BPF filter bwrap loads (``--seccomp FD``) before it runs the tool.
+
+    :data:`_DENIED_CALLS` fail with ``EPERM``; a syscall of another ABI (32-bit
+    ``int 0x80``, x32) kills the process, as those have numbers of their own.
+    None on a machine it does not know (the sandbox then runs without it).
+    """
+    found = _ARCHES.get(machine or os.uname().machine)
+    if found is None:
+        return None
+    arch, numbers, x32 = found
+    denied = [numbers[name] for name in _DENIED_CALLS]
+    # (code, jt, jf, k); jumps count the instructions skipped
+    prog: list[tuple[int, int, int, int]] = [
+        (_BPF_LD_W_ABS, 0, 0, 4),  # seccomp_data.arch
+        (_BPF_JEQ_K, 1, 0, arch),
+        (_BPF_RET_K, 0, 0, _RET_KILL_PROCESS),
+        (_BPF_LD_W_ABS, 0, 0, 0),  # seccomp_data.nr
+    ]
+    to_deny = len(denied) + (1 if x32 is not None else 0)  # tests before "allow"
+    if x32 is not None:
+        prog.append((_BPF_JGE_K, to_deny, 0, x32))
+    for index, number in enumerate(denied):
+        remaining = len(denied) - index - 1
+        prog.append((_BPF_JEQ_K, remaining + 1, 0, number))
+    prog += [(_BPF_RET_K, 0, 0, _RET_ALLOW), (_BPF_RET_K, 0, 0, _RET_EPERM)]
+    return b"".join(struct.pack("=HBBI", *ins) for ins in prog)
 
 
 def _shim_source(loopback: bool) -> bytes:
@@ -510,6 +585,7 @@ def _shim_source(loopback: bool) -> bytes:
 
 
 _SHIMS: dict[bool, bytes] = {}
+_SECCOMP = seccomp_program()
 
 
 # -- the probe --------------------------------------------------------------
@@ -558,7 +634,7 @@ class SandboxProbe:
 _PROBE = SandboxProbe()
 
 
-async def ensure_sandbox(*, uid: int | None = 65534) -> BwrapProbe:
+async def ensure_sandbox(*, uid: int | None = DEFAULT_UID_BASE) -> BwrapProbe:
     """Fail closed: ``SandboxError("sandbox_unavailable", why)`` unless bwrap works (cached)."""
     return await _PROBE.ensure(uid)
 
@@ -650,7 +726,7 @@ class _Stdout:
         if self.total <= self.cap:
             return
         if self._fd is None and self.artifacts_dir is not None and self.artifact is None:
-            self.artifacts_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            private_dir(self.artifacts_dir)
             path = self.artifacts_dir / "full_stdout.bin"
             self._fd = os.open(
                 path,
@@ -774,6 +850,10 @@ def start_sandbox(
                 source = _SHIMS[loopback] = _shim_source(loopback)
             shim_fd = _memfd("forge-shim", source)
             opened.append(shim_fd)
+        seccomp_fd = None
+        if _SECCOMP is not None:
+            seccomp_fd = _memfd("forge-seccomp", _SECCOMP)
+            opened.append(seccomp_fd)
         status_r, status_w = os.pipe()
         args = build_args(
             env=env,
@@ -783,9 +863,11 @@ def start_sandbox(
             network=network,
             shim_fd=shim_fd,
             tmp_bytes=limits.tmp_bytes or limits.file_bytes,
+            shm_bytes=limits.shm_bytes,
             impl_path=impl_path,
             loader_fd=loader_fd,
             forge_bytes=forge_bytes,
+            seccomp_fd=seccomp_fd,
         )
         args_fd = _memfd("forge-args", b"".join(a.encode() + b"\0" for a in args))
         opened.append(args_fd)

@@ -38,11 +38,13 @@ from sage.forge.registry import (
     Registry,
     ToolRecord,
     fingerprint,
+    tighten,
 )
 from sage.forge.runs import RunStore, mask_input, new_run_id
 from sage.forge.sandbox import Bind, Limits, SandboxResult, SandboxSpec, forbidden_for
 from sage.forge.static_check import check_impl
 from sage.forge.stats import SAVE_EVERY, StatsFile
+from sage.forge.uids import NO_PRINCIPAL, SandboxUids
 
 __all__ = ("Caller", "Executor", "Forge", "SandboxExecutor", "mcp_result")
 
@@ -189,24 +191,37 @@ class Forge:
     runs: RunStore = field(init=False)
     counts: Counter[tuple[str, str]] = field(init=False, default_factory=Counter)
     stats: StatsFile = field(init=False)
+    uids: SandboxUids = field(init=False)
     _saved_at: float = field(init=False)
     _breaker_moved: bool = field(init=False, default=False)
     _validators: dict[str, Callable[[Any], Any]] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         root = self.config.forge_dir
+        # owner-only, whatever an older version or the umask left (0644 in 0755 folders)
+        tighten(root)
+        for principal in self.config.principals:
+            tighten(self.config.home_of(principal) / ".astrid" / "forge")
         self.policy_file = PolicyFile(root / "policy.json", self.emit)
         self.registry = Registry(root, self._home, self.emit)
         self.breakers = BreakerBoard(self.clock, self._breaker_changed)
         self.cache = ResultCache(root / "cache")
         self.runs = RunStore(root / "runs")
         self.stats = StatsFile(root / "stats.json", self.emit)
+        self.uids = SandboxUids(
+            root, self.config.forge.sandbox_uid_base, self.config.forge.sandbox_uid_count
+        )
+        try:  # the configured principals in config order: their uids are predictable
+            self.uids.allocate([NO_PRINCIPAL, *(p.name for p in self.config.principals)])
+        except (SandboxError, OSError) as exc:  # each call tries again, and fails closed
+            self.emit("sandbox_uids_failed", {"error": str(exc)})
         self.counts, saved = self.stats.load()
         self.breakers.restore(saved)
         self._saved_at = self.clock()
         if self.executor is None:
             forge = self.config.forge
-            self.executor = SandboxExecutor(forge.sandbox_uid, forge.spare_sandboxes)
+            # any uid of the range answers "does bwrap work as an unprivileged uid"
+            self.executor = SandboxExecutor(forge.sandbox_uid_base, forge.spare_sandboxes)
 
     async def aclose(self) -> None:
         """Save the counts and breakers; stop what runs ahead of calls (the spare sandboxes)."""
@@ -711,8 +726,18 @@ class Forge:
         assert self.executor is not None
         network, loopback = policy.network_for(caller.principal)
         limits = Limits.from_config(self.config.forge)
+        try:
+            uid = self.uids.uid_for(caller.principal)
+        except (SandboxError, OSError) as exc:
+            message = f"no sandbox uid for this principal: {exc}"
+            kind = exc.kind if isinstance(exc, SandboxError) else "sandbox_failed"
+            return _err(kind, message), {"error": message}
         limits = Limits(
-            **{**limits.__dict__, "output_cap": policy.output_cap_for(limits.output_cap)}
+            **{
+                **limits.__dict__,
+                "output_cap": policy.output_cap_for(limits.output_cap),
+                "sandbox_uid": uid,
+            }
         )
         if record.runtime == "python":
             argv, impl_path = [self.config.forge.python, "/forge/tool.py"], "/forge/tool.py"

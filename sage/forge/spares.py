@@ -75,6 +75,7 @@ __all__ = (
     "SparePool",
     "handover",
     "kind_of",
+    "spare_forge_bytes",
     "spare_nproc",
 )
 
@@ -116,6 +117,11 @@ def kind_of(spec: SandboxSpec) -> SpareKind | None:
     if any(name.startswith(_STARTUP_ENV) or name in _STARTUP_NAMES for name in spec.env):
         return None
     return SpareKind(spec.argv[0], spec.network, spec.loopback, spec.limits)
+
+
+def spare_forge_bytes() -> int:
+    """Size of a spare's private ``/forge`` tmpfs: the largest tool, and room to spare."""
+    return MAX_TOOL_BYTES + 64 * 1024
 
 
 def handover(spec: SandboxSpec, nproc: int) -> bytes:
@@ -261,7 +267,7 @@ class SparePool:
                 network=kind.network,
                 loopback=kind.loopback,
                 loader=self._loader,
-                forge_bytes=MAX_TOOL_BYTES + 64 * 1024,
+                forge_bytes=spare_forge_bytes(),
             )
         except Exception:  # no spare: the next call starts a fresh sandbox, which will say why
             return

@@ -7,8 +7,13 @@ the one hash-chained audit log that ``astrid audit verify`` checks.
 
 from __future__ import annotations
 
+import grp
 import json
+import os
+import pwd
+import shutil
 import sqlite3
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +26,7 @@ import pytest
 from sage.config import Config, PrincipalConfig, SupervisorConfig
 from sage.errors import ForgeError
 from sage.forge.service import Caller, Forge
+from tests.integration.daemon import short_dir
 from tests.integration.sage_harness import Sage, running_sage, sage_config
 
 pytestmark = pytest.mark.anyio
@@ -245,6 +251,171 @@ async def test_capsule_forge_list_call_audit() -> None:
         assert code == 0, (out, err)
 
 
+_TRY_READ = """
+import json, os, sys
+opened = []
+for path in sys.argv[1:]:
+    try:
+        if os.path.isdir(path):
+            os.listdir(path)
+        else:
+            open(path, "rb").close()
+        opened.append(path)
+    except OSError:
+        pass
+print(json.dumps(opened))
+"""
+
+
+async def test_forge_state_is_owner_only_with_a_socket_group() -> None:
+    """With ``[socket] group``, group members reach the socket and read nothing else.
+
+    Under umask 022 (systemd's default) a forge and calls leave tool
+    sources, run manifests (input, output, stderr), policy, stats and the
+    cache in the state folder: every one of them 0600 in 0700 folders, and a
+    real group member (uid 65534, the socket's group) can open none of them.
+    """
+    group = grp.getgrnam("users")
+    root = short_dir()
+    root.chmod(0o755)
+    config = sage_config(FAKE, {}, capsules='["forge"]', extra='[socket]\ngroup = "users"\n')
+    old = os.umask(0o022)
+    try:
+        async with running_sage(config, root=root) as sage:
+            os.umask(old)
+            call = {"session_id": "s1", "tool_name": "forge_tool", "arguments": FIB_ARGS}
+            assert (await sage.request("forge.v1.request.call", call))["isError"] is False
+            fib = {"session_id": "s1", "tool_name": "fib", "arguments": {"n": 30}}
+            for _ in range(2):  # the second from the cache
+                assert (await sage.request("forge.v1.request.call", fib))["isError"] is False
+            promoted = await sage.request(
+                "forge.v1.request.admin.promote", {"name": "fib", "session_id": "s1"}
+            )
+            assert promoted["ok"] is True
+            ran = await sage.request(
+                "forge.v1.request.admin.run",
+                {"name": "fib", "arguments": {"n": 31}, "principal_id": "alice"},
+            )
+            assert ran["isError"] is False
+            big = {**FIB_ARGS, "name": "big", "impl": "print('x' * (5 << 20))\n"}
+            make = {"session_id": "s1", "tool_name": "forge_tool", "arguments": big}
+            assert (await sage.request("forge.v1.request.call", make))["isError"] is False
+            await sage.request("forge.v1.request.call", {**fib, "tool_name": "big"})
+        state = root / "state"
+        socket_dir = state / "run"
+        assert state.stat().st_gid == group.gr_gid  # the group may pass through to the socket
+        paths = [p for p in state.rglob("*") if not p.is_symlink()]
+        names = {p.name for p in paths}
+        for expected in ("fib.json", "run_manifest.json", "policy.json", "stats.json"):
+            assert expected in names, sorted(names)
+        assert "full_stdout.bin" in names, sorted(names)
+        loose = {
+            str(p.relative_to(state)): oct(p.stat().st_mode & 0o777)
+            for p in paths
+            if p != socket_dir and p.parent != socket_dir and p.stat().st_mode & 0o077
+        }
+        # public by design (verifiers without the private key), in the 0700 keys folder
+        assert loose.pop("keys/audit_ed25519.pub", None) in (None, "0o644")
+        assert (state / "keys").stat().st_mode & 0o077 == 0
+        assert loose == {}, "\n".join(f"{m} {p}" for p, m in sorted(loose.items()))
+        member = await anyio.run_process(
+            [
+                "setpriv",
+                "--reuid",
+                "65534",
+                "--regid",
+                str(group.gr_gid),
+                "--clear-groups",
+                "--",
+                sys.executable,
+                "-I",
+                "-c",
+                _TRY_READ,
+                *map(str, paths),
+            ],
+            check=True,
+        )
+        opened = set(json.loads(member.stdout)) - {str(socket_dir), str(socket_dir / "astrid.sock")}
+        assert opened == set(), sorted(opened)
+    finally:
+        os.umask(old)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+async def test_project_tools_and_an_old_forge_tree_are_owner_only(tmp_path: Path) -> None:
+    """Under umask 022: a project-scope tool in the principal's home is 0600 in 0700
+    folders, and a forge tree an older version left 0644/0755 is tightened at start."""
+    (tmp_path / "state").mkdir(mode=0o700)  # as the supervisor makes it
+    old_tree = tmp_path / "state" / "forge" / "runs" / "20250101T000000Z_00000000"
+    old_tree.mkdir(parents=True, mode=0o755)
+    (old_tree / "run_manifest.json").write_text("{}")
+    for path in (old_tree, *old_tree.parents):
+        if path == tmp_path / "state":  # the supervisor's to keep 0700 (or 0750)
+            break
+        path.chmod(0o755)
+    (old_tree / "run_manifest.json").chmod(0o644)
+    old = os.umask(0o022)
+    try:
+        forge, _ = _forge(tmp_path)
+        caller = Caller("alice", "s1")
+        await forge.forge(caller, {**FIB_ARGS, "scope": "project"})
+        assert await forge.dispatch(caller, "fib", {"n": 5}) == {"ok": True, "data": {"value": 5}}
+    finally:
+        os.umask(old)
+    state = tmp_path / "state"
+    tool = state / "homes" / "alice" / ".astrid" / "forge" / "tools" / "fib.json"
+    assert tool.is_file()
+    loose = {
+        str(p.relative_to(state)): oct(p.stat().st_mode & 0o777)
+        for p in [state, *state.rglob("*")]
+        if not p.is_symlink() and p.stat().st_mode & 0o077
+    }
+    assert loose == {}, loose
+
+
+UID_TOOL = {
+    **FIB_ARGS,
+    "name": "whoami",
+    "input_schema": {"type": "object"},
+    "impl": "import json, os\nprint(json.dumps({'ok': True, 'data': os.getuid()}))\n",
+    "meta": {},
+}
+
+
+async def test_each_principal_s_tools_run_under_a_uid_of_its_own(tmp_path: Path) -> None:
+    """Not nobody (65534, shared with host daemons), not a host user, not another's."""
+    config = Config(
+        supervisor=SupervisorConfig(state_dir=str(tmp_path / "state")),
+        principals=[PrincipalConfig(name="alice"), PrincipalConfig(name="bob")],
+    )
+
+    async def uids_of(forge: Forge) -> dict[str | None, int]:
+        seen: dict[str | None, int] = {}
+        for who in ("alice", "bob", None):
+            out = await forge.dispatch(Caller(who, "s1"), "whoami", {})
+            assert out["ok"] is True, out
+            seen[who] = out["data"]
+        return seen
+
+    forge = Forge(config, lambda e, p: None)
+    _OPEN.append(forge)
+    await forge.forge(Caller("alice", "s1"), UID_TOOL)
+    await forge.promote(Caller("alice", "s1"), "whoami")  # user scope: everyone's
+    seen = await uids_of(forge)
+    assert len(set(seen.values())) == 3, seen
+    for uid in seen.values():
+        assert uid != 65534
+        with pytest.raises(KeyError):
+            pwd.getpwuid(uid)  # no user of this host shares it
+    # the same uids for a new forge on the same state, even with the principals reordered
+    again = Forge(
+        msgspec.structs.replace(config, principals=list(reversed(config.principals))),
+        lambda e, p: None,
+    )
+    _OPEN.append(again)
+    assert await uids_of(again) == seen
+
+
 async def test_real_sandbox_output_over_the_cap_is_spilled(tmp_path: Path) -> None:
     forge, events = _forge(tmp_path)
     forge.policy_file.current()
@@ -446,13 +617,14 @@ async def test_real_sandbox_x_bind_paths_through_the_forge(tmp_path: Path) -> No
     (data / "in.txt").write_text("forty-two")
     (data / "in.txt").chmod(0o644)
     (hidden / "secret.txt").write_text("not for the tool")
-    if os.geteuid() == 0:
-        os.chown(out_dir, 65534, 65534)
-    else:
-        out_dir.chmod(0o777)
     try:
         forge, _ = _forge(tmp_path)
         caller = Caller("alice", "s1")
+        if os.geteuid() == 0:  # rw: writable by alice's own sandbox uid
+            uid = forge.uids.uid_for("alice")
+            os.chown(out_dir, uid, uid)
+        else:
+            out_dir.chmod(0o777)
         impl = (
             "import json, os, sys\n"
             "a = json.load(sys.stdin)\n"

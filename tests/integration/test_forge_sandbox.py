@@ -11,7 +11,9 @@ import base64
 import json
 import os
 import pty
+import signal
 import socket
+import stat
 import subprocess
 import sys
 import textwrap
@@ -27,7 +29,7 @@ from sage.errors import SandboxError
 from sage.forge import sandbox as sb
 from sage.forge.redact import redact_json, redact_text
 from sage.forge.sandbox import Bind, Limits, SandboxResult, SandboxSpec, run_sandboxed
-from sage.forge.spares import SparePool, kind_of
+from sage.forge.spares import SparePool, kind_of, spare_forge_bytes
 from tests.integration.sandbox_rig import LIMITS, PY, in_spare
 
 pytestmark = pytest.mark.anyio
@@ -107,7 +109,7 @@ def _tokens_alive(token: str) -> list[int]:
 
 @both
 async def test_a_plain_tool_runs_as_the_sandbox_uid() -> None:
-    """Baseline: stdin in, JSON out, uid 65534, a clean environment, label bwrap."""
+    """Baseline: stdin in, JSON out, the sandbox uid, a clean environment, label bwrap."""
     result = await _run(
         """
         import json, os, sys
@@ -117,7 +119,8 @@ async def test_a_plain_tool_runs_as_the_sandbox_uid() -> None:
     )
     data = _json(result)
     assert data["in"] == {"n": 3}
-    assert data["uid"] == (65534 if os.geteuid() == 0 else os.getuid())
+    assert data["uid"] == (LIMITS.sandbox_uid if os.geteuid() == 0 else os.getuid())
+    assert data["uid"] != 65534
     assert set(data["env"]) <= {"PATH", "LANG", "HOME", "TMPDIR", "PWD", "LC_CTYPE"}
     assert result.label == "bwrap"
     assert not result.timed_out
@@ -545,6 +548,152 @@ async def test_the_sandbox_root_is_read_only(open_dir: Path) -> None:
     assert data.pop("/tmp/ok") == "written"
     assert data.pop(str(open_dir / "g.txt")) == "ENOENT"  # not bound: not there
     assert set(data.values()) <= {"EROFS", "EACCES"}, data
+
+
+_MOUNT_WALK = """
+import errno, json, os, stat
+
+def unescape(text):
+    return text.encode().decode("unicode_escape")
+
+mounts = []
+for line in open("/proc/self/mountinfo"):
+    left, _, right = line.rstrip("\\n").partition(" - ")
+    fields, tail = left.split(), right.split()
+    mounts.append({
+        "point": unescape(fields[4]),
+        "opts": fields[5].split(","),
+        "fstype": tail[0],
+        "super": tail[2].split(","),
+    })
+# every place that takes a file: each mount point that is a folder, and /dev/shm
+places = sorted({m["point"] for m in mounts if os.path.isdir(m["point"])} | {"/dev/shm"})
+chunk = b"x" * (1 << 20)
+stop = LIMIT + (8 << 20)  # a little past the whole cap, then give up
+written = {}
+
+
+def fill(place):
+    total = 0
+    for n in range(stop // (4 << 20) + 1):
+        try:
+            fd = os.open(f"{place}/.fill{n}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError:
+            return total
+        try:
+            for _ in range(4):  # files of 4 MiB: under RLIMIT_FSIZE
+                if total >= stop:
+                    return total
+                total += os.write(fd, chunk)
+        except OSError:
+            return total
+        finally:
+            os.close(fd)
+    return total
+
+
+for place in places:
+    total = fill(place)
+    if total:
+        written[place] = total
+kinds = {m["point"]: stat.S_IFMT(os.stat(m["point"]).st_mode) for m in mounts}
+print(json.dumps({"mounts": mounts, "written": written, "kinds": kinds}))
+"""
+
+
+def _cap_of(spare: bool) -> int:
+    return LIMITS.writable_bytes(spare_forge_bytes() if spare else 0)
+
+
+@both
+async def test_no_writable_filesystem_without_a_cap(sandbox: str) -> None:
+    """Every writable mount is a capped tmpfs (or proc, devpts, a device node): no /dev/shm of host RAM."""
+    cap = _cap_of(sandbox == "spare")
+    data = _json(await _run(_MOUNT_WALK.replace("LIMIT", str(cap))))
+    sizes = 0
+    for mount in data["mounts"]:
+        if "rw" not in mount["opts"]:
+            continue
+        kind = data["kinds"][mount["point"]]
+        if mount["fstype"] in ("proc", "devpts") or kind == stat.S_IFCHR:
+            continue
+        assert mount["fstype"] == "tmpfs", mount
+        size = [o for o in mount["super"] if o.startswith("size=")]
+        assert size, f"{mount['point']} is a writable tmpfs with no size cap: {mount}"
+        sizes += int(size[0][5:].rstrip("k")) * 1024
+    assert 0 < sizes <= cap
+
+
+@both
+async def test_the_bytes_one_call_may_write_are_capped(sandbox: str) -> None:
+    """Filling every writable place (/tmp, /dev/shm, /dev, /forge, ...) stops at the call's cap."""
+    cap = _cap_of(sandbox == "spare")
+    data = _json(await _run(_MOUNT_WALK.replace("LIMIT", str(cap))))
+    written = data["written"]
+    assert written.get("/tmp", 0) >= 8 << 20, written  # /tmp takes writes, up to its size
+    assert "/dev" not in written, written
+    assert written.get("/dev/shm", 0) <= LIMITS.shm_bytes, written
+    assert sum(written.values()) <= cap, written
+
+
+@both
+async def test_memory_outside_the_file_systems_is_refused(sandbox: str) -> None:
+    """memfds (RLIMIT_FSIZE each, not the cap), System V shm and message queues (no
+    limit but the namespace's) would hold bytes past the cap and RLIMIT_AS: refused."""
+    cap = _cap_of(sandbox == "spare")
+    result = await _run(
+        f"""
+        import ctypes, errno, json, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.shmat.restype = ctypes.c_void_p
+        out, held, chunk = {{}}, 0, b"x" * (1 << 20)
+        try:
+            while held < {cap} + (8 << 20):
+                fd = os.memfd_create("fill")  # files of 4 MiB: under RLIMIT_FSIZE
+                for _ in range(4):
+                    held += os.write(fd, chunk)
+            out["memfd"] = "held"
+        except OSError as exc:
+            out["memfd"] = errno.errorcode[exc.errno]
+        size, shm = 8 << 20, 0
+        while held + shm < {cap} + (8 << 20):
+            sid = libc.shmget(0, ctypes.c_size_t(size), 0o1600)
+            if sid < 0:
+                out["shm"] = errno.errorcode[ctypes.get_errno()]
+                break
+            addr = libc.shmat(sid, None, 0)
+            ctypes.memset(addr, 1, size)
+            libc.shmdt(ctypes.c_void_p(addr))  # detached: no longer in RLIMIT_AS
+            shm += size
+        else:
+            out["shm"] = "held"
+        queue = libc.msgget(0, 0o1600)
+        out["msg"] = "made" if queue >= 0 else errno.errorcode[ctypes.get_errno()]
+        out["held"] = held + shm
+        print(json.dumps(out))
+        """
+    )
+    data = _json(result)
+    assert data["held"] <= cap, data
+    assert (data["memfd"], data["shm"], data["msg"]) == ("EPERM", "EPERM", "EPERM"), data
+
+
+@both
+async def test_a_syscall_of_another_abi_kills_the_tool() -> None:
+    """``int 0x80`` (the 32-bit ABI, numbers of its own) would pass a filter by number."""
+    assert os.uname().machine == "x86_64", "this row is written for x86_64"
+    result = await _run(
+        """
+        import ctypes, mmap
+        code = b"\\xb8\\x14\\x00\\x00\\x00\\xcd\\x80\\xc3"  # mov eax, 20 (getpid); int 0x80; ret
+        page = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+        page.write(code)
+        call = ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(page)))
+        print("returned", call(), flush=True)
+        """
+    )
+    assert result.signal == signal.SIGSYS, result
+    assert b"returned" not in result.stdout
 
 
 @both

@@ -53,6 +53,29 @@ async def pool() -> AsyncIterator[SparePool]:
         await spares.aclose()
 
 
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and every process under it, as the host sees them."""
+    found, todo = [], [pid]
+    while todo:
+        here = todo.pop()
+        found.append(here)
+        try:
+            for task in os.listdir(f"/proc/{here}/task"):
+                todo += map(int, Path(f"/proc/{here}/task/{task}/children").read_text().split())
+        except OSError:
+            continue
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie is dead: it can read and write nothing)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
 def _alive_with(token: str) -> list[int]:
     alive = []
     for name in os.listdir("/proc"):
@@ -319,10 +342,17 @@ async def test_a_spare_that_dies_before_the_hand_over_leaves_the_call_to_a_fresh
         # namespace with it), then bwrap
         status = os.read(spare.sandbox.status_r, 4096)
         init = json.loads(status.splitlines()[0])["child-pid"]
+        inside = _descendants(init)
         os.kill(init, 9)
         os.killpg(spare.sandbox.child.pid, 9)
         with anyio.fail_after(5):
             await spare.sandbox.child.wait()
+            # the kernel kills the rest of the pid namespace as its init exits, not at
+            # once: a loader still alive would take the hand-over (and the test would race)
+            while True:
+                if not any(_alive(pid) for pid in inside):
+                    break
+                await anyio.sleep(0.01)
         return fine
 
     monkeypatch.setattr(pool, "_wait_ready", ready_then_dead)

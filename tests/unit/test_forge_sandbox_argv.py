@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import struct
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from sage.forge.sandbox import (
     label_of,
     open_binds,
     sandbox_env,
+    seccomp_program,
 )
 from sage.forge.sitecustomize import denied, denied_address
 
@@ -137,6 +140,21 @@ def test_build_args(tmp_path: Path) -> None:
     assert "--ro-bind-data 5 /forge/tool.py" in joined
     assert "/etc/resolv.conf" not in joined
     assert args.index("--clearenv") < args.index("--setenv")
+    # every writable tmpfs has a size cap; /dev (bwrap's, uncapped) and / are read-only
+    assert f"--size {64 << 20} --tmpfs /tmp" in joined
+    assert f"--size {8 << 20} --tmpfs /dev/shm" in joined
+    assert args.count("--tmpfs") == 2
+    assert args[args.index("--dev") + 1] == "/dev"
+    assert "--remount-ro /dev --remount-ro /" in joined
+    assert args.index("--tmpfs") > args.index("--dev")
+    for size in (0, -1):
+        with pytest.raises(SandboxError):
+            build_args(env={}, binds=[], impl_fd=5, status_fd=6, network=False, shm_bytes=size)
+        with pytest.raises(SandboxError):
+            build_args(env={}, binds=[], impl_fd=5, status_fd=6, network=False, tmp_bytes=size)
+    assert "--seccomp" not in args
+    filtered = build_args(env={}, binds=[], impl_fd=5, status_fd=6, network=False, seccomp_fd=9)
+    assert filtered[filtered.index("--seccomp") + 1] == "9"
     net = build_args(env={}, binds=[], impl_fd=5, status_fd=6, network=True, shim_fd=8)
     assert "--share-net" in net
     assert "8" in net
@@ -151,7 +169,7 @@ def test_labels_and_limits() -> None:
 
     limits = Limits.from_config(ForgeConfig())
     assert limits.output_cap == 4 * 1024 * 1024
-    assert limits.sandbox_uid == 65534
+    assert limits.sandbox_uid == 90000  # the first of the range, never nobody
 
 
 @pytest.mark.parametrize(
@@ -180,3 +198,23 @@ def test_shim_resolves_names_and_abstract_unix() -> None:
     assert denied(("", 80), socket.AF_INET)
     assert denied(b"\0abstract", socket.AF_UNIX)
     assert not denied("/tmp/sock", socket.AF_UNIX)
+
+
+def test_seccomp_program() -> None:
+    """arch check, load nr, (x32), one test per denied call, allow, EPERM; 8 bytes each."""
+    x86 = seccomp_program("x86_64")
+    arm = seccomp_program("aarch64")
+    assert x86 is not None
+    assert arm is not None
+    assert len(x86) == 10 * 8
+    assert len(arm) == 9 * 8
+    ins = [struct.unpack("=HBBI", x86[i : i + 8]) for i in range(0, len(x86), 8)]
+    assert ins[1] == (0x15, 1, 0, 0xC000003E)  # AUDIT_ARCH_X86_64, else the next: kill
+    assert ins[2] == (0x06, 0, 0, 0x80000000)
+    assert ins[-2] == (0x06, 0, 0, 0x7FFF0000)
+    assert ins[-1] == (0x06, 0, 0, 0x00050000 | errno.EPERM)
+    for index, (code, jt, _, k) in enumerate(ins[4:8], start=4):
+        assert code in (0x15, 0x35), (index, k)
+        assert index + 1 + jt == len(ins) - 1, (index, k)  # to the EPERM
+    assert {k for _, _, _, k in ins[5:8]} == {319, 29, 68}
+    assert seccomp_program("sparc64") is None
