@@ -284,6 +284,11 @@ class PrincipalConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields
     allowed_tools: list[str] = []
     """Tools pre-allowed for the principal (``--allowedTools``): no approval prompt for
     them. Names as Claude sees them, e.g. ``mcp__sage__greet``."""
+    operator_key: bool = False
+    """``api_key`` mode with no key of its own stored: run on the operator's key
+    (``claude.api_key_file``, ``$CREDENTIALS_DIRECTORY`` or the supervisor's
+    ``ANTHROPIC_API_KEY``), sharing its account and bill. Off: such a spawn is refused
+    (``api_key_missing``), so no principal shares the operator's key unless said here."""
 
     def __post_init__(self) -> None:
         for name in self.allowed_tools:

@@ -124,6 +124,7 @@ class _Session:
     turns: int = 0  # of earlier children
     cost_usd: float = 0.0
     token_hash: str = ""
+    key_source: str = "none"  # principal | operator | claude.env | none (spawn audit)
     ending: Ending | None = None
     done: anyio.Event = field(default_factory=anyio.Event)
 
@@ -499,6 +500,7 @@ class Runner:
                 )
             except SecretError:
                 row["key_stored"] = None  # the store cannot be read: say so, not "no"
+            row["operator_key"] = base.operator_key
             row["sessions"] = sum(
                 1 for s in self.sessions.values() if s.record.principal_id == base.name
             )
@@ -654,14 +656,21 @@ class Runner:
         except SettingsError as exc:
             raise SessionError(exc.code, str(exc)) from None
         api_key = None
+        session.key_source = "none" if principal.auth_mode == "api_key" else "subscription"
         if principal.auth_mode == "api_key":
-            # the principal's own key (astrid sage install) first, then the operator's
+            # the principal's own key (astrid sage install); the operator's only when
+            # the config says this principal may share it (operator_key = true)
             api_key = await self._principal_key(principal.name)
-            try:
-                api_key = api_key or read_api_key(config)
-            except ConfigError as exc:
-                raise SessionError("api_key_unreadable", str(exc)) from None
-            if api_key is None and "ANTHROPIC_API_KEY" not in config.claude.env:
+            session.key_source = "principal" if api_key else "none"
+            if api_key is None and principal.operator_key:
+                try:
+                    api_key = read_api_key(config)
+                except ConfigError as exc:
+                    raise SessionError("api_key_unreadable", str(exc)) from None
+                session.key_source = "operator" if api_key else "none"
+            if api_key is None and "ANTHROPIC_API_KEY" in config.claude.env:
+                session.key_source = "claude.env"  # set by the operator for every child
+            if session.key_source == "none":
                 self._event(
                     session.id,
                     "error",
@@ -671,12 +680,21 @@ class Runner:
                         "reason": "api_key_missing",
                     },
                 )
-                raise SessionError(
-                    "api_key_missing",
-                    "principal uses auth_mode api_key but no API key is stored for it"
-                    " (astrid sage install) nor configured (claude.api_key_file,"
-                    " $CREDENTIALS_DIRECTORY or $ANTHROPIC_API_KEY)",
-                )
+                if principal.operator_key:
+                    message = (
+                        f"principal {principal.name!r} uses auth_mode api_key but no API key"
+                        f" is stored for it (astrid sage install {principal.name}) nor"
+                        " configured (claude.api_key_file, $CREDENTIALS_DIRECTORY or"
+                        " $ANTHROPIC_API_KEY)"
+                    )
+                else:
+                    message = (
+                        f"principal {principal.name!r} uses auth_mode api_key but no API key"
+                        f" is stored for it (astrid sage install {principal.name}); the"
+                        " operator's key is used only with operator_key = true in its"
+                        " [[principals]] entry"
+                    )
+                raise SessionError("api_key_missing", message)
         problem = unsafe_home(config.home_of(principal))
         if problem is not None:
             raise SessionError("unsafe_home", problem)
@@ -842,6 +860,7 @@ class Runner:
                 "pid": pid,
                 "flags_hash": launch.flags_hash,
                 "auth_mode": session.principal.auth_mode,
+                "key_source": session.key_source,
                 "interaction_mode": session.principal.interaction_mode,
                 "resume": resume,
             },

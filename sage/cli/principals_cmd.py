@@ -177,7 +177,10 @@ async def _principals(args: argparse.Namespace) -> int:
         return 0
     print(f"{'PRINCIPAL':<16} {'MODE':<9} {'AUTH':<13} {'INSTALLED':<9} {'KEY':<7} SESSIONS")
     for row in rows:
-        key = {True: "stored", False: "none", None: "?"}[row.get("key_stored")]
+        stored = row.get("key_stored")
+        key = "stored" if stored else "?" if stored is None else "none"
+        if not stored and row.get("operator_key") and row.get("auth_mode") == "api_key":
+            key = "operator"  # runs on the operator's key (operator_key = true)
         installed = "yes" if row.get("installed") else "no"
         print(
             f"{row['principal_id']:<16} {row['interaction_mode']:<9} {row['auth_mode']:<13}"

@@ -39,13 +39,15 @@ def sage_config(
     extra: str = "",
     capsules: str = '["runner"]',
 ) -> str:
-    """The TOML after ``[supervisor] state_dir`` for a runner test."""
+    """The TOML after ``[supervisor] state_dir`` for a runner test; principal ``alice``
+    may run on the operator's key (the supervisor's ``ANTHROPIC_API_KEY``)."""
     env_toml = ", ".join(f"{k} = {json.dumps(v)}" for k, v in env.items())
     return (
         f"capsules = {capsules}\n"
         f"[claude]\nbinary = {json.dumps(str(binary))}\nenv = {{ {env_toml} }}\n"
         f"{extra}\n"
-        f'[[principals]]\nname = "alice"\nuids = [{os.getuid()}]\n{principal_extra}\n'
+        f'[[principals]]\nname = "alice"\nuids = [{os.getuid()}]\noperator_key = true\n'
+        f"{principal_extra}\n"
     )
 
 

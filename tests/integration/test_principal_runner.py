@@ -149,3 +149,40 @@ async def test_api_key_mode_with_no_key_anywhere_fails_with_api_key_missing() ->
     async with running_sage(_config(), env={"ANTHROPIC_API_KEY": ""}) as sage:
         _, reply = await sage.spawn("nokey")
         assert reply["error"] == "api_key_missing", reply
+
+
+def _spawn_audits(root: Path) -> list[dict[str, object]]:
+    db = sqlite3.connect(f"file:{root / 'state' / 'audit.db'}?mode=ro", uri=True)
+    rows = db.execute("SELECT payload FROM entries WHERE kind = 'sage.v1.audit.spawn'").fetchall()
+    db.close()
+    return [msgspec.json.decode(payload)["payload"] for (payload,) in rows]
+
+
+async def test_the_operators_key_is_shared_only_when_the_config_says_so() -> None:
+    """No key stored and operator_key off: refused, although the operator has a key."""
+    config = _config().replace("operator_key = true\n", "")
+    async with running_sage(config, env=OPERATOR) as sage:
+        _, reply = await sage.spawn("shared")
+        assert reply["error"] == "api_key_missing", reply
+        assert "operator_key = true" in reply["message"]
+        assert "astrid sage install alice" in reply["message"]
+        (row,) = (await sage.request("sage.v1.request.principals", {}))["principals"]
+        assert row["operator_key"] is False
+        assert row["key_stored"] is False
+
+
+async def test_a_spawn_on_the_operators_key_says_so_in_the_audit(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    root = short_dir()
+    async with running_sage(_config(), env=OPERATOR, root=root) as sage:
+        await sage.ready("op")
+        (row,) = (await sage.request("sage.v1.request.principals", {}))["principals"]
+        assert row["operator_key"] is True
+        code, out, _ = await sage.astrid("sage", "principals")
+        assert code == 0
+        assert out.splitlines()[1].split()[4] == "operator"  # the KEY column
+        await sage.request("sage.v1.request.stop.op", {})
+    (audit,) = _spawn_audits(root)
+    assert audit["key_source"] == "operator"  # where the API key came from
+    assert "sk-operator" not in str(audit)
