@@ -77,9 +77,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(parser: argparse.ArgumentParser, words: list[str]) -> argparse.Namespace:
+    """Parse ``words``; for a command that passes arguments through (``astrid sage repl
+    NAME -- ARGS``, which has ``claude_args``) everything after the first ``--`` is
+    passed as is: argparse would read it against the positionals, or refuse it."""
+    if "--" in words:
+        cut = words.index("--")
+        head = parser.parse_args(words[:cut])
+        if hasattr(head, "claude_args"):
+            head.claude_args = [*(head.claude_args or []), *words[cut + 1 :]]
+            return head
+    return parser.parse_args(words)  # "--" keeps its usual meaning (bus pub T -- -1)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    args = _parse(parser, words)
     handler = args.handler
     try:
         try:

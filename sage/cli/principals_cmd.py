@@ -231,6 +231,10 @@ async def _repl(args: argparse.Namespace) -> int:
                 env["ANTHROPIC_API_KEY"] = key
         env.update(config.claude.env)
         extra = [a for a in args.claude_args if a != "--"] if args.claude_args else []
+        # the CLI's default mode was auto (its own classifier decides) in 2.1.296-2.1.301:
+        # ask for default unless the user chose a mode on this command line
+        if not any(a == "--permission-mode" or a.startswith("--permission-mode=") for a in extra):
+            extra = ["--permission-mode", "default", *extra]
         argv = [str(resolve_claude_binary(config)), *extra]
         if args.dry_run:
             masked = {

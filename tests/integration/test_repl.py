@@ -60,6 +60,15 @@ async def test_repl_hooks_are_validated_and_the_token_dies_with_the_repl() -> No
         plan = json.loads(out)
         assert plan["env"]["ASTRID_HOOK_TOKEN"] == "<token>"
         assert plan["cwd"] == installed["home_path"]
+        assert plan["argv"][1:3] == ["--permission-mode", "default"]  # never the CLI's default
+        from tests.integration.daemon import ASTRID
+
+        chosen = await anyio.run_process(
+            [*ASTRID, "sage", "repl", "alice", "--dry-run", "--config", str(sage.daemon.config)]
+            + ["--", "--permission-mode", "plan"],
+            env=sage.daemon.env,
+        )
+        assert json.loads(chosen.stdout)["argv"][1:] == ["--permission-mode", "plan"]
         code, out, err = await sage.astrid("sage", "repl", "alice")
         assert code == 0, err
         with anyio.fail_after(10):
