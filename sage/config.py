@@ -13,10 +13,11 @@ embedded defaults resolve against the current directory, which is what
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import msgspec
 
@@ -395,6 +396,45 @@ def _path_of(message: str) -> str:
     return match.group(1) if match else ""
 
 
+def _section_type(field: str) -> type[msgspec.Struct] | None:
+    """The Struct a path such as ``claude`` or ``principals[0]`` names."""
+    cls: Any = Config
+    for part in filter(None, re.split(r"\.|\[\d+\]", field)):
+        match = next((f for f in msgspec.structs.fields(cls) if f.encode_name == part), None)
+        if match is None:
+            return None
+        kind = match.type
+        args = get_args(kind)
+        cls = args[0] if args and isinstance(args[0], type) else kind
+        if not (isinstance(cls, type) and issubclass(cls, msgspec.Struct)):
+            return None
+    return cls if isinstance(cls, type) and issubclass(cls, msgspec.Struct) else None
+
+
+def _nearest_key(field: str, unknown: str) -> str:
+    """`` (did you mean `x`?)`` for a misspelt key: in its own section, else in another."""
+    own = _section_type(field)
+    if own is not None:
+        names = [f.encode_name for f in msgspec.structs.fields(own)]
+        close = difflib.get_close_matches(unknown, names, n=1, cutoff=0.6)
+        if close:
+            return f" (did you mean `{close[0]}`?)"
+    for section in msgspec.structs.fields(Config):
+        cls = _section_type(section.encode_name)
+        if cls is None or cls is own:
+            continue
+        names = [f.encode_name for f in msgspec.structs.fields(cls)]
+        close = difflib.get_close_matches(unknown, names, n=1, cutoff=0.8)
+        if close:
+            table = (
+                f"[[{section.encode_name}]]"
+                if section.encode_name == "principals"
+                else (f"[{section.encode_name}]")
+            )
+            return f" (did you mean `{close[0]}` under {table}?)"
+    return ""
+
+
 def decode_config(data: bytes | str, *, source: str = "<config>", base_dir: str = "") -> Config:
     """Decode TOML text into a :class:`Config`, or raise one clear ConfigError."""
     try:
@@ -404,7 +444,9 @@ def decode_config(data: bytes | str, *, source: str = "<config>", base_dir: str 
         field = _path_of(text)
         reason = re.sub(r"\s*-\s*at `[^`]*`$", "", text)
         where = f"{field}: " if field else ""
-        raise ConfigError(f"{source}: {where}{reason}") from exc
+        unknown = re.search(r"unknown field `([^`]+)`", reason)
+        hint = _nearest_key(field, unknown.group(1)) if unknown else ""
+        raise ConfigError(f"{source}: {where}{reason}{hint}") from exc
     except msgspec.DecodeError as exc:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from exc
     if config.base_dir:

@@ -31,6 +31,7 @@ from sage.capsule_install import installed_folders, worker_manifest
 from sage.capsules import CapsuleRunner, capsule_folder, load_manifest
 from sage.config import Config, load_config
 from sage.errors import AuditError, ConfigError, SageError
+from sage.instance import InstanceLock
 from sage.logs import configure_logging, log_loop_errors
 from sage.sdnotify import Notifier, watchdog_interval
 from sage.state import StateStore
@@ -333,6 +334,15 @@ class Supervisor:
             ensure_private_dir(config.state_dir, group=group)
         except BusError as exc:
             raise SageError(f"state folder: {exc}") from exc
+        instance = InstanceLock(config.state_dir, config.socket_path)
+        instance.acquire()
+        try:
+            await self._run_locked(task_status)
+        finally:
+            instance.release()
+
+    async def _run_locked(self, task_status: anyio.abc.TaskStatus[None]) -> None:
+        config = self.config
         _raise_open_file_limit()
         log_loop_errors()
         key = load_signing_key(config.keys_dir)

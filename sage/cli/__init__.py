@@ -69,8 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="astrid",
         description="Drive the sage supervisor: bus, audit log, sessions.",
-        epilog="Each command takes --config FILE (or ASTRID_CONFIG). See `astrid COMMAND --help`.",
+        epilog="Each command takes --config FILE (or ASTRID_CONFIG) and most take --json, after"
+        " the command or before it (astrid --config x.toml status). See `astrid COMMAND --help`.",
     )
+    # also accepted before the command (astrid --config x.toml status); after it wins
+    parser.add_argument("--config", metavar="FILE", dest="top_config", help=argparse.SUPPRESS)
+    parser.add_argument("--json", action="store_true", dest="top_json", help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for group in _groups():
         group.register(sub)
@@ -80,14 +84,26 @@ def build_parser() -> argparse.ArgumentParser:
 def _parse(parser: argparse.ArgumentParser, words: list[str]) -> argparse.Namespace:
     """Parse ``words``; for a command that passes arguments through (``astrid sage repl
     NAME -- ARGS``, which has ``claude_args``) everything after the first ``--`` is
-    passed as is: argparse would read it against the positionals, or refuse it."""
+    passed as is: argparse would read it against the positionals, or refuse it.
+    ``--config`` and ``--json`` given before the command apply to it."""
+    args: argparse.Namespace | None = None
     if "--" in words:
         cut = words.index("--")
         head = parser.parse_args(words[:cut])
         if hasattr(head, "claude_args"):
             head.claude_args = [*(head.claude_args or []), *words[cut + 1 :]]
-            return head
-    return parser.parse_args(words)  # "--" keeps its usual meaning (bus pub T -- -1)
+            args = head
+    if args is None:
+        args = parser.parse_args(words)  # "--" keeps its usual meaning (bus pub T -- -1)
+    if args.top_config is not None and getattr(args, "config", None) is None:
+        if not hasattr(args, "config"):
+            parser.error(f"astrid {args.command} takes no --config")
+        args.config = args.top_config
+    if args.top_json:
+        if not hasattr(args, "json"):
+            parser.error(f"astrid {args.command} has no --json output")
+        args.json = True
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:

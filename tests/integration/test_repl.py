@@ -64,8 +64,18 @@ async def test_repl_hooks_are_validated_and_the_token_dies_with_the_repl() -> No
         from tests.integration.daemon import ASTRID
 
         chosen = await anyio.run_process(
-            [*ASTRID, "sage", "repl", "alice", "--dry-run", "--config", str(sage.daemon.config)]
-            + ["--", "--permission-mode", "plan"],
+            [
+                *ASTRID,
+                "sage",
+                "repl",
+                "alice",
+                "--dry-run",
+                "--config",
+                str(sage.daemon.config),
+                "--",
+                "--permission-mode",
+                "plan",
+            ],
             env=sage.daemon.env,
         )
         assert json.loads(chosen.stdout)["argv"][1:] == ["--permission-mode", "plan"]

@@ -186,8 +186,11 @@ def test_second_supervisor_on_same_socket_refused(daemon: Daemon) -> None:
         timeout=20,
     )
     assert result.returncode == 1
-    assert "already running" in result.stderr or "another" in result.stderr
-    assert daemon.status()["pid"]
+    pid = daemon.status()["pid"]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"astrid: already running (pid {pid}, socket {daemon.socket});"
+        f" state folder {daemon.root / 'state'}"
+    )
 
 
 def test_other_uid_cannot_reach_owner_only_socket(daemon: Daemon) -> None:
