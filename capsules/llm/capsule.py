@@ -91,15 +91,20 @@ def provider_entry(config: Config) -> dict[str, Any]:
 
 
 def lookup_api_key(config: Config, principal: str | None) -> str | None:
-    """The principal's own key from the secret store, else the operator's (blocking)."""
+    """The principal's own key from the secret store; the operator's for the operator
+    (no principal) and for a principal configured with ``operator_key = true``
+    (blocking)."""
     from sage.homes import read_api_key
     from sage.secrets import API_KEY, SecretStore, principal_namespace
 
-    if principal is not None and config.secrets_path.exists():
+    if principal is None:
+        return read_api_key(config)
+    if config.secrets_path.exists():
         key = SecretStore.open(config).get(principal_namespace(principal), API_KEY)
         if key:
             return key
-    return read_api_key(config)
+    configured = config.principal(principal)
+    return read_api_key(config) if configured is not None and configured.operator_key else None
 
 
 KeyLookup = Callable[[Config, str | None], str | None]
@@ -268,9 +273,10 @@ class CompletionProvider:
             return Error(f"cannot read the API key: {exc}", "api_key_unreadable")
         if not api_key:
             return Error(
-                "no API key: none is stored for this principal (astrid sage install) and no"
-                " operator key is configured (claude.api_key_file, $CREDENTIALS_DIRECTORY"
-                " or $ANTHROPIC_API_KEY)",
+                "no API key: none is stored for this principal (astrid sage install); the"
+                " operator's (claude.api_key_file, $CREDENTIALS_DIRECTORY or"
+                " $ANTHROPIC_API_KEY) serves the operator, and a principal only with"
+                " operator_key = true",
                 "no_api_key",
             )
         mapper = StreamMapper()

@@ -11,6 +11,7 @@ to confirm; a second Ctrl-C leaves at once.  Exit 130 when cancelled.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import uuid
@@ -21,7 +22,7 @@ import msgspec
 
 from bus import NoResponders
 from bus.client import BusClient, RemoteSubscription
-from sage.cli._connect import connect, print_json
+from sage.cli._connect import config_of, connect, print_json
 from sage.errors import SageError
 
 __all__ = ("register",)
@@ -67,7 +68,10 @@ def register(sub: Any) -> None:
         "--timeout", type=float, default=0.0, help="give up after this many seconds (0: never)"
     )
     generate.add_argument(
-        "--principal", default=None, help="act for this principal (its key, its stream)"
+        "--principal",
+        default=None,
+        help="act for this principal (its key, its stream); default: the one principal"
+        " your uid is listed under, if exactly one",
     )
     add_common(generate)
     generate.set_defaults(handler=_generate)
@@ -83,6 +87,7 @@ def register(sub: Any) -> None:
 
 
 async def _describe(args: argparse.Namespace) -> int:
+    _own_principal(args)
     async with connect(args) as client:
         try:
             reply = await client.request(DESCRIBE, {}, deadline=ACCEPT_DEADLINE)
@@ -101,7 +106,20 @@ async def _describe(args: argparse.Namespace) -> int:
     return 0
 
 
+def _own_principal(args: argparse.Namespace) -> None:
+    """No --principal and the caller's uid is listed under exactly one principal: act
+    for it (its key, its stream), as a session of its would; an admin listed nowhere
+    stays the operator."""
+    if args.principal is not None:
+        return
+    config = config_of(args)
+    listed = [p.name for p in config.principals if os.getuid() in p.uids]
+    if len(listed) == 1:
+        args.principal = listed[0]
+
+
 async def _generate(args: argparse.Namespace) -> int:
+    _own_principal(args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     request_id = uuid.uuid4().hex
     payload: dict[str, Any] = {

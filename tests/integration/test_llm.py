@@ -415,6 +415,12 @@ async def test_the_principals_own_key_and_a_stalled_stream() -> None:
             kinds = [line["event"]["type"] for line in lines]
             assert kinds == ["TextDelta", "TextDelta", "Usage", "Done"], out
             assert sent_key(standin.messages[-1]) == "sk-alice-456"
+            # without --principal: the uid is listed under alice only, so it acts for her
+            standin.push(Text("as alice"))
+            code, out, err = await sage.astrid("llm", "generate", "hi")
+            assert code == 0, err
+            assert out.strip() == "as alice"
+            assert sent_key(standin.messages[-1]) == "sk-alice-456"
             # a stream that stalls longer than [llm] timeout
             standin.push(Slow("first, then nothing", delay=3.0, chunks=2))
             await generate(sage, "stall1")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, cast
 
 import anthropic
@@ -422,3 +423,24 @@ def test_transport_errors() -> None:
     assert broken.code == "stream_incomplete"
     assert error_event(IncompleteStream("x"), max_retries=0, timeout=3).code == "stream_incomplete"
     assert error_event(ValueError("?"), max_retries=0, timeout=3).code == "error"
+
+
+def test_the_operators_key_serves_a_principal_only_when_configured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Completions follow the sessions' rule: no silent sharing of the operator's key."""
+    from capsules.llm.capsule import lookup_api_key
+    from sage.config import decode_config
+
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-operator")
+    monkeypatch.delenv("CREDENTIALS_DIRECTORY", raising=False)
+    config = decode_config(
+        '[supervisor]\nstate_dir = "st"\n'
+        '[[principals]]\nname = "alice"\n'
+        '[[principals]]\nname = "bob"\noperator_key = true\n',
+        base_dir=str(tmp_path),
+    )
+    assert lookup_api_key(config, None) == "sk-operator"  # the operator's own requests
+    assert lookup_api_key(config, "bob") == "sk-operator"
+    assert lookup_api_key(config, "alice") is None
+    assert lookup_api_key(config, "nobody") is None
