@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import os
 import stat
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any, Literal
 
@@ -51,6 +53,9 @@ checks:
               the supported range built into sage; warn: newer than any tested
               release; fail: none found, it does not run, older than the floor or
               a known-bad release (the runner refuses to spawn on it)
+  api         the Messages API sessions use (ANTHROPIC_BASE_URL in [claude] env,
+              else api.anthropic.com) answers HTTP within 3 s; warn: it does not
+              (sessions would retry for minutes)
   bwrap       bubblewrap really runs a minimal sandbox (as forge.sandbox_uid_base
               when run as root); fail: forge refuses to run any forged tool (fail
               closed) - install bubblewrap, allow unprivileged user namespaces
@@ -117,6 +122,7 @@ async def run_checks(config_file: str | None) -> list[Check]:
     if config is not None:
         claude_check, version = await _check_claude(config)
         checks.append(claude_check)
+        checks.append(await _check_api(config))
     checks.append(await _check_bwrap(config))
     if config is None:
         return checks
@@ -191,6 +197,47 @@ async def _check_claude(config: Config) -> tuple[Check, str | None]:
         if status == "ok":
             status = "warn"
     return Check(name="claude", status=status, detail=detail, facts=facts), version
+
+
+DEFAULT_API = "https://api.anthropic.com"
+_API_TIMEOUT = 3.0
+
+
+async def _check_api(config: Config) -> Check:
+    """The Messages API sessions will use (``ANTHROPIC_BASE_URL`` of ``[claude] env``)
+    answers HTTP at all: any status will do; no answer means minutes of retries."""
+    base = (config.claude.env.get("ANTHROPIC_BASE_URL") or DEFAULT_API).rstrip("/")
+    url = f"{base}/v1/models"
+    facts: dict[str, Any] = {"url": base}
+
+    def probe() -> int:
+        request = urllib.request.Request(url, method="GET", headers={"user-agent": "astrid"})
+        try:
+            with urllib.request.urlopen(request, timeout=_API_TIMEOUT) as response:
+                return int(response.status)
+        except urllib.error.HTTPError as exc:  # an answer: 401 without a key is fine
+            return int(exc.code)
+
+    if not base.startswith(("http://", "https://")):
+        return Check(
+            name="api",
+            status="fail",
+            detail=f"ANTHROPIC_BASE_URL {base!r} is not an http(s) URL ([claude] env)",
+            facts=facts,
+        )
+    try:
+        status = await anyio.to_thread.run_sync(probe, abandon_on_cancel=True)
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", None) or exc
+        return Check(
+            name="api",
+            status="warn",
+            detail=f"{base} does not answer ({reason}); sessions would retry for minutes"
+            " - set ANTHROPIC_BASE_URL in [claude] env, or check the network",
+            facts=facts,
+        )
+    facts["http_status"] = status
+    return Check(name="api", status="ok", detail=f"{base} answers (HTTP {status})", facts=facts)
 
 
 def _check_homes(config: Config, version: str) -> Check:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import shutil
 import socket
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,40 @@ def _fake_claude(folder: Path, version: str) -> Path:
     return path
 
 
+class _Api(http.server.BaseHTTPRequestHandler):
+    """A Messages API that answers every request 401, as the real one does without a key."""
+
+    def do_GET(self) -> None:
+        self.send_response(401)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def api_url() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Api)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+_API_URL = ""
+
+
+@pytest.fixture(autouse=True)
+def _local_api(api_url: str) -> None:
+    """Every config this module writes points its sessions at the local API above."""
+    global _API_URL
+    _API_URL = api_url
+
+
 def _setup(
     root: Path, *, version: str = "2.1.328", state_mode: int | None = 0o700, extra: str = ""
 ) -> Path:
@@ -41,7 +77,8 @@ def _setup(
     config = root / "supervisor.toml"
     config.write_text(
         f'[supervisor]\nstate_dir = "state"\n\n[claude]\nbinary = "{binary}"\n'
-        f'env = {{ ANTHROPIC_API_KEY = "{SECRET}" }}\n{extra}'
+        f'env = {{ ANTHROPIC_API_KEY = "{SECRET}", ANTHROPIC_BASE_URL = "{_API_URL}" }}\n'
+        f"{extra}"
     )
     return config
 
@@ -157,7 +194,11 @@ def test_good_host_has_no_fail(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert code == 0
     assert report["ok"] is True
     rows = _rows(report)
-    assert list(rows) == ["config", "claude", "bwrap", "state", "homes", "keys", "socket"]
+    assert list(rows) == [
+        "config", "claude", "api", "bwrap", "state", "homes", "keys", "socket"
+    ]  # fmt: skip
+    assert rows["api"]["status"] == "ok"
+    assert rows["api"]["detail"] == f"{_API_URL} answers (HTTP 401)"
     assert rows["config"]["status"] == "ok"
     assert rows["config"]["source"] == str(config)
     assert rows["claude"] == {
@@ -247,6 +288,25 @@ def test_an_installed_home_naming_hooks_the_binary_does_not_know_fails(
     _, report = _doctor(capsys, config)
     assert _rows(report)["homes"]["status"] == "ok"
     assert _rows(report)["homes"]["checked"] == 1
+
+
+def test_an_api_that_does_not_answer_warns(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A closed port: a warning that names the URL and where to set it, exit 0."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    config = _setup(tmp_path)
+    config.write_text(config.read_text().replace(_API_URL, f"http://127.0.0.1:{port}"))
+    code, report = _doctor(capsys, config)
+    api = _rows(report)["api"]
+    assert (api["status"], code) == ("warn", 0)
+    assert f"http://127.0.0.1:{port} does not answer" in api["detail"]
+    assert "ANTHROPIC_BASE_URL in [claude] env" in api["detail"]
+    config.write_text(config.read_text().replace(f"http://127.0.0.1:{port}", "ftp://x"))
+    code, report = _doctor(capsys, config)
+    assert (_rows(report)["api"]["status"], code) == ("fail", 1)
 
 
 def test_missing_claude_binary_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -353,7 +413,11 @@ def test_human_output_is_an_aligned_table_without_secrets(
         f"ok    claude   {tmp_path / 'fake-claude'} 2.1.328 (supported: {FLOOR} to {NEWEST_TESTED})"
     )
     assert lines[0].startswith("ok    config   ")
-    assert [line[:15] for line in lines[2:4]] == ["ok    bwrap    ", "ok    state    "]
+    assert [line[:15] for line in lines[2:5]] == [
+        "ok    api      ",
+        "ok    bwrap    ",
+        "ok    state    ",
+    ]
     assert SECRET not in out
     main(["doctor", "--config", str(config), "--json"])
     assert SECRET not in capsys.readouterr().out
@@ -364,14 +428,17 @@ def test_help_explains_each_check(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["doctor", "--help"])
     out = capsys.readouterr().out
-    for name in ("config", "claude", "bwrap", "state", "homes", "keys", "socket", "supervisor"):
+    for name in (
+        "config", "claude", "api", "bwrap", "state", "homes", "keys", "socket", "supervisor"
+    ):  # fmt: skip
         assert f"\n  {name} " in out
     assert "exit status" in out
 
 
 @pytest.fixture
-def daemon(root: Path) -> Iterator[Daemon]:
-    d = Daemon(root, extra='capsules = ["echo"]\n').start()
+def daemon(root: Path, api_url: str) -> Iterator[Daemon]:
+    extra = f'capsules = ["echo"]\n[claude]\nenv = {{ ANTHROPIC_BASE_URL = "{api_url}" }}\n'
+    d = Daemon(root, extra=extra).start()
     yield d
     d.stop()
 
@@ -386,6 +453,7 @@ def test_running_supervisor_is_all_ok(daemon: Daemon) -> None:
     assert {name: row["status"] for name, row in rows.items()} == {
         "config": "ok",
         "claude": "ok",
+        "api": "ok",
         "bwrap": "ok",
         "state": "ok",
         "homes": "ok",
