@@ -302,7 +302,13 @@ class Supervisor:
             raise NotAuthorized(f"uid {peer.uid} may not act for any principal")
         principal = hello.principal
         if principal is not None and principal not in allowed:
-            raise NotAuthorized(f"uid {peer.uid} may not act for principal {principal!r}")
+            names = ", ".join(sorted(allowed)) or "none"
+            if admin:  # an admin may see every name: say it is not there
+                raise NotAuthorized(f"unknown principal {principal!r} (configured: {names})")
+            # the same answer whether it exists or not: no probing for other principals
+            raise NotAuthorized(
+                f"uid {peer.uid} may not act for principal {principal!r} (it may for: {names})"
+            )
         if principal is None and not admin:
             if len(allowed) != 1:
                 names = ", ".join(sorted(allowed))

@@ -586,7 +586,9 @@ class Runner:
                 request,
                 pid_,
                 "interaction_mode_is_repl",
-                f"principal {pid_!r} uses a terminal (repl)",
+                f"principal {pid_!r} uses a terminal (repl): run `astrid sage repl {pid_}`"
+                " instead, or switch it with `astrid sage settings"
+                f" {pid_} --interaction-mode headless`",
             )
         if sid in self.sessions:
             raise self._reject(

@@ -157,6 +157,7 @@ async def test_who_may_act_repl_and_missing_key() -> None:
         sage.daemon.env = env
         reply = await sage.request("sage.v1.request.spawn", {"principal_id": "bob"})
         assert reply["error"] == "interaction_mode_is_repl"
+        assert "astrid sage repl bob" in reply["message"]  # what to run instead
         reply = await sage.request("sage.v1.request.spawn", {"principal_id": "alice"})
         assert reply["error"] == "api_key_missing"
         assert "ANTHROPIC_API_KEY" in reply["message"]

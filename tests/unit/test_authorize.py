@@ -47,8 +47,24 @@ def test_single_principal_uid_acts_for_it(supervisor: Supervisor) -> None:
 def test_claimed_principal_is_checked(supervisor: Supervisor) -> None:
     """A hello may name a principal only if the peer's uid may act for it."""
     assert supervisor.authorize(_peer(BOTH), Hello(role="cli", principal="bob")).principal == "bob"
-    with pytest.raises(NotAuthorized, match="may not act for principal 'bob'"):
+    with pytest.raises(
+        NotAuthorized, match=r"may not act for principal 'bob' \(it may for: alice\)"
+    ):
         supervisor.authorize(_peer(ALICE), Hello(role="cli", principal="bob"))
+
+
+def test_a_misspelt_principal_is_named_unknown_to_an_admin_only(supervisor: Supervisor) -> None:
+    """An admin learns the name is not configured; a user gets the answer it gets for a
+    real principal not its own, so it cannot probe for others' names."""
+    with pytest.raises(
+        NotAuthorized, match=r"unknown principal 'alcie' \(configured: alice, bob\)"
+    ):
+        supervisor.authorize(_peer(ADMIN), Hello(role="cli", principal="alcie"))
+    with pytest.raises(NotAuthorized) as real:
+        supervisor.authorize(_peer(ALICE), Hello(role="cli", principal="bob"))
+    with pytest.raises(NotAuthorized) as typo:
+        supervisor.authorize(_peer(ALICE), Hello(role="cli", principal="bobb"))
+    assert str(real.value).replace("'bob'", "X") == str(typo.value).replace("'bobb'", "X")
 
 
 def test_uid_of_several_principals_must_name_one(supervisor: Supervisor) -> None:
