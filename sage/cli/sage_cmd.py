@@ -158,7 +158,7 @@ async def _send(args: argparse.Namespace) -> int:
                 name = envelope.topic.rsplit(".", 1)[1]
                 data = msgspec.json.decode(envelope.payload)
                 if args.json:
-                    print_json({"event": name, **data})
+                    print_json(event_line(name, envelope.ts, data))
                 elif name == "text":
                     out.write(data.get("delta", ""))
                     out.flush()
@@ -173,6 +173,11 @@ async def _send(args: argparse.Namespace) -> int:
                     print(f"astrid: session {sid}: {data.get('reason')}", file=sys.stderr)
                     return 1
     raise SageError("the connection ended before the turn did")
+
+
+def event_line(name: str, ts: float | None, data: Any) -> dict[str, Any]:
+    """One session event as ``send --json`` and ``watch`` both print it."""
+    return {"event": name, "ts": ts or time.time(), "data": data}
 
 
 async def _sessions(args: argparse.Namespace) -> int:
@@ -211,13 +216,7 @@ async def _watch(args: argparse.Namespace) -> int:
         try:
             async for envelope in events:
                 name = envelope.topic.rsplit(".", 1)[1]
-                print_json(
-                    {
-                        "event": name,
-                        "ts": envelope.ts or time.time(),
-                        "data": msgspec.json.decode(envelope.payload),
-                    }
-                )
+                print_json(event_line(name, envelope.ts, msgspec.json.decode(envelope.payload)))
                 seen += 1
                 if name == "exited" or (args.count and seen >= args.count):
                     return 0

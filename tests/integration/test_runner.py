@@ -10,6 +10,7 @@ session table that is clean afterwards.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sqlite3
@@ -77,6 +78,32 @@ async def test_a_turn_with_the_double(sage: Sage) -> None:
     text, done = await events.text_until_done()
     assert text == "echo: hello"
     assert done["is_error"] is False
+
+
+async def test_send_json_and_watch_print_the_same_event_shape(sage: Sage) -> None:
+    await sage.ready("shape")
+    code, out, err = await sage.astrid("sage", "send", "shape", "hello", "--json")
+    assert code == 0, err
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert [line["event"] for line in lines][-1] == "done"
+    assert all(set(line) == {"event", "ts", "data"} for line in lines), lines
+    assert "".join(x["data"]["delta"] for x in lines if x["event"] == "text") == "echo: hello"
+    watched: list[str] = []
+    done = anyio.Event()
+
+    async def watch() -> None:
+        _, out, _ = await sage.astrid("sage", "watch", "shape", "-n", "1")
+        watched.extend(out.splitlines())
+        done.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch)
+        while not done.is_set():  # turns until the watcher, once subscribed, sees one
+            await sage.send("shape", "again")
+            with anyio.move_on_after(0.5):
+                await done.wait()
+    (line,) = [json.loads(x) for x in watched]
+    assert set(line) == {"event", "ts", "data"}
 
 
 @pytest.mark.parametrize("bad", ["../etc", "a b", "x" * 65, "", "-rf", "a.b"])
