@@ -9,20 +9,12 @@ import anyio
 import pytest
 
 from tests.conftest import TEARDOWN_MARGIN, _bounded
-from tests.integration.daemon import descendants
+from tests.integration.daemon import alive, descendants
 from tests.integration.sage_harness import running_sage, sage_config
 
 pytestmark = pytest.mark.anyio
 
 FAKE = os.path.join(os.path.dirname(__file__), "..", "doubles", "fake_claude.py")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 async def test_a_hung_body_becomes_a_timeout_error() -> None:
@@ -48,5 +40,5 @@ async def test_a_cancelled_body_still_stops_its_supervisor_and_sessions() -> Non
             scope.deadline = anyio.current_time()  # the test's deadline passes here
             await anyio.sleep(3600)
     assert scope.cancelled_caught
-    assert not _alive(daemon)
-    assert not [pid for pid in below if _alive(pid)]
+    assert not alive(daemon)
+    assert not [pid for pid in below if alive(pid)]

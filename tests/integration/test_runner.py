@@ -488,13 +488,18 @@ async def test_identity_refresh_respawns_then_gives_up(tmp_path: Path) -> None:
         assert kinds.count("sage.v1.audit.spawn") >= 4
 
 
+def _config_claiming(version: str, folder: Path) -> str:
+    """The runner config with the double saying it is Claude Code ``version``."""
+    script = folder / "claude"
+    script.write_text(f'#!/bin/sh\nFAKE_CLAUDE_VERSION={version} exec {FAKE} "$@"\n')
+    script.chmod(0o755)
+    return _config().replace(str(FAKE), str(script))
+
+
 async def test_version_drift_and_identity_fallback_are_audited(tmp_path: Path) -> None:
-    newer = tmp_path / "claude"
-    newer.write_text(f'#!/bin/sh\nFAKE_CLAUDE_VERSION=9.9.9 exec {FAKE} "$@"\n')
-    newer.chmod(0o755)
     from tests.integration.daemon import short_dir
 
-    config = _config().replace(str(FAKE), str(newer))
+    config = _config_claiming("9.9.9", tmp_path)
     async with running_sage(config, env=ENV, root=short_dir()) as sage:
         await sage.ready("drift")
         await sage.request("sage.v1.request.stop.drift", {})
@@ -515,12 +520,9 @@ async def test_version_drift_and_identity_fallback_are_audited(tmp_path: Path) -
 
 async def test_an_unsupported_claude_is_refused_and_audited(tmp_path: Path) -> None:
     """Below the floor the runner spawns nothing: claude_unsupported, with the range."""
-    older = tmp_path / "claude"
-    older.write_text(f'#!/bin/sh\nFAKE_CLAUDE_VERSION=2.1.0 exec {FAKE} "$@"\n')
-    older.chmod(0o755)
     from tests.integration.daemon import short_dir
 
-    config = _config().replace(str(FAKE), str(older))
+    config = _config_claiming("2.1.0", tmp_path)
     async with running_sage(config, env=ENV, root=short_dir()) as sage:
         reply = await sage.request(
             "sage.v1.request.spawn", {"principal_id": "alice", "session_id": "old"}
