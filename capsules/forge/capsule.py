@@ -4,7 +4,7 @@ Requests (request/reply; the caller's principal is ``envelope.principal``,
 the broker-verified one, never a payload field):
 
 - ``forge.v1.request.list`` ``{session_id}`` → ``{tools: [{name, description,
-  inputSchema}]}``: the three meta-tools and the session's visible forged
+  inputSchema}]}``: the four meta-tools and the session's visible forged
   tools (session > project > user), names without the ``mcp__forge__`` prefix.
 - ``forge.v1.request.call`` ``{session_id, tool_name, arguments,
   tool_use_id?}`` → the MCP result ``{content, structuredContent, isError}``.
