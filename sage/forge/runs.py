@@ -79,10 +79,14 @@ def mask_input(schema: Any, value: Any) -> Any:
 
 ARTIFACT = "full_stdout.bin"
 """The one artifact a run keeps: its whole stdout, when it passed the output cap."""
-PAGE_DEFAULT = 32 * 1024
+PAGE_DEFAULT = 16 * 1024
 """Bytes of an artifact one ``read_artifact`` page holds when the call names no limit."""
-PAGE_MAX = 64 * 1024
-"""Bytes one page holds at most (a larger limit is clamped): a page is one tool result."""
+PAGE_MAX = 32 * 1024
+"""Bytes one page holds at most (a larger limit is clamped): a page is one tool result,
+and Claude Code cuts a tool result past 25000 tokens (``MAX_MCP_OUTPUT_TOKENS``); 32 KiB
+is at most 64 Ki characters as JSON text (see :func:`decode_page`), 44 Ki as base64."""
+_CONTROLS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+"""Characters JSON spells as six (``\u0000``): a page holding one goes as base64."""
 
 Emit = Callable[[str, dict[str, Any]], None]
 
@@ -131,20 +135,25 @@ def _by_principal(runs: list[RunInfo]) -> list[dict[str, Any]]:
 def decode_page(data: bytes, *, at_end: bool) -> tuple[str, str, int]:
     """``(text, encoding, bytes used)`` of one page of an artifact.
 
-    UTF-8 text comes back as text (``encoding: "utf-8"``); a character cut by
-    the page's end is left for the next page (fewer bytes used).  Anything
-    else (binary, a page that starts inside a character) is base64
+    UTF-8 text without control characters (tab, CR and LF aside) comes back
+    as text (``encoding: "utf-8"``); a character cut by the page's end is
+    left for the next page (fewer bytes used).  Anything else (binary, a page
+    that starts inside a character, control characters) is base64
     (``encoding: "base64"``) of the whole page.
     """
+    text: str | None = None
+    used = len(data)
     try:
-        return data.decode("utf-8"), "utf-8", len(data)
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         cut = exc.start
         if not at_end and exc.reason == "unexpected end of data" and 0 < cut >= len(data) - 3:
             try:
-                return data[:cut].decode("utf-8"), "utf-8", cut
+                text, used = data[:cut].decode("utf-8"), cut
             except UnicodeDecodeError:
-                pass
+                text = None
+    if text is not None and not _CONTROLS.search(text):
+        return text, "utf-8", used
     return base64.b64encode(data).decode("ascii"), "base64", len(data)
 
 

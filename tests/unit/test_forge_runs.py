@@ -315,6 +315,8 @@ async def test_binary_artifacts_come_back_as_base64(tmp_path: Path) -> None:
     # a cut character at a page's end waits for the next page; one inside is base64
     assert decode_page("aé".encode()[:2], at_end=False) == ("a", "utf-8", 1)
     assert decode_page(b"\xa9b", at_end=False)[1] == "base64"
+    assert decode_page(b"a\x00b", at_end=False)[1] == "base64"  # \u0000 is six characters
+    assert decode_page(b"a\tb\r\n", at_end=False) == ("a\tb\r\n", "utf-8", 5)
     assert decode_page("aé".encode()[:2], at_end=True)[1] == "base64"
 
 
