@@ -147,7 +147,8 @@ def decode_page(data: bytes, *, at_end: bool) -> tuple[str, str, int]:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         cut = exc.start
-        if not at_end and exc.reason == "unexpected end of data" and 0 < cut >= len(data) - 3:
+        cut_at_end = cut > 0 and cut >= len(data) - 3  # a character the page end cut
+        if not at_end and exc.reason == "unexpected end of data" and cut_at_end:
             try:
                 text, used = data[:cut].decode("utf-8"), cut
             except UnicodeDecodeError:
