@@ -248,6 +248,17 @@ class ForgeConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     """Bytes of stdout returned to Claude (a policy may lower it); the rest is spilled."""
     spare_sandboxes: Annotated[int, msgspec.Meta(ge=0, le=16)] = 2
     """Python sandboxes started ahead of the calls that will use them; 0: none."""
+    runs_max_bytes: Annotated[int, msgspec.Meta(ge=1024 * 1024)] = 2 * 1024 * 1024 * 1024
+    """Bytes the runs folder (manifests and spilled stdout) may hold; past it the
+    oldest runs of the principal holding the most are pruned (sage/forge/runs.py)."""
+    runs_max_bytes_per_principal: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Bytes one principal's runs may hold; past it its own oldest runs are pruned.
+    0: a quarter of ``runs_max_bytes``; at most ``runs_max_bytes``."""
+
+    @property
+    def runs_quota(self) -> int:
+        """``runs_max_bytes_per_principal``, its default filled in."""
+        return self.runs_max_bytes_per_principal or self.runs_max_bytes // 4
 
     def __post_init__(self) -> None:
         if self.sandbox_uid is not None:
@@ -263,6 +274,13 @@ class ForgeConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
             raise ValueError("sandbox_uid_base: the range holds 65534 (nobody), shared by others")
         if last > 2**32 - 2:
             raise ValueError("sandbox_uid_base + sandbox_uid_count: past the last valid uid")
+        if self.runs_max_bytes_per_principal > self.runs_max_bytes:
+            raise ValueError(
+                "runs_max_bytes_per_principal: larger than runs_max_bytes"
+                f" ({self.runs_max_bytes_per_principal} > {self.runs_max_bytes})"
+            )
+        if 0 < self.runs_max_bytes_per_principal < 64 * 1024:
+            raise ValueError("runs_max_bytes_per_principal: below 65536 (0: the default)")
 
 
 class PrincipalConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):

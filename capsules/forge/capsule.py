@@ -4,7 +4,7 @@ Requests (request/reply; the caller's principal is ``envelope.principal``,
 the broker-verified one, never a payload field):
 
 - ``forge.v1.request.list`` ``{session_id}`` → ``{tools: [{name, description,
-  inputSchema}]}``: the three meta-tools and the session's visible forged
+  inputSchema}]}``: the four meta-tools and the session's visible forged
   tools (session > project > user), names without the ``mcp__forge__`` prefix.
 - ``forge.v1.request.call`` ``{session_id, tool_name, arguments,
   tool_use_id?}`` → the MCP result ``{content, structuredContent, isError}``.
@@ -13,6 +13,13 @@ the broker-verified one, never a payload field):
 - ``forge.v1.request.admin.<op>`` (``list``, ``show``, ``run``, ``promote``,
   ``rm``, ``runs``): only for an envelope without a principal (an operator
   or a trusted capsule); others get ``{ok: false, error: {kind: "acl_denied"}}``.
+- ``forge.v1.request.runs.list`` ``{principal_id?, name?, limit?}`` →
+  ``{ok, runs, total_bytes, principals, max_bytes, max_bytes_per_principal}``
+  and ``forge.v1.request.runs.prune`` ``{principal_id?, older_than?,
+  keep_bytes?, dry_run?}`` → ``{ok, dry_run, removed: [{run_id,
+  principal_id, session_id, bytes}], count, bytes}``: an envelope without a
+  principal may name any principal (or none: all); one with a principal
+  only itself (else ``acl_denied``).
 
 Audit events go out on ``forge.v1.audit.<event>`` (the supervisor appends
 them to the one hash-chained log); after a forge / promote / rm,
@@ -124,6 +131,11 @@ class ForgeCapsule:
             async with self.calls:
                 answer = await self.forge.dispatch(caller, name, data.get("arguments", {}))
             return mcp_result(answer)
+        if op in ("runs.list", "runs.prune"):
+            try:
+                return self.runs(op.removeprefix("runs."), envelope.principal, data)
+            except ForgeError as exc:
+                return _error(exc.kind, str(exc))
         if op.startswith("admin."):
             if envelope.principal is not None:
                 return _error("acl_denied", "forge admin requests are for operators")
@@ -132,6 +144,41 @@ class ForgeCapsule:
             except ForgeError as exc:
                 return _error(exc.kind, str(exc))
         return _error("bad_request", f"unknown forge request {op!r}")
+
+    def runs(self, op: str, principal: str | None, data: dict[str, Any]) -> dict[str, Any]:
+        caller = Caller(principal, None)
+        target = data.get("principal_id")
+        if target is not None and not isinstance(target, str):
+            raise ForgeError("bad_request", "principal_id must be a string")
+        if op == "list":
+            name = data.get("name")
+            if name is not None and not isinstance(name, str):
+                raise ForgeError("bad_request", "name must be a string")
+            limit = data.get("limit", 20)
+            if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+                raise ForgeError("bad_request", "limit must be a positive integer")
+            return {"ok": True, **self.forge.list_runs(caller, target, name, limit)}
+        older_than = data.get("older_than")
+        if older_than is not None and (
+            not isinstance(older_than, int | float) or isinstance(older_than, bool)
+        ):
+            raise ForgeError("bad_request", "older_than must be a number of seconds")
+        keep_bytes = data.get("keep_bytes")
+        if keep_bytes is not None and (
+            not isinstance(keep_bytes, int) or isinstance(keep_bytes, bool)
+        ):
+            raise ForgeError("bad_request", "keep_bytes must be an integer")
+        dry_run = data.get("dry_run") is True
+        removed = self.forge.prune_runs(
+            caller, target, older_than=older_than, keep_bytes=keep_bytes, dry_run=dry_run
+        )
+        return {
+            "ok": True,
+            "dry_run": dry_run,
+            "removed": [r.row() for r in removed],
+            "count": len(removed),
+            "bytes": sum(r.bytes for r in removed),
+        }
 
     async def admin(self, op: str, data: dict[str, Any]) -> dict[str, Any]:
         principal = data.get("principal_id")

@@ -1,9 +1,11 @@
 """``astrid forge list|show|run|promote|rm|runs|secret``: the operator's view of forged tools.
 
-Every command but ``secret`` is an admin request to the forge capsule
-(``forge.v1.request.admin.<op>``) over the supervisor's socket; run it as the
-supervisor's user.  ``secret`` writes the vault directly (namespace ``forge``)
-and never prints a value.
+Every command but ``secret`` and ``runs`` is an admin request to the forge
+capsule (``forge.v1.request.admin.<op>``) over the supervisor's socket; run it
+as the supervisor's user.  ``runs list|prune`` (``forge.v1.request.runs.<op>``)
+work for an operator on every principal's runs, for a principal's user on its
+own.  ``secret`` writes the vault directly (namespace ``forge``) and never
+prints a value.
 
 Examples::
 
@@ -12,7 +14,9 @@ Examples::
     astrid forge run fib '{"n": 30}' --owner alice
     astrid forge promote fib --owner alice --session s1
     astrid forge rm fib --scope session --owner alice --session s1
-    astrid forge runs fib --limit 5
+    astrid forge runs list fib --limit 5
+    astrid forge runs prune --principal bob --keep-bytes 100000000 --dry-run
+    astrid forge runs prune --older-than 86400
     astrid forge secret set OPENAI_API_KEY          # hidden prompt
     printf %s "$KEY" | astrid forge secret set OPENAI_API_KEY --stdin
 """
@@ -70,9 +74,35 @@ def register(sub: Any) -> None:
     rm.add_argument("name", metavar="NAME")
     rm.add_argument("--scope", required=True, choices=("session", "project", "user"))
     _owner(rm)
-    runs = cmd("runs", "list recent run manifests (of NAME, or of all tools)", _admin)
-    runs.add_argument("name", metavar="NAME", nargs="?")
-    runs.add_argument("--limit", type=int, default=20)
+    runs = commands.add_parser(
+        "runs",
+        help="run manifests and spilled output: list, prune",
+        description="Runs (manifests and spilled stdout) under <forge root>/runs.",
+    )
+    add_common(runs)
+    runs.set_defaults(handler=_runs, runs_action="list", name=None, limit=20, owner=None)
+    runs_actions = runs.add_subparsers(dest="runs_action", metavar="ACTION")
+    ls_runs = runs_actions.add_parser(
+        "list", help="recent runs (of NAME, or of all tools) and the bytes held"
+    )
+    ls_runs.add_argument("name", metavar="NAME", nargs="?")
+    ls_runs.add_argument("--limit", type=_positive, default=20)
+    ls_runs.add_argument("--principal", dest="owner", metavar="P", help="only P's runs")
+    add_common(ls_runs)
+    prune = runs_actions.add_parser(
+        "prune",
+        help="remove runs: older than SECONDS, and/or the oldest until N bytes are left",
+        description=(
+            "Remove runs (oldest first) of principal P, or of all: those older than"
+            " SECONDS, then more until the rest hold at most N bytes. A run in use is"
+            " kept. A principal's user may prune only its own runs."
+        ),
+    )
+    prune.add_argument("--principal", dest="owner", metavar="P", help="only P's runs")
+    prune.add_argument("--older-than", type=_seconds, metavar="SECONDS")
+    prune.add_argument("--keep-bytes", type=_bytes, metavar="N")
+    prune.add_argument("--dry-run", action="store_true", help="print what would go")
+    add_common(prune)
 
     secret = commands.add_parser(
         "secret",
@@ -94,6 +124,87 @@ def register(sub: Any) -> None:
     delete.set_defaults(handler=_secret_rm)
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be 1 or more")
+    return value
+
+
+def _bytes(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of bytes: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be 0 or more")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError("must be a finite number, 0 or more")
+    return value
+
+
+async def _runs(args: argparse.Namespace) -> int:
+    args.runs_action = args.runs_action or "list"  # `astrid forge runs` alone lists
+    if args.runs_action == "list":
+        payload: dict[str, Any] = {"limit": args.limit}
+        if args.name is not None:
+            payload["name"] = args.name
+    else:
+        if args.older_than is None and args.keep_bytes is None:
+            raise SageError("prune needs --older-than SECONDS, --keep-bytes N or both")
+        payload = {"dry_run": args.dry_run}
+        if args.older_than is not None:
+            payload["older_than"] = args.older_than
+        if args.keep_bytes is not None:
+            payload["keep_bytes"] = args.keep_bytes
+    if args.owner is not None:
+        payload["principal_id"] = args.owner
+    data = await _request(args, f"forge.v1.request.runs.{args.runs_action}", payload)
+    if data.get("ok") is not True:
+        error = data.get("error") or {}
+        raise SageError(f"{error.get('kind', 'error')}: {error.get('message', '')}")
+    if args.json:
+        print_json(data)
+    elif args.runs_action == "list":
+        _table(
+            data.get("runs", []),
+            ("run_id", "tool", "principal_id", "session_id", "ok", "bytes"),
+        )
+        print(
+            f"held: {data.get('total_bytes')} bytes"
+            f" (cap {data.get('max_bytes')}, per principal {data.get('max_bytes_per_principal')})"
+        )
+    else:
+        verb = "would remove" if data.get("dry_run") else "removed"
+        for row in data.get("removed", []):
+            print(f"{verb} {row['run_id']}  {row.get('principal_id') or '-'}  {row['bytes']}")
+        freed = "would free" if data.get("dry_run") else "freed"
+        print(f"{verb} {data.get('count', 0)} runs, {freed} {data.get('bytes', 0)} bytes")
+    return 0
+
+
+async def _request(args: argparse.Namespace, topic: str, payload: dict[str, Any]) -> Any:
+    async with connect(args) as client:
+        try:
+            reply = await client.request(topic, payload, deadline=DEADLINE)
+        except NoResponders:
+            raise SageError(
+                "no forge is running (is the supervisor up with `forge` in supervisor.capsules?)"
+            ) from None
+    return msgspec.json.decode(reply.payload)
+
+
 def _owner(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--owner", metavar="PRINCIPAL", help="the principal the tool belongs to")
     parser.add_argument("--session", metavar="SID", help="the session of a session-scope tool")
@@ -109,8 +220,6 @@ def _payload(args: argparse.Namespace) -> dict[str, Any]:
         payload["session_id"] = args.session
     if getattr(args, "force", False):
         payload["force"] = True
-    if args.op == "runs":
-        payload["limit"] = args.limit
     if args.op == "run":
         try:
             arguments = msgspec.json.decode(args.arguments)
@@ -123,17 +232,7 @@ def _payload(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _admin(args: argparse.Namespace) -> int:
-    payload = _payload(args)
-    async with connect(args) as client:
-        try:
-            reply = await client.request(
-                f"forge.v1.request.admin.{args.op}", payload, deadline=DEADLINE
-            )
-        except NoResponders:
-            raise SageError(
-                "no forge is running (is the supervisor up with `forge` in supervisor.capsules?)"
-            ) from None
-    data: dict[str, Any] = msgspec.json.decode(reply.payload)
+    data: dict[str, Any] = await _request(args, f"forge.v1.request.admin.{args.op}", _payload(args))
     if args.op == "run":
         envelope = data.get("structuredContent", data)
         print_json(envelope)
@@ -145,10 +244,6 @@ async def _admin(args: argparse.Namespace) -> int:
         print_json(data)
     elif args.op == "list":
         _table(data.get("tools", []), ("name", "scope", "principal_id", "session_id", "call_count"))
-    elif args.op == "runs":
-        rows = data.get("runs", [])
-        keys = list(rows[0])[:6] if rows else ["run_id"]
-        _table(rows, tuple(keys))
     elif args.op == "show":
         record = data.get("tool") or data.get("record") or {}
         for key, value in record.items():

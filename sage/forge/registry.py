@@ -50,7 +50,7 @@ __all__ = (
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
 SID_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}\Z")
-RESERVED = frozenset({"forge_tool", "forge_list", "forge_promote"})
+RESERVED = frozenset({"forge_tool", "forge_list", "forge_promote", "read_artifact"})
 Scope = Literal["session", "project", "user"]
 SCOPES: tuple[Scope, ...] = ("session", "project", "user")
 

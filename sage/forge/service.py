@@ -40,7 +40,15 @@ from sage.forge.registry import (
     fingerprint,
     tighten,
 )
-from sage.forge.runs import RunStore, mask_input, new_run_id
+from sage.forge.runs import (
+    PAGE_DEFAULT,
+    PAGE_MAX,
+    RUN_ID_RE,
+    RunInfo,
+    RunStore,
+    mask_input,
+    new_run_id,
+)
 from sage.forge.sandbox import Bind, Limits, SandboxResult, SandboxSpec, forbidden_for
 from sage.forge.static_check import check_impl
 from sage.forge.stats import SAVE_EVERY, StatsFile
@@ -158,6 +166,25 @@ META_TOOLS: list[dict[str, Any]] = [
             "required": ["name"],
         },
     },
+    {
+        "name": "read_artifact",
+        "description": (
+            "Read back, page by page, the full stdout of one of your forged-tool calls that"
+            " printed more than the output cap (its result was output_truncated and named a"
+            " run_id). Returns {text, encoding (utf-8, or base64 for bytes that are not"
+            " UTF-8), offset, next_offset, eof, total_bytes}; call again with offset ="
+            f" next_offset until eof. limit: bytes per page, at most {PAGE_MAX}."
+        ),
+        "inputSchema": {
+            "type": "object",
+            "properties": {
+                "run_id": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+                "offset": {"type": "integer", "minimum": 0},
+                "limit": {"type": "integer", "minimum": 1, "maximum": PAGE_MAX},
+            },
+            "required": ["run_id"],
+        },
+    },
 ]
 
 
@@ -206,7 +233,7 @@ class Forge:
         self.registry = Registry(root, self._home, self.emit)
         self.breakers = BreakerBoard(self.clock, self._breaker_changed)
         self.cache = ResultCache(root / "cache")
-        self.runs = RunStore(root / "runs")
+        self.runs = RunStore(root / "runs", self.emit)
         self.stats = StatsFile(root / "stats.json", self.emit)
         self.uids = SandboxUids(
             root, self.config.forge.sandbox_uid_base, self.config.forge.sandbox_uid_count
@@ -294,6 +321,8 @@ class Forge:
                 force = arguments.get("force") is True
                 promoted = await self.promote(caller, str(arguments.get("name")), force=force)
                 return {"ok": True, "data": {"name": promoted.name, "version": promoted.version}}
+            if name == "read_artifact":
+                return {"ok": True, "data": self.read_artifact(caller, arguments)}
             return await self.call(caller, name, arguments)
         except ForgeError as exc:
             return _err(exc.kind, str(exc))
@@ -490,6 +519,95 @@ class Forge:
         self.changed(caller.session_id if scope == "session" else None, [name])
         return True
 
+    # -- runs ------------------------------------------------------------------
+
+    def read_artifact(self, caller: Caller, arguments: Mapping[str, Any]) -> dict[str, Any]:
+        """A page of the stdout artifact of one of the caller's own runs.
+
+        Scoped to the caller's principal and session: another's run (or a
+        run id that names none) is ``unknown_run``, the same answer either way.
+        A run that had secrets injected is withheld: its raw stdout was never
+        redacted (only what came back in the envelope was).
+        """
+        run_id = arguments.get("run_id")
+        offset = arguments.get("offset", 0)
+        limit = arguments.get("limit", PAGE_DEFAULT)
+        if not isinstance(run_id, str) or not RUN_ID_RE.match(run_id):
+            raise ForgeError(
+                "bad_arguments", "run_id must be a run id like 20260101T000000Z_0123abcd"
+            )
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+            raise ForgeError("bad_arguments", "offset must be an integer, 0 or more")
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            raise ForgeError("bad_arguments", "limit must be an integer, 1 or more")
+        manifest = self.runs.read(run_id)
+        if (
+            manifest is None
+            or manifest.get("principal_id") != caller.principal
+            or manifest.get("session_id") != caller.session_id
+        ):
+            raise ForgeError("unknown_run", f"no run {run_id!r} of this session")
+        if manifest.get("secrets_injected"):
+            raise ForgeError(
+                "artifact_withheld",
+                f"run {run_id!r} had secrets in its environment: its raw stdout is not"
+                " paged back (an operator can read it on the host)",
+            )
+        return self.runs.read_page(run_id, offset, min(limit, PAGE_MAX))
+
+    def _retain(self) -> None:
+        """The runs folder back under its caps (the run just written is in use: kept)."""
+        forge = self._current().forge
+        try:
+            self.runs.enforce(forge.runs_max_bytes, forge.runs_quota)
+        except OSError as exc:  # the call's result matters more; the next write tries again
+            self.emit("runs_prune_failed", {"reason": exc.strerror or type(exc).__name__})
+
+    def list_runs(
+        self, caller: Caller, principal: str | None, name: str | None, limit: int
+    ) -> dict[str, Any]:
+        """Recent runs and the bytes held; a principal sees only its own."""
+        principal = self._runs_scope(caller, principal)
+        forge = self._current().forge
+        return {
+            "runs": self.runs.recent(name, limit, principal=principal),
+            **self.runs.usage(principal),
+            "max_bytes": forge.runs_max_bytes,
+            "max_bytes_per_principal": forge.runs_quota,
+        }
+
+    def prune_runs(
+        self,
+        caller: Caller,
+        principal: str | None,
+        *,
+        older_than: float | None,
+        keep_bytes: int | None,
+        dry_run: bool,
+    ) -> list[RunInfo]:
+        """``astrid forge runs prune``: an operator's any runs, a principal its own."""
+        return self.runs.prune(
+            principal=self._runs_scope(caller, principal),
+            older_than=older_than,
+            keep_bytes=keep_bytes,
+            dry_run=dry_run,
+            by=caller.principal,
+        )
+
+    def _runs_scope(self, caller: Caller, principal: str | None) -> str | None:
+        if caller.principal is None:
+            return principal
+        if principal is not None and principal != caller.principal:
+            raise self._deny(
+                "acl_denied",
+                "acl_denied",
+                "a principal may list and prune only its own runs",
+                principal=caller.principal,
+                name="runs",
+                target=principal,
+            )
+        return caller.principal
+
     # -- call ------------------------------------------------------------------
 
     def _validator(self, record: ToolRecord) -> Callable[[Any], Any]:
@@ -553,6 +671,24 @@ class Forge:
             mask_input(record.input_schema, dict(arguments)), list(values.values())
         )
         run_id = new_run_id()
+        with self.runs.using(run_id):  # being written: no prune takes it
+            return await self._call_run(
+                caller, record, arguments, policy, values, names, masked, who, run_id
+            )
+
+    async def _call_run(
+        self,
+        caller: Caller,
+        record: ToolRecord,
+        arguments: Mapping[str, Any],
+        policy: Policy,
+        values: dict[str, str],
+        names: list[str],
+        masked: Any,
+        who: dict[str, Any],
+        run_id: str,
+    ) -> dict[str, Any]:
+        name = record.name
         deterministic = record.meta.get("deterministic") is True
         key = (
             cache_key(name, record.impl_sha256, record.schema_fingerprint, dict(arguments))
@@ -587,6 +723,7 @@ class Forge:
                     },
                     durable=False,
                 )
+                self._retain()
                 self._finish(
                     record,
                     who,
@@ -617,6 +754,7 @@ class Forge:
                 "secrets_injected": names,
             },
         )
+        self._retain()
         error = None if ok else str((envelope.get("error") or {}).get("kind"))
         self._finish(
             record,
@@ -737,6 +875,8 @@ class Forge:
                 **limits.__dict__,
                 "output_cap": policy.output_cap_for(limits.output_cap),
                 "sandbox_uid": uid,
+                # one run's spill always fits its principal's share of the runs folder
+                "spill_cap": min(limits.spill_cap, self._current().forge.runs_quota),
             }
         )
         if record.runtime == "python":
@@ -785,7 +925,7 @@ class Forge:
             "stderr_tail": stderr,
             "sandbox": {**sandbox_info, "label": result.label},
         }
-        envelope = self._envelope(result, values, stderr)
+        envelope = self._envelope(result, values, stderr, run_id, bool(secrets))
         if result.stdout_truncated:
             manifest["stdout"] = {
                 "truncated": True,
@@ -796,12 +936,28 @@ class Forge:
             manifest["stdout"] = envelope
         return envelope, manifest
 
-    def _envelope(self, result: SandboxResult, values: list[str], stderr: str) -> dict[str, Any]:
+    def _envelope(
+        self,
+        result: SandboxResult,
+        values: list[str],
+        stderr: str,
+        run_id: str,
+        withheld: bool,
+    ) -> dict[str, Any]:
         if result.stdout_truncated:
+            where = (
+                "it had secrets in its environment, so the full stdout is kept for an operator only"
+                if withheld
+                else f"the full stdout is kept as run {run_id}: page through it with"
+                f' read_artifact {{"run_id": "{run_id}", "offset": 0}}, then offset ='
+                " next_offset until eof"
+            )
             return _err(
                 "output_truncated",
-                "the tool printed more than the output cap; the full stdout is in the artifact",
+                f"the tool printed {result.stdout_total_bytes} bytes, more than the output"
+                f" cap ({result.stdout_truncated_at_bytes}); {where}",
                 meta={
+                    "run_id": run_id,
                     "stdout_truncated": True,
                     "stdout_truncated_at_bytes": result.stdout_truncated_at_bytes,
                     "stdout_total_bytes": result.stdout_total_bytes,

@@ -98,3 +98,78 @@ async def test_claude_forges_fib_and_calls_it_in_the_same_session(
         called_audit = msgspec.json.decode(rows[-1][0])["payload"]
         assert called_audit["ok"] is True
         assert FIB not in json.dumps(called_audit)  # the source never goes into the audit
+
+
+BIG = {
+    "name": "big",
+    "description": "Print a long report.",
+    "input_schema": {"type": "object"},
+    "impl": ("import sys\nsys.stdout.write(''.join(f'ligne {i} ✓\\n' for i in range(2000)))\n"),
+    "runtime": "python",
+}
+BIG_OUT = "".join(f"ligne {i} ✓\n" for i in range(2000))
+
+
+def _envelope(result: dict[str, object]) -> dict[str, object]:
+    content = result["content"]  # the CLI sends a lone text block as a plain string
+    text = content if isinstance(content, str) else content[0]["text"]  # type: ignore[index]
+    envelope: dict[str, object] = json.loads(str(text))
+    return envelope
+
+
+async def test_claude_pages_back_the_output_a_tool_spilled(
+    claude_bin: Path, standin: Standin
+) -> None:
+    """Over the output cap the result names the run; read_artifact pages it back."""
+    config = sage_config(
+        claude_bin,
+        standin.offline_env(),
+        capsules='["runner", "tools", "forge"]',
+        extra="[limits]\nstop_grace = 2.0\n[forge]\noutput_cap = 4096\n",
+        principal_extra=(
+            'allowed_tools = ["mcp__forge__forge_tool", "mcp__forge__big",'
+            ' "mcp__forge__read_artifact"]\n'
+        ),
+    )
+    async with running_sage(config, env={"ANTHROPIC_API_KEY": "sk-test"}) as sage:
+        events = await sage.ready("a1")
+        standin.push(
+            ToolUse("mcp__forge__forge_tool", BIG),
+            ToolUse("mcp__forge__big", {}),
+            Text("too long; I will page it"),
+        )
+        await sage.send("a1", "forge big and run it")
+        text, done = await events.text_until_done(within=60.0)
+        assert text == "too long; I will page it"
+        (over,) = standin.messages[-1].tool_results()
+        assert over.get("is_error") is True
+        envelope = _envelope(over)
+        error = envelope["error"]
+        assert isinstance(error, dict)
+        assert error["kind"] == "output_truncated"
+        meta = envelope["meta"]
+        assert isinstance(meta, dict)
+        run_id = meta["run_id"]
+        assert run_id in error["message"]
+        assert "read_artifact" in error["message"]
+        # the next turn: the model pages the run back, then tries another path
+        assert "mcp__forge__read_artifact" in standin.messages[-1].tool_names
+        standin.push(
+            ToolUse("mcp__forge__read_artifact", {"run_id": run_id, "limit": 32768}),
+            ToolUse("mcp__forge__read_artifact", {"run_id": f"../{run_id}"}),
+            Text("read it"),
+        )
+        await sage.send("a1", "read the report")
+        text, done = await events.text_until_done(within=60.0)
+        assert text == "read it"
+        assert done["permission_denials"] == []
+        (page,) = standin.messages[-2].tool_results()
+        assert not page.get("is_error"), page
+        data = _envelope(page)["data"]
+        assert isinstance(data, dict)
+        assert (data["encoding"], data["eof"], data["text"]) == ("utf-8", True, BIG_OUT)
+        (tricked,) = standin.messages[-1].tool_results()
+        assert tricked.get("is_error") is True
+        tricked_error = _envelope(tricked)["error"]
+        assert isinstance(tricked_error, dict)
+        assert tricked_error["kind"] == "bad_arguments"

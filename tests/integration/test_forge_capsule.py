@@ -200,8 +200,8 @@ async def test_capsule_forge_list_call_audit() -> None:
         assert note == {"session_id": "s1", "names": ["fib"], "server": "forge"}
         listed = await sage.request("forge.v1.request.list", {"session_id": "s1"})
         names = [t["name"] for t in listed["tools"]]
-        assert names == ["forge_tool", "forge_list", "forge_promote", "fib"]
-        assert listed["tools"][3]["inputSchema"] == FIB_ARGS["input_schema"]
+        assert names == ["forge_tool", "forge_list", "forge_promote", "read_artifact", "fib"]
+        assert listed["tools"][4]["inputSchema"] == FIB_ARGS["input_schema"]
         result = await sage.request(
             "forge.v1.request.call",
             {"session_id": "s1", "tool_name": "fib", "arguments": {"n": 30}, "tool_use_id": "t1"},

@@ -138,8 +138,8 @@ async def test_forge_list_call_audit(rig: Rig) -> None:
     assert created["scope"] == "session"
     assert "impl" not in created
     names = [t["name"] for t in rig.forge.descriptors(ALICE)]
-    assert names == ["forge_tool", "forge_list", "forge_promote", "fib"]
-    assert [t["name"] for t in rig.forge.descriptors(Caller("alice", "s2"))] == names[:3]
+    assert names == ["forge_tool", "forge_list", "forge_promote", "read_artifact", "fib"]
+    assert [t["name"] for t in rig.forge.descriptors(Caller("alice", "s2"))] == names[:4]
     out = await rig.forge.dispatch(ALICE, "fib", {"n": 10, "key": "hunter2"})
     assert out == {"ok": True, "data": {"value": 55}}
     result = mcp_result(out)
