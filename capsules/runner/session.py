@@ -578,7 +578,7 @@ class ClaudeProcess:
             return
         if delta.type == "text_delta" and delta.text:
             self._deltas += 1
-            self.host.event(self, "text", {"delta": delta.text})
+            self.host.event(self, "text", {"delta": delta.text, "turn": self.turn.finished + 1})
 
     def _assistant(self, msg: AssistantMessage) -> None:
         if msg.error == AUTH_ERROR:
@@ -587,7 +587,9 @@ class ClaudeProcess:
             # not streamed (no partial messages for this one): send the text whole
             for block in msg.message.content:
                 if isinstance(block, TextBlock) and block.text:
-                    self.host.event(self, "text", {"delta": block.text})
+                    self.host.event(
+                        self, "text", {"delta": block.text, "turn": self.turn.finished + 1}
+                    )
         self._deltas = 0
 
     def _result(self, msg: ResultMessage) -> None:

@@ -9,6 +9,7 @@ ends: 0 for a good turn, 1 for an error or a session that ended.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from typing import Any
@@ -149,30 +150,83 @@ async def _spawn(args: argparse.Namespace) -> int:
 async def _send(args: argparse.Namespace) -> int:
     text = sys.stdin.read() if args.text == "-" else args.text
     sid = args.session
-    out = sys.stdout
     async with connect(args) as client:
         events = await client.subscribe(f"sage.v1.event.{sid}.>")
-        await _call(client, f"sage.v1.request.send.{sid}", {"text": text}, 10.0)
-        with anyio.fail_after(args.timeout or None):
+        # Ctrl-C is ours from before the turn is sent: its first text may already be here
+        with anyio.open_signal_receiver(signal.SIGINT) as signals:
+            sent = await _call(client, f"sage.v1.request.send.{sid}", {"text": text}, 10.0)
+            turn = _Turn(client, sid, int(sent.get("turn") or 0), json_output=args.json)
+            with anyio.fail_after(args.timeout or None):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(turn.watch_interrupts, signals)
+                    code = await turn.follow(events)
+                    tg.cancel_scope.cancel()
+        return code
+
+
+class _Turn:
+    """One sent turn: prints its events, ends at its ``done``; Ctrl-C interrupts the
+    turn (the session stays ready), a second Ctrl-C detaches at once."""
+
+    def __init__(self, client: Any, sid: str, number: int, *, json_output: bool) -> None:
+        self.client = client
+        self.sid = sid
+        self.number = number  # events of earlier turns still running are not ours
+        self.json = json_output
+        self.interrupted = False
+        self.scope: anyio.CancelScope | None = None
+
+    async def follow(self, events: Any) -> int:
+        out = sys.stdout
+        with anyio.CancelScope() as self.scope:
             async for envelope in events:
                 name = envelope.topic.rsplit(".", 1)[1]
                 data = msgspec.json.decode(envelope.payload)
-                if args.json:
+                if name in ("text", "done") and int(data.get("turn") or self.number) < self.number:
+                    continue  # the tail of an earlier turn of this session
+                if self.json:
                     print_json(event_line(name, envelope.ts, data))
                 elif name == "text":
                     out.write(data.get("delta", ""))
                     out.flush()
                 if name == "done":
-                    if not args.json:
+                    if not self.json:
                         out.write("\n")
+                    if self.interrupted:
+                        print(f"astrid: turn {self.number} interrupted", file=sys.stderr)
+                        return 130
                     if data.get("is_error"):
                         print(f"astrid: the turn ended with {data.get('subtype')}", file=sys.stderr)
                         return 1
                     return 0
                 if name in ("exited", "error"):
-                    print(f"astrid: session {sid}: {data.get('reason')}", file=sys.stderr)
+                    print(f"astrid: session {self.sid}: {data.get('reason')}", file=sys.stderr)
                     return 1
-    raise SageError("the connection ended before the turn did")
+            raise SageError("the connection ended before the turn did")
+        print(f"astrid: detached; session {self.sid} goes on", file=sys.stderr)
+        return 130
+
+    async def watch_interrupts(self, signals: Any) -> None:
+        async with anyio.create_task_group() as tg:
+            async for _ in signals:
+                if self.interrupted:  # a second Ctrl-C: leave the turn to itself
+                    if self.scope is not None:
+                        self.scope.cancel()
+                    tg.cancel_scope.cancel()
+                    return
+                self.interrupted = True
+                print(
+                    "\nastrid: interrupting the turn (Ctrl-C again to detach)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                tg.start_soon(self._interrupt)  # the next Ctrl-C must not wait for it
+
+    async def _interrupt(self) -> None:
+        try:
+            await _call(self.client, f"sage.v1.request.interrupt.{self.sid}", {}, 10.0)
+        except (SageError, BusError) as exc:
+            print(f"astrid: interrupt failed: {exc}", file=sys.stderr)
 
 
 def event_line(name: str, ts: float | None, data: Any) -> dict[str, Any]:

@@ -170,6 +170,36 @@ async def test_interrupt_mid_turn_then_next_turn(sage: Sage, standin: Standin) -
     assert done["is_error"] is False
 
 
+async def test_ctrl_c_in_astrid_sage_send_interrupts_the_real_turn(
+    sage: Sage, standin: Standin
+) -> None:
+    """SIGINT to a real `astrid sage send` interrupts the CLI's turn; the next send
+    shows its own reply, not the interrupted one's tail."""
+    from tests.integration.daemon import ASTRID
+
+    await sage.ready("ctrlc")
+    standin.push(Slow("first part and a very slow rest", delay=20, chunks=2))
+    proc = await anyio.open_process(
+        [*ASTRID, "sage", "send", "ctrlc", "go", "--config", str(sage.daemon.config)],
+        env=sage.daemon.env,
+    )
+    assert proc.stdout is not None
+    assert proc.stderr is not None
+    seen = bytearray()
+    with anyio.fail_after(20):
+        while b"first" not in seen:
+            seen += await proc.stdout.receive()
+    proc.send_signal(signal.SIGINT)
+    with anyio.fail_after(20):
+        assert await proc.wait() == 130
+    err = (await proc.stderr.receive(65536)).decode()
+    await proc.aclose()
+    assert "turn 1 interrupted" in err
+    standin.push(Text("after the interrupt"))
+    code, out, err = await sage.astrid("sage", "send", "ctrlc", "next")
+    assert (code, out) == (0, "after the interrupt\n"), err
+
+
 async def _tool_bridge(sage: Sage) -> Any:
     """Publish a catalogue with greet and answer its calls like a tool bridge would."""
     calls = await sage.client.subscribe("sage.v1.tool.call.*")

@@ -80,6 +80,81 @@ async def test_a_turn_with_the_double(sage: Sage) -> None:
     assert done["is_error"] is False
 
 
+async def test_send_prints_its_own_turn_not_the_tail_of_an_earlier_one(sage: Sage) -> None:
+    """A send while an earlier turn still runs waits for its own turn's done (issue 16:
+    it used to return at the first done, whatever its turn, and print the old tail)."""
+    events = await sage.ready("tail")
+    await sage.send("tail", "/fault hang")
+    await events.until("text")  # the first turn streams, then hangs
+    result: list[tuple[int, str, str]] = []
+
+    async def second() -> None:
+        result.append(await sage.astrid("sage", "send", "tail", "second"))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(second)
+        await anyio.sleep(1.5)  # the CLI subscribes and sends turn 2 behind the hung one
+        assert (await sage.request("sage.v1.request.interrupt.tail", {}))["ok"]
+    ((code, out, err),) = result
+    assert (code, out) == (0, "echo: second\n"), err
+
+
+async def _send_process(sage: Sage, sid: str, text: str) -> tuple[Any, bytearray]:
+    """A real `astrid sage send` process, once its turn streams its first text."""
+    from tests.integration.daemon import ASTRID
+
+    proc = await anyio.open_process(
+        [*ASTRID, "sage", "send", sid, text, "--config", str(sage.daemon.config)],
+        env=sage.daemon.env,
+    )
+    seen = bytearray()
+    assert proc.stdout is not None
+    with anyio.fail_after(15):
+        while b"partial" not in seen:
+            seen += await proc.stdout.receive()
+    return proc, seen
+
+
+async def test_ctrl_c_interrupts_the_turn_and_the_session_stays(sage: Sage) -> None:
+    await sage.ready("ctrlc")
+    proc, _ = await _send_process(sage, "ctrlc", "/fault hang")
+    proc.send_signal(signal.SIGINT)
+    with anyio.fail_after(15):
+        code = await proc.wait()
+    assert proc.stderr is not None
+    err = (await proc.stderr.receive(65536)).decode()
+    assert code == 130
+    assert "interrupting the turn (Ctrl-C again to detach)" in err
+    assert "turn 1 interrupted" in err
+    await proc.aclose()
+    code_, out, err = await sage.astrid("sage", "send", "ctrlc", "after")
+    assert (code_, out) == (0, "echo: after\n"), err  # ready, and no old tail printed
+
+
+async def test_a_second_ctrl_c_detaches(sage: Sage) -> None:
+    await sage.ready("detach")
+    proc, _ = await _send_process(sage, "detach", "/fault hang")
+    (row,) = await _listing(sage)
+    os.kill(row["pid"], signal.SIGSTOP)  # the CLI cannot answer the interrupt: the turn waits
+    try:
+        proc.send_signal(signal.SIGINT)
+        assert proc.stderr is not None
+        err = bytearray()
+        with anyio.fail_after(10):
+            while b"Ctrl-C again to detach" not in err:
+                err += await proc.stderr.receive()
+        proc.send_signal(signal.SIGINT)
+        with anyio.fail_after(10):
+            assert await proc.wait() == 130
+        err += await proc.stderr.receive()
+        assert b"detached; session detach goes on" in err
+    finally:
+        os.kill(row["pid"], signal.SIGCONT)
+    await proc.aclose()
+    (row,) = await _listing(sage)
+    assert row["session_id"] == "detach"
+
+
 async def test_send_json_and_watch_print_the_same_event_shape(sage: Sage) -> None:
     await sage.ready("shape")
     code, out, err = await sage.astrid("sage", "send", "shape", "hello", "--json")
