@@ -65,7 +65,10 @@ from sage.protocol import (
     SystemInit,
     SystemPermissionDenied,
     TextBlock,
+    ToolResultBlock,
+    ToolUseBlock,
     UnknownMessage,
+    UserMessage,
     encode_control_error,
     encode_control_success,
     encode_hook_response,
@@ -84,6 +87,7 @@ log = structlog.get_logger("sage.runner")
 
 AUTH_STATUSES = frozenset({401, 403})
 AUTH_ERROR = "authentication_failed"  # an assistant message's ``error`` for a 401/403
+TOOL_INPUT_SHOWN = 4096  # encoded bytes of a tool call's input a tool_use event carries whole
 STDERR_TAIL = 16 * 1024
 STDOUT_TAIL = 4 * 1024
 EVENT_TAIL = 4 * 1024  # bytes of each tail carried in the exited event
@@ -229,6 +233,7 @@ class ClaudeProcess:
         self._deltas = 0  # text deltas since the last assistant message
         self._busy_at_end = False
         self._auth_refused = False  # the turn's assistant message said authentication_failed
+        self._tool_started: dict[str, tuple[str, float]] = {}  # tool_use_id -> (name, when)
         self.unknown = 0
 
     # -- public -------------------------------------------------------------
@@ -535,6 +540,8 @@ class ClaudeProcess:
                 scope = self._handlers.get(event.request_id)
                 if scope is not None:
                     scope.cancel()
+        elif isinstance(event, UserMessage):
+            self._tool_results(event)
         elif isinstance(event, SystemApiRetry):
             if event.error_status in AUTH_STATUSES and self.reason is None:
                 log.warning(
@@ -542,6 +549,19 @@ class ClaudeProcess:
                 )
                 self._error("auth_failed", status=event.error_status)
                 self.end("auth_failed")
+            elif self.reason is None:
+                self.host.event(
+                    self,
+                    "retry",
+                    {
+                        "attempt": event.attempt,
+                        "max_retries": event.max_retries,
+                        "status": event.error_status,
+                        "error": event.error,
+                        "delay_ms": event.retry_delay_ms,
+                        "turn": self.turn.finished + 1,
+                    },
+                )
         elif isinstance(event, SystemInit):
             self.init = event
             if self.state is not ProcessState.STOPPING:
@@ -583,6 +603,29 @@ class ClaudeProcess:
     def _assistant(self, msg: AssistantMessage) -> None:
         if msg.error == AUTH_ERROR:
             self._auth_refused = True
+        for block in msg.message.content:
+            if isinstance(block, ToolUseBlock):
+                self._tool_started[block.id] = (block.name, time.monotonic())
+                encoded = msgspec.json.encode(block.input)
+                shown: dict[str, Any] = (
+                    {"input": block.input}
+                    if len(encoded) <= TOOL_INPUT_SHOWN
+                    else {
+                        "input_preview": encoded[:TOOL_INPUT_SHOWN].decode(errors="replace"),
+                        "input_bytes": len(encoded),
+                    }
+                )
+                self.host.event(
+                    self,
+                    "tool_use",
+                    {
+                        "tool_use_id": block.id,
+                        "name": block.name,
+                        **shown,
+                        "parent_tool_use_id": msg.parent_tool_use_id,
+                        "turn": self.turn.finished + 1,
+                    },
+                )
         if self._deltas == 0 and msg.parent_tool_use_id is None:
             # not streamed (no partial messages for this one): send the text whole
             for block in msg.message.content:
@@ -592,7 +635,30 @@ class ClaudeProcess:
                     )
         self._deltas = 0
 
+    def _tool_results(self, msg: UserMessage) -> None:
+        """The CLI's echo of a tool's result: its end, ok or not, and how long it took."""
+        if isinstance(msg.message.content, str):
+            return
+        for block in msg.message.content:
+            if not isinstance(block, ToolResultBlock):
+                continue
+            name, started = self._tool_started.pop(block.tool_use_id, ("", None))
+            self.host.event(
+                self,
+                "tool_result",
+                {
+                    "tool_use_id": block.tool_use_id,
+                    "name": name,
+                    "is_error": block.is_error,
+                    "duration_ms": (
+                        round((time.monotonic() - started) * 1000) if started is not None else None
+                    ),
+                    "turn": self.turn.finished + 1,
+                },
+            )
+
     def _result(self, msg: ResultMessage) -> None:
+        self._tool_started.clear()  # a call the CLI never echoed ends with its turn
         self.turn.finished += 1
         self.turn.cost_usd = max(self.turn.cost_usd, msg.total_cost_usd)
         self.turn.last_result = msg

@@ -164,6 +164,35 @@ async def _send(args: argparse.Namespace) -> int:
         return code
 
 
+ARGS_SHOWN = 120  # characters of a tool call's arguments send prints
+
+
+def _tool_use(data: dict[str, Any]) -> str:
+    args = data.get("input_preview") or msgspec.json.encode(data.get("input", {})).decode()
+    if len(args) > ARGS_SHOWN:
+        args = args[: ARGS_SHOWN - 3] + "..."
+    return f"[tool] {data.get('name', '?')} {args}"
+
+
+def _tool_result(data: dict[str, Any]) -> str:
+    took = data.get("duration_ms")
+    when = f" ({took} ms)" if took is not None else ""
+    return f"[tool] {data.get('name') or data.get('tool_use_id')} {'error' if data.get('is_error') else 'ok'}{when}"
+
+
+def _retry(data: dict[str, Any]) -> str:
+    status = f" (HTTP {data['status']})" if data.get("status") else ""
+    delay = (data.get("delay_ms") or 0) / 1000
+    return (
+        f"[api] retrying ({data.get('attempt')}/{data.get('max_retries')}):"
+        f" {data.get('error') or 'error'}{status}, next try in {delay:.1f} s"
+    )
+
+
+#: Events send prints on stderr, one line each, beside the reply on stdout.
+_NOTES = {"tool_use": _tool_use, "tool_result": _tool_result, "retry": _retry}
+
+
 class _Turn:
     """One sent turn: prints its events, ends at its ``done``; Ctrl-C interrupts the
     turn (the session stays ready), a second Ctrl-C detaches at once."""
@@ -189,6 +218,8 @@ class _Turn:
                 elif name == "text":
                     out.write(data.get("delta", ""))
                     out.flush()
+                elif name in _NOTES:
+                    print(_NOTES[name](data), file=sys.stderr, flush=True)
                 if name == "done":
                     if not self.json:
                         out.write("\n")

@@ -245,6 +245,13 @@ async def test_can_use_tool_goes_to_the_approval_topics(
         await sage.client.flush()
     text, done = await events.text_until_done()
     assert text == "finished"
+    (use,) = [d for n, d in events.seen if n == "tool_use"]
+    assert (use["name"], use["input"], use["turn"]) == ("mcp__sage__greet", {"name": "Ada"}, 1)
+    (result,) = [d for n, d in events.seen if n == "tool_result"]
+    assert result["tool_use_id"] == use["tool_use_id"]
+    assert result["name"] == "mcp__sage__greet"
+    assert result["is_error"] is (not allowed)
+    assert result["duration_ms"] >= 0
     results = standin.messages[-1].tool_results()
     assert len(results) == 1
     if allowed:
@@ -416,3 +423,6 @@ async def test_transient_api_errors_are_retried_not_fatal(
     assert done["is_error"] is False
     assert "error" not in [n for n, _ in events.seen]
     assert len(standin.messages) == 2  # the failed request and its retry
+    (retry,) = [d for n, d in events.seen if n == "retry"]  # visible, not silent
+    assert (retry["attempt"], retry["status"], retry["turn"]) == (1, status, 1)
+    assert retry["max_retries"] > 0

@@ -155,6 +155,27 @@ async def test_a_second_ctrl_c_detaches(sage: Sage) -> None:
     assert row["session_id"] == "detach"
 
 
+async def test_send_shows_tool_calls_on_stderr(sage: Sage) -> None:
+    """A tool call and its end are one stderr line each; the reply stays on stdout."""
+    await sage.ready("tools")
+    code, out, err = await sage.astrid("sage", "send", "tools", '/fault tool greet {"name":"Ada"}')
+    assert code == 0, err
+    lines = err.splitlines()
+    assert '[tool] mcp__sage__greet {"name":"Ada"}' in lines
+    (end,) = [line for line in lines if line.startswith("[tool] mcp__sage__greet error (")]
+    assert end.endswith(" ms)")
+    assert "[tool]" not in out
+
+
+def test_retry_lines_say_attempt_reason_and_delay() -> None:
+    from sage.cli.sage_cmd import _retry
+
+    line = _retry(
+        {"attempt": 3, "max_retries": 10, "status": 529, "error": "overloaded", "delay_ms": 2150}
+    )
+    assert line == "[api] retrying (3/10): overloaded (HTTP 529), next try in 2.1 s"
+
+
 async def test_send_json_and_watch_print_the_same_event_shape(sage: Sage) -> None:
     await sage.ready("shape")
     code, out, err = await sage.astrid("sage", "send", "shape", "hello", "--json")
