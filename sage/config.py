@@ -188,6 +188,8 @@ class SessionsConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=
     """Folder of principals' homes (a principal's ``home`` overrides); relative to state_dir."""
     max_respawns: Annotated[int, msgspec.Meta(ge=0, le=100)] = 5
     """Respawn attempts (identity refresh) per session before giving up."""
+    history: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 200
+    """Ended sessions kept per principal (``astrid sage sessions --all``); older go."""
 
 
 class SecretsConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):

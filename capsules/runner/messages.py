@@ -26,6 +26,19 @@ class SpawnRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     initial_message: str | None = None
 
 
+class SessionsRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``sage.v1.request.sessions``: live sessions; ``all`` adds the ended ones kept."""
+
+    all: bool = False
+
+
+class SessionRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``sage.v1.request.session.<sid>``: one session, live or ended, with its last
+    ``replay`` events (at most 256)."""
+
+    replay: Annotated[int, msgspec.Meta(ge=0, le=256)] = 0
+
+
 class SendRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """``sage.v1.request.send.<sid>``: one user turn."""
 

@@ -47,6 +47,7 @@ from capsules.runner.command import (
     read_api_key,
     unsafe_home,
 )
+from capsules.runner.history import EventHistory
 from capsules.runner.mcp import McpServer
 from capsules.runner.messages import (
     ApprovalResponse,
@@ -55,6 +56,8 @@ from capsules.runner.messages import (
     InstallRequest,
     InstallStatus,
     SendRequest,
+    SessionRequest,
+    SessionsRequest,
     SettingsPatch,
     SpawnRequest,
     ToolsChanged,
@@ -111,6 +114,8 @@ class SessionRecord(msgspec.Struct, kw_only=True):
     cost_usd: float = 0.0
     flags_hash: str = ""
     reason: str = ""
+    exit_code: int | None = None
+    signal: int | None = None
 
 
 @dataclass
@@ -152,6 +157,7 @@ class Runner:
         self.binary: Path | None = None
         self.version = ""
         self.verdict: Verdict | None = None  # None: the version could not be read
+        self.history = EventHistory()
         self._version_checked = anyio.Event()
         self._tg: anyio.abc.TaskGroup | None = None
 
@@ -169,6 +175,7 @@ class Runner:
             "sage.v1.request.stop.*": self._stop,
             "sage.v1.request.interrupt.*": self._interrupt,
             "sage.v1.request.sessions": self._list,
+            "sage.v1.request.session.*": self._session,
             "sage.v1.request.settings.set": self._settings,
             "sage.v1.request.install": self._install,
             "sage.v1.request.principals": self._principals,
@@ -214,16 +221,19 @@ class Runner:
             except BusError as exc:
                 log.warning("runner.reply_failed", topic=request.topic, error=str(exc))
 
-    def _publish(self, topic: str, payload: dict[str, Any], principal: str | None = None) -> None:
+    def _publish(
+        self, topic: str, payload: dict[str, Any], principal: str | None = None
+    ) -> Envelope | None:
         """Publish; the envelope belongs to ``principal`` (else the payload's
         ``principal_id``), so other principals' users do not see it."""
         if principal is None:
             claimed = payload.get("principal_id")
             principal = claimed if isinstance(claimed, str) and claimed else None
         try:
-            self.ctx.publish(topic, payload, on_behalf_of=principal)
+            return self.ctx.publish(topic, payload, on_behalf_of=principal)
         except BusError as exc:
             log.error("runner.publish_failed", topic=topic, error=str(exc))
+            return None
 
     def audit(self, kind: str, payload: dict[str, Any]) -> None:
         self._publish(f"sage.v1.audit.{kind}", payload)
@@ -875,6 +885,8 @@ class Runner:
         record.ended_at = time.time()
         record.turns = session.turns
         record.cost_usd = session.cost_usd
+        if ending is not None:
+            record.exit_code, record.signal = ending.status.exit_code, ending.status.signal
         payload: dict[str, Any] = (
             ending.payload() if ending is not None else {"exit_code": None, "signal": None}
         )
@@ -885,8 +897,38 @@ class Runner:
             await self._save(record)
             await self._scrub(session)
         self._event(session.id, "exited", payload)
+        self.history.ended(session.id)
         session.done.set()
         log.info("session.exited", session_id=session.id, reason=reason)
+        with anyio.CancelScope(shield=True):
+            await self._prune_history(record.principal_id)
+
+    async def _prune_history(self, principal: str) -> None:
+        """Keep the newest ``[sessions] history`` ended records of ``principal``."""
+        keep = self.config.sessions.history
+        try:
+            ended = sorted(
+                (
+                    (value.get("ended_at") or 0.0, key)
+                    for key, value in await self.ctx.state.items("sessions")
+                    if isinstance(value, dict)
+                    and value.get("state") == "ended"
+                    and value.get("principal_id") == principal
+                ),
+                reverse=True,
+            )
+            for _, key in ended[keep:]:
+                await self.ctx.state.delete("sessions", key)
+        except SageError as exc:
+            log.error("runner.history_prune_failed", principal_id=principal, error=str(exc))
+
+    async def _record(self, sid: str) -> SessionRecord | None:
+        """The stored record of a session, live or ended."""
+        try:
+            value = await self.ctx.state.get("sessions", sid)
+            return msgspec.convert(value, SessionRecord) if isinstance(value, dict) else None
+        except (SageError, msgspec.ValidationError):
+            return None
 
     async def _scrub(self, session: _Session) -> None:
         try:
@@ -900,13 +942,20 @@ class Runner:
 
     # -- per-session requests -------------------------------------------------------
 
-    def _target(self, request: Envelope) -> _Session:
+    async def _target(self, request: Envelope) -> _Session:
         sid = request.topic.rsplit(".", 1)[1]
         session = self.sessions.get(sid)
         # a session of someone else looks the same as none at all
-        if session is None or request.principal not in (None, session.record.principal_id):
-            raise SessionError("unknown_session", f"no session {sid!r}")
-        return session
+        if session is not None and request.principal in (None, session.record.principal_id):
+            return session
+        record = await self._record(sid) if _check_id(sid) else None
+        if (
+            record is not None
+            and record.state == "ended"
+            and request.principal in (None, record.principal_id)
+        ):
+            raise SessionError("session_ended", f"session {sid!r} {_ended_text(record)}")
+        raise SessionError("unknown_session", f"no session {sid!r}")
 
     def _proc(self, session: _Session) -> ClaudeProcess:
         if session.proc is None:
@@ -914,7 +963,7 @@ class Runner:
         return session.proc
 
     async def _send(self, request: Envelope) -> dict[str, Any]:
-        session = self._target(request)
+        session = await self._target(request)
         req = msgspec.json.decode(request.payload, type=SendRequest)
         if req.session_id is not None and req.session_id != session.id:
             raise SessionError("bad_request", "session_id does not match the topic")
@@ -928,7 +977,7 @@ class Runner:
         return {"ok": True, "session_id": session.id, "turn": turn}
 
     async def _stop(self, request: Envelope) -> dict[str, Any]:
-        session = self._target(request)
+        session = await self._target(request)
         session.stopping = True
         session.respawn_reason = None
         if session.proc is not None:
@@ -938,17 +987,61 @@ class Runner:
         return {"ok": True, "session_id": session.id}
 
     async def _interrupt(self, request: Envelope) -> dict[str, Any]:
-        session = self._target(request)
+        session = await self._target(request)
         result = await self._proc(session).interrupt()
         return {"ok": True, "session_id": session.id, **result}
 
+    def _live_row(self, session: _Session) -> dict[str, Any]:
+        row: dict[str, Any] = (
+            session.proc.describe()
+            if session.proc is not None
+            else {
+                "session_id": session.id,
+                "principal_id": session.record.principal_id,
+                "state": "starting",
+            }
+        )
+        row["started_at"] = session.record.started_at
+        return row
+
     async def _list(self, request: Envelope) -> dict[str, Any]:
+        req = msgspec.json.decode(request.payload or b"{}", type=SessionsRequest)
         rows = [
-            s.proc.describe() if s.proc is not None else {"session_id": s.id, "state": "starting"}
+            self._live_row(s)
             for s in self.sessions.values()
             if request.principal in (None, s.record.principal_id)
         ]
+        if req.all:
+            try:
+                stored = await self.ctx.state.items("sessions")
+            except SageError as exc:
+                raise SessionError("state_unreadable", str(exc)) from None
+            ended = [
+                _ended_row(msgspec.convert(value, SessionRecord))
+                for _, value in stored
+                if isinstance(value, dict)
+                and value.get("state") == "ended"
+                and request.principal in (None, value.get("principal_id"))
+            ]
+            rows += sorted(ended, key=lambda row: row.get("ended_at") or 0.0, reverse=True)
         return {"ok": True, "sessions": rows}
+
+    async def _session(self, request: Envelope) -> dict[str, Any]:
+        """One session, live or ended, and its last events (``replay``) for watch."""
+        sid = request.topic.rsplit(".", 1)[1]
+        req = msgspec.json.decode(request.payload or b"{}", type=SessionRequest)
+        session = self.sessions.get(sid)
+        row: dict[str, Any] | None = None
+        if session is not None and request.principal in (None, session.record.principal_id):
+            row = self._live_row(session)
+        else:
+            record = await self._record(sid) if _check_id(sid) else None
+            if record is not None and request.principal in (None, record.principal_id):
+                row = self._live_row(session) if session is not None else _ended_row(record)
+        if row is None:
+            raise SessionError("unknown_session", f"no session {sid!r}")
+        events = self.history.last(sid, req.replay)
+        return {"ok": True, "session": row, "events": events}
 
     # -- tools changed / identity refresh -------------------------------------------
 
@@ -989,7 +1082,9 @@ class Runner:
     def _event(
         self, sid: str, name: str, payload: dict[str, Any], principal: str | None = None
     ) -> None:
-        self._publish(f"sage.v1.event.{sid}.{name}", payload, principal)
+        envelope = self._publish(f"sage.v1.event.{sid}.{name}", payload, principal)
+        if envelope is not None:  # kept for watch --replay
+            self.history.record(sid, envelope.id, name, envelope.ts, payload)
 
     def event(self, proc: ClaudeProcess, name: str, payload: dict[str, Any]) -> None:
         session = self.sessions.get(proc.session_id)
@@ -1087,6 +1182,30 @@ class Runner:
                 },
             )
         return {"continue": True}
+
+
+def _ended_row(record: SessionRecord) -> dict[str, Any]:
+    return {
+        "session_id": record.session_id,
+        "principal_id": record.principal_id,
+        "state": record.state,
+        "reason": record.reason,
+        "exit_code": record.exit_code,
+        "signal": record.signal,
+        "turns": record.turns,
+        "cost_usd": record.cost_usd,
+        "started_at": record.started_at,
+        "ended_at": record.ended_at,
+        "pid": None,
+    }
+
+
+def _ended_text(record: SessionRecord) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.ended_at or 0.0))
+    how = f"exit code {record.exit_code}" if record.exit_code is not None else ""
+    if record.signal is not None:
+        how = f"signal {record.signal}"
+    return f"ended at {when} ({record.reason}{', ' + how if how else ''})"
 
 
 def _snake(name: str) -> str:

@@ -67,18 +67,29 @@ def register(sub: Any) -> None:
     sessions = commands.add_parser(
         "sessions",
         help="list sessions",
-        description="List sessions: principal, pid, state, age, turns, cost.",
+        description="List sessions: principal, pid, state, age, turns, cost. --all adds the"
+        " ended ones the supervisor keeps ([sessions] history per principal): how they"
+        " ended (reason, exit code or signal), start and end.",
     )
+    sessions.add_argument("--all", action="store_true", help="ended sessions too")
     _common(sessions, add_common)
     sessions.set_defaults(handler=_sessions)
 
     watch = commands.add_parser(
         "watch",
         help="print a session's events as JSON lines",
-        description="Print every event of session SID as one JSON line until it exits.",
+        description="Print every event of session SID as one JSON line until it exits. An"
+        " id that never existed is an error at once; an ended session prints its end.",
     )
     watch.add_argument("session", metavar="SID")
     watch.add_argument("-n", "--count", type=int, default=0, help="exit after N events")
+    watch.add_argument(
+        "--replay",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print the session's last N events (at most 256) first",
+    )
     _common(watch, add_common, json_output=False)
     watch.set_defaults(handler=_watch)
 
@@ -267,7 +278,7 @@ def event_line(name: str, ts: float | None, data: Any) -> dict[str, Any]:
 
 async def _sessions(args: argparse.Namespace) -> int:
     async with connect(args) as client:
-        data = await _call(client, "sage.v1.request.sessions", {}, 5.0)
+        data = await _call(client, "sage.v1.request.sessions", {"all": args.all}, 5.0)
     rows = data["sessions"]
     if args.json:
         print_json(rows)
@@ -279,10 +290,27 @@ async def _sessions(args: argparse.Namespace) -> int:
     for row in rows:
         print(
             f"{row['session_id']:<20} {row.get('principal_id', ''):<12} "
-            f"{row.get('pid') or '-':>8} {row['state']:<9} {_age(row.get('age_s', 0)):>8} "
+            f"{row.get('pid') or '-':>8} {row['state']:<9} {_age(_row_age(row)):>8} "
             f"{row.get('turns', 0):>5} ${row.get('cost_usd', 0.0):.4f}"
+            + (f"  {_how(row)}" if row["state"] == "ended" else "")
         )
     return 0
+
+
+def _row_age(row: dict[str, Any]) -> float:
+    if "age_s" in row:
+        return float(row["age_s"])
+    started = row.get("started_at") or 0.0
+    return max(0.0, (row.get("ended_at") or time.time()) - started) if started else 0.0
+
+
+def _how(row: dict[str, Any]) -> str:
+    """How an ended session ended, for the listing."""
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(row.get("ended_at") or 0.0))
+    code = row.get("exit_code")
+    sig = row.get("signal")
+    how = f"signal {sig}" if sig is not None else f"exit {code}" if code is not None else ""
+    return f"ended {when}: {row.get('reason', '')}{' (' + how + ')' if how else ''}"
 
 
 def _age(seconds: float) -> str:
@@ -298,8 +326,28 @@ async def _watch(args: argparse.Namespace) -> int:
     seen = 0
     async with connect(args) as client:
         events = await client.subscribe(f"sage.v1.event.{args.session}.>")
+        # after subscribing: nothing between the replay and the live events is lost
+        found = await _call(
+            client,
+            f"sage.v1.request.session.{args.session}",
+            {"replay": max(0, min(args.replay, 256))},
+            10.0,
+        )
+        last_id = 0
+        for old in found.get("events", []):
+            last_id = max(last_id, int(old.get("id", 0)))
+            print_json(event_line(old["event"], old.get("ts"), old.get("data")))
+            seen += 1
+        row = found["session"]
+        if row.get("state") == "ended":
+            print(f"astrid: session {args.session} {_how(row)}", file=sys.stderr)
+            return 0
+        if args.count and seen >= args.count:
+            return 0
         try:
             async for envelope in events:
+                if envelope.id <= last_id:
+                    continue  # the replay showed it already
                 name = envelope.topic.rsplit(".", 1)[1]
                 print_json(event_line(name, envelope.ts, msgspec.json.decode(envelope.payload)))
                 seen += 1

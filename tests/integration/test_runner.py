@@ -176,6 +176,79 @@ def test_retry_lines_say_attempt_reason_and_delay() -> None:
     assert line == "[api] retrying (3/10): overloaded (HTTP 529), next try in 2.1 s"
 
 
+async def test_ended_sessions_have_a_history() -> None:
+    """Ended sessions stay listed (--all) with how they ended; a send to one says how and
+    when; a watch of an id that never existed fails at once; only [sessions] history
+    ended records per principal are kept."""
+    config = _config().replace("[limits]", "[sessions]\nhistory = 2\n[limits]")
+    async with running_sage(config, env=ENV) as sage:
+        for sid in ("h1", "h2", "h3"):
+            events = await sage.ready(sid)
+            await sage.send(sid, "hi")
+            await events.text_until_done()
+            assert (await sage.request(f"sage.v1.request.stop.{sid}", {}))["ok"]
+        live = await sage.request("sage.v1.request.sessions", {})
+        assert live["sessions"] == []
+        listing = await sage.request("sage.v1.request.sessions", {"all": True})
+        rows = listing["sessions"]
+        assert [r["session_id"] for r in rows] == ["h3", "h2"]  # newest first, h1 pruned
+        assert rows[0]["state"] == "ended"
+        assert rows[0]["reason"] == "stopped"
+        assert rows[0]["turns"] == 1
+        assert rows[0]["exit_code"] == 0
+        assert rows[0]["ended_at"] >= rows[0]["started_at"] > 0
+        reply = await sage.send("h3", "again")
+        assert reply["error"] == "session_ended"
+        assert "ended at " in reply["message"]
+        assert "(stopped, exit code 0)" in reply["message"]
+        code, out, err = await sage.astrid("sage", "sessions", "--all")
+        assert code == 0, err
+        assert "ended " in out
+        assert ": stopped (exit 0)" in out
+        t0 = time.monotonic()
+        code, _, err = await sage.astrid("sage", "watch", "never-was")
+        assert code == 1
+        assert "unknown_session: no session 'never-was'" in err
+        assert time.monotonic() - t0 < 10
+        code, out, err = await sage.astrid("sage", "watch", "h3", "--replay", "2")
+        assert code == 0, err
+        assert [json.loads(x)["event"] for x in out.splitlines()] == ["done", "exited"]
+        assert "session h3 ended " in err
+        assert ": stopped (exit 0)" in err
+
+
+async def test_watch_replay_then_live_without_a_gap_or_a_repeat(sage: Sage) -> None:
+    events = await sage.ready("replay")
+    await sage.send("replay", "one")
+    await events.text_until_done()
+    from tests.integration.daemon import ASTRID
+
+    proc = await anyio.open_process(
+        [*ASTRID, "sage", "watch", "replay", "--replay", "256", "--config",
+         str(sage.daemon.config)],
+        env=sage.daemon.env,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    out = bytearray()
+    with anyio.fail_after(15):
+        while b'"event":"done"' not in out:  # the replay: spawned, init, turn 1
+            out += await proc.stdout.receive()
+    await sage.send("replay", "two")
+    await events.text_until_done()
+    assert (await sage.request("sage.v1.request.stop.replay", {}))["ok"]
+    with anyio.fail_after(15):
+        assert await proc.wait() == 0
+        async for chunk in proc.stdout:
+            out += chunk
+    await proc.aclose()
+    lines = [json.loads(line) for line in out.splitlines()]
+    names = [line["event"] for line in lines]
+    collapsed = [n for i, n in enumerate(names) if i == 0 or n != names[i - 1]]
+    assert collapsed == ["spawned", "init", "text", "done", "text", "done", "exited"]
+    texts = "".join(x["data"]["delta"] for x in lines if x["event"] == "text")
+    assert texts == "echo: oneecho: two"  # each piece once: no gap, no repeat
+
+
 async def test_send_json_and_watch_print_the_same_event_shape(sage: Sage) -> None:
     await sage.ready("shape")
     code, out, err = await sage.astrid("sage", "send", "shape", "hello", "--json")
@@ -391,8 +464,8 @@ async def test_no_answer_to_initialize_is_an_init_timeout() -> None:
         assert seen[-1][1]["reason"] == "init_timeout"
         assert "init" not in [n for n, _ in seen]
         assert not _alive(reply["pid"])
-        # a send before init is answered at once
-        assert (await sage.send("mute", "hi"))["error"] == "unknown_session"
+        # a send after the end is answered at once, saying how it ended
+        assert (await sage.send("mute", "hi"))["error"] == "session_ended"  # and how
 
 
 async def test_a_stop_before_initialize_is_answered_is_just_a_stop() -> None:
@@ -438,7 +511,7 @@ async def test_a_cli_in_another_permission_mode_never_gets_a_turn() -> None:
             ("permission_mode_mismatch", "default", "auto")
         ]
         assert seen[-1][1]["reason"] == "permission_mode_mismatch"
-        assert (await sage.send("auto", "again"))["error"] == "unknown_session"
+        assert (await sage.send("auto", "again"))["error"] == "session_ended"
         root = sage.daemon.root
     audited = [p for k, p in _audit(root) if k == "sage.v1.audit.permission_mode_mismatch"]
     assert len(audited) == 1
