@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -197,6 +198,7 @@ def _copy(source: Path, manifest: CapsuleManifest, root: Path, force: bool) -> P
         ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".git"),
         symlinks=True,
     )
+    _readable(staging)
     old = root / f".{package}.old"
     shutil.rmtree(old, ignore_errors=True)
     if target.exists():
@@ -206,6 +208,23 @@ def _copy(source: Path, manifest: CapsuleManifest, root: Path, force: bool) -> P
     for folder in same_name:
         shutil.rmtree(folder, ignore_errors=True)
     return target
+
+
+def _readable(folder: Path) -> None:
+    """Folders 0755, files 0644 (0755 if executable by their owner), symlinks untouched.
+
+    The worker runs under a uid of its own (sage.workers): it must read its
+    code but own none of it, so it cannot change it.  Nothing outside the
+    copy is exposed: ``<state_dir>/capsules`` stays 0700 and the sandbox gets
+    the folder from a descriptor the supervisor opened.
+    """
+    for here, _dirs, files in os.walk(folder):  # symlinked folders are not entered
+        os.chmod(here, 0o755)
+        for name in files:
+            path = os.path.join(here, name)
+            info = os.lstat(path)
+            if stat.S_ISREG(info.st_mode):
+                os.chmod(path, 0o755 if info.st_mode & stat.S_IXUSR else 0o644)
 
 
 def _name_of(folder: Path) -> str | None:

@@ -31,10 +31,11 @@ from sage.capsule_install import installed_folders, worker_manifest
 from sage.capsules import CapsuleRunner, capsule_folder, load_manifest
 from sage.config import Config, load_config
 from sage.errors import AuditError, ConfigError, SageError
+from sage.forge.uids import SandboxUids
 from sage.logs import configure_logging, log_loop_errors
 from sage.sdnotify import Notifier, watchdog_interval
 from sage.state import StateStore
-from sage.workers import WorkerRunner
+from sage.workers import WorkerRunner, WorkerSandbox
 
 __all__ = ("ROLES", "AuditLimiter", "DenialLimiter", "Supervisor")
 
@@ -241,6 +242,13 @@ class Supervisor:
         self.reloads = 0
         self._outer: anyio.CancelScope | None = None
         self._denials = DenialLimiter()
+        self._capsule_uids = SandboxUids(
+            config.state_dir,
+            config.capsules.uid_base,
+            config.capsules.uid_count,
+            name="capsule_uids",
+            setting="[capsules] uid",
+        )
         self.capsules = [self._capsule(name) for name in config.supervisor.capsules]
         names = [c.manifest.name for c in self.capsules]
         if len(set(names)) != len(names):
@@ -269,6 +277,14 @@ class Supervisor:
         if installed:
             manifest = worker_manifest(manifest, folder)
         if manifest.worker is not None:
+            sandbox = None
+            if installed:  # third-party code: confined, under a uid of its own (as root)
+                caps = self.config.capsules
+                sandbox = WorkerSandbox(
+                    uids=self._capsule_uids,
+                    network=manifest.sandbox.network,
+                    tmp_bytes=caps.tmp_bytes,
+                )
             return WorkerRunner(
                 self.bus,
                 manifest,
@@ -278,6 +294,7 @@ class Supervisor:
                 config_of=lambda: self.config,
                 state_of=lambda: self.state,
                 publish=self._publish_audit,
+                sandbox=sandbox,
             )
         return CapsuleRunner(
             self.bus,

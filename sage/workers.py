@@ -28,9 +28,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import site
 import socket
+import stat
 import sys
-from collections.abc import Awaitable, Callable, Mapping
+import sysconfig
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +45,12 @@ import structlog
 
 from bus import Bus
 from bus.server import BusServer
+from sage.bwrap import BwrapProbe, launcher
 from sage.capsules import CapsuleContext, CapsuleMain, CapsuleManifest, CapsuleRunner, WorkerSpec
 from sage.config import Config
-from sage.errors import ProcessError
+from sage.errors import ProcessError, SandboxError
+from sage.forge.sandbox import ResolvedBind, build_args, ensure_sandbox, open_binds
+from sage.forge.uids import SandboxUids
 from sage.process import Child, ExitStatus, Ring, stop
 from sage.state import StateStore
 
@@ -53,6 +60,9 @@ __all__ = (
     "LineSplitter",
     "WorkerExited",
     "WorkerRunner",
+    "WorkerSandbox",
+    "python_paths",
+    "sandbox_command",
     "worker_argv",
     "worker_env",
 )
@@ -168,6 +178,140 @@ def worker_env(
     return env
 
 
+SANDBOX_ENV = {"HOME": "/tmp", "TMPDIR": "/tmp", "PYTHONDONTWRITEBYTECODE": "1"}
+"""Set over :func:`worker_env` inside the sandbox: the supervisor's HOME is not there."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerSandbox:
+    """How an installed capsule's worker is confined (docs/security.md, Workers)."""
+
+    uids: SandboxUids
+    """``capsule name -> uid`` (``[capsules] uid_base``); used when the supervisor is root."""
+    network: bool = False
+    """The manifest's ``[sandbox] network``: the host's network, else only a loopback."""
+    tmp_bytes: int = 64 * 1024 * 1024
+    shm_bytes: int = 8 * 1024 * 1024
+
+
+def python_paths(executable: str = sys.executable) -> tuple[list[str], list[tuple[str, str]]]:
+    """What the worker's Python needs read-only: (paths to bind, ``(target, link)`` symlinks).
+
+    The interpreter's binary (and ``executable`` as a link to it, so that a
+    venv is found by its ``pyvenv.cfg``), the base standard library with
+    ``lib-dynload``, ``libpython`` when it is shared, the venv's
+    ``pyvenv.cfg`` and site-packages, and the folders of the ``sage`` and
+    ``bus`` packages (an editable install points outside site-packages).
+    Nothing under ``/usr`` (bound whole); nothing that is inside another.
+    """
+    import bus
+    import sage
+
+    links: list[tuple[str, str]] = []
+    real = os.path.realpath(executable)
+    if real != os.path.abspath(executable):
+        links.append((real, os.path.abspath(executable)))
+    wanted = [real]
+    if sys.prefix != sys.base_prefix:
+        wanted.append(os.path.join(sys.prefix, "pyvenv.cfg"))
+    base = {"base": sys.base_prefix, "platbase": sys.base_exec_prefix}
+    wanted += [sysconfig.get_path("stdlib", vars=base), sysconfig.get_path("platstdlib", vars=base)]
+    dynload = sysconfig.get_config_var("DESTSHARED")
+    if isinstance(dynload, str):
+        wanted.append(dynload)
+    if sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        libdir, library = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("LDLIBRARY")
+        if isinstance(libdir, str) and isinstance(library, str):
+            wanted.append(os.path.join(libdir, library))
+    wanted += site.getsitepackages()
+    wanted += [os.path.dirname(p) for p in (sage.__file__, bus.__file__) if p]
+    paths: list[str] = []
+    for path in sorted({os.path.realpath(p) for p in wanted}, key=lambda p: (len(p), p)):
+        if not os.path.exists(path) or _inside(path, "/usr"):
+            continue
+        if not any(_inside(path, kept) for kept in paths):
+            paths.append(path)
+    return paths, links
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+def _resolved(path: str) -> ResolvedBind:
+    info = os.stat(path)
+    return ResolvedBind(
+        path=Path(path),
+        mode="ro",
+        dev=info.st_dev,
+        ino=info.st_ino,
+        is_dir=stat.S_ISDIR(info.st_mode),
+        requested=Path(path),
+    )
+
+
+def sandbox_command(
+    tools: BwrapProbe,
+    sandbox: WorkerSandbox,
+    *,
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    folder: Path,
+    uid: int | None,
+) -> tuple[list[str], list[int]]:
+    """The command that runs ``argv`` in the worker's sandbox, and the descriptors it
+    needs passed (the caller closes them once the child started).
+
+    The forge's sandbox (:func:`sage.forge.sandbox.build_args`: every namespace
+    unshared, ``--share-net`` only with ``network``, no capabilities, ``/usr``
+    and the interpreter read-only, size-capped ``/tmp`` and ``/dev/shm``, the
+    rest of ``/`` read-only) around the capsule's ``folder`` (read-only, the
+    working folder), started by :func:`sage.bwrap.launcher` as ``uid``.  The
+    host paths are bound from descriptors the supervisor opened, so ``uid``
+    needs no way through the state folder to its own folder.
+    """
+    for name, value in env.items():
+        if "\0" in value:
+            raise SandboxError("bad_env", f"environment value of {name} holds a NUL byte")
+    paths, links = python_paths()
+    real_folder = os.path.realpath(folder)
+    binds = [_resolved(p) for p in (*paths, real_folder)]
+    fds = open_binds(binds)
+    try:
+        args = build_args(
+            env=env,
+            binds=list(zip(binds, fds, strict=True)),
+            impl_fd=None,
+            status_fd=None,
+            network=sandbox.network,
+            tmp_bytes=sandbox.tmp_bytes,
+            shm_bytes=sandbox.shm_bytes,
+            hostname="capsule",
+            chdir=real_folder,
+            symlinks=links,
+            userns=uid is None,
+            keep_caps=() if uid is None else ("CAP_SETUID", "CAP_SETGID"),
+        )
+        args_fd = os.memfd_create("worker-args", os.MFD_CLOEXEC)
+        fds.append(args_fd)
+        data = memoryview(b"".join(a.encode() + b"\0" for a in args))
+        while data:
+            data = data[os.write(args_fd, data) :]
+        os.lseek(args_fd, 0, os.SEEK_SET)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    rlimits = (("core", 0, 0),)
+    if uid is None:  # our own uid: bwrap confines in a user namespace of its own
+        prefix = launcher(tools, rlimits=rlimits)
+        return [*prefix, tools.path, "--args", str(args_fd), "--", *argv], fds
+    # root: bwrap mounts as root (the state folder and the interpreter may be out of
+    # the uid's reach), then setpriv, inside, drops to the uid and every capability
+    inner = launcher(tools, uid=uid, rlimits=rlimits)
+    return [tools.path, "--args", str(args_fd), "--", *inner, *argv], fds
+
+
 class WorkerRunner(CapsuleRunner):
     """Runs one ``[worker]`` capsule as a child process; restarts as CapsuleRunner does."""
 
@@ -182,7 +326,10 @@ class WorkerRunner(CapsuleRunner):
         config_of: Callable[[], Config] = Config,
         state_of: Callable[[], StateStore | None] = lambda: None,
         publish: Callable[[str, dict[str, Any]], None] = lambda topic, payload: None,
+        sandbox: WorkerSandbox | None = None,
     ) -> None:
+        """``sandbox``: run the worker confined (installed capsules); None: as today,
+        a plain child of the supervisor (capsules the operator named in the config)."""
         if manifest.worker is None:
             raise ValueError(f"capsule {manifest.name} has no [worker] table")
         self.spec: WorkerSpec = manifest.worker
@@ -190,6 +337,7 @@ class WorkerRunner(CapsuleRunner):
         self.pid: int | None = None
         """The running worker's pid, if one runs."""
         self._server_of = server_of
+        self.sandbox = sandbox
         super().__init__(
             bus, manifest, audit, config_of=config_of, state_of=state_of, publish=publish
         )
@@ -208,21 +356,36 @@ class WorkerRunner(CapsuleRunner):
             raise ProcessError("the bus server is not serving")
         config = self._config_of()
         name = self.manifest.name
+        sandbox = self.sandbox
+        tools: BwrapProbe | None = None
+        uid: int | None = None
+        if sandbox is not None:  # fail closed: no working bwrap, no worker
+            uid = sandbox.uids.uid_for(name) if os.geteuid() == 0 else None
+            tools = await ensure_sandbox(uid=None)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         ready_r, ready_w = os.pipe()
+        extra: list[int] = []
         try:
-            child = Child.spawn(
-                worker_argv(self.spec, self.folder),
-                env=worker_env(
-                    self.spec,
-                    name,
-                    bus_fd=theirs.fileno(),
-                    ready_fd=ready_w,
-                    log_level=config.supervisor.log_level,
-                ),
-                cwd=self.folder,
-                pass_fds=(theirs.fileno(), ready_w),
+            argv = worker_argv(self.spec, self.folder)
+            env = worker_env(
+                self.spec,
+                name,
+                bus_fd=theirs.fileno(),
+                ready_fd=ready_w,
+                log_level=config.supervisor.log_level,
             )
+            cwd = self.folder
+            if sandbox is not None and tools is not None:
+                argv, extra = sandbox_command(
+                    tools,
+                    sandbox,
+                    argv=argv,
+                    env={**env, **SANDBOX_ENV},
+                    folder=self.folder,
+                    uid=uid,
+                )
+                env, cwd = {}, Path("/")
+            child = Child.spawn(argv, env=env, cwd=cwd, pass_fds=(theirs.fileno(), ready_w, *extra))
         except BaseException:
             ours.close()
             os.close(ready_r)
@@ -230,8 +393,15 @@ class WorkerRunner(CapsuleRunner):
         finally:  # the child has its copies; ours would hide its exit from the other ends
             theirs.close()
             os.close(ready_w)
+            for fd in extra:
+                os.close(fd)
         self.pid = child.pid
-        log.info("capsule.worker_started", capsule=name, pid=child.pid)
+        log.info(
+            "capsule.worker_started",
+            capsule=name,
+            pid=child.pid,
+            sandbox=None if sandbox is None else {"uid": uid, "network": sandbox.network},
+        )
         tail = Ring(MAX_LINE)
         grace = min(STOP_GRACE, config.supervisor.shutdown_grace / 3)
         try:
