@@ -6,10 +6,11 @@ imported in a child Python, so a broken module cannot hurt the caller), the
 SDK tools it declares, and whether the manifest's patterns cover the topics
 those tools need (:func:`sage.sdk.required_patterns`).  :func:`install`
 copies a good folder to ``<state_dir>/capsules/<name>/`` (a temporary copy
-renamed into place).  Installed capsules always run as out-of-process
-workers (:func:`worker_manifest`), from that folder, at every start of the
-supervisor, and at once when ``astrid capsule install`` asks a running one
-(``sage.v1.request.capsule.load``).
+renamed into place, made readable but not writable by the capsule's
+uid).  Installed capsules always run as out-of-process workers
+(:func:`worker_manifest`), sandboxed (:mod:`sage.workers`), from that
+folder, at every start of the supervisor, and at once when ``astrid
+capsule install`` asks a running one (``sage.v1.request.capsule.load``).
 """
 
 from __future__ import annotations

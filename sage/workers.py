@@ -21,6 +21,18 @@ grace) while its bus connection stays open, so it can say goodbye.  Its
 stdout and stderr are drained line by line into the supervisor's log
 (``capsule.output``), each line cut at :data:`MAX_LINE` bytes; a line that is
 a JSON object (the worker's own structlog output) is nested as ``entry``.
+
+An installed capsule's worker (a :class:`WorkerSandbox` given) runs in
+bubblewrap, the forge's sandbox (:func:`sandbox_command`): its folder
+read-only, the interpreter's minimal set read-only (:func:`python_paths`),
+private size-capped ``/tmp`` and ``/dev/shm``, the host's network only
+with ``[sandbox] network = true``, nothing of the supervisor's but the
+socketpair and the ready pipe.  As root, bwrap mounts as root and
+``setpriv`` inside drops to the capsule's own uid (``[capsules]
+uid_base``, :class:`sage.forge.uids.SandboxUids`); otherwise bwrap
+confines in a user namespace as the supervisor's uid.  No working bwrap:
+the start fails (a crash), never an unsandboxed worker.  See
+docs/security.md, Workers.
 """
 
 from __future__ import annotations

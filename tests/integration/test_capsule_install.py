@@ -394,3 +394,11 @@ def test_a_killed_sandboxed_worker_is_restarted(tmp_path: Path) -> None:
         assert _call(d, "probe_boxed", args, "c3")["uid"] == 92000
     finally:
         d.stop()
+    # the supervisor's stop ends the sandboxed worker cleanly (end of input, exit 0)
+    exits = [
+        json.loads(line)
+        for line in d.log().splitlines()
+        if '"capsule.worker_exited"' in line and '"boxed"' in line
+    ]
+    assert exits[-1]["status"] == "exit code 0"
+    assert not Path(f"/proc/{second}").exists()
