@@ -24,11 +24,21 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import anyio
 import msgspec
 
 from bus.acl import pattern_covers
+from sage.bwrap import probe_bwrap
 from sage.capsules import CapsuleManifest, WorkerSpec, load_manifest
-from sage.errors import ConfigError
+from sage.errors import ConfigError, SageError
+from sage.forge.uids import SandboxUids
+from sage.workers import (
+    PASSED_ENV,
+    SANDBOX_ENV,
+    WorkerSandbox,
+    sandbox_command,
+    sandbox_uid,
+)
 
 __all__ = (
     "CapsuleCheck",
@@ -40,6 +50,7 @@ __all__ = (
 )
 
 CHECK_TIMEOUT = 30.0
+_NOT_COPIED = ("__pycache__", "*.pyc", ".git")
 BUILT_IN = frozenset({"echo", "runner", "tools", "greeter", "hooks", "forge", "installer", "llm"})
 
 _PROBE = r"""
@@ -79,8 +90,12 @@ class CapsuleCheck:
         return not self.problems
 
 
-def check_capsule(folder: Path) -> CapsuleCheck:
-    """Everything wrong with ``folder`` as a capsule (``problems`` empty: good)."""
+def check_capsule(folder: Path, *, uids: SandboxUids | None = None) -> CapsuleCheck:
+    """Everything wrong with ``folder`` as a capsule (``problems`` empty: good).
+
+    The entry is imported in the sandbox its worker will run in (:func:`_probe`),
+    as the capsule's uid from ``uids`` when the caller is root.
+    """
     folder = folder.resolve()
     check = CapsuleCheck(folder)
     try:
@@ -97,7 +112,7 @@ def check_capsule(folder: Path) -> CapsuleCheck:
         if not top.isidentifier():
             check.problems.append(f"package.entry {entry!r} does not name a Python module")
             return check
-        probe = _probe(folder, entry, manifest.name)
+        probe = _probe(folder, manifest, uids)
         if "error" in probe:
             check.problems.append(f"cannot load {entry!r}: {probe['error']}")
             return check
@@ -120,26 +135,63 @@ def package_name(manifest: CapsuleManifest) -> str:
     return manifest.package.entry.partition(":")[0].split(".")[0]
 
 
-def _probe(folder: Path, entry: str, name: str) -> dict[str, list[str] | str]:
-    """Import the entry in a child Python, the folder seen as the entry's package."""
+def _probe(
+    folder: Path, manifest: CapsuleManifest, uids: SandboxUids | None
+) -> dict[str, list[str] | str]:
+    """Import the entry in a child Python, in the sandbox the worker will run in.
+
+    Its import-time code is someone else's: it runs on a copy of the folder
+    made as :func:`install` makes it (the same files, the same modes), in
+    bubblewrap (:func:`sage.workers.sandbox_command`), as the capsule's own
+    uid when the caller is root, with the worker's minimal environment and
+    the network only if the manifest declares it; never as the caller.
+    """
     import tempfile
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ANTHROPIC")}
+    entry, name = manifest.package.entry, manifest.name
     top = entry.partition(":")[0].split(".")[0]
+    tools = anyio.run(probe_bwrap)
+    if not tools.ok:
+        return {"error": f"no working bubblewrap sandbox to import it in: {tools.reason}"}
+    sandbox = WorkerSandbox(uids=uids, network=manifest.sandbox.network)
+    env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
+    env.update(SANDBOX_ENV)
     with tempfile.TemporaryDirectory(prefix="capsule-check-") as tmp:
-        (Path(tmp) / top).symlink_to(folder, target_is_directory=True)
+        root = Path(tmp) / "c"
+        copy = root / top
+        try:
+            shutil.copytree(
+                folder, copy, ignore=shutil.ignore_patterns(*_NOT_COPIED), symlinks=True
+            )
+            _readable(root)
+            uid = sandbox_uid(sandbox, name)
+            argv, fds = sandbox_command(
+                tools,
+                sandbox,
+                argv=[sys.executable, "-c", _PROBE, str(root), entry, name],
+                env=env,
+                folder=root,
+                uid=uid,
+                workdir=copy,
+            )
+        except (OSError, SageError) as exc:
+            return {"error": f"cannot set up its sandbox: {exc}"}
         try:
             result = subprocess.run(
-                [sys.executable, "-c", _PROBE, tmp, entry, name],
+                argv,
                 capture_output=True,
                 text=True,
                 timeout=CHECK_TIMEOUT,
-                env=env,
-                cwd=folder,
+                env={},
+                cwd="/",
+                pass_fds=fds,
                 check=False,
             )
         except subprocess.TimeoutExpired:
             return {"error": f"importing it took longer than {CHECK_TIMEOUT:g} s"}
+        finally:
+            for fd in fds:
+                os.close(fd)
     lines = result.stdout.strip().splitlines()
     try:
         data: dict[str, list[str] | str] = json.loads(lines[-1])
@@ -196,7 +248,7 @@ def _copy(source: Path, manifest: CapsuleManifest, root: Path, force: bool) -> P
     shutil.copytree(
         source,
         staging,
-        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".git"),
+        ignore=shutil.ignore_patterns(*_NOT_COPIED),
         symlinks=True,
     )
     _readable(staging)

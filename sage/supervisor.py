@@ -31,11 +31,10 @@ from sage.capsule_install import installed_folders, worker_manifest
 from sage.capsules import CapsuleRunner, capsule_folder, load_manifest
 from sage.config import Config, load_config
 from sage.errors import AuditError, ConfigError, SageError
-from sage.forge.uids import SandboxUids
 from sage.logs import configure_logging, log_loop_errors
 from sage.sdnotify import Notifier, watchdog_interval
 from sage.state import StateStore
-from sage.workers import WorkerRunner, WorkerSandbox
+from sage.workers import WorkerRunner, WorkerSandbox, capsule_uids
 
 __all__ = ("ROLES", "AuditLimiter", "DenialLimiter", "Supervisor")
 
@@ -242,13 +241,7 @@ class Supervisor:
         self.reloads = 0
         self._outer: anyio.CancelScope | None = None
         self._denials = DenialLimiter()
-        self._capsule_uids = SandboxUids(
-            config.state_dir,
-            config.capsules.uid_base,
-            config.capsules.uid_count,
-            name="capsule_uids",
-            setting="[capsules] uid",
-        )
+        self._capsule_uids = capsule_uids(config)
         self.capsules = [self._capsule(name) for name in config.supervisor.capsules]
         names = [c.manifest.name for c in self.capsules]
         if len(set(names)) != len(names):

@@ -73,8 +73,10 @@ __all__ = (
     "WorkerExited",
     "WorkerRunner",
     "WorkerSandbox",
+    "capsule_uids",
     "python_paths",
     "sandbox_command",
+    "sandbox_uid",
     "worker_argv",
     "worker_env",
 )
@@ -198,12 +200,32 @@ SANDBOX_ENV = {"HOME": "/tmp", "TMPDIR": "/tmp", "PYTHONDONTWRITEBYTECODE": "1"}
 class WorkerSandbox:
     """How an installed capsule's worker is confined (docs/security.md, Workers)."""
 
-    uids: SandboxUids
-    """``capsule name -> uid`` (``[capsules] uid_base``); used when the supervisor is root."""
+    uids: SandboxUids | None
+    """``capsule name -> uid`` (``[capsules] uid_base``); needed when the supervisor is root."""
     network: bool = False
     """The manifest's ``[sandbox] network``: the host's network, else only a loopback."""
     tmp_bytes: int = 64 * 1024 * 1024
     shm_bytes: int = 8 * 1024 * 1024
+
+
+def capsule_uids(config: Config) -> SandboxUids:
+    """The installed capsules' uid table: ``<state_dir>/capsule_uids.json``, ``[capsules]``."""
+    return SandboxUids(
+        config.state_dir,
+        config.capsules.uid_base,
+        config.capsules.uid_count,
+        name="capsule_uids",
+        setting="[capsules] uid",
+    )
+
+
+def sandbox_uid(sandbox: WorkerSandbox, name: str) -> int | None:
+    """The uid capsule ``name`` runs as: its own when we are root, else None (ours)."""
+    if os.geteuid() != 0:
+        return None
+    if sandbox.uids is None:
+        raise SandboxError("sandbox_uid_unavailable", "no capsule uid table: root runs no capsule")
+    return sandbox.uids.uid_for(name)
 
 
 def python_paths(executable: str = sys.executable) -> tuple[list[str], list[tuple[str, str]]]:
@@ -270,6 +292,7 @@ def sandbox_command(
     env: Mapping[str, str],
     folder: Path,
     uid: int | None,
+    workdir: Path | None = None,
 ) -> tuple[list[str], list[int]]:
     """The command that runs ``argv`` in the worker's sandbox, and the descriptors it
     needs passed (the caller closes them once the child started).
@@ -279,8 +302,8 @@ def sandbox_command(
     and the interpreter read-only, size-capped ``/tmp`` and ``/dev/shm``, the
     rest of ``/`` read-only) around the capsule's ``folder`` (read-only, the
     working folder), started by :func:`sage.bwrap.launcher` as ``uid``.  The
-    host paths are bound from descriptors the supervisor opened, so ``uid``
-    needs no way through the state folder to its own folder.
+    host paths are bound from descriptors the supervisor opened.
+    ``workdir`` (inside ``folder``) is the working folder instead of ``folder``.
     """
     for name, value in env.items():
         if "\0" in value:
@@ -299,7 +322,7 @@ def sandbox_command(
             tmp_bytes=sandbox.tmp_bytes,
             shm_bytes=sandbox.shm_bytes,
             hostname="capsule",
-            chdir=real_folder,
+            chdir=real_folder if workdir is None else os.path.realpath(workdir),
             symlinks=links,
             userns=uid is None,
             keep_caps=() if uid is None else ("CAP_SETUID", "CAP_SETGID"),
@@ -372,7 +395,7 @@ class WorkerRunner(CapsuleRunner):
         tools: BwrapProbe | None = None
         uid: int | None = None
         if sandbox is not None:  # fail closed: no working bwrap, no worker
-            uid = sandbox.uids.uid_for(name) if os.geteuid() == 0 else None
+            uid = sandbox_uid(sandbox, name)
             tools = await ensure_sandbox(uid=None)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         ready_r, ready_w = os.pipe()

@@ -402,3 +402,33 @@ def test_a_killed_sandboxed_worker_is_restarted(tmp_path: Path) -> None:
     ]
     assert exits[-1]["status"] == "exit code 0"
     assert not Path(f"/proc/{second}").exists()
+
+
+def test_the_check_imports_the_capsule_in_its_sandbox(tmp_path: Path) -> None:
+    """The entry's import-time code runs sandboxed, as the capsule's uid, not as the
+    installing root: it cannot write the host's files nor read the state folder."""
+    d = Daemon(short_dir())
+    marker = tmp_path / "written-at-import"
+    (d.root / "state").mkdir(mode=0o700)
+    (d.root / "state" / "audit.db").write_bytes(b"private")
+    code = (
+        "import os\n"
+        f"for path in ({str(marker)!r},):\n"
+        "    try:\n"
+        "        open(path, 'w').write('x')\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "try:\n"
+        f"    open({str(d.root / 'state' / 'audit.db')!r}, 'rb').read()\n"
+        "    raise RuntimeError('read the audit log')\n"
+        "except OSError:\n"
+        "    pass\n"
+        "if os.getuid() == 0:\n"
+        "    raise RuntimeError('imported as root')\n" + CODE
+    )
+    result = d.astrid("capsule", "install", str(_capsule(tmp_path, code=code)), "--check")
+    assert result.returncode == 0, result.stderr
+    assert "mine: good (1 tools)" in result.stdout
+    assert not marker.exists()
+    uids = json.loads((d.root / "state" / "capsule_uids.json").read_text())["uids"]
+    assert uids == {"mine": 92000}  # the uid it will run as, kept for the install
