@@ -275,6 +275,8 @@ class CapsulesConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=
     """How many uids the range holds (one per installed capsule name, never reused)."""
     tmp_bytes: Annotated[int, msgspec.Meta(ge=1024 * 1024)] = 64 * 1024 * 1024
     """Size of a worker's private /tmp tmpfs (its only writable place besides /dev/shm)."""
+    max_processes: Annotated[int, msgspec.Meta(ge=16, le=65536)] = 256
+    """RLIMIT_NPROC of a capsule's uid (processes and threads; supervisor root only)."""
 
     def __post_init__(self) -> None:
         last = self.uid_base + self.uid_count - 1

@@ -277,6 +277,7 @@ class Supervisor:
                     uids=self._capsule_uids,
                     network=manifest.sandbox.network,
                     tmp_bytes=caps.tmp_bytes,
+                    max_processes=caps.max_processes,
                 )
             return WorkerRunner(
                 self.bus,

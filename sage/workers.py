@@ -61,7 +61,13 @@ from sage.bwrap import BwrapProbe, launcher
 from sage.capsules import CapsuleContext, CapsuleMain, CapsuleManifest, CapsuleRunner, WorkerSpec
 from sage.config import Config
 from sage.errors import ProcessError, SandboxError
-from sage.forge.sandbox import ResolvedBind, build_args, ensure_sandbox, open_binds
+from sage.forge.sandbox import (
+    ResolvedBind,
+    build_args,
+    ensure_sandbox,
+    open_binds,
+    seccomp_program,
+)
 from sage.forge.uids import SandboxUids
 from sage.process import Child, ExitStatus, Ring, stop
 from sage.state import StateStore
@@ -192,6 +198,7 @@ def worker_env(
     return env
 
 
+_SECCOMP = seccomp_program()
 SANDBOX_ENV = {"HOME": "/tmp", "TMPDIR": "/tmp", "PYTHONDONTWRITEBYTECODE": "1"}
 """Set over :func:`worker_env` inside the sandbox: the supervisor's HOME is not there."""
 
@@ -206,6 +213,21 @@ class WorkerSandbox:
     """The manifest's ``[sandbox] network``: the host's network, else only a loopback."""
     tmp_bytes: int = 64 * 1024 * 1024
     shm_bytes: int = 8 * 1024 * 1024
+    max_processes: int = 256
+    """RLIMIT_NPROC of the capsule's uid (threads count), as root only."""
+
+
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def capsule_uids(config: Config) -> SandboxUids:
@@ -313,9 +335,13 @@ def sandbox_command(
     binds = [_resolved(p) for p in (*paths, real_folder)]
     fds = open_binds(binds)
     try:
+        seccomp_fd = None
+        if _SECCOMP is not None:  # the forge's: no memfds, System V shm or queues, one ABI
+            seccomp_fd = _memfd("worker-seccomp", _SECCOMP)
+            fds.append(seccomp_fd)
         args = build_args(
             env=env,
-            binds=list(zip(binds, fds, strict=True)),
+            binds=list(zip(binds, fds[: len(binds)], strict=True)),
             impl_fd=None,
             status_fd=None,
             network=sandbox.network,
@@ -326,24 +352,22 @@ def sandbox_command(
             symlinks=links,
             userns=uid is None,
             keep_caps=() if uid is None else ("CAP_SETUID", "CAP_SETGID"),
+            seccomp_fd=seccomp_fd,
         )
-        args_fd = os.memfd_create("worker-args", os.MFD_CLOEXEC)
+        args_fd = _memfd("worker-args", b"".join(a.encode() + b"\0" for a in args))
         fds.append(args_fd)
-        data = memoryview(b"".join(a.encode() + b"\0" for a in args))
-        while data:
-            data = data[os.write(args_fd, data) :]
-        os.lseek(args_fd, 0, os.SEEK_SET)
     except BaseException:
         for fd in fds:
             os.close(fd)
         raise
-    rlimits = (("core", 0, 0),)
     if uid is None:  # our own uid: bwrap confines in a user namespace of its own
-        prefix = launcher(tools, rlimits=rlimits)
+        prefix = launcher(tools, rlimits=(("core", 0, 0),))
         return [*prefix, tools.path, "--args", str(args_fd), "--", *argv], fds
     # root: bwrap mounts as root (the state folder and the interpreter may be out of
-    # the uid's reach), then setpriv, inside, drops to the uid and every capability
-    inner = launcher(tools, uid=uid, rlimits=rlimits)
+    # the uid's reach), then setpriv, inside, drops to the uid and every capability;
+    # the uid is the capsule's alone, so RLIMIT_NPROC counts only its processes
+    nproc = sandbox.max_processes
+    inner = launcher(tools, uid=uid, rlimits=(("core", 0, 0), ("nproc", nproc, nproc)))
     return [tools.path, "--args", str(args_fd), "--", *inner, *argv], fds
 
 

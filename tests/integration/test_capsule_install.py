@@ -213,6 +213,7 @@ async def probe(args: ProbeArgs) -> str:
         "own_folder": _try(lambda: open("written-by-worker", "w").close()),
         "tmp": _try(lambda: open("/tmp/scratch", "w").write("x")),
         "loopback": _try(_loopback),
+        "memfd": _try(lambda: os.close(os.memfd_create("x"))),
         "host_listener": _try(
             lambda: socket.create_connection(("127.0.0.1", args.port), timeout=2).close()
         ),
@@ -317,8 +318,11 @@ def test_an_installed_worker_is_confined_under_a_uid_of_its_own(tmp_path: Path) 
         assert found["tmp"] == "ok"
         assert found["loopback"] == "ok"  # a loopback of its own
         assert found["host_listener"] == "ConnectionRefusedError"  # not the host's
+        assert found["memfd"] == "PermissionError"  # the forge's seccomp filter
         (pid,) = _worker_pids(d, "boxed")
         assert _uids(pid) == [92000] * 4  # real, effective, saved, filesystem: not root
+        limits = Path(f"/proc/{pid}/limits").read_text()
+        assert "Max processes             256                  256" in limits, limits
         uids = json.loads((state / "capsule_uids.json").read_text())["uids"]
         assert uids == {"boxed": 92000}
     finally:
