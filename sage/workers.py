@@ -256,7 +256,8 @@ def python_paths(executable: str = sys.executable) -> tuple[list[str], list[tupl
     The interpreter's binary (and ``executable`` as a link to it, so that a
     venv is found by its ``pyvenv.cfg``), the base standard library with
     ``lib-dynload``, ``libpython`` when it is shared, the venv's
-    ``pyvenv.cfg`` and site-packages, and the folders of the ``sage`` and
+    ``pyvenv.cfg`` and site-packages (the user's site-packages when it is on
+    ``sys.path``), and the folders of the ``sage`` and
     ``bus`` packages (an editable install points outside site-packages).
     Nothing under ``/usr`` (bound whole); nothing that is inside another.
     """
@@ -280,6 +281,9 @@ def python_paths(executable: str = sys.executable) -> tuple[list[str], list[tupl
         if isinstance(libdir, str) and isinstance(library, str):
             wanted.append(os.path.join(libdir, library))
     wanted += site.getsitepackages()
+    user_site = site.getusersitepackages()
+    if site.ENABLE_USER_SITE and user_site in sys.path:  # a `pip install --user` sage
+        wanted.append(user_site)
     wanted += [os.path.dirname(p) for p in (sage.__file__, bus.__file__) if p]
     paths: list[str] = []
     for path in sorted({os.path.realpath(p) for p in wanted}, key=lambda p: (len(p), p)):

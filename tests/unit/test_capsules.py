@@ -243,3 +243,25 @@ def test_capsule_uid_range_is_checked(text: str, expected: str) -> None:
     assert decode_config("").capsules.uid_base == 92000
     with pytest.raises(ConfigError, match=expected):
         decode_config(text)
+
+
+def test_python_paths_are_the_runtime_only() -> None:
+    """The interpreter's set: no folder holds another, nothing under /usr, never the
+    project folder around the sage package, nor the whole venv."""
+    import os
+    import sys
+
+    import sage
+    from sage.workers import python_paths
+
+    paths, links = python_paths()
+    sage_dir = os.path.dirname(os.path.realpath(sage.__file__))
+    assert sage_dir in paths
+    assert os.path.dirname(sage_dir) not in paths
+    assert os.path.realpath(sys.prefix) not in paths
+    assert not [p for p in paths if p == "/usr" or p.startswith("/usr/")]
+    for path in paths:
+        assert not [o for o in paths if o != path and o.startswith(path + "/")], path
+    assert os.path.realpath(sys.executable) in paths or sys.executable.startswith("/usr/")
+    for target, link in links:
+        assert os.path.realpath(link) == target
