@@ -266,8 +266,9 @@ def python_paths(executable: str = sys.executable) -> tuple[list[str], list[tupl
 
     links: list[tuple[str, str]] = []
     real = os.path.realpath(executable)
-    if real != os.path.abspath(executable):
-        links.append((real, os.path.abspath(executable)))
+    link = os.path.abspath(executable)
+    if real != link and not _inside(link, "/usr"):  # /usr has its own links already
+        links.append((real, link))
     wanted = [real]
     if sys.prefix != sys.base_prefix:
         wanted.append(os.path.join(sys.prefix, "pyvenv.cfg"))

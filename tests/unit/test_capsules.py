@@ -265,3 +265,5 @@ def test_python_paths_are_the_runtime_only() -> None:
     assert os.path.realpath(sys.executable) in paths or sys.executable.startswith("/usr/")
     for target, link in links:
         assert os.path.realpath(link) == target
+    # /usr is bound whole, its links with it: none made again over it
+    assert python_paths("/usr/bin/python3")[1] == []
