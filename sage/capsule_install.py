@@ -6,10 +6,11 @@ imported in a child Python, so a broken module cannot hurt the caller), the
 SDK tools it declares, and whether the manifest's patterns cover the topics
 those tools need (:func:`sage.sdk.required_patterns`).  :func:`install`
 copies a good folder to ``<state_dir>/capsules/<name>/`` (a temporary copy
-renamed into place).  Installed capsules always run as out-of-process
-workers (:func:`worker_manifest`), from that folder, at every start of the
-supervisor, and at once when ``astrid capsule install`` asks a running one
-(``sage.v1.request.capsule.load``).
+renamed into place, made readable but not writable by the capsule's
+uid).  Installed capsules always run as out-of-process workers
+(:func:`worker_manifest`), sandboxed (:mod:`sage.workers`), from that
+folder, at every start of the supervisor, and at once when ``astrid
+capsule install`` asks a running one (``sage.v1.request.capsule.load``).
 """
 
 from __future__ import annotations
@@ -17,16 +18,27 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import anyio
 import msgspec
 
 from bus.acl import pattern_covers
+from sage.bwrap import probe_bwrap
 from sage.capsules import CapsuleManifest, WorkerSpec, load_manifest
-from sage.errors import ConfigError
+from sage.errors import ConfigError, SageError
+from sage.forge.uids import SandboxUids
+from sage.workers import (
+    PASSED_ENV,
+    SANDBOX_ENV,
+    WorkerSandbox,
+    sandbox_command,
+    sandbox_uid,
+)
 
 __all__ = (
     "CapsuleCheck",
@@ -38,6 +50,7 @@ __all__ = (
 )
 
 CHECK_TIMEOUT = 30.0
+_NOT_COPIED = ("__pycache__", "*.pyc", ".git")
 BUILT_IN = frozenset({"echo", "runner", "tools", "greeter", "hooks", "forge", "installer", "llm"})
 
 _PROBE = r"""
@@ -77,8 +90,12 @@ class CapsuleCheck:
         return not self.problems
 
 
-def check_capsule(folder: Path) -> CapsuleCheck:
-    """Everything wrong with ``folder`` as a capsule (``problems`` empty: good)."""
+def check_capsule(folder: Path, *, uids: SandboxUids | None = None) -> CapsuleCheck:
+    """Everything wrong with ``folder`` as a capsule (``problems`` empty: good).
+
+    The entry is imported in the sandbox its worker will run in (:func:`_probe`),
+    as the capsule's uid from ``uids`` when the caller is root.
+    """
     folder = folder.resolve()
     check = CapsuleCheck(folder)
     try:
@@ -95,7 +112,7 @@ def check_capsule(folder: Path) -> CapsuleCheck:
         if not top.isidentifier():
             check.problems.append(f"package.entry {entry!r} does not name a Python module")
             return check
-        probe = _probe(folder, entry, manifest.name)
+        probe = _probe(folder, manifest, uids)
         if "error" in probe:
             check.problems.append(f"cannot load {entry!r}: {probe['error']}")
             return check
@@ -118,26 +135,63 @@ def package_name(manifest: CapsuleManifest) -> str:
     return manifest.package.entry.partition(":")[0].split(".")[0]
 
 
-def _probe(folder: Path, entry: str, name: str) -> dict[str, list[str] | str]:
-    """Import the entry in a child Python, the folder seen as the entry's package."""
+def _probe(
+    folder: Path, manifest: CapsuleManifest, uids: SandboxUids | None
+) -> dict[str, list[str] | str]:
+    """Import the entry in a child Python, in the sandbox the worker will run in.
+
+    Its import-time code is someone else's: it runs on a copy of the folder
+    made as :func:`install` makes it (the same files, the same modes), in
+    bubblewrap (:func:`sage.workers.sandbox_command`), as the capsule's own
+    uid when the caller is root, with the worker's minimal environment and
+    the network only if the manifest declares it; never as the caller.
+    """
     import tempfile
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ANTHROPIC")}
+    entry, name = manifest.package.entry, manifest.name
     top = entry.partition(":")[0].split(".")[0]
+    tools = anyio.run(probe_bwrap)
+    if not tools.ok:
+        return {"error": f"no working bubblewrap sandbox to import it in: {tools.reason}"}
+    sandbox = WorkerSandbox(uids=uids, network=manifest.sandbox.network)
+    env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
+    env.update(SANDBOX_ENV)
     with tempfile.TemporaryDirectory(prefix="capsule-check-") as tmp:
-        (Path(tmp) / top).symlink_to(folder, target_is_directory=True)
+        root = Path(tmp) / "c"
+        copy = root / top
+        try:
+            shutil.copytree(
+                folder, copy, ignore=shutil.ignore_patterns(*_NOT_COPIED), symlinks=True
+            )
+            _readable(root)
+            uid = sandbox_uid(sandbox, name)
+            argv, fds = sandbox_command(
+                tools,
+                sandbox,
+                argv=[sys.executable, "-c", _PROBE, str(root), entry, name],
+                env=env,
+                folder=root,
+                uid=uid,
+                workdir=copy,
+            )
+        except (OSError, SageError) as exc:
+            return {"error": f"cannot set up its sandbox: {exc}"}
         try:
             result = subprocess.run(
-                [sys.executable, "-c", _PROBE, tmp, entry, name],
+                argv,
                 capture_output=True,
                 text=True,
                 timeout=CHECK_TIMEOUT,
-                env=env,
-                cwd=folder,
+                env={},
+                cwd="/",
+                pass_fds=fds,
                 check=False,
             )
         except subprocess.TimeoutExpired:
             return {"error": f"importing it took longer than {CHECK_TIMEOUT:g} s"}
+        finally:
+            for fd in fds:
+                os.close(fd)
     lines = result.stdout.strip().splitlines()
     try:
         data: dict[str, list[str] | str] = json.loads(lines[-1])
@@ -194,9 +248,10 @@ def _copy(source: Path, manifest: CapsuleManifest, root: Path, force: bool) -> P
     shutil.copytree(
         source,
         staging,
-        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".git"),
+        ignore=shutil.ignore_patterns(*_NOT_COPIED),
         symlinks=True,
     )
+    _readable(staging)
     old = root / f".{package}.old"
     shutil.rmtree(old, ignore_errors=True)
     if target.exists():
@@ -206,6 +261,23 @@ def _copy(source: Path, manifest: CapsuleManifest, root: Path, force: bool) -> P
     for folder in same_name:
         shutil.rmtree(folder, ignore_errors=True)
     return target
+
+
+def _readable(folder: Path) -> None:
+    """Folders 0755, files 0644 (0755 if executable by their owner), symlinks untouched.
+
+    The worker runs under a uid of its own (sage.workers): it must read its
+    code but own none of it, so it cannot change it.  Nothing outside the
+    copy is exposed: ``<state_dir>/capsules`` stays 0700 and the sandbox gets
+    the folder from a descriptor the supervisor opened.
+    """
+    for here, _dirs, files in os.walk(folder):  # symlinked folders are not entered
+        os.chmod(here, 0o755)
+        for name in files:
+            path = os.path.join(here, name)
+            info = os.lstat(path)
+            if stat.S_ISREG(info.st_mode):
+                os.chmod(path, 0o755 if info.st_mode & stat.S_IXUSR else 0o644)
 
 
 def _name_of(folder: Path) -> str | None:

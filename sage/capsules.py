@@ -47,6 +47,7 @@ __all__ = (
     "CapsuleContext",
     "CapsuleManifest",
     "CapsuleRunner",
+    "CapsuleSandbox",
     "CapsuleState",
     "RestartPolicy",
     "WorkerSpec",
@@ -76,11 +77,21 @@ class WorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Added to the worker's minimal environment (``ASTRID_*`` names are reserved)."""
 
 
+class CapsuleSandbox(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``[sandbox]``: what an installed capsule's sandboxed worker may reach (sage.workers)."""
+
+    network: bool = False
+    """True: the host's network (its interfaces, DNS and TLS roots); false: a network
+    namespace of its own with only a loopback interface.  Ignored for capsules that
+    are not installed (built-in, or named in ``[supervisor] capsules``)."""
+
+
 class CapsuleManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     package: _Package
     publish: _Patterns = _Patterns()
     subscribe: _Patterns = _Patterns()
     worker: WorkerSpec | None = None
+    sandbox: CapsuleSandbox = CapsuleSandbox()
 
     @property
     def name(self) -> str:

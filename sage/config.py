@@ -27,6 +27,7 @@ from sage.errors import ConfigError
 __all__ = (
     "AuditConfig",
     "BusConfig",
+    "CapsulesConfig",
     "ClaudeConfig",
     "Config",
     "ForgeConfig",
@@ -285,6 +286,27 @@ class ForgeConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
             raise ValueError("runs_max_bytes_per_principal: below 65536 (0: the default)")
 
 
+class CapsulesConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Installed capsules (``astrid capsule install``): their workers' sandbox."""
+
+    uid_base: Annotated[int, msgspec.Meta(ge=1000, le=2**31 - 1)] = 92000
+    """First uid of the installed capsules' uids (supervisor root only): one per capsule
+    name, persisted in ``<state_dir>/capsule_uids.json``; none may be a user of the host."""
+    uid_count: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 1000
+    """How many uids the range holds (one per installed capsule name, never reused)."""
+    tmp_bytes: Annotated[int, msgspec.Meta(ge=1024 * 1024)] = 64 * 1024 * 1024
+    """Size of a worker's private /tmp tmpfs (its only writable place besides /dev/shm)."""
+    max_processes: Annotated[int, msgspec.Meta(ge=16, le=65536)] = 256
+    """RLIMIT_NPROC of a capsule's uid (processes and threads; supervisor root only)."""
+
+    def __post_init__(self) -> None:
+        last = self.uid_base + self.uid_count - 1
+        if self.uid_base <= 65534 <= last:
+            raise ValueError("uid_base: the range holds 65534 (nobody), shared by others")
+        if last > 2**32 - 2:
+            raise ValueError("uid_base + uid_count: past the last valid uid")
+
+
 class PrincipalConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     name: Name
     """The principal's id, ``[A-Za-z0-9_-]{1,64}``."""
@@ -328,11 +350,21 @@ class Config(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     secrets: SecretsConfig = SecretsConfig()
     llm: LlmConfig = LlmConfig()
     forge: ForgeConfig = ForgeConfig()
+    capsules: CapsulesConfig = CapsulesConfig()
     principals: list[PrincipalConfig] = []
     base_dir: str = ""
     """Where relative paths resolve; set by the loader, not written in files."""
 
     def __post_init__(self) -> None:
+        forge, caps = self.forge, self.capsules
+        if (
+            caps.uid_base < forge.sandbox_uid_base + forge.sandbox_uid_count
+            and forge.sandbox_uid_base < caps.uid_base + caps.uid_count
+        ):
+            raise ValueError(
+                "capsules.uid_base: the capsules' uid range overlaps [forge] sandbox_uid_base's"
+                " (each sandbox needs uids nobody else has)"
+            )
         seen: set[str] = set()
         for principal in self.principals:
             if principal.name in seen:

@@ -35,7 +35,7 @@ from sage.instance import InstanceLock
 from sage.logs import configure_logging, log_loop_errors
 from sage.sdnotify import Notifier, watchdog_interval
 from sage.state import StateStore
-from sage.workers import WorkerRunner
+from sage.workers import WorkerRunner, WorkerSandbox, capsule_uids
 
 __all__ = ("ROLES", "AuditLimiter", "DenialLimiter", "Supervisor")
 
@@ -242,6 +242,7 @@ class Supervisor:
         self.reloads = 0
         self._outer: anyio.CancelScope | None = None
         self._denials = DenialLimiter()
+        self._capsule_uids = capsule_uids(config)
         self.capsules = [self._capsule(name) for name in config.supervisor.capsules]
         names = [c.manifest.name for c in self.capsules]
         if len(set(names)) != len(names):
@@ -270,6 +271,15 @@ class Supervisor:
         if installed:
             manifest = worker_manifest(manifest, folder)
         if manifest.worker is not None:
+            sandbox = None
+            if installed:  # third-party code: confined, under a uid of its own (as root)
+                caps = self.config.capsules
+                sandbox = WorkerSandbox(
+                    uids=self._capsule_uids,
+                    network=manifest.sandbox.network,
+                    tmp_bytes=caps.tmp_bytes,
+                    max_processes=caps.max_processes,
+                )
             return WorkerRunner(
                 self.bus,
                 manifest,
@@ -279,6 +289,7 @@ class Supervisor:
                 config_of=lambda: self.config,
                 state_of=lambda: self.state,
                 publish=self._publish_audit,
+                sandbox=sandbox,
             )
         return CapsuleRunner(
             self.bus,

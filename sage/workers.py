@@ -21,6 +21,18 @@ grace) while its bus connection stays open, so it can say goodbye.  Its
 stdout and stderr are drained line by line into the supervisor's log
 (``capsule.output``), each line cut at :data:`MAX_LINE` bytes; a line that is
 a JSON object (the worker's own structlog output) is nested as ``entry``.
+
+An installed capsule's worker (a :class:`WorkerSandbox` given) runs in
+bubblewrap, the forge's sandbox (:func:`sandbox_command`): its folder
+read-only, the interpreter's minimal set read-only (:func:`python_paths`),
+private size-capped ``/tmp`` and ``/dev/shm``, the host's network only
+with ``[sandbox] network = true``, nothing of the supervisor's but the
+socketpair and the ready pipe.  As root, bwrap mounts as root and
+``setpriv`` inside drops to the capsule's own uid (``[capsules]
+uid_base``, :class:`sage.forge.uids.SandboxUids`); otherwise bwrap
+confines in a user namespace as the supervisor's uid.  No working bwrap:
+the start fails (a crash), never an unsandboxed worker.  See
+docs/security.md, Workers.
 """
 
 from __future__ import annotations
@@ -28,9 +40,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import site
 import socket
+import stat
 import sys
-from collections.abc import Awaitable, Callable, Mapping
+import sysconfig
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +57,18 @@ import structlog
 
 from bus import Bus
 from bus.server import BusServer
+from sage.bwrap import BwrapProbe, launcher
 from sage.capsules import CapsuleContext, CapsuleMain, CapsuleManifest, CapsuleRunner, WorkerSpec
 from sage.config import Config
-from sage.errors import ProcessError
+from sage.errors import ProcessError, SandboxError
+from sage.forge.sandbox import (
+    ResolvedBind,
+    build_args,
+    ensure_sandbox,
+    open_binds,
+    seccomp_program,
+)
+from sage.forge.uids import SandboxUids
 from sage.process import Child, ExitStatus, Ring, stop
 from sage.state import StateStore
 
@@ -53,6 +78,11 @@ __all__ = (
     "LineSplitter",
     "WorkerExited",
     "WorkerRunner",
+    "WorkerSandbox",
+    "capsule_uids",
+    "python_paths",
+    "sandbox_command",
+    "sandbox_uid",
     "worker_argv",
     "worker_env",
 )
@@ -168,6 +198,184 @@ def worker_env(
     return env
 
 
+_SECCOMP = seccomp_program()
+SANDBOX_ENV = {"HOME": "/tmp", "TMPDIR": "/tmp", "PYTHONDONTWRITEBYTECODE": "1"}
+"""Set over :func:`worker_env` inside the sandbox: the supervisor's HOME is not there."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerSandbox:
+    """How an installed capsule's worker is confined (docs/security.md, Workers)."""
+
+    uids: SandboxUids | None
+    """``capsule name -> uid`` (``[capsules] uid_base``); needed when the supervisor is root."""
+    network: bool = False
+    """The manifest's ``[sandbox] network``: the host's network, else only a loopback."""
+    tmp_bytes: int = 64 * 1024 * 1024
+    shm_bytes: int = 8 * 1024 * 1024
+    max_processes: int = 256
+    """RLIMIT_NPROC of the capsule's uid (threads count), as root only."""
+
+
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def capsule_uids(config: Config) -> SandboxUids:
+    """The installed capsules' uid table: ``<state_dir>/capsule_uids.json``, ``[capsules]``."""
+    return SandboxUids(
+        config.state_dir,
+        config.capsules.uid_base,
+        config.capsules.uid_count,
+        name="capsule_uids",
+        setting="[capsules] uid",
+    )
+
+
+def sandbox_uid(sandbox: WorkerSandbox, name: str) -> int | None:
+    """The uid capsule ``name`` runs as: its own when we are root, else None (ours)."""
+    if os.geteuid() != 0:
+        return None
+    if sandbox.uids is None:
+        raise SandboxError("sandbox_uid_unavailable", "no capsule uid table: root runs no capsule")
+    return sandbox.uids.uid_for(name)
+
+
+def python_paths(executable: str = sys.executable) -> tuple[list[str], list[tuple[str, str]]]:
+    """What the worker's Python needs read-only: (paths to bind, ``(target, link)`` symlinks).
+
+    The interpreter's binary (and ``executable`` as a link to it, so that a
+    venv is found by its ``pyvenv.cfg``), the base standard library with
+    ``lib-dynload``, ``libpython`` when it is shared, the venv's
+    ``pyvenv.cfg`` and site-packages (the user's site-packages when it is on
+    ``sys.path``), and the folders of the ``sage`` and
+    ``bus`` packages (an editable install points outside site-packages).
+    Nothing under ``/usr`` (bound whole); nothing that is inside another.
+    """
+    import bus
+    import sage
+
+    links: list[tuple[str, str]] = []
+    real = os.path.realpath(executable)
+    link = os.path.abspath(executable)
+    if real != link and not _inside(link, "/usr"):  # /usr has its own links already
+        links.append((real, link))
+    wanted = [real]
+    if sys.prefix != sys.base_prefix:
+        wanted.append(os.path.join(sys.prefix, "pyvenv.cfg"))
+    base = {"base": sys.base_prefix, "platbase": sys.base_exec_prefix}
+    wanted += [sysconfig.get_path("stdlib", vars=base), sysconfig.get_path("platstdlib", vars=base)]
+    dynload = sysconfig.get_config_var("DESTSHARED")
+    if isinstance(dynload, str):
+        wanted.append(dynload)
+    if sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        libdir, library = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("LDLIBRARY")
+        if isinstance(libdir, str) and isinstance(library, str):
+            wanted.append(os.path.join(libdir, library))
+    wanted += site.getsitepackages()
+    user_site = site.getusersitepackages()
+    if site.ENABLE_USER_SITE and user_site in sys.path:  # a `pip install --user` sage
+        wanted.append(user_site)
+    wanted += [os.path.dirname(p) for p in (sage.__file__, bus.__file__) if p]
+    paths: list[str] = []
+    for path in sorted({os.path.realpath(p) for p in wanted}, key=lambda p: (len(p), p)):
+        if not os.path.exists(path) or _inside(path, "/usr"):
+            continue
+        if not any(_inside(path, kept) for kept in paths):
+            paths.append(path)
+    return paths, links
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+def _resolved(path: str) -> ResolvedBind:
+    info = os.stat(path)
+    return ResolvedBind(
+        path=Path(path),
+        mode="ro",
+        dev=info.st_dev,
+        ino=info.st_ino,
+        is_dir=stat.S_ISDIR(info.st_mode),
+        requested=Path(path),
+    )
+
+
+def sandbox_command(
+    tools: BwrapProbe,
+    sandbox: WorkerSandbox,
+    *,
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    folder: Path,
+    uid: int | None,
+    workdir: Path | None = None,
+) -> tuple[list[str], list[int]]:
+    """The command that runs ``argv`` in the worker's sandbox, and the descriptors it
+    needs passed (the caller closes them once the child started).
+
+    The forge's sandbox (:func:`sage.forge.sandbox.build_args`: every namespace
+    unshared, ``--share-net`` only with ``network``, no capabilities, ``/usr``
+    and the interpreter read-only, size-capped ``/tmp`` and ``/dev/shm``, the
+    rest of ``/`` read-only) around the capsule's ``folder`` (read-only, the
+    working folder), started by :func:`sage.bwrap.launcher` as ``uid``.  The
+    host paths are bound from descriptors the supervisor opened.
+    ``workdir`` (inside ``folder``) is the working folder instead of ``folder``.
+    """
+    for name, value in env.items():
+        if "\0" in value:
+            raise SandboxError("bad_env", f"environment value of {name} holds a NUL byte")
+    paths, links = python_paths()
+    real_folder = os.path.realpath(folder)
+    binds = [_resolved(p) for p in (*paths, real_folder)]
+    fds = open_binds(binds)
+    try:
+        seccomp_fd = None
+        if _SECCOMP is not None:  # the forge's: no memfds, System V shm or queues, one ABI
+            seccomp_fd = _memfd("worker-seccomp", _SECCOMP)
+            fds.append(seccomp_fd)
+        args = build_args(
+            env=env,
+            binds=list(zip(binds, fds[: len(binds)], strict=True)),
+            impl_fd=None,
+            status_fd=None,
+            network=sandbox.network,
+            tmp_bytes=sandbox.tmp_bytes,
+            shm_bytes=sandbox.shm_bytes,
+            hostname="capsule",
+            chdir=real_folder if workdir is None else os.path.realpath(workdir),
+            symlinks=links,
+            userns=uid is None,
+            keep_caps=() if uid is None else ("CAP_SETUID", "CAP_SETGID"),
+            seccomp_fd=seccomp_fd,
+        )
+        args_fd = _memfd("worker-args", b"".join(a.encode() + b"\0" for a in args))
+        fds.append(args_fd)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    if uid is None:  # our own uid: bwrap confines in a user namespace of its own
+        prefix = launcher(tools, rlimits=(("core", 0, 0),))
+        return [*prefix, tools.path, "--args", str(args_fd), "--", *argv], fds
+    # root: bwrap mounts as root (the state folder and the interpreter may be out of
+    # the uid's reach), then setpriv, inside, drops to the uid and every capability;
+    # the uid is the capsule's alone, so RLIMIT_NPROC counts only its processes
+    nproc = sandbox.max_processes
+    inner = launcher(tools, uid=uid, rlimits=(("core", 0, 0), ("nproc", nproc, nproc)))
+    return [tools.path, "--args", str(args_fd), "--", *inner, *argv], fds
+
+
 class WorkerRunner(CapsuleRunner):
     """Runs one ``[worker]`` capsule as a child process; restarts as CapsuleRunner does."""
 
@@ -182,7 +390,10 @@ class WorkerRunner(CapsuleRunner):
         config_of: Callable[[], Config] = Config,
         state_of: Callable[[], StateStore | None] = lambda: None,
         publish: Callable[[str, dict[str, Any]], None] = lambda topic, payload: None,
+        sandbox: WorkerSandbox | None = None,
     ) -> None:
+        """``sandbox``: run the worker confined (installed capsules); None: as today,
+        a plain child of the supervisor (capsules the operator named in the config)."""
         if manifest.worker is None:
             raise ValueError(f"capsule {manifest.name} has no [worker] table")
         self.spec: WorkerSpec = manifest.worker
@@ -190,6 +401,7 @@ class WorkerRunner(CapsuleRunner):
         self.pid: int | None = None
         """The running worker's pid, if one runs."""
         self._server_of = server_of
+        self.sandbox = sandbox
         super().__init__(
             bus, manifest, audit, config_of=config_of, state_of=state_of, publish=publish
         )
@@ -208,21 +420,36 @@ class WorkerRunner(CapsuleRunner):
             raise ProcessError("the bus server is not serving")
         config = self._config_of()
         name = self.manifest.name
+        sandbox = self.sandbox
+        tools: BwrapProbe | None = None
+        uid: int | None = None
+        if sandbox is not None:  # fail closed: no working bwrap, no worker
+            uid = sandbox_uid(sandbox, name)
+            tools = await ensure_sandbox(uid=None)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         ready_r, ready_w = os.pipe()
+        extra: list[int] = []
         try:
-            child = Child.spawn(
-                worker_argv(self.spec, self.folder),
-                env=worker_env(
-                    self.spec,
-                    name,
-                    bus_fd=theirs.fileno(),
-                    ready_fd=ready_w,
-                    log_level=config.supervisor.log_level,
-                ),
-                cwd=self.folder,
-                pass_fds=(theirs.fileno(), ready_w),
+            argv = worker_argv(self.spec, self.folder)
+            env = worker_env(
+                self.spec,
+                name,
+                bus_fd=theirs.fileno(),
+                ready_fd=ready_w,
+                log_level=config.supervisor.log_level,
             )
+            cwd = self.folder
+            if sandbox is not None and tools is not None:
+                argv, extra = sandbox_command(
+                    tools,
+                    sandbox,
+                    argv=argv,
+                    env={**env, **SANDBOX_ENV},
+                    folder=self.folder,
+                    uid=uid,
+                )
+                env, cwd = {}, Path("/")
+            child = Child.spawn(argv, env=env, cwd=cwd, pass_fds=(theirs.fileno(), ready_w, *extra))
         except BaseException:
             ours.close()
             os.close(ready_r)
@@ -230,8 +457,15 @@ class WorkerRunner(CapsuleRunner):
         finally:  # the child has its copies; ours would hide its exit from the other ends
             theirs.close()
             os.close(ready_w)
+            for fd in extra:
+                os.close(fd)
         self.pid = child.pid
-        log.info("capsule.worker_started", capsule=name, pid=child.pid)
+        log.info(
+            "capsule.worker_started",
+            capsule=name,
+            pid=child.pid,
+            sandbox=None if sandbox is None else {"uid": uid, "network": sandbox.network},
+        )
         tail = Ring(MAX_LINE)
         grace = min(STOP_GRACE, config.supervisor.shutdown_grace / 3)
         try:

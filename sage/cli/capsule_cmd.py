@@ -71,11 +71,13 @@ def _install(args: argparse.Namespace) -> int:
 
     from sage.capsule_install import check_capsule, install
     from sage.cli._connect import config_of
+    from sage.workers import capsule_uids
 
     folder = Path(args.folder)
     if not folder.is_dir():
         raise SageError(f"{folder}: not a folder")
-    check = check_capsule(folder)
+    # its import-time code runs in its sandbox, as its own uid when we are root
+    check = check_capsule(folder, uids=capsule_uids(config_of(args)))
     if not check.ok:
         for problem in check.problems:
             print(f"astrid: {problem}", file=sys.stderr)

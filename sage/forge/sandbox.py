@@ -456,7 +456,7 @@ def build_args(
     env: Mapping[str, str],
     binds: Sequence[tuple[ResolvedBind, int]],
     impl_fd: int | None,
-    status_fd: int,
+    status_fd: int | None,
     network: bool,
     shim_fd: int | None = None,
     tmp_bytes: int = 64 * 1024 * 1024,
@@ -466,6 +466,11 @@ def build_args(
     loader_fd: int | None = None,
     forge_bytes: int = 0,
     seccomp_fd: int | None = None,
+    hostname: str = "forge",
+    chdir: str = "/tmp",
+    symlinks: Sequence[tuple[str, str]] = (),
+    userns: bool = True,
+    keep_caps: Sequence[str] = (),
 ) -> list[str]:
     """The bwrap options (they go through ``--args FD``; the command follows ``--``).
 
@@ -476,24 +481,31 @@ def build_args(
     The only writable filesystems are those tmpfs, each with its size cap
     (``SandboxError("bad_limits")`` for a size that is not positive: a tmpfs
     without one would take up to half the host's memory).
+
+    Installed capsules' workers (:mod:`sage.workers`) use the same sandbox
+    with no tool, their own ``hostname`` and ``chdir`` (their folder, a
+    ``ro`` bind), ``symlinks`` (``(target, link)``, made after the binds)
+    for the interpreter's path, and no ``status_fd``; as root, with
+    ``userns`` False (bwrap run by root mounts what the capsule's uid could
+    not reach, in the host's user namespace) and ``keep_caps``
+    (``CAP_SETUID``, ``CAP_SETGID``) for the ``setpriv`` that then drops to that uid.
     """
     for name, size in (("/tmp", tmp_bytes), ("/dev/shm", shm_bytes)):
         if size <= 0:
             raise SandboxError("bad_limits", f"the {name} tmpfs needs a size cap, got {size}")
-    args = ["--unshare-all"]
-    if network:
-        args.append("--share-net")
-    args += [
-        "--unshare-user",
-        "--disable-userns",
-        "--die-with-parent",
-        "--new-session",
-        "--cap-drop",
-        "ALL",
-        "--hostname",
-        "forge",
-        "--clearenv",
-    ]
+    if userns:
+        args = ["--unshare-all"]
+        if network:
+            args.append("--share-net")
+        args += ["--unshare-user", "--disable-userns"]
+    else:  # root's bwrap, in the host's user namespace (every other one unshared)
+        args = ["--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup"]
+        if not network:
+            args.append("--unshare-net")
+    args += ["--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+    for cap in keep_caps:
+        args += ["--cap-add", cap]
+    args += ["--hostname", hostname, "--clearenv"]
     for name, value in env.items():
         args += ["--setenv", name, value]
     args += ["--ro-bind", "/usr", "/usr"]
@@ -503,14 +515,23 @@ def build_args(
             args += ["--symlink", os.readlink(host), f"/{name}"]
         elif host.is_dir():
             args += ["--ro-bind", f"/{name}", f"/{name}"]
-    etc = _ETC_ALWAYS + (_ETC_NETWORK if network else ())
-    for name in etc:
-        if (root / "etc" / name).exists():
-            args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
+    # root's bwrap makes the folders it needs 0700, out of the dropped uid's reach
+    made: set[str] = set()
+
+    def dirs(paths: Iterable[str]) -> list[str]:
+        return [] if userns else _parent_dirs(paths, made)
+
+    etc = [f"/etc/{n}" for n in _ETC_ALWAYS + (_ETC_NETWORK if network else ())]
+    etc = [path for path in etc if (root / path[1:]).exists()]
+    args += dirs(etc)
+    for path in etc:
+        args += ["--ro-bind-try", path, path]
+    shared = [] if userns else ["--perms", "1777"]  # as in the host: every uid may write
     # bwrap's /dev is a tmpfs with no size cap (its /dev/shm a folder in it, half the
     # host's memory): /dev/shm is a capped tmpfs of its own and /dev read-only (below)
-    args += ["--proc", "/proc", "--dev", "/dev", "--size", str(shm_bytes), "--tmpfs", "/dev/shm"]
-    args += ["--size", str(tmp_bytes), "--tmpfs", "/tmp"]
+    args += ["--proc", "/proc", "--dev", "/dev"]
+    args += [*shared, "--size", str(shm_bytes), "--tmpfs", "/dev/shm"]
+    args += [*shared, "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
     if forge_bytes > 0:
         args += ["--size", str(forge_bytes), "--tmpfs", "/forge"]
     if impl_fd is not None:
@@ -519,16 +540,33 @@ def build_args(
         args += ["--perms", "0444", "--ro-bind-data", str(loader_fd), LOADER_PATH]
     if shim_fd is not None:
         args += ["--perms", "0444", "--ro-bind-data", str(shim_fd), f"{SHIM_DIR}/sitecustomize.py"]
+    args += dirs([str(b.path) for b, _ in binds] + [link for _, link in symlinks])
     for bind, fd in binds:
         option = "--ro-bind-fd" if bind.mode == "ro" else "--bind-fd"
         args += [option, str(fd), str(bind.path)]
+    for target, link in symlinks:
+        args += ["--symlink", target, link]
     # bwrap's root and /dev are tmpfs the sandbox uid may write, with no size cap:
     # read-only once everything is mounted (/tmp, /dev/shm and a spare's /forge are
     # capped mounts of their own; --remount-ro is not recursive)
     args += ["--remount-ro", "/dev", "--remount-ro", "/"]
     if seccomp_fd is not None:
         args += ["--seccomp", str(seccomp_fd)]
-    args += ["--json-status-fd", str(status_fd), "--chdir", "/tmp"]
+    if status_fd is not None:
+        args += ["--json-status-fd", str(status_fd)]
+    args += ["--chdir", chdir]
+    return args
+
+
+def _parent_dirs(paths: Iterable[str], made: set[str]) -> list[str]:
+    """``--perms 0755 --dir`` for each folder above ``paths`` not made yet (parents first)."""
+    args: list[str] = []
+    for path in paths:
+        for parent in reversed(Path(path).parents):
+            text = str(parent)
+            if text != "/" and text not in made and text not in ("/tmp", "/dev", "/proc"):
+                made.add(text)
+                args += ["--perms", "0755", "--dir", text]
     return args
 
 

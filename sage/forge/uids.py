@@ -61,11 +61,23 @@ def known_uid(uid: int) -> bool:
 class SandboxUids:
     """``principal -> uid`` for the sandbox, persisted under ``forge_dir``; see the module doc."""
 
-    def __init__(self, forge_dir: Path, base: int, count: int) -> None:
-        self.path = forge_dir / "sandbox_uids.json"
-        self.lock_path = forge_dir / "sandbox_uids.lock"
+    def __init__(
+        self,
+        forge_dir: Path,
+        base: int,
+        count: int,
+        *,
+        name: str = "sandbox_uids",
+        setting: str = "[forge] sandbox_uid",
+    ) -> None:
+        """``name``: the table's file name (``.json``, ``.lock``); ``setting``: the
+        config keys the errors point to (``<setting>_base``, ``<setting>_count``).
+        Installed capsules' workers use the same class, keyed by capsule name."""
+        self.path = forge_dir / f"{name}.json"
+        self.lock_path = forge_dir / f"{name}.lock"
         self.base = base
         self.count = count
+        self.setting = setting
         self._mutex = threading.Lock()
         self._cache: dict[str, int] = {}
 
@@ -124,7 +136,7 @@ class SandboxUids:
         raise SandboxError(
             "sandbox_uid_exhausted",
             f"no free sandbox uid left in {self.base}..{self.base + self.count - 1}"
-            " (raise [forge] sandbox_uid_count)",
+            f" (raise {self.setting}_count)",
         )
 
     def uid_for(self, principal: str | None) -> int:
@@ -138,6 +150,6 @@ class SandboxUids:
                 "sandbox_uid_taken",
                 f"sandbox uid {uid} ({name or 'no principal'}) now belongs to a user of this"
                 " host; forge will not share it (remove that user or move"
-                " [forge] sandbox_uid_base)",
+                f" {self.setting}_base)",
             )
         return uid

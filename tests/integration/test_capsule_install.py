@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.integration.daemon import ASTRID, Daemon, short_dir
+from tests.integration.daemon import ASTRID, Daemon, descendants, short_dir
 
 MANIFEST = """[package]
 name = "{name}"
@@ -160,3 +163,276 @@ def test_install_without_a_running_supervisor(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "it starts with the supervisor" in result.stdout
     assert (d.root / "state" / "capsules" / "my_capsule" / "Capsule.toml").is_file()
+
+
+# -- the sandbox of installed workers ------------------------------------------------
+
+PROBE_CODE = '''
+import json, os, socket
+import msgspec
+from sage.sdk import tool
+
+
+class ProbeArgs(msgspec.Struct):
+    audit: str
+    keys: str
+    home: str
+    control: str
+    port: int
+
+
+def _try(action):
+    try:
+        action()
+    except OSError as exc:
+        return type(exc).__name__
+    return "ok"
+
+
+def _loopback():
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        socket.create_connection(server.getsockname(), timeout=2).close()
+
+
+def _unix(path):
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(path)
+
+
+@tool("{tool}")
+async def probe(args: ProbeArgs) -> str:
+    """What this worker can reach."""
+    found = {{
+        "uid": os.getuid(),
+        "audit": _try(lambda: open(args.audit, "rb").read(1)),
+        "keys": _try(lambda: os.listdir(args.keys)),
+        "home": _try(lambda: os.listdir(args.home)),
+        "control": _try(lambda: _unix(args.control)),
+        "own_folder": _try(lambda: open("written-by-worker", "w").close()),
+        "tmp": _try(lambda: open("/tmp/scratch", "w").write("x")),
+        "loopback": _try(_loopback),
+        "memfd": _try(lambda: os.close(os.memfd_create("x"))),
+        "host_listener": _try(
+            lambda: socket.create_connection(("127.0.0.1", args.port), timeout=2).close()
+        ),
+    }}
+    return "PROBE" + json.dumps(found) + "EBORP"
+'''
+
+
+def _probe_capsule(root: Path, name: str, *, network: bool | None = None) -> Path:
+    tool = f"probe_{name}"
+    publish = f'"tool.v1.response.describe.{name}", "tool.v1.execute.{tool}.result"'
+    path = _capsule(
+        root, f"{name}_cap", name=name, publish=publish, code=PROBE_CODE.format(tool=tool)
+    )
+    manifest = (
+        (path / "Capsule.toml")
+        .read_text()
+        .replace("tool.v1.execute.hello", f"tool.v1.execute.{tool}")
+    )
+    if network is not None:
+        manifest += f"\n[sandbox]\nnetwork = {str(network).lower()}\n"
+    (path / "Capsule.toml").write_text(manifest)
+    return path
+
+
+def _call(d: Daemon, tool: str, arguments: dict[str, object], cid: str) -> dict[str, object]:
+    """A tool call through the bridge; what the probe found."""
+    listener = subprocess.Popen(
+        [*ASTRID, "bus", "sub", f"sage.v1.tool.result.{cid}", "-n", "1", "--config", str(d.config)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(0.5)  # let the subscription reach the supervisor
+    call = {
+        "session_id": "s",
+        "principal_id": None,
+        "tool_name": tool,
+        "arguments": arguments,
+        "tool_use_id": None,
+    }
+    assert d.astrid("bus", "pub", f"sage.v1.tool.call.{cid}", json.dumps(call)).returncode == 0
+    out, _ = listener.communicate(timeout=30)
+    text = json.dumps(json.loads(out)["payload"])
+    assert "PROBE" in text, text
+    found: dict[str, object] = json.loads(
+        json.loads(f'"{text.split("PROBE")[1].split("EBORP")[0]}"')
+    )
+    return found
+
+
+def _worker_pids(d: Daemon, name: str) -> list[int]:
+    """The host pids of the capsule's Python worker (under its bwrap)."""
+    rows = json.loads(d.astrid("capsule", "list", "--json").stdout)
+    pid = next(r for r in rows if r["name"] == name)["pid"]
+    assert pid
+    return [
+        p
+        for p in descendants(pid)
+        if Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[1:3] == [b"-m", b"sage.worker"]
+    ]
+
+
+def _uids(pid: int) -> list[int]:
+    line = next(
+        x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("Uid:")
+    )
+    return [int(v) for v in line.split()[1:]]
+
+
+def _sandbox_daemon(home: Path) -> Daemon:
+    home.mkdir(mode=0o700)
+    (home / "secret.txt").write_text("alice's")
+    extra = f'capsules = ["tools"]\n\n[[principals]]\nname = "alice"\nhome = "{home}"\n'
+    return Daemon(short_dir(), extra).start()
+
+
+def test_an_installed_worker_is_confined_under_a_uid_of_its_own(tmp_path: Path) -> None:
+    """As root: the worker runs as its own uid from [capsules] uid_base, reaches no state,
+    keys, home or control socket, cannot write its folder, has no network."""
+    d = _sandbox_daemon(tmp_path / "alice-home")
+    host = socket.socket()
+    host.bind(("127.0.0.1", 0))
+    host.listen(8)
+    try:
+        result = d.astrid("capsule", "install", str(_probe_capsule(tmp_path, "boxed")))
+        assert result.returncode == 0, result.stderr
+        _wait_for_tool(d, "mcp__sage__probe_boxed")
+        state = d.root / "state"
+        args = {
+            "audit": str(state / "audit.db"),
+            "keys": str(state / "keys"),
+            "home": str(tmp_path / "alice-home"),
+            "control": str(d.socket),
+            "port": host.getsockname()[1],
+        }
+        found = _call(d, "probe_boxed", args, "c1")
+        assert found["uid"] == 92000, found
+        for reach in ("audit", "keys", "home", "control"):
+            assert found[reach] in ("FileNotFoundError", "PermissionError"), (reach, found)
+        assert found["own_folder"] == "OSError"  # EROFS: its folder is read-only
+        assert not (state / "capsules" / "boxed_cap" / "written-by-worker").exists()
+        assert found["tmp"] == "ok"
+        assert found["loopback"] == "ok"  # a loopback of its own
+        assert found["host_listener"] == "ConnectionRefusedError"  # not the host's
+        assert found["memfd"] == "PermissionError"  # the forge's seccomp filter
+        (pid,) = _worker_pids(d, "boxed")
+        assert _uids(pid) == [92000] * 4  # real, effective, saved, filesystem: not root
+        limits = Path(f"/proc/{pid}/limits").read_text()
+        assert "Max processes             256                  256" in limits, limits
+        uids = json.loads((state / "capsule_uids.json").read_text())["uids"]
+        assert uids == {"boxed": 92000}
+    finally:
+        host.close()
+        d.stop()
+
+
+def test_network_only_when_the_manifest_declares_it(tmp_path: Path) -> None:
+    """[sandbox] network = true: the host's network (a host listener answers); each
+    capsule its own uid, kept across restarts of the supervisor."""
+    d = _sandbox_daemon(tmp_path / "alice-home")
+    host = socket.socket()
+    host.bind(("127.0.0.1", 0))
+    host.listen(8)
+    try:
+        for name, network in (("closed", False), ("netted", True)):
+            folder = _probe_capsule(tmp_path, name, network=network)
+            result = d.astrid("capsule", "install", str(folder))
+            assert result.returncode == 0, result.stderr
+            _wait_for_tool(d, f"mcp__sage__probe_{name}")
+        state = d.root / "state"
+        args = {
+            "audit": str(state / "audit.db"),
+            "keys": str(state / "keys"),
+            "home": str(tmp_path / "alice-home"),
+            "control": str(d.socket),
+            "port": host.getsockname()[1],
+        }
+        closed = _call(d, "probe_closed", args, "c1")
+        netted = _call(d, "probe_netted", args, "c2")
+        assert closed["host_listener"] == "ConnectionRefusedError"
+        assert netted["host_listener"] == "ok"
+        assert netted["loopback"] == "ok"
+        assert (closed["uid"], netted["uid"]) == (92000, 92001)
+        assert netted["audit"] in ("FileNotFoundError", "PermissionError")
+        assert netted["control"] in ("FileNotFoundError", "PermissionError")
+    finally:
+        host.close()
+        d.stop()
+    again = Daemon(d.root, "")
+    again.config = d.config
+    again.start()
+    try:
+        _wait_for_tool(again, "mcp__sage__probe_netted")
+        (pid,) = _worker_pids(again, "netted")
+        assert _uids(pid)[0] == 92001
+    finally:
+        again.stop()
+
+
+def test_a_killed_sandboxed_worker_is_restarted(tmp_path: Path) -> None:
+    """SIGKILL to the sandboxed worker: restarted (restarts 1), under the same uid, serving."""
+    d = _sandbox_daemon(tmp_path / "alice-home")
+    try:
+        result = d.astrid("capsule", "install", str(_probe_capsule(tmp_path, "boxed")))
+        assert result.returncode == 0, result.stderr
+        _wait_for_tool(d, "mcp__sage__probe_boxed")
+        (first,) = _worker_pids(d, "boxed")
+        os.kill(first, signal.SIGKILL)
+        for _ in range(200):
+            rows = json.loads(d.astrid("capsule", "list", "--json").stdout)
+            row = next(r for r in rows if r["name"] == "boxed")
+            if row["restarts"] == 1 and row["state"] == "running":
+                pids = _worker_pids(d, "boxed")
+                if pids and pids != [first]:
+                    break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"never restarted; log:\n{d.log()[-3000:]}")
+        (second,) = pids
+        assert _uids(second)[0] == 92000
+        args = {"audit": "/x", "keys": "/x", "home": "/x", "control": "/x", "port": 1}
+        assert _call(d, "probe_boxed", args, "c3")["uid"] == 92000
+    finally:
+        d.stop()
+    # the supervisor's stop ends the sandboxed worker cleanly (end of input, exit 0)
+    exits = [
+        json.loads(line)
+        for line in d.log().splitlines()
+        if '"capsule.worker_exited"' in line and '"boxed"' in line
+    ]
+    assert exits[-1]["status"] == "exit code 0"
+    assert not Path(f"/proc/{second}").exists()
+
+
+def test_the_check_imports_the_capsule_in_its_sandbox(tmp_path: Path) -> None:
+    """The entry's import-time code runs sandboxed, as the capsule's uid, not as the
+    installing root: it cannot write the host's files nor read the state folder."""
+    d = Daemon(short_dir())
+    marker = tmp_path / "written-at-import"
+    (d.root / "state").mkdir(mode=0o700)
+    (d.root / "state" / "audit.db").write_bytes(b"private")
+    code = (
+        "import os\n"
+        f"for path in ({str(marker)!r},):\n"
+        "    try:\n"
+        "        open(path, 'w').write('x')\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "try:\n"
+        f"    open({str(d.root / 'state' / 'audit.db')!r}, 'rb').read()\n"
+        "    raise RuntimeError('read the audit log')\n"
+        "except OSError:\n"
+        "    pass\n"
+        "if os.getuid() == 0:\n"
+        "    raise RuntimeError('imported as root')\n" + CODE
+    )
+    result = d.astrid("capsule", "install", str(_capsule(tmp_path, code=code)), "--check")
+    assert result.returncode == 0, result.stderr
+    assert "mine: good (1 tools)" in result.stdout
+    assert not marker.exists()
+    uids = json.loads((d.root / "state" / "capsule_uids.json").read_text())["uids"]
+    assert uids == {"mine": 92000}  # the uid it will run as, kept for the install

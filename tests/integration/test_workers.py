@@ -367,3 +367,55 @@ def test_worker_manifest_needs_no_entry(tmp_path: Path) -> None:
     (tmp_path / "Capsule.toml").write_text('[package]\nname = "w"\n[worker]\ncommand = ["x"]\n')
     manifest = load_manifest(tmp_path)
     assert manifest.worker == WorkerSpec(command=["x"])
+
+
+# -- the sandbox shape of a supervisor that is not root ----------------------------
+
+
+@pytest.mark.anyio
+async def test_user_namespace_sandbox_runs_the_worker_runtime(tmp_path: Path) -> None:
+    """The shape used when the supervisor is not root (setpriv, then bwrap in a user
+    namespace, no uid change), with real bwrap: sage.worker and the capsule import,
+    the folder is read-only, nothing else of the host's folder is there, no network."""
+    from sage.forge.sandbox import ensure_sandbox
+    from sage.forge.uids import SandboxUids
+    from sage.workers import WorkerSandbox, sandbox_command
+
+    folder = tmp_path / "cap"
+    folder.mkdir()
+    (folder / "capmod.py").write_text("X = 41\n")
+    (tmp_path / "secret").write_text("not for the capsule")
+    host = socket.socket()
+    host.bind(("127.0.0.1", 0))
+    host.listen(1)
+    code = (
+        "import os, socket, sage.worker, sage.sdk, capmod\n"
+        f"print(capmod.X + 1, os.path.exists({str(tmp_path / 'secret')!r}))\n"
+        "try:\n"
+        f"    socket.create_connection(('127.0.0.1', {host.getsockname()[1]}), timeout=2)\n"
+        "except OSError as exc:\n"
+        "    print(type(exc).__name__)\n"
+        "open('written', 'w')\n"
+    )
+    tools = await ensure_sandbox(uid=None)
+    sandbox = WorkerSandbox(uids=SandboxUids(tmp_path, 92000, 10))
+    argv, fds = sandbox_command(
+        tools,
+        sandbox,
+        argv=[sys.executable, "-c", code],
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(folder)},
+        folder=folder,
+        uid=None,
+    )
+    try:
+        with anyio.fail_after(60):
+            result = await anyio.run_process(argv, pass_fds=fds, check=False)
+    finally:
+        for fd in fds:
+            os.close(fd)
+        host.close()
+    out, err = result.stdout.decode(), result.stderr.decode()
+    assert out.split() == ["42", "False", "ConnectionRefusedError"], err
+    assert result.returncode == 1
+    assert "Read-only file system" in err
+    assert not (folder / "written").exists()

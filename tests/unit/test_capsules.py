@@ -154,3 +154,116 @@ async def test_crashed_run_leaves_no_subscription(
     with anyio.fail_after(5):
         await runner.run()
     assert bus.stats().subscriptions == 0
+
+
+def test_sandbox_network_is_declared_in_the_manifest(tmp_path: Path) -> None:
+    """``[sandbox] network``: false unless declared; a wrong type or key is refused."""
+    base = '[package]\nname = "x"\nentry = "m:f"\n'
+    assert load_manifest(_write(tmp_path / "a", base)).sandbox.network is False
+    on = load_manifest(_write(tmp_path / "b", base + "[sandbox]\nnetwork = true\n"))
+    assert on.sandbox.network is True
+    with pytest.raises(ConfigError, match="Expected `bool`"):
+        load_manifest(_write(tmp_path / "c", base + '[sandbox]\nnetwork = "yes"\n'))
+    with pytest.raises(ConfigError, match="unknown field `filesystem`"):
+        load_manifest(_write(tmp_path / "d", base + "[sandbox]\nfilesystem = true\n"))
+
+
+def _options(argv: list[str]) -> list[str]:
+    """The bwrap options of a sandbox command (they travel in the ``--args`` memfd)."""
+    fd = int(argv[argv.index("--args") + 1])
+    with open(f"/proc/self/fd/{fd}", "rb") as file:
+        return file.read().decode().split("\0")[:-1]
+
+
+@pytest.mark.parametrize("uid", [None, 92000])
+def test_worker_sandbox_command(tmp_path: Path, uid: int | None) -> None:
+    """Root: bwrap (as root) mounts, then setpriv inside drops to the capsule's uid;
+    otherwise setpriv then bwrap in a user namespace.  Either way the folder is a
+    read-only bind and the working folder, the network is unshared, /tmp capped."""
+    import os
+    import sys
+
+    from sage.bwrap import BwrapProbe
+    from sage.forge.uids import SandboxUids
+    from sage.workers import WorkerSandbox, python_paths, sandbox_command
+
+    tools = BwrapProbe(ok=True, path="/usr/bin/bwrap", setpriv="/usr/bin/setpriv", prlimit="/p")
+    sandbox = WorkerSandbox(uids=SandboxUids(tmp_path, 92000, 10), tmp_bytes=1 << 20)
+    folder = tmp_path / "cap"
+    folder.mkdir()
+    argv, fds = sandbox_command(
+        tools, sandbox, argv=[sys.executable, "-m", "x"], env={"A": "b"}, folder=folder, uid=uid
+    )
+    try:
+        options = _options(argv)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert argv[-4:] == ["--", sys.executable, "-m", "x"]
+    if uid is None:
+        assert argv[0] == "/usr/bin/setpriv"
+        assert "--reuid" not in argv
+        assert argv[argv.index("--args") - 1] == "/usr/bin/bwrap"
+        assert {"--unshare-all", "--unshare-user", "--disable-userns"} <= set(options)
+    else:
+        assert argv[:4] == ["/usr/bin/bwrap", "--args", argv[2], "--"]
+        inner = argv[4:]
+        setpriv = ["/usr/bin/setpriv", "--pdeathsig", "KILL", "--reuid", "92000"]
+        assert inner[:7] == [*setpriv, "--regid", "92000"]
+        assert "--clear-groups" in inner
+        assert "--unshare-user" not in options
+        assert {"--unshare-net", "--unshare-pid", "--unshare-ipc"} <= set(options)
+        caps = [options[i + 1] for i, o in enumerate(options) if o == "--cap-add"]
+        assert caps == ["CAP_SETUID", "CAP_SETGID"]
+    assert "--share-net" not in options
+    assert options[options.index("--chdir") + 1] == str(folder.resolve())
+    binds = [options[i + 2] for i, o in enumerate(options) if o == "--ro-bind-fd"]
+    assert str(folder.resolve()) in binds
+    assert "--bind-fd" not in options  # nothing of the host is writable
+    assert set(python_paths()[0]) <= set(binds)
+    at = options.index("/tmp")
+    assert options[at - 3 : at] == ["--size", str(1 << 20), "--tmpfs"]
+    at = options.index("A")
+    assert options[at - 1 : at + 2] == ["--setenv", "A", "b"]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("[capsules]\nuid_base = 90500\n", "overlaps \\[forge\\] sandbox_uid_base"),
+        ("[forge]\nsandbox_uid_base = 92500\n", "overlaps \\[forge\\] sandbox_uid_base"),
+        ("[capsules]\nuid_base = 65000\n", "65534"),
+        ("[capsules]\nuid_count = 0\n", "uid_count"),
+    ],
+)
+def test_capsule_uid_range_is_checked(text: str, expected: str) -> None:
+    """[capsules] uid_base..+uid_count: not the forge's uids, not nobody's."""
+    from sage.config import decode_config
+
+    assert decode_config("").capsules.uid_base == 92000
+    with pytest.raises(ConfigError, match=expected):
+        decode_config(text)
+
+
+def test_python_paths_are_the_runtime_only() -> None:
+    """The interpreter's set: no folder holds another, nothing under /usr, never the
+    project folder around the sage package, nor the whole venv."""
+    import os
+    import sys
+
+    import sage
+    from sage.workers import python_paths
+
+    paths, links = python_paths()
+    sage_dir = os.path.dirname(os.path.realpath(sage.__file__))
+    assert sage_dir in paths
+    assert os.path.dirname(sage_dir) not in paths
+    assert os.path.realpath(sys.prefix) not in paths
+    assert not [p for p in paths if p == "/usr" or p.startswith("/usr/")]
+    for path in paths:
+        assert not [o for o in paths if o != path and o.startswith(path + "/")], path
+    assert os.path.realpath(sys.executable) in paths or sys.executable.startswith("/usr/")
+    for target, link in links:
+        assert os.path.realpath(link) == target
+    # /usr is bound whole, its links with it: none made again over it
+    assert python_paths("/usr/bin/python3")[1] == []
