@@ -26,7 +26,7 @@ def _file(tmp_path: Path, text: str) -> str:
         ('[claude]\nbinnary = "x"\n', "claude: Object contains unknown field `binnary`"
          " (did you mean `binary`?)"),
         ("[forge]\nspare_sandbox = 1\n", "(did you mean `spare_sandboxes`?)"),
-        ("capsuls = []\n", "(did you mean `capsules` under [supervisor]?)"),
+        ('log_levle = "info"\n', "(did you mean `log_level` under [supervisor]?)"),
         ('[[principals]]\nname = "a"\nallowed_tool = []\n', "(did you mean `allowed_tools`?)"),
     ],
 )  # fmt: skip
