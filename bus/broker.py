@@ -345,8 +345,15 @@ class Bus:
             raise AclDenied(f"{owner.source} may not publish to {topic!r}")
         _check_size(payload, self.max_payload)
 
-    def has_subscribers(self, topic: str) -> bool:
-        return bool(self._trie.match(topic))
+    def has_subscribers(self, topic: str, *, principal: str | None = None) -> bool:
+        """Whether anyone subscribes to ``topic``; with ``principal``, anyone who would
+        receive an envelope of that principal (another principal's user does not)."""
+        subs = self._trie.match(topic)
+        if principal is None:
+            return bool(subs)
+        return any(
+            sub.owner.acl is None or sub.owner.principal in (None, principal) for sub in subs
+        )
 
     # -- request / reply ---------------------------------------------------
 

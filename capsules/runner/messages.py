@@ -8,8 +8,11 @@ import msgspec
 
 __all__ = (
     "ApprovalResponse",
+    "ApproveRequest",
     "IdentitySaved",
     "SendRequest",
+    "SessionRequest",
+    "SessionsRequest",
     "SettingsPatch",
     "SpawnRequest",
     "ToolResult",
@@ -54,13 +57,33 @@ class SettingsPatch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omi
     auth_mode: Literal["api_key", "subscription"] | None = None
     model: str | None = None
     max_turns: Annotated[int, msgspec.Meta(ge=0, le=10_000)] | None = None
+    allow_add: list[str] | None = None
+    """Tool-name patterns (``mcp__sage__*``) to allow without asking, from now on."""
+    allow_remove: list[str] | None = None
+    """Allow rules to drop."""
 
 
-class ApprovalResponse(msgspec.Struct, frozen=True):
-    """``approval.v1.response.<cid>``."""
+class ApprovalResponse(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``approval.v1.response.<cid>`` (published; the answer nobody hears): a typo such
+    as ``allowd`` is refused and audited, never read as a denial."""
 
     allowed: bool
-    reason: str | None = None
+    reason: Annotated[str, msgspec.Meta(max_length=1000)] | None = None
+
+
+class ApproveRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``sage.v1.request.approve.<cid>``: decide one pending approval; ``always`` (with
+    ``allowed``) also adds ``rule`` (default: the tool's name) to the principal's allow
+    rules."""
+
+    allowed: bool
+    reason: Annotated[str, msgspec.Meta(max_length=1000)] | None = None
+    always: bool = False
+    rule: str | None = None
+
+
+class ApprovalsRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``sage.v1.request.approvals``: the pending approvals the caller may answer."""
 
 
 class ToolResult(msgspec.Struct, frozen=True, rename={"is_error": "isError"}):

@@ -47,6 +47,7 @@ __all__ = (
     "save",
     "settings_path",
     "view",
+    "with_rules",
 )
 
 SCHEMA_VERSION: Final = 1
@@ -80,6 +81,11 @@ class PrincipalSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     auth_mode: Literal["api_key", "subscription"] = "api_key"
     model: Annotated[str, msgspec.Meta(max_length=128)] = ""
     max_turns: Annotated[int, msgspec.Meta(ge=0, le=10_000)] = 0
+    allow_rules: Annotated[
+        list[Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_*:.-]{1,128}$")]],
+        msgspec.Meta(max_length=256),
+    ] = []
+    """Tool-name patterns whose calls the runner allows without asking (``always``)."""
     updated_at: float = 0.0
 
 
@@ -96,8 +102,10 @@ def view(principal: PrincipalConfig) -> dict[str, Any]:
     return {field: getattr(principal, field) for field in FIELDS}
 
 
-def of(principal: PrincipalConfig) -> PrincipalSettings:
-    return PrincipalSettings(principal_id=principal.name, **view(principal))
+def of(principal: PrincipalConfig, stored: PrincipalSettings | None = None) -> PrincipalSettings:
+    """The settings of ``principal`` as in force, keeping ``stored``'s allow rules."""
+    rules = list(stored.allow_rules) if stored is not None else []
+    return PrincipalSettings(principal_id=principal.name, allow_rules=rules, **view(principal))
 
 
 def migrate(raw: dict[str, Any], name: str) -> dict[str, Any]:
@@ -166,6 +174,18 @@ def apply(base: PrincipalConfig, settings: PrincipalSettings | None) -> Principa
     if settings is None:
         return base
     return msgspec.structs.replace(base, **{f: getattr(settings, f) for f in FIELDS})
+
+
+def with_rules(current: PrincipalSettings, add: list[str], remove: list[str]) -> PrincipalSettings:
+    """``current`` with allow rules added (kept once, in order) and removed."""
+    rules = [r for r in current.allow_rules if r not in remove]
+    rules += [r for r in dict.fromkeys(add) if r not in rules]
+    try:
+        return msgspec.convert(
+            {**msgspec.to_builtins(current), "allow_rules": rules}, PrincipalSettings
+        )
+    except msgspec.ValidationError as exc:
+        raise SettingsCorrupt(str(exc)) from None
 
 
 def patched(current: PrincipalSettings, changes: dict[str, Any]) -> PrincipalSettings:

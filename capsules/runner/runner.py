@@ -39,6 +39,14 @@ import structlog
 
 from bus import BusError, Envelope
 from capsules.runner import principals
+from capsules.runner.approvals import (
+    Approvals,
+    Decision,
+    Pending,
+    UnknownApproval,
+    matches,
+    valid_rule,
+)
 from capsules.runner.command import (
     Launch,
     build_launch,
@@ -51,6 +59,8 @@ from capsules.runner.history import EventHistory
 from capsules.runner.mcp import McpServer
 from capsules.runner.messages import (
     ApprovalResponse,
+    ApprovalsRequest,
+    ApproveRequest,
     IdentitySaved,
     InstallComplete,
     InstallRequest,
@@ -158,6 +168,7 @@ class Runner:
         self.version = ""
         self.verdict: Verdict | None = None  # None: the version could not be read
         self.history = EventHistory()
+        self.approvals = Approvals()
         self._version_checked = anyio.Event()
         self._tg: anyio.abc.TaskGroup | None = None
 
@@ -176,6 +187,8 @@ class Runner:
             "sage.v1.request.interrupt.*": self._interrupt,
             "sage.v1.request.sessions": self._list,
             "sage.v1.request.session.*": self._session,
+            "sage.v1.request.approvals": self._approvals,
+            "sage.v1.request.approve.*": self._approve,
             "sage.v1.request.settings.set": self._settings,
             "sage.v1.request.install": self._install,
             "sage.v1.request.principals": self._principals,
@@ -402,12 +415,27 @@ class Runner:
         name = patch.principal_id
         base = self._configured(request, name)
         changes = {f: getattr(patch, f) for f in principals.FIELDS if getattr(patch, f) is not None}
-        if not changes:
+        add, remove = list(patch.allow_add or ()), list(patch.allow_remove or ())
+        bad = [r for r in add + remove if not valid_rule(r)]
+        if bad:
+            raise SessionError("bad_request", f"not a tool-name pattern: {', '.join(bad)}")
+        if not changes and not add and not remove:
             raise SessionError("bad_request", "the patch changes nothing")
+        if not changes:  # only allow rules: no files to rewrite
+            rules = await self._change_rules(name, add=add, remove=remove)
+            view = principals.view(self.principal(name) or base)
+            return {
+                "ok": True,
+                "principal_id": name,
+                "config": {**view, "allow_rules": rules},
+                "relinked": False,
+                "changed": [],
+            }
         async with self._lock(name):
             try:
-                before = principals.apply(base, principals.load(self.config.state_dir, name))
-                new = principals.patched(principals.of(before), changes)
+                stored = principals.load(self.config.state_dir, name)
+                before = principals.apply(base, stored)
+                new = principals.patched(principals.of(before, stored), changes)
             except SettingsError as exc:
                 raise SessionError(exc.code, str(exc)) from None
             # the files first: a failed relink leaves the settings as they were
@@ -420,10 +448,11 @@ class Runner:
                 raise SessionError("state_error", f"the settings were not saved: {exc}") from None
             after = principals.apply(base, new)
             self._changed(name, before, after)
+        rules = await self._change_rules(name, add=add, remove=remove)
         return {
             "ok": True,
             "principal_id": name,
-            "config": principals.view(after),
+            "config": {**principals.view(after), "allow_rules": rules},
             "relinked": done is not None,
             "changed": done.changed if done is not None else [],
         }
@@ -445,7 +474,7 @@ class Runner:
                 stored = None
             before = principals.apply(base, stored)
             try:
-                new = principals.patched(principals.of(before), changes)
+                new = principals.patched(principals.of(before, stored), changes)
             except SettingsError as exc:
                 raise SessionError("bad_request", str(exc)) from None
             if key and new.auth_mode != "api_key":
@@ -511,6 +540,7 @@ class Runner:
             except SecretError:
                 row["key_stored"] = None  # the store cannot be read: say so, not "no"
             row["operator_key"] = base.operator_key
+            row["allow_rules"] = self._allow_rules(base.name)
             row["sessions"] = sum(
                 1 for s in self.sessions.values() if s.record.principal_id == base.name
             )
@@ -1117,37 +1147,77 @@ class Runner:
     async def can_use_tool(
         self, proc: ClaudeProcess, request: CanUseToolRequest
     ) -> tuple[bool, str]:
+        """Decide a tool call that is not pre-allowed: an allow rule of the principal,
+        else the people listening on ``approval.v1.request.*`` (the first decision
+        wins, by ``sage.v1.request.approve.<cid>`` or ``approval.v1.response.<cid>``),
+        else deny; each outcome is an ``approval`` event and a ``tool_call`` audit."""
         cid = uuid.uuid4().hex
         topic = f"approval.v1.request.{cid}"
-        source = "approval"
-        allowed, why = False, "no approver answered"
-        if not self.ctx.bus.has_subscribers(topic):
-            source, why = "no_approver", "no approver is listening"
+        timeout = self.config.limits.approval_timeout
+        rule = matches(self._allow_rules(proc.principal_id), request.tool_name)
+        if rule is not None:
+            decision = Decision(True, "", "allow_rule")
+        elif not (
+            self.ctx.bus.has_subscribers(topic)
+            or self.ctx.bus.has_subscribers(
+                f"sage.v1.event.{proc.session_id}.approval_request",
+                principal=proc.principal_id,
+            )
+        ):  # nobody who may answer: not an admin or capsule, nor the session's own clients
+            decision = Decision(False, "no approver is listening", "no_approver")
         else:
-            with self.ctx.subscribe(f"approval.v1.response.{cid}") as answers:
-                self._publish(
-                    topic,
-                    {
+            pending = self.approvals.open(
+                cid,
+                session_id=proc.session_id,
+                principal_id=proc.principal_id,
+                tool_name=request.tool_name,
+                arguments=request.input,
+                tool_use_id=request.tool_use_id,
+                timeout=timeout,
+            )
+            try:
+                with self.ctx.subscribe(f"approval.v1.response.{cid}") as answers:
+                    asked = {
+                        "approval_id": cid,
                         "session_id": proc.session_id,
                         "principal_id": proc.principal_id,
                         "tool_name": request.tool_name,
                         "arguments": request.input,
                         "tool_use_id": request.tool_use_id,
-                    },
-                )
-                with anyio.move_on_after(self.config.limits.approval_timeout) as scope:
-                    async for answer in answers:
-                        if answer.principal not in (None, proc.principal_id):
-                            continue  # only the session's principal or an admin decides
-                        try:
-                            decision = msgspec.json.decode(answer.payload, type=ApprovalResponse)
-                        except (msgspec.ValidationError, msgspec.DecodeError):
-                            continue
-                        allowed = decision.allowed
-                        why = decision.reason or ("" if allowed else "denied by approver")
-                        break
-                if scope.cancelled_caught:
-                    source = "approval_timeout"
+                        "expires_at": pending.deadline,
+                    }
+                    self._publish(topic, asked)
+                    # the session's own clients (astrid sage send, watch) see it too,
+                    # and answer with sage.v1.request.approve.<cid>
+                    self._event(
+                        proc.session_id,
+                        "approval_request",
+                        {**asked, "turn": proc.turn.finished + 1},
+                        proc.principal_id,
+                    )
+                    with anyio.move_on_after(timeout):
+                        async with anyio.create_task_group() as tg:
+                            tg.start_soon(self._published_answers, answers, pending)
+                            await pending.done.wait()
+                            tg.cancel_scope.cancel()
+            finally:
+                self.approvals.close(cid)
+            decision = pending.decision or Decision(False, "no approver answered", "timeout")
+        self._event(
+            proc.session_id,
+            "approval",
+            {
+                "approval_id": cid,
+                "tool_name": request.tool_name,
+                "tool_use_id": request.tool_use_id,
+                "allowed": decision.allowed,
+                "source": decision.source,
+                "reason": decision.reason,
+                **({"rule": rule} if rule is not None else {}),
+                "turn": proc.turn.finished + 1,
+            },
+            proc.principal_id,
+        )
         self.audit(
             "tool_call",
             {
@@ -1156,11 +1226,97 @@ class Runner:
                 "call_id": cid,
                 "tool_use_id": request.tool_use_id,
                 "tool_name": request.tool_name,
-                "allowed": allowed,
-                "decision_source": source,
+                "allowed": decision.allowed,
+                "decision_source": _SOURCES.get(decision.source, decision.source),
+                **({"rule": rule} if rule is not None else {}),
             },
         )
-        return allowed, why
+        why = decision.reason or ("" if decision.allowed else "denied by approver")
+        return decision.allowed, why
+
+    async def _published_answers(self, answers: Any, pending: Pending) -> None:
+        """The older way to answer: a publish on ``approval.v1.response.<cid>``."""
+        async for answer in answers:
+            try:
+                msg = msgspec.json.decode(answer.payload, type=ApprovalResponse)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                # a typo (allowd) must not pass for a decision, nor vanish unseen
+                self.audit(
+                    "approval_malformed",
+                    {"approval_id": pending.cid, "source": answer.source, "error": str(exc)},
+                )
+                continue
+            with contextlib.suppress(UnknownApproval):
+                self.approvals.decide(
+                    pending.cid,
+                    answer.principal,
+                    Decision(msg.allowed, msg.reason or "", "approver"),
+                )
+                return
+
+    def _allow_rules(self, principal: str) -> list[str]:
+        try:
+            stored = principals.load(self.config.state_dir, principal)
+        except SettingsError:
+            return []  # a corrupt file allows nothing more
+        return list(stored.allow_rules) if stored is not None else []
+
+    async def _approvals(self, request: Envelope) -> dict[str, Any]:
+        msgspec.json.decode(request.payload or b"{}", type=ApprovalsRequest)
+        return {"ok": True, "approvals": self.approvals.listing(request.principal)}
+
+    async def _approve(self, request: Envelope) -> dict[str, Any]:
+        cid = request.topic.rsplit(".", 1)[1]
+        req = msgspec.json.decode(request.payload, type=ApproveRequest)
+        rule = req.rule or None
+        if req.always and not req.allowed:
+            raise SessionError("bad_request", "always applies to an approval, not a denial")
+        if rule is not None and not valid_rule(rule):
+            raise SessionError("bad_request", f"{rule!r} is not a tool-name pattern")
+        try:
+            pending = self.approvals.decide(
+                cid, request.principal, Decision(req.allowed, req.reason or "", "approver")
+            )
+        except UnknownApproval as exc:
+            raise SessionError("unknown_approval", str(exc)) from None
+        added = None
+        if req.always:
+            added = rule or pending.tool_name
+            await self._change_rules(pending.principal_id, add=[added], remove=[])
+        return {
+            "ok": True,
+            "approval_id": cid,
+            "allowed": req.allowed,
+            "session_id": pending.session_id,
+            "tool_name": pending.tool_name,
+            **({"rule_added": added} if added is not None else {}),
+        }
+
+    async def _change_rules(self, name: str, *, add: list[str], remove: list[str]) -> list[str]:
+        """Change a principal's allow rules through the settings path (saved, audited)."""
+        base = self.config.principal(name)
+        if base is None:
+            raise SessionError("unknown_principal", f"no principal {name!r} is configured")
+        async with self._lock(name):
+            try:
+                stored = principals.load(self.config.state_dir, name)
+                current = stored or principals.of(base)
+                new = principals.with_rules(current, add, remove)
+            except SettingsError as exc:
+                raise SessionError(exc.code, str(exc)) from None
+            try:
+                principals.save(self.config.state_dir, new)
+            except OSError as exc:
+                raise SessionError("state_error", f"the rules were not saved: {exc}") from None
+            self.audit(
+                "allow_rules_changed",
+                {
+                    "principal_id": name,
+                    "before": list(current.allow_rules),
+                    "after": list(new.allow_rules),
+                },
+            )
+        return list(new.allow_rules)
 
     async def hook_callback(
         self, proc: ClaudeProcess, request: HookCallbackRequest
@@ -1182,6 +1338,10 @@ class Runner:
                 },
             )
         return {"continue": True}
+
+
+#: decision_source in tool_call audit entries, as before approvals had a table
+_SOURCES = {"approver": "approval", "timeout": "approval_timeout"}
 
 
 def _ended_row(record: SessionRecord) -> dict[str, Any]:

@@ -9,8 +9,10 @@ ends: 0 for a good turn, 1 for an error or a session that ended.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -58,6 +60,14 @@ def register(sub: Any) -> None:
     )
     send.add_argument("session", metavar="SID")
     send.add_argument("text", metavar="TEXT")
+    send.add_argument(
+        "--approve",
+        choices=("prompt", "deny", "ask"),
+        default=None,
+        help="a tool call that needs approval: prompt (the default on a terminal: yes,"
+        " always, no), deny (the default otherwise, said on stderr) or ask (leave it to"
+        " `astrid sage approvals`, until it times out)",
+    )
     send.add_argument(
         "--timeout", type=float, default=0.0, help="give up after this many seconds (0: never)"
     )
@@ -108,8 +118,48 @@ def register(sub: Any) -> None:
     settings.add_argument("--max-turns", type=int, help="--max-turns (0: none)")
     settings.add_argument("--auth-mode", choices=("api_key", "subscription"))
     settings.add_argument("--interaction-mode", choices=("headless", "repl"))
+    settings.add_argument(
+        "--allow",
+        action="append",
+        metavar="PATTERN",
+        help="allow tool calls matching PATTERN (mcp__sage__*) without asking; repeatable",
+    )
+    settings.add_argument(
+        "--disallow", action="append", metavar="PATTERN", help="drop an allow rule; repeatable"
+    )
     _common(settings, add_common)
     settings.set_defaults(handler=_settings)
+
+    approvals = commands.add_parser(
+        "approvals",
+        help="list the tool calls waiting for your approval",
+        description="List pending approvals you may answer (your principal's; an admin: all),"
+        " with their age and the time left. --watch asks about each as it comes.",
+    )
+    approvals.add_argument(
+        "--watch", action="store_true", help="ask at the terminal about each new one"
+    )
+    _common(approvals, add_common)
+    approvals.set_defaults(handler=_approvals)
+    approve = commands.add_parser(
+        "approve", help="allow a pending tool call", description="Allow pending approval ID."
+    )
+    approve.add_argument("approval_id", metavar="ID")
+    approve.add_argument(
+        "--always",
+        action="store_true",
+        help="and allow this tool from now on for the principal (an allow rule)",
+    )
+    approve.add_argument("--rule", metavar="PATTERN", help="with --always: this pattern instead")
+    _common(approve, add_common)
+    approve.set_defaults(handler=_decide, allowed=True)
+    deny = commands.add_parser(
+        "deny", help="deny a pending tool call", description="Deny pending approval ID."
+    )
+    deny.add_argument("approval_id", metavar="ID")
+    deny.add_argument("--reason", help="what Claude is told")
+    _common(deny, add_common)
+    deny.set_defaults(handler=_decide, allowed=False)
 
     from sage.cli import principals_cmd
 
@@ -167,6 +217,7 @@ async def _send(args: argparse.Namespace) -> int:
         with anyio.open_signal_receiver(signal.SIGINT) as signals:
             sent = await _call(client, f"sage.v1.request.send.{sid}", {"text": text}, 10.0)
             turn = _Turn(client, sid, int(sent.get("turn") or 0), json_output=args.json)
+            turn.approve = args.approve or ("prompt" if sys.stdin.isatty() else "deny")
             with anyio.fail_after(args.timeout or None):
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(turn.watch_interrupts, signals)
@@ -176,6 +227,59 @@ async def _send(args: argparse.Namespace) -> int:
 
 
 ARGS_SHOWN = 120  # characters of a tool call's arguments send prints
+
+
+async def _ask_at_terminal(request: dict[str, Any]) -> dict[str, Any] | None:
+    """:func:`_ask` in a daemon thread: a question left open when the turn ends (it timed
+    out, someone else answered) must not keep astrid waiting for a line at exit."""
+    token = anyio.lowlevel.current_token()
+    done = anyio.Event()
+    box: list[dict[str, Any] | None] = []
+
+    def run() -> None:
+        try:
+            box.append(_ask(request))
+        finally:
+            with contextlib.suppress(Exception):  # the loop may be gone: nobody waits
+                anyio.from_thread.run_sync(done.set, token=token)
+
+    threading.Thread(target=run, name="astrid-approval", daemon=True).start()
+    await done.wait()
+    return box[0] if box else None
+
+
+def _ask(request: dict[str, Any]) -> dict[str, Any] | None:
+    """The approval question at the terminal (run in a thread: input blocks)."""
+    tool = str(request.get("tool_name", "?"))
+    args = msgspec.json.encode(request.get("arguments", {})).decode()
+    if len(args) > ARGS_SHOWN:
+        args = args[: ARGS_SHOWN - 3] + "..."
+    left = max(0.0, float(request.get("expires_at") or 0.0) - time.time())
+    principal = request.get("principal_id", "")
+    sys.stderr.write(
+        f"\n[approval] Claude wants to run {tool} {args}\n"
+        f"  y = yes, a = yes, and always for {principal} ({tool}), n = no"
+        f" ({left:.0f} s to answer)\n"
+    )
+    while True:
+        sys.stderr.write("allow? [y/a/n] ")
+        sys.stderr.flush()
+        try:
+            line = sys.stdin.readline()
+        except (OSError, ValueError):
+            return None
+        if not line:
+            return None  # the terminal closed: leave it to time out
+        choice = line.strip().lower()
+        if choice in ("y", "yes"):
+            return {"allowed": True}
+        if choice in ("a", "always"):
+            return {"allowed": True, "always": True}
+        if choice in ("n", "no"):
+            sys.stderr.write("reason (optional, Enter for none): ")
+            sys.stderr.flush()
+            reason = sys.stdin.readline().strip()
+            return {"allowed": False, **({"reason": reason} if reason else {})}
 
 
 def _tool_use(data: dict[str, Any]) -> str:
@@ -200,8 +304,25 @@ def _retry(data: dict[str, Any]) -> str:
     )
 
 
+def _approval_line(data: dict[str, Any]) -> str:
+    source = str(data.get("source", ""))
+    if source == "timeout":
+        verdict = "timed out: denied"
+    elif data.get("allowed"):
+        verdict = f"allowed by the rule {data['rule']}" if data.get("rule") else "allowed"
+    else:
+        reason = data.get("reason") or ""
+        verdict = "denied" + (f": {reason}" if reason else "")
+    return f"[approval] {data.get('tool_name')} {verdict}"
+
+
 #: Events send prints on stderr, one line each, beside the reply on stdout.
-_NOTES = {"tool_use": _tool_use, "tool_result": _tool_result, "retry": _retry}
+_NOTES = {
+    "tool_use": _tool_use,
+    "tool_result": _tool_result,
+    "retry": _retry,
+    "approval": _approval_line,
+}
 
 
 class _Turn:
@@ -215,8 +336,17 @@ class _Turn:
         self.json = json_output
         self.interrupted = False
         self.scope: anyio.CancelScope | None = None
+        self.approve = "deny"  # prompt | deny | ask
+        self._prompting = anyio.Lock()
 
     async def follow(self, events: Any) -> int:
+        async with anyio.create_task_group() as prompts:
+            self._prompts = prompts
+            code = await self._follow(events)
+            prompts.cancel_scope.cancel()
+        return code
+
+    async def _follow(self, events: Any) -> int:
         out = sys.stdout
         with anyio.CancelScope() as self.scope:
             async for envelope in events:
@@ -231,6 +361,8 @@ class _Turn:
                     out.flush()
                 elif name in _NOTES:
                     print(_NOTES[name](data), file=sys.stderr, flush=True)
+                if name == "approval_request":
+                    self._prompts.start_soon(self._approval, data)
                 if name == "done":
                     if not self.json:
                         out.write("\n")
@@ -247,6 +379,36 @@ class _Turn:
             raise SageError("the connection ended before the turn did")
         print(f"astrid: detached; session {self.sid} goes on", file=sys.stderr)
         return 130
+
+    async def _approval(self, request: dict[str, Any]) -> None:
+        """Answer an approval this turn needs: ask at the terminal, deny, or leave it."""
+        cid = str(request.get("approval_id", ""))
+        if self.approve == "ask":
+            print(
+                f"[approval] waiting: `astrid sage approve {cid}` or `astrid sage deny {cid}`",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        if self.approve == "deny":
+            print(
+                f"[approval] {request.get('tool_name')} denied: no terminal to ask"
+                " (--approve prompt|ask)",
+                file=sys.stderr,
+                flush=True,
+            )
+            await self._answer(cid, {"allowed": False, "reason": "denied: nobody to ask"})
+            return
+        async with self._prompting:  # one question at a time
+            answer = await _ask_at_terminal(request)
+        if answer is not None:
+            await self._answer(cid, answer)
+
+    async def _answer(self, cid: str, answer: dict[str, Any]) -> None:
+        try:
+            await _call(self.client, f"sage.v1.request.approve.{cid}", answer, 10.0)
+        except (SageError, BusError) as exc:
+            print(f"astrid: the answer was not taken: {exc}", file=sys.stderr, flush=True)
 
     async def watch_interrupts(self, signals: Any) -> None:
         async with anyio.create_task_group() as tg:
@@ -358,14 +520,96 @@ async def _watch(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _approvals(args: argparse.Namespace) -> int:
+    async with connect(args) as client:
+        if args.watch:
+            return await _watch_approvals(client)
+        data = await _call(client, "sage.v1.request.approvals", {}, 10.0)
+    rows = data["approvals"]
+    if args.json:
+        print_json(rows)
+        return 0
+    if not rows:
+        print("no pending approvals")
+        return 0
+    print(f"{'ID':<32}  {'SESSION':<14} {'PRINCIPAL':<12} {'AGE':>5} {'LEFT':>5}  TOOL")
+    for row in rows:
+        print(
+            f"{row['approval_id']:<32}  {row['session_id']:<14} {row['principal_id']:<12}"
+            f" {row['age_s']:>4.0f}s {row['expires_in_s']:>4.0f}s  {row['tool_name']}"
+            f" {_short(row.get('arguments', {}))}"
+        )
+    return 0
+
+
+async def _watch_approvals(client: Any) -> int:
+    """Ask about each approval of the caller's sessions as it comes, one at a time."""
+    requests = await client.subscribe("sage.v1.event.*.approval_request")
+    print("waiting for approvals (Ctrl-C to stop)", file=sys.stderr, flush=True)
+    async for envelope in requests:
+        request = msgspec.json.decode(envelope.payload)
+        answer = await _ask_at_terminal(request)
+        if answer is None:
+            return 0
+        try:
+            await _call(
+                client, f"sage.v1.request.approve.{request.get('approval_id')}", answer, 10.0
+            )
+        except SageError as exc:
+            print(f"astrid: {exc}", file=sys.stderr, flush=True)
+    return 0
+
+
+async def _decide(args: argparse.Namespace) -> int:
+    answer: dict[str, Any] = {"allowed": args.allowed}
+    if not args.allowed and args.reason:
+        answer["reason"] = args.reason
+    if args.allowed and args.always:
+        answer["always"] = True
+        if args.rule:
+            answer["rule"] = args.rule
+    async with connect(args) as client:
+        data = await _call(client, f"sage.v1.request.approve.{args.approval_id}", answer, 10.0)
+    if args.json:
+        print_json(data)
+    else:
+        verb = "allowed" if args.allowed else "denied"
+        rule = f"; from now on allowed: {data['rule_added']}" if data.get("rule_added") else ""
+        print(f"{verb}: {data['tool_name']} in session {data['session_id']}{rule}")
+    return 0
+
+
+def _short(arguments: Any) -> str:
+    text = msgspec.json.encode(arguments).decode()
+    return text if len(text) <= ARGS_SHOWN else text[: ARGS_SHOWN - 3] + "..."
+
+
 async def _settings(args: argparse.Namespace) -> int:
     patch: dict[str, Any] = {"principal_id": args.principal_id}
     for field in ("model", "max_turns", "auth_mode", "interaction_mode"):
         value = getattr(args, field)
         if value is not None:
             patch[field] = value
+    if args.allow:
+        patch["allow_add"] = args.allow
+    if args.disallow:
+        patch["allow_remove"] = args.disallow
     async with connect(args) as client:
-        data = await _call(client, "sage.v1.request.settings.set", patch, 10.0)
+        if len(patch) == 1:  # no change asked: show the settings in force
+            listing = await _call(client, "sage.v1.request.principals", {}, 10.0)
+            row = next(
+                (r for r in listing["principals"] if r["principal_id"] == args.principal_id),
+                None,
+            )
+            if row is None:
+                raise SageError(f"unknown_principal: no principal {args.principal_id!r}")
+            shown = {
+                k: row.get(k)
+                for k in ("interaction_mode", "auth_mode", "model", "max_turns", "allow_rules")
+            }
+            data: dict[str, Any] = {"ok": True, "principal_id": args.principal_id, "config": shown}
+        else:
+            data = await _call(client, "sage.v1.request.settings.set", patch, 10.0)
     if args.json:
         print_json(data)
     else:

@@ -263,6 +263,30 @@ async def test_can_use_tool_goes_to_the_approval_topics(
         assert [d["tool_name"] for d in done["permission_denials"]] == ["mcp__sage__greet"]
 
 
+async def test_an_approval_asked_inline_at_a_real_terminal(sage: Sage, standin: Standin) -> None:
+    """The real CLI asks can_use_tool; `astrid sage send` on a pseudo-terminal asks the
+    user, who says yes; the call runs and Claude finishes the turn."""
+    from tests.integration.test_approvals import Terminal
+
+    calls = await _tool_bridge(sage)
+    await sage.ready("inline")
+    standin.push(ToolUse("mcp__sage__greet", {"name": "Ada"}), Text("finished"))
+    term = Terminal(sage, "inline", "greet Ada")
+    await term.expect(b'Claude wants to run mcp__sage__greet {"name":"Ada"}')
+    await term.expect(b"allow? [y/a/n]")
+    term.type("y")
+    call = await calls.get()
+    sage.client.publish(
+        f"sage.v1.tool.result.{call.topic.rsplit('.', 1)[1]}",
+        {"content": [{"type": "text", "text": "Hello, Ada!"}], "isError": False},
+    )
+    await sage.client.flush()
+    await term.expect(b"[approval] mcp__sage__greet allowed")
+    code, out = await term.finish()
+    assert (code, out) == (0, "finished\n")
+    assert "Hello, Ada!" in str(standin.messages[-1].tool_results()[0]["content"])
+
+
 @pytest.mark.parametrize(
     ("status", "kind"), [(401, "authentication_error"), (403, "permission_error")]
 )

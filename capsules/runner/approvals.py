@@ -1,0 +1,145 @@
+"""Pending tool-call approvals: who asked, for what, until when, and who may answer.
+
+When Claude wants a tool that is not pre-allowed, the CLI sends
+``can_use_tool`` and the runner asks people: it publishes
+``approval.v1.request.<cid>`` and waits.  This module keeps the table of
+those waits (:class:`Approvals`), with no I/O: the runner opens an entry,
+the decision comes from ``sage.v1.request.approve.<cid>`` (``astrid sage
+send`` on a terminal, ``astrid sage approve``/``deny``/``approvals --watch``)
+or the older ``approval.v1.response.<cid>`` topic, and the first decision
+wins.  A decision for an id that is unknown, already decided or past its
+deadline, or that belongs to another principal, is refused: the caller learns
+that nothing happened instead of believing it approved something.
+
+Allow rules (``astrid sage send``'s "always", ``astrid sage settings
+--allow``) are tool-name patterns (``mcp__sage__*``) kept in the principal's
+settings; :func:`matches` decides whether one covers a call.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import anyio
+
+__all__ = (
+    "RULE_PATTERN",
+    "Approvals",
+    "Decision",
+    "Pending",
+    "UnknownApproval",
+    "matches",
+    "valid_rule",
+)
+
+RULE_PATTERN: Final = r"^[A-Za-z0-9_*:.-]{1,128}\Z"
+ARGS_SHOWN: Final = 4096  # encoded bytes of the arguments a listing shows whole
+
+
+def valid_rule(rule: str) -> bool:
+    """A tool-name pattern as allow rules hold them (``*`` the only wildcard)."""
+    return re.match(RULE_PATTERN, rule) is not None
+
+
+def matches(rules: list[str] | tuple[str, ...], tool_name: str) -> str | None:
+    """The first rule that allows ``tool_name``, or None."""
+    for rule in rules:
+        if fnmatch.fnmatchcase(tool_name, rule):  # valid rules hold no [ ] ?
+            return rule
+    return None
+
+
+class UnknownApproval(Exception):
+    """No pending approval of that id for that caller (unknown, decided or expired)."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    allowed: bool
+    reason: str
+    source: str  # who decided: approver | timeout | no_approver | allow_rule
+
+
+@dataclass
+class Pending:
+    cid: str
+    session_id: str
+    principal_id: str
+    tool_name: str
+    arguments: dict[str, Any]
+    tool_use_id: str | None
+    started: float
+    deadline: float
+    done: anyio.Event = field(default_factory=anyio.Event)
+    decision: Decision | None = None
+
+    def row(self, now: float) -> dict[str, Any]:
+        return {
+            "approval_id": self.cid,
+            "session_id": self.session_id,
+            "principal_id": self.principal_id,
+            "tool_name": self.tool_name,
+            "arguments": self.arguments,
+            "tool_use_id": self.tool_use_id,
+            "age_s": round(now - self.started, 1),
+            "expires_in_s": round(max(0.0, self.deadline - now), 1),
+        }
+
+
+class Approvals:
+    """The table of pending approvals; see the module docstring."""
+
+    def __init__(self, clock: Any = time.time) -> None:
+        self._clock = clock
+        self._pending: dict[str, Pending] = {}
+
+    def open(
+        self,
+        cid: str,
+        *,
+        session_id: str,
+        principal_id: str,
+        tool_name: str,
+        arguments: dict[str, Any],
+        tool_use_id: str | None,
+        timeout: float,
+    ) -> Pending:
+        now = self._clock()
+        pending = Pending(
+            cid, session_id, principal_id, tool_name, arguments, tool_use_id, now, now + timeout
+        )
+        self._pending[cid] = pending
+        return pending
+
+    def close(self, cid: str) -> None:
+        self._pending.pop(cid, None)
+
+    def decide(self, cid: str, decider: str | None, decision: Decision) -> Pending:
+        """Settle ``cid`` for ``decider`` (a principal, or None for an admin)."""
+        pending = self._pending.get(cid)
+        if (
+            pending is None
+            or pending.decision is not None
+            or decider not in (None, pending.principal_id)
+            or self._clock() > pending.deadline
+        ):
+            raise UnknownApproval(f"no pending approval {cid!r} (unknown, decided or expired)")
+        pending.decision = decision
+        pending.done.set()
+        return pending
+
+    def listing(self, principal: str | None) -> list[dict[str, Any]]:
+        """What ``principal`` may answer (an admin: everything), oldest first."""
+        now = self._clock()
+        return [
+            p.row(now)
+            for p in sorted(self._pending.values(), key=lambda p: p.started)
+            if p.decision is None and principal in (None, p.principal_id) and now <= p.deadline
+        ]
+
+    def __len__(self) -> int:
+        return len(self._pending)

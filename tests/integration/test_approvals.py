@@ -1,0 +1,194 @@
+"""Approvals where the user is: astrid sage send asks inline on a terminal (through a
+real pseudo-terminal), astrid sage approvals / approve / deny, allow rules."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import sqlite3
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from tests.integration.daemon import ASTRID, short_dir
+from tests.integration.sage_harness import Sage, running_sage, sage_config
+
+pytestmark = pytest.mark.anyio
+
+FAKE = Path(__file__).resolve().parents[1] / "doubles" / "fake_claude.py"
+ENV = {"ANTHROPIC_API_KEY": "sk-double"}
+ASK = '/fault ask mcp__sage__greet {"name":"Ada"}'
+
+
+def _config(approval_timeout: float = 20.0) -> str:
+    limits = (
+        f"[limits]\nstop_grace = 0.5\ninit_timeout = 5.0\napproval_timeout = {approval_timeout}\n"
+    )
+    return sage_config(FAKE, {"FAKE_CLAUDE_MODE": ""}, extra=limits)
+
+
+@pytest.fixture
+async def sage() -> AsyncIterator[Sage]:
+    async with running_sage(_config(), env=ENV, root=short_dir()) as running:
+        yield running
+
+
+class Terminal:
+    """`astrid sage send` with its stdin and stderr on a pseudo-terminal."""
+
+    def __init__(self, sage: Sage, sid: str, text: str) -> None:
+        self.master, slave = pty.openpty()
+        self.proc = subprocess.Popen(
+            [*ASTRID, "sage", "send", sid, text, "--config", str(sage.daemon.config)],
+            stdin=slave,
+            stdout=subprocess.PIPE,
+            stderr=slave,
+            env=sage.daemon.env,
+        )
+        os.close(slave)
+        self.screen = b""
+
+    async def expect(self, text: bytes, within: float = 15.0) -> None:
+        with anyio.fail_after(within):
+            while text not in self.screen:
+                try:
+                    chunk = await anyio.to_thread.run_sync(os.read, self.master, 4096)
+                except OSError:  # EIO: the process closed the terminal
+                    chunk = b""
+                if not chunk:
+                    raise AssertionError(
+                        f"{text!r} never came; the terminal showed:\n{self.screen!r}"
+                    )
+                self.screen += chunk
+
+    def type(self, line: str) -> None:
+        os.write(self.master, line.encode() + b"\n")
+
+    async def finish(self, within: float = 15.0) -> tuple[int, str]:
+        with anyio.fail_after(within):
+            code = await anyio.to_thread.run_sync(self.proc.wait)
+        assert self.proc.stdout is not None
+        with self.proc.stdout:
+            out = self.proc.stdout.read().decode()
+        os.close(self.master)
+        return code, out
+
+
+async def test_yes_at_the_terminal_allows_the_call(sage: Sage) -> None:
+    await sage.ready("t1")
+    term = Terminal(sage, "t1", ASK)
+    await term.expect(b'Claude wants to run mcp__sage__greet {"name":"Ada"}')
+    await term.expect(b"allow? [y/a/n]")
+    term.type("y")
+    await term.expect(b"[approval] mcp__sage__greet allowed")
+    code, out = await term.finish()
+    assert (code, out) == (0, "allowed\n")
+
+
+async def test_always_allows_this_call_and_every_later_one(sage: Sage) -> None:
+    await sage.ready("t2")
+    term = Terminal(sage, "t2", ASK)
+    await term.expect(b"allow? [y/a/n]")
+    term.type("a")
+    code, out = await term.finish()
+    assert (code, out) == (0, "allowed\n")
+    # the next call is allowed by the rule, with nobody asked and nobody listening
+    code, out, err = await sage.astrid("sage", "send", "t2", ASK)
+    assert (code, out) == (0, "allowed\n"), err
+    assert "[approval] mcp__sage__greet allowed by the rule mcp__sage__greet" in err
+    code, out, err = await sage.astrid("sage", "settings", "alice")
+    assert code == 0, err
+    assert "allow_rules       ['mcp__sage__greet']" in out
+    code, out, err = await sage.astrid(
+        "sage", "settings", "alice", "--disallow", "mcp__sage__greet"
+    )
+    assert code == 0, err
+    code, out, err = await sage.astrid("sage", "send", "t2", ASK)  # off a terminal: deny
+    assert out.startswith("denied"), (out, err)
+
+
+async def test_no_with_a_reason_denies_and_claude_is_told_why(sage: Sage) -> None:
+    await sage.ready("t3")
+    term = Terminal(sage, "t3", ASK)
+    await term.expect(b"allow? [y/a/n]")
+    term.type("n")
+    await term.expect(b"reason (optional")
+    term.type("not on Fridays")
+    await term.expect(b"[approval] mcp__sage__greet denied: not on Fridays")
+    code, out = await term.finish()
+    assert (code, out) == (0, "denied: not on Fridays\n")
+
+
+async def test_an_unanswered_prompt_times_out_as_a_denial() -> None:
+    async with running_sage(_config(approval_timeout=1.5), env=ENV) as sage:
+        await sage.ready("t4")
+        term = Terminal(sage, "t4", ASK)
+        await term.expect(b"allow? [y/a/n]")
+        await term.expect(b"[approval] mcp__sage__greet timed out: denied")
+        code, out = await term.finish()  # the turn goes on without waiting for the prompt
+        assert (code, out) == (0, "denied: no approver answered\n")
+
+
+async def test_off_a_terminal_the_default_is_deny_and_said(sage: Sage) -> None:
+    await sage.ready("t5")
+    code, out, err = await sage.astrid("sage", "send", "t5", ASK)
+    assert (code, out) == (0, "denied: denied: nobody to ask\n"), err
+    assert "[approval] mcp__sage__greet denied: no terminal to ask (--approve prompt|ask)" in err
+
+
+async def test_approvals_lists_and_approve_answers_from_another_terminal(sage: Sage) -> None:
+    await sage.ready("t6")
+    sender = await anyio.open_process(
+        [*ASTRID, "sage", "send", "t6", ASK, "--approve", "ask", "--config",
+         str(sage.daemon.config)],
+        env=sage.daemon.env,
+    )  # fmt: skip
+    rows: list[dict[str, Any]] = []
+    with anyio.fail_after(15):
+        while not rows:
+            code, out, err = await sage.astrid("sage", "approvals", "--json")
+            assert code == 0, err
+            rows = json.loads(out)
+    (row,) = rows
+    assert (row["session_id"], row["tool_name"]) == ("t6", "mcp__sage__greet")
+    assert row["arguments"] == {"name": "Ada"}
+    assert 0 < row["expires_in_s"] <= 20
+    code, out, err = await sage.astrid("sage", "approvals")
+    assert row["approval_id"] in out
+    code, out, err = await sage.astrid("sage", "approve", "nosuchid")
+    assert code == 1
+    assert "unknown_approval" in err
+    code, out, err = await sage.astrid("sage", "approve", row["approval_id"])
+    assert (code, out) == (0, "allowed: mcp__sage__greet in session t6\n"), err
+    code, out, err = await sage.astrid("sage", "deny", row["approval_id"])  # decided already
+    assert code == 1
+    assert "unknown_approval" in err
+    with anyio.fail_after(15):
+        assert await sender.wait() == 0
+    assert sender.stdout is not None
+    assert (await sender.stdout.receive()).decode() == "allowed\n"
+    await sender.aclose()
+
+
+async def test_a_misspelt_published_answer_is_audited_not_taken() -> None:
+    root = short_dir()
+    async with running_sage(_config(approval_timeout=3), env=ENV, root=root) as sage:
+        await sage.ready("t7")
+        requests = await sage.client.subscribe("approval.v1.request.*")
+        await sage.send("t7", ASK)
+        request = await requests.get()
+        cid = request.topic.rsplit(".", 1)[1]
+        sage.client.publish(f"approval.v1.response.{cid}", {"allowd": True})
+        await sage.client.flush()
+        events = await sage.events("t7")
+        text, _ = await events.text_until_done()
+        assert text == "denied: no approver answered"  # the typo was no decision
+    db = sqlite3.connect(f"file:{root / 'state' / 'audit.db'}?mode=ro", uri=True)
+    kinds = [k for (k,) in db.execute("SELECT kind FROM entries")]
+    db.close()
+    assert "sage.v1.audit.approval_malformed" in kinds
