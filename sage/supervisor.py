@@ -32,6 +32,8 @@ from sage.capsules import CapsuleRunner, capsule_folder, load_manifest
 from sage.config import Config, load_config
 from sage.errors import AuditError, ConfigError, SageError
 from sage.logs import configure_logging, log_loop_errors
+from sage.runas import SessionUids, access_group
+from sage.runas import enabled as runs_children_as_principals
 from sage.sdnotify import Notifier, watchdog_interval
 from sage.state import StateStore
 from sage.workers import WorkerRunner
@@ -239,6 +241,8 @@ class Supervisor:
         self.started_at = 0.0
         self.notifier = Notifier()
         self.reloads = 0
+        self.session_uids = SessionUids(config)
+        """Whose children run as which uid (supervisor root): their ``emit`` access."""
         self._outer: anyio.CancelScope | None = None
         self._denials = DenialLimiter()
         self.capsules = [self._capsule(name) for name in config.supervisor.capsules]
@@ -298,7 +302,22 @@ class Supervisor:
         admin = config.is_admin(peer.uid)
         allowed = config.principals_for_uid(peer.uid)
         if not admin and not allowed:
-            raise NotAuthorized(f"uid {peer.uid} may not act for any principal")
+            # a principal's claude child (supervisor root): its hooks' astrid-emit only
+            session_of = self.session_uids.principal_of(peer.uid)
+            if session_of is None:
+                raise NotAuthorized(f"uid {peer.uid} may not act for any principal")
+            if hello.role != "emit":
+                raise NotAuthorized(
+                    f"uid {peer.uid} runs principal {session_of!r}'s sessions: role emit only"
+                )
+            if hello.principal not in (None, session_of):
+                raise NotAuthorized(f"uid {peer.uid} may not act for principal {hello.principal!r}")
+            return Identity(
+                source=f"emit:{peer.uid}",
+                principal=session_of,
+                acl=Acl(publish=["sage.v1.hook.>"], subscribe=[]),
+                uid=peer.uid,
+            )
         principal = hello.principal
         if principal is not None and principal not in allowed:
             raise NotAuthorized(f"uid {peer.uid} may not act for principal {principal!r}")
@@ -327,12 +346,18 @@ class Supervisor:
     ) -> None:
         config = self.config
         try:
-            # group members must pass through the state folder to reach a socket inside it
+            # group members must pass through the state folder to reach a socket inside
+            # it; children of a root supervisor, to reach their homes and identity files
             inside = config.socket_path.is_relative_to(config.state_dir)
-            group = _group_id(config.socket.group) if inside else None
+            access = access_group(config)
+            group = access if inside or runs_children_as_principals() else None
             ensure_private_dir(config.state_dir, group=group)
         except BusError as exc:
             raise SageError(f"state folder: {exc}") from exc
+        try:
+            self.session_uids.allocate()
+        except SageError as exc:
+            raise SageError(f"sessions' uids: {exc}") from exc
         _raise_open_file_limit()
         log_loop_errors()
         key = load_signing_key(config.keys_dir)
@@ -353,7 +378,7 @@ class Supervisor:
 
     async def _serve(self, audit: AuditLog, task_status: anyio.abc.TaskStatus[None]) -> None:
         config = self.config
-        group = _group_id(config.socket.group)
+        group = access_group(config)
         sink = self.sink = _AuditSink(
             audit, config.audit.rate_per_source, config.audit.burst_per_source
         )
@@ -467,6 +492,11 @@ class Supervisor:
                 ("supervisor.capsules", old.supervisor.capsules, new.supervisor.capsules),
                 ("claude.binary", old.claude.binary, new.claude.binary),
                 (
+                    "sessions.uid_base / uid_count",
+                    (old.sessions.uid_base, old.sessions.uid_count),
+                    (new.sessions.uid_base, new.sessions.uid_count),
+                ),
+                (
                     "supervisor.shutdown_grace",
                     old.supervisor.shutdown_grace,
                     new.supervisor.shutdown_grace,
@@ -480,6 +510,9 @@ class Supervisor:
             base_dir=old.base_dir,
             socket=old.socket,
             audit=old.audit,
+            sessions=msgspec.structs.replace(
+                new.sessions, uid_base=old.sessions.uid_base, uid_count=old.sessions.uid_count
+            ),
             bus=msgspec.structs.replace(
                 old.bus, user_publish=new.bus.user_publish, user_subscribe=new.bus.user_subscribe
             ),
@@ -489,6 +522,12 @@ class Supervisor:
                 log_level=new.supervisor.log_level,
             ),
         )
+        uids = SessionUids(new)
+        try:
+            uids.allocate()  # principals added: their children's uids, before any re-check
+        except SageError as exc:
+            log.error("supervisor.session_uids_failed", error=str(exc))
+        self.session_uids = uids
         self.config = new
         configure_logging(new.supervisor.log_level)
         self.reloads += 1
@@ -658,14 +697,3 @@ def _manifest_name(folder: Path) -> str | None:
 
 def _bus_without_acl(config: Config) -> object:
     return msgspec.structs.replace(config.bus, user_publish=[], user_subscribe=[])
-
-
-def _group_id(name: str) -> int | None:
-    if not name:
-        return None
-    import grp
-
-    try:
-        return grp.getgrnam(name).gr_gid
-    except KeyError:
-        raise ConfigError(f"socket.group: no group named {name!r}") from None

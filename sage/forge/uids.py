@@ -61,11 +61,24 @@ def known_uid(uid: int) -> bool:
 class SandboxUids:
     """``principal -> uid`` for the sandbox, persisted under ``forge_dir``; see the module doc."""
 
-    def __init__(self, forge_dir: Path, base: int, count: int) -> None:
-        self.path = forge_dir / "sandbox_uids.json"
-        self.lock_path = forge_dir / "sandbox_uids.lock"
+    def __init__(
+        self,
+        forge_dir: Path,
+        base: int,
+        count: int,
+        *,
+        stem: str = "sandbox_uids",
+        setting: str = "[forge] sandbox_uid",
+        what: str = "sandbox",
+    ) -> None:
+        # the session runner keeps its own table with the same rules (sage/runas.py):
+        # ``stem`` names the files, ``setting`` and ``what`` the messages
+        self.path = forge_dir / f"{stem}.json"
+        self.lock_path = forge_dir / f"{stem}.lock"
         self.base = base
         self.count = count
+        self.setting = setting
+        self.what = what
         self._mutex = threading.Lock()
         self._cache: dict[str, int] = {}
 
@@ -123,8 +136,8 @@ class SandboxUids:
                 return uid
         raise SandboxError(
             "sandbox_uid_exhausted",
-            f"no free sandbox uid left in {self.base}..{self.base + self.count - 1}"
-            " (raise [forge] sandbox_uid_count)",
+            f"no free {self.what} uid left in {self.base}..{self.base + self.count - 1}"
+            f" (raise {self.setting}_count)",
         )
 
     def uid_for(self, principal: str | None) -> int:
@@ -136,8 +149,8 @@ class SandboxUids:
         if known_uid(uid):
             raise SandboxError(
                 "sandbox_uid_taken",
-                f"sandbox uid {uid} ({name or 'no principal'}) now belongs to a user of this"
-                " host; forge will not share it (remove that user or move"
-                " [forge] sandbox_uid_base)",
+                f"{self.what} uid {uid} ({name or 'no principal'}) now belongs to a user of this"
+                " host; sage will not share it (remove that user or move"
+                f" {self.setting}_base)",
             )
         return uid
