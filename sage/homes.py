@@ -19,6 +19,7 @@ from sage.errors import ConfigError
 
 __all__ = (
     "API_KEY_CREDENTIAL",
+    "can_run",
     "own_home",
     "read_api_key",
     "unreachable",
@@ -126,7 +127,27 @@ def unreachable(path: Path, uid: int, gids: set[int]) -> str | None:
     return None
 
 
-def write_in_home(home: Path, rel: Path, data: bytes, uid: int, gid: int) -> None:
+def can_run(path: Path, uid: int, gids: set[int]) -> bool:
+    """May ``uid`` (with groups ``gids``) execute ``path`` (links resolved)?"""
+    real = Path(os.path.realpath(path))
+    if unreachable(real, uid, gids) is not None:
+        return False
+    try:
+        st = os.stat(real)
+    except OSError:
+        return False
+    if st.st_uid == uid:
+        bit = stat.S_IXUSR
+    elif st.st_gid in gids:
+        bit = stat.S_IXGRP
+    else:
+        bit = stat.S_IXOTH
+    return bool(st.st_mode & bit)
+
+
+def write_in_home(
+    home: Path, rel: Path, data: bytes, uid: int, gid: int, *, mode: int = 0o600
+) -> None:
     """Write ``home/rel`` as :func:`write_private` does, owned by ``uid:gid`` (root only).
 
     The home is the child's, so the supervisor never follows a link in it: each
@@ -156,6 +177,7 @@ def write_in_home(home: Path, rel: Path, data: bytes, uid: int, gid: int) -> Non
         try:
             with os.fdopen(out, "wb") as file:
                 os.fchown(file.fileno(), uid, gid)
+                os.fchmod(file.fileno(), mode)
                 file.write(data)
                 file.flush()
                 os.fsync(file.fileno())

@@ -31,13 +31,24 @@ import grp
 import os
 import pwd
 import shutil
+import site
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from sage.config import Config, PrincipalConfig
 from sage.errors import ConfigError, SageError, SandboxError
 from sage.forge.uids import SandboxUids, known_uid
+from sage.homes import can_run
 
-__all__ = ("RunAs", "SessionUids", "access_group", "enabled", "setpriv_prefix")
+__all__ = (
+    "RunAs",
+    "SessionUids",
+    "access_group",
+    "emit_launcher",
+    "enabled",
+    "setpriv_prefix",
+)
 
 TABLE = "session_uids"
 
@@ -137,6 +148,36 @@ class SessionUids:
             if mapped == uid and owner is not None and not owner.run_as:
                 return None if known_uid(uid) else name
         return None
+
+
+def emit_launcher(run_as: RunAs) -> bytes | None:
+    """A script that runs ``astrid-emit`` as ``run_as`` when sage's own interpreter is
+    out of that uid's reach (a virtualenv made from a Python under ``/root``), else None.
+
+    It runs a Python of the same minor version that the uid may execute
+    (``/usr/bin``, ``/usr/local/bin``: extension modules are built per minor
+    version), isolated (``-I``), with sage's site-packages added; None too when
+    there is no such Python (the hooks cannot run: docs/security.md)."""
+    groups = {run_as.gid, *run_as.groups}
+    if can_run(Path(sys.executable), run_as.uid, groups):
+        return None
+    name = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    for folder in ("/usr/bin", "/usr/local/bin"):
+        python = Path(folder) / name
+        if python.exists() and can_run(python, run_as.uid, groups):
+            sites = [p for p in site.getsitepackages() if os.path.isdir(p)]
+            return (
+                f"#!{python} -I\n"
+                "# astrid-emit for a claude child whose uid cannot run sage's own Python\n"
+                "# (written by sage's installer; sage/runas.py emit_launcher)\n"
+                "import site\n"
+                "import sys\n\n"
+                f"for folder in {sites!r}:\n"
+                "    site.addsitedir(folder)\n"
+                "from sage.emit import main\n\n"
+                "sys.exit(main())\n"
+            ).encode()
+    return None
 
 
 def setpriv_prefix(run_as: RunAs, death_signal: str = "KILL") -> list[str]:

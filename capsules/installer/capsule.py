@@ -42,7 +42,7 @@ from sage.claude_binary import FLOOR, read_claude_version, resolve_claude_binary
 from sage.config import NAME_PATTERN
 from sage.errors import SageError
 from sage.homes import own_home, unsafe_home, write_in_home, write_private
-from sage.runas import RunAs, SessionUids
+from sage.runas import RunAs, SessionUids, emit_launcher
 
 __all__ = ("Installer", "run")
 
@@ -50,6 +50,7 @@ SETTINGS = Path(".claude") / "settings.local.json"
 CLAUDE_MD = Path("CLAUDE.md")
 MCP_JSON = Path(".mcp.json")
 MARKER = Path(".astrid") / "install.json"
+EMIT_LAUNCHER = Path(".astrid") / "astrid-emit"
 
 
 class _Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -179,14 +180,22 @@ class Installer:
                 with contextlib.suppress(OSError):
                     stale.unlink()
         version = await self.claude_version()
+        changed: list[str] = []
+        emit = _command("astrid-emit")
+        launcher = None if run_as is None else emit_launcher(run_as)
+        if run_as is not None and launcher is not None:
+            # sage's Python is out of the child's reach: hooks run a launcher of its own
+            if _read(home / EMIT_LAUNCHER) != launcher or request.force:
+                write_in_home(home, EMIT_LAUNCHER, launcher, run_as.uid, run_as.gid, mode=0o700)
+                changed.append(str(EMIT_LAUNCHER))
+            emit = str(home / EMIT_LAUNCHER)
         contents = {
-            str(SETTINGS): files.settings_local(config, _command("astrid-emit"), version),
+            str(SETTINGS): files.settings_local(config, emit, version),
             str(MCP_JSON): files.mcp_json(
                 name, _command("astrid"), str(self.ctx.config.socket_path)
             ),
             str(CLAUDE_MD): files.claude_md(name, config),
         }
-        changed: list[str] = []
         for rel, step in ((SETTINGS, "settings"), (MCP_JSON, "mcp"), (CLAUDE_MD, "claude_md")):
             self._step(name, rid, step)
             if _write(home, rel, contents[str(rel)], force=request.force, run_as=run_as):
@@ -225,6 +234,13 @@ def _put(home: Path, rel: Path, data: bytes, run_as: RunAs | None) -> None:
         write_private(home / rel, data)
     else:
         write_in_home(home, rel, data, run_as.uid, run_as.gid)
+
+
+def _read(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
 
 
 def _read_json(path: Path) -> Any:

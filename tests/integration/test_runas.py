@@ -34,7 +34,6 @@ pytestmark = [
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKE = ROOT / "tests" / "doubles" / "fake_claude.py"
-EMIT = Path(sys.executable).parent / "astrid-emit"
 BASE = 91000  # [sessions] uid_base by default: the access group; principals from 91001
 
 
@@ -42,7 +41,7 @@ def _config() -> str:
     return sage_config(
         FAKE,
         {"ANTHROPIC_API_KEY": "sk-double"},
-        capsules='["runner", "hooks"]',
+        capsules='["runner", "hooks", "installer"]',
         extra='[[principals]]\nname = "bob"\n',
     )
 
@@ -86,6 +85,9 @@ def _environ(pid: int) -> dict[str, str]:
 async def test_each_principals_children_run_as_its_own_uid() -> None:
     async with running_sage(_config()) as sage:
         state = sage.daemon.root / "state"
+        for name in ("alice", "bob"):  # their homes get the hook commands the CLI runs
+            installed = await sage.request("sage.v1.request.install", {"principal_id": name})
+            assert installed["ok"], installed
         hooks = await sage.client.subscribe("hook.v1.event.>")
         spoofs = await sage.client.subscribe("sage.v1.audit.hook_spoof_attempt")
         a = await _spawn(sage, "alice", "ra1")
@@ -135,11 +137,13 @@ async def test_each_principals_children_run_as_its_own_uid() -> None:
         # bob's child cannot read alice's environment (her token, her API key)
         assert _as(b, "cat", f"/proc/{a}/environ").returncode != 0
 
-        # astrid-emit as alice's child: it reaches the socket, its hook is validated
+        # the installed PreToolUse hook, run as the CLI runs it (a shell of the child's
+        # uid and environment): astrid-emit reaches the socket, its hook is validated
         child = _environ(a)
         env = {k: v for k, v in child.items() if k.startswith("ASTRID_") or k == "PATH"}
         hook = {"hook_event_name": "PreToolUse", "tool_name": "mcp__sage__greet"}
-        done = _as(a, str(EMIT), env=env, stdin=json.dumps(hook).encode())
+        command = _hook_command(state / "homes" / "alice", "PreToolUse")
+        done = _as(a, "/bin/sh", "-c", command, env=env, stdin=json.dumps(hook).encode())
         assert done.returncode == 0, done.stderr
         with anyio.fail_after(10):
             event = await hooks.get()
@@ -156,7 +160,7 @@ async def test_each_principals_children_run_as_its_own_uid() -> None:
             "ASTRID_SESSION_ID": "rb1",
             "ASTRID_HOOK_TOKEN": _environ(b)["ASTRID_HOOK_TOKEN"],
         }
-        done = _as(a, str(EMIT), env=bob_env, stdin=json.dumps(hook).encode())
+        done = _as(a, "/bin/sh", "-c", command, env=bob_env, stdin=json.dumps(hook).encode())
         assert done.returncode == 0
         with anyio.fail_after(10):
             report = msgspec.json.decode((await spoofs.get()).payload)
@@ -202,6 +206,12 @@ async def test_each_principals_children_run_as_its_own_uid() -> None:
         while not _gone(a):
             assert time.monotonic() < deadline, "alice's child outlived its supervisor"
             await anyio.sleep(0.05)
+
+
+def _hook_command(home: Path, event: str) -> str:
+    settings = json.loads((home / ".claude" / "settings.local.json").read_text())
+    command: str = settings["hooks"][event][0]["hooks"][0]["command"]
+    return command
 
 
 def _status(pid: int) -> str:
