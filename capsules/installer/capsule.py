@@ -21,7 +21,10 @@ when its content differs (``changed`` lists those written; ``force``
 rewrites all); temp files a crashed earlier write left behind are removed
 first.  Requests of one principal run one at a time.  The principal must be
 configured, its home must not be a symlink, another uid's, or writable by
-others (the same check the runner makes before a spawn).
+others (the same check the runner makes before a spawn).  Under a root
+supervisor the home and its files belong to the uid the principal's
+children run as (sage/runas.py), and are written without following any
+link in the home (:func:`sage.homes.write_in_home`).
 """
 
 from __future__ import annotations
