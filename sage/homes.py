@@ -152,8 +152,9 @@ def write_in_home(
 
     The home is the child's, so the supervisor never follows a link in it: each
     folder is opened with ``O_NOFOLLOW`` from the home down (made 0700 and
-    given to the child when missing), and the file is a new one, renamed over
-    the old name (a link there is replaced, never written through).
+    given to the child when missing or the supervisor's), and the file is a
+    new one, renamed over the old name (a link there is replaced, never
+    written through).
     """
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(home, flags)
@@ -171,6 +172,8 @@ def write_in_home(
                 raise OSError(exc.errno, f"{home / part}: not a folder of the home") from None
             os.close(fd)
             fd = sub
+            if os.fstat(fd).st_uid == os.getuid() != uid:  # made by the supervisor (the forge)
+                os.fchown(fd, uid, gid)
         name = rel.parts[-1]
         tmp = f".{name}.{secrets.token_hex(4)}.tmp"
         out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=fd)

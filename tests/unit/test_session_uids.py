@@ -249,8 +249,10 @@ def test_write_in_home_never_follows_a_link_the_child_planted(tmp_path: Path) ->
     assert not written.is_symlink()
     st = written.stat()
     assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (91001, 0o600)
+    (home / ".astrid" / "forge").mkdir(parents=True)  # the forge's, made as root
     write_in_home(home, Path(".astrid") / "run", b"#!/bin/sh\n", 91001, 91001, mode=0o700)
-    assert (home / ".astrid").stat().st_uid == 91001
+    assert (home / ".astrid").stat().st_uid == 91001  # the child must pass through it
+    assert (home / ".astrid" / "forge").stat().st_uid == 0  # nothing below it is taken
     assert stat.S_IMODE((home / ".astrid" / "run").stat().st_mode) == 0o700
 
 
