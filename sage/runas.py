@@ -27,6 +27,7 @@ A supervisor that is not root runs its children as itself, as before:
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import os
 import pwd
@@ -143,6 +144,10 @@ class SessionUids:
         for principal in self.config.principals:
             if principal.run_as and principal.run_as_uid == uid:
                 return principal.name
+        if uid not in self._uids.values() and self.table.in_range(uid):
+            # given since we last looked (by the runner, to a principal added on reload)
+            with contextlib.suppress(SageError):
+                self._uids = self.table.allocate([])
         for name, mapped in self._uids.items():
             owner = self.config.principal(name)
             if mapped == uid and owner is not None and not owner.run_as:

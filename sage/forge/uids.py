@@ -82,6 +82,10 @@ class SandboxUids:
         self._mutex = threading.Lock()
         self._cache: dict[str, int] = {}
 
+    def in_range(self, uid: int) -> bool:
+        """Is ``uid`` one of the range's?"""
+        return self._in_range(uid)
+
     def _in_range(self, uid: int) -> bool:
         return self.base <= uid < self.base + self.count
 

@@ -113,6 +113,18 @@ def test_session_uids_are_given_once_and_map_back_to_emit_only(tmp_path: Path) -
     for nobody_of_ours in (0, 91000, 91003, NOBODY):
         assert uids.principal_of(nobody_of_ours) is None
     assert access_group(config) == 91000
+    # a principal added on reload and given its uid by another table (the runner's)
+    grown = _config(
+        tmp_path,
+        '[[principals]]\nname = "alice"\n[[principals]]\nname = "bob"\n'
+        '[[principals]]\nname = "carol"\nrun_as = 4321\n[[principals]]\nname = "dave"\n',
+    )
+    watcher = SessionUids(grown)  # the supervisor's, whose own allocation did not run
+    runner = SessionUids(grown)
+    dave = runner.run_as(grown.principals[3])
+    assert dave is not None
+    assert dave.uid == 91003
+    assert watcher.principal_of(91003) == "dave"
 
 
 @ROOT_ONLY
