@@ -354,6 +354,8 @@ class Supervisor:
             ensure_private_dir(config.state_dir, group=group)
         except BusError as exc:
             raise SageError(f"state folder: {exc}") from exc
+        if runs_children_as_principals():
+            _close_state_entries(config)
         try:
             self.session_uids.allocate()
         except SageError as exc:
@@ -697,3 +699,30 @@ def _manifest_name(folder: Path) -> str | None:
 
 def _bus_without_acl(config: Config) -> object:
     return msgspec.structs.replace(config.bus, user_publish=[], user_subscribe=[])
+
+
+def _close_state_entries(config: Config) -> None:
+    """Take group and other bits off what is directly in the state folder (supervisor root).
+
+    The state folder is the children's access group's (0750) so that they can
+    pass through it; an entry left open to others (a ``tools-policy.json``
+    written 0644, a folder made 0755 by hand) would then be theirs to read.
+    The socket's folder keeps its group; the homes' and sessions' folders are
+    0711 (passable, not listable).  Links are not followed."""
+    passable = {config.state_dir / "sessions"}
+    if config.homes_dir is not None:
+        passable.add(config.homes_dir)
+    grouped = config.socket_path.parent
+    try:
+        entries = list(os.scandir(config.state_dir))
+    except OSError as exc:
+        raise SageError(f"state folder: cannot list {config.state_dir}: {exc.strerror}") from exc
+    for entry in entries:
+        path = Path(entry.path)
+        if path == grouped or entry.is_symlink():
+            continue
+        mode = entry.stat(follow_symlinks=False).st_mode & 0o7777
+        want = 0o711 if path in passable and entry.is_dir() else mode & 0o700
+        if mode != want:
+            os.chmod(path, want, follow_symlinks=False)
+            log.warning("supervisor.state_entry_closed", path=str(path), mode=f"{mode:o}")

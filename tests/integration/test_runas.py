@@ -242,3 +242,36 @@ async def _until_audited(sage: Sage, spawns: int) -> None:
     with anyio.fail_after(10):
         while len(_audit(sage, "sage.v1.audit.spawn")) < spawns:  # noqa: ASYNC110
             await anyio.sleep(0.05)
+
+
+def test_what_the_state_folder_holds_is_closed_to_the_childrens_group() -> None:
+    """The state folder is the access group's (0750) so children can pass through it;
+    whatever sits in it open to others (a policy file written 0644, a folder made
+    0755) is closed at start, so a child's uid reads none of it."""
+    from tests.integration.daemon import Daemon, short_dir
+
+    root = short_dir()
+    state = root / "state"
+    state.mkdir(mode=0o700)
+    policy = state / "tools-policy.json"
+    policy.write_text('{"rules": []}')
+    policy.chmod(0o644)
+    extra = state / "notes"
+    extra.mkdir()
+    extra.chmod(0o755)
+    (extra / "n.txt").write_text("operator's")
+    (extra / "n.txt").chmod(0o644)
+    d = Daemon(root).start()
+    try:
+        child = ["setpriv", "--reuid", "91001", "--regid", "91001", "--groups", "91000", "--"]
+        for path in (policy, extra / "n.txt"):
+            done = subprocess.run([*child, "cat", str(path)], capture_output=True, timeout=30)
+            assert done.returncode != 0, path
+            assert b"Permission denied" in done.stderr
+        assert stat.S_IMODE(policy.stat().st_mode) == 0o600
+        assert stat.S_IMODE(extra.stat().st_mode) == 0o700
+        assert "supervisor.state_entry_closed" in d.log()
+        # the way to the socket stays open to the group
+        assert stat.S_IMODE(d.socket.parent.stat().st_mode) == 0o750
+    finally:
+        d.stop()
