@@ -166,22 +166,27 @@ async def test_each_principals_children_run_as_its_own_uid() -> None:
             report = msgspec.json.decode((await spoofs.get()).payload)
         assert report["reason"] == "principal_mismatch"
         assert report["source"] == f"emit:{ua}"
-        # ... and as anything but astrid-emit (a cli connection): refused
-        cli = _as(
-            a,
-            sys.executable,
-            "-c",
-            "import anyio, sys\n"
-            "from bus.client import BusClient\n"
-            "async def main():\n"
-            "    async with BusClient.connect(sys.argv[1], role='cli', name='x'):\n"
-            "        pass\n"
-            "anyio.run(main)\n",
-            str(sage.daemon.socket),
-            env={"PYTHONPATH": str(ROOT)},
-        )
-        assert cli.returncode != 0
-        assert b"role emit only" in cli.stderr, cli.stderr
+        # ... as anything but astrid-emit (a cli connection), or naming bob: refused
+        for role, principal, refusal in (
+            ("cli", "None", b"role emit only"),
+            ("emit", "'bob'", b"may not act for principal 'bob'"),
+        ):
+            hello = _as(
+                a,
+                sys.executable,
+                "-c",
+                "import anyio, sys\n"
+                "from bus.client import BusClient\n"
+                "async def main():\n"
+                f"    async with BusClient.connect(sys.argv[1], role={role!r},"
+                f" principal={principal}, name='x'):\n"
+                "        pass\n"
+                "anyio.run(main)\n",
+                str(sage.daemon.socket),
+                env={"PYTHONPATH": str(ROOT)},
+            )
+            assert hello.returncode != 0
+            assert refusal in hello.stderr, hello.stderr
         with anyio.move_on_after(0.5):
             late = await hooks.get()
             raise AssertionError(f"republished: {late.topic}")
