@@ -191,6 +191,19 @@ class SessionsConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=
     """Respawn attempts (identity refresh) per session before giving up."""
     history: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 200
     """Ended sessions kept per principal (``astrid sage sessions --all``); older go."""
+    uid_base: Annotated[int, msgspec.Meta(ge=1000, le=2**31 - 1)] = 91000
+    """Supervisor root only: the gid of the sessions' group (the socket and the folders
+    a ``claude`` child must pass through), and the first of the uids principals without
+    ``run_as`` get, one each, from ``uid_base + 1`` (sage/runas.py)."""
+    uid_count: Annotated[int, msgspec.Meta(ge=2, le=65536)] = 1000
+    """How many ids the range holds (the group's included)."""
+
+    def __post_init__(self) -> None:
+        last = self.uid_base + self.uid_count - 1
+        if self.uid_base <= 65534 <= last:
+            raise ValueError("uid_base: the range holds 65534 (nobody), shared by others")
+        if last > 2**32 - 2:
+            raise ValueError("uid_base + uid_count: past the last valid uid")
 
 
 class SecretsConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -332,11 +345,36 @@ class PrincipalConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields
     (``claude.api_key_file``, ``$CREDENTIALS_DIRECTORY`` or the supervisor's
     ``ANTHROPIC_API_KEY``), sharing its account and bill. Off: such a spawn is refused
     (``api_key_missing``), so no principal shares the operator's key unless said here."""
+    run_as: str | Annotated[int, msgspec.Meta(ge=1, le=2**32 - 2)] = ""
+    """Supervisor root only: the user (name or uid) the principal's ``claude`` children
+    run as; empty: a uid of sage's own from ``[sessions] uid_base`` (sage/runas.py)."""
 
     def __post_init__(self) -> None:
         for name in self.allowed_tools:
             if not re.match(r"^[A-Za-z0-9_*:-]{1,128}\Z", name):
                 raise ValueError(f"allowed_tools: {name!r} is not a tool name")
+        if isinstance(self.run_as, str) and self.run_as:
+            import pwd
+
+            try:
+                if pwd.getpwnam(self.run_as).pw_uid == 0:
+                    raise ValueError(f"run_as: {self.run_as!r} is root")
+            except KeyError:
+                raise ValueError(f"run_as: no user named {self.run_as!r}") from None
+
+    @property
+    def run_as_uid(self) -> int | None:
+        """The uid ``run_as`` names, or None when it is empty (a user removed since: None)."""
+        if isinstance(self.run_as, int):
+            return self.run_as
+        if not self.run_as:
+            return None
+        import pwd
+
+        try:
+            return pwd.getpwnam(self.run_as).pw_uid
+        except KeyError:
+            return None
 
 
 class Config(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -370,6 +408,7 @@ class Config(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
             if principal.name in seen:
                 raise ValueError(f"principal {principal.name!r} is declared twice")
             seen.add(principal.name)
+        self._check_run_as()
         if len(os.fsencode(self.socket_path)) > 107:
             raise ValueError(
                 f"supervisor.socket: {self.socket_path} is longer than 107 bytes"
@@ -382,6 +421,37 @@ class Config(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
                 grp.getgrnam(self.socket.group)
             except KeyError:
                 raise ValueError(f"socket.group: no group named {self.socket.group!r}") from None
+
+    def _check_run_as(self) -> None:
+        """Each ``run_as`` uid is one principal's children's, and nothing else of sage's."""
+        sessions, forge = self.sessions, self.forge
+        if not (
+            sessions.uid_base + sessions.uid_count <= forge.sandbox_uid_base
+            or forge.sandbox_uid_base + forge.sandbox_uid_count <= sessions.uid_base
+        ):
+            raise ValueError(
+                "sessions.uid_base: the sessions' uid range overlaps [forge] sandbox_uid_base's"
+            )
+        owners: dict[int, str] = {}
+        for principal in self.principals:
+            uid = principal.run_as_uid
+            if uid is None:
+                continue
+            where = f"principal {principal.name!r}: run_as uid {uid}"
+            if uid in owners:
+                raise ValueError(f"{where} is also principal {owners[uid]!r}'s")
+            owners[uid] = principal.name
+            if uid in self.supervisor.admins:
+                raise ValueError(f"{where} is an admin (its children would be admins too)")
+            for other in self.principals:
+                if other is not principal and uid in other.uids:
+                    raise ValueError(f"{where} acts for principal {other.name!r} (uids)")
+            for base, count, name in (
+                (sessions.uid_base, sessions.uid_count, "[sessions] uid_base"),
+                (forge.sandbox_uid_base, forge.sandbox_uid_count, "[forge] sandbox_uid_base"),
+            ):
+                if base <= uid < base + count:
+                    raise ValueError(f"{where} is in the range of {name}")
 
     def _resolve(self, value: str) -> Path:
         path = Path(value).expanduser()
@@ -425,6 +495,12 @@ class Config(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
             if principal.name == name:
                 return principal
         return None
+
+    @property
+    def homes_dir(self) -> Path | None:
+        """The folder of the default homes when it is sage's own (in the state folder)."""
+        homes = Path(os.path.normpath(self.state_dir / Path(self.sessions.homes).expanduser()))
+        return homes if homes.is_relative_to(self.state_dir) and homes != self.state_dir else None
 
     def home_of(self, principal: PrincipalConfig) -> Path:
         if principal.home:

@@ -8,6 +8,7 @@ operator's Anthropic key (a principal's own key is in :mod:`sage.secrets`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import stat
@@ -16,7 +17,16 @@ from pathlib import Path
 from sage.config import Config
 from sage.errors import ConfigError
 
-__all__ = ("API_KEY_CREDENTIAL", "read_api_key", "unsafe_home", "write_private")
+__all__ = (
+    "API_KEY_CREDENTIAL",
+    "can_run",
+    "own_home",
+    "read_api_key",
+    "unreachable",
+    "unsafe_home",
+    "write_in_home",
+    "write_private",
+)
 
 API_KEY_CREDENTIAL = "anthropic-api-key"
 
@@ -42,14 +52,18 @@ def read_api_key(config: Config, environ: dict[str, str] | None = None) -> str |
     return key or None
 
 
-def unsafe_home(home: Path) -> str | None:
+def unsafe_home(home: Path, owner: int | None = None) -> str | None:
     """Why ``home`` must not be used, or None.
 
-    The child runs as the supervisor's user and reads settings (command hooks!)
-    from its home, so a home that someone else can write would let them run
-    code as the supervisor.  A home that does not exist yet is made 0700.
+    The child reads settings (command hooks!) from its home and runs them as
+    its own uid: ``owner`` when the supervisor is root (sage/runas.py), else
+    the supervisor's.  A home someone else could write would let them run code
+    as that uid.  A home that does not exist yet is made 0700; one the
+    supervisor owns is handed to ``owner`` (:func:`own_home`).
     """
     uid = os.getuid()
+    allowed = {uid} if owner is None else {uid, owner}
+    whose = "the supervisor's" if owner is None else "the principal's children's"
     for path in (home, home / ".claude"):
         try:
             st = path.lstat()
@@ -59,11 +73,124 @@ def unsafe_home(home: Path) -> str | None:
             return f"cannot inspect {path}: {exc.strerror}"
         if stat.S_ISLNK(st.st_mode):
             return f"{path} is a symbolic link"
-        if st.st_uid != uid:
-            return f"{path} is owned by uid {st.st_uid}, not the supervisor's uid {uid}"
+        if st.st_uid not in allowed:
+            want = uid if owner is None else owner
+            return f"{path} is owned by uid {st.st_uid}, not {whose} uid {want}"
         if st.st_mode & 0o022:
             return f"{path} is writable by group or others (mode {st.st_mode & 0o777:o})"
     return None
+
+
+def own_home(home: Path, uid: int, gid: int, *, homes_dir: Path | None = None) -> None:
+    """Make ``home`` the child's: owned by ``uid:gid``, mode 0700 (supervisor root).
+
+    A missing home is made; ``homes_dir`` (the default homes' folder, sage's own
+    in the state folder) is made and set 0711 so that the child can pass
+    through it, never list it.  A home the supervisor owns (made before its
+    children ran as their own uids, or just now) is handed over whole, links
+    not followed: nobody else could write in it, so nothing in it is foreign.
+    Call after :func:`unsafe_home` said yes.
+    """
+    if homes_dir is not None:
+        homes_dir.mkdir(mode=0o711, parents=True, exist_ok=True)
+        os.chmod(homes_dir, 0o711)
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = home.lstat()
+    if stat.S_ISLNK(st.st_mode):  # pragma: no cover - unsafe_home refused it first
+        raise OSError(f"{home} is a symbolic link")
+    if st.st_uid == os.getuid() and uid != st.st_uid:
+        for folder, dirs, files in os.walk(home):  # never follows links into folders
+            for name in (*dirs, *files):
+                os.lchown(os.path.join(folder, name), uid, gid)
+        os.lchown(home, uid, gid)
+    os.chmod(home, 0o700)
+
+
+def unreachable(path: Path, uid: int, gids: set[int]) -> str | None:
+    """Why ``uid`` (with groups ``gids``) cannot pass through the folders above ``path``."""
+    for folder in reversed(path.parents):
+        try:
+            st = os.stat(folder)
+        except OSError as exc:
+            return f"cannot inspect {folder}: {exc.strerror}"
+        if st.st_uid == uid:
+            bit = stat.S_IXUSR
+        elif st.st_gid in gids:
+            bit = stat.S_IXGRP
+        else:
+            bit = stat.S_IXOTH
+        if not st.st_mode & bit:
+            return (
+                f"uid {uid} cannot pass through {folder} (mode {st.st_mode & 0o777:o},"
+                f" owner {st.st_uid}:{st.st_gid})"
+            )
+    return None
+
+
+def can_run(path: Path, uid: int, gids: set[int]) -> bool:
+    """May ``uid`` (with groups ``gids``) execute ``path`` (links resolved)?"""
+    real = Path(os.path.realpath(path))
+    if unreachable(real, uid, gids) is not None:
+        return False
+    try:
+        st = os.stat(real)
+    except OSError:
+        return False
+    if st.st_uid == uid:
+        bit = stat.S_IXUSR
+    elif st.st_gid in gids:
+        bit = stat.S_IXGRP
+    else:
+        bit = stat.S_IXOTH
+    return bool(st.st_mode & bit)
+
+
+def write_in_home(
+    home: Path, rel: Path, data: bytes, uid: int, gid: int, *, mode: int = 0o600
+) -> None:
+    """Write ``home/rel`` as :func:`write_private` does, owned by ``uid:gid`` (root only).
+
+    The home is the child's, so the supervisor never follows a link in it: each
+    folder is opened with ``O_NOFOLLOW`` from the home down (made 0700 and
+    given to the child when missing or the supervisor's), and the file is a
+    new one, renamed over the old name (a link there is replaced, never
+    written through).
+    """
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(home, flags)
+    try:
+        for part in rel.parts[:-1]:
+            try:
+                os.mkdir(part, 0o700, dir_fd=fd)
+            except FileExistsError:
+                pass
+            else:
+                os.chown(part, uid, gid, dir_fd=fd, follow_symlinks=False)
+            try:
+                sub = os.open(part, flags, dir_fd=fd)
+            except OSError as exc:
+                raise OSError(exc.errno, f"{home / part}: not a folder of the home") from None
+            os.close(fd)
+            fd = sub
+            if os.fstat(fd).st_uid == os.getuid() != uid:  # made by the supervisor (the forge)
+                os.fchown(fd, uid, gid)
+        name = rel.parts[-1]
+        tmp = f".{name}.{secrets.token_hex(4)}.tmp"
+        out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=fd)
+        try:
+            with os.fdopen(out, "wb") as file:
+                os.fchown(file.fileno(), uid, gid)
+                os.fchmod(file.fileno(), mode)
+                file.write(data)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=fd)
+            raise
+    finally:
+        os.close(fd)
 
 
 def write_private(path: Path, data: bytes) -> None:

@@ -33,6 +33,8 @@ from sage.config import Config, load_config
 from sage.errors import AuditError, ConfigError, SageError
 from sage.instance import InstanceLock
 from sage.logs import configure_logging, log_loop_errors
+from sage.runas import SessionUids, access_group
+from sage.runas import enabled as runs_children_as_principals
 from sage.sdnotify import Notifier, watchdog_interval
 from sage.state import StateStore
 from sage.workers import WorkerRunner, WorkerSandbox, capsule_uids
@@ -240,6 +242,8 @@ class Supervisor:
         self.started_at = 0.0
         self.notifier = Notifier()
         self.reloads = 0
+        self.session_uids = SessionUids(config)
+        """Whose children run as which uid (supervisor root): their ``emit`` access."""
         self._outer: anyio.CancelScope | None = None
         self._denials = DenialLimiter()
         self._capsule_uids = capsule_uids(config)
@@ -310,7 +314,22 @@ class Supervisor:
         admin = config.is_admin(peer.uid)
         allowed = config.principals_for_uid(peer.uid)
         if not admin and not allowed:
-            raise NotAuthorized(f"uid {peer.uid} may not act for any principal")
+            # a principal's claude child (supervisor root): its hooks' astrid-emit only
+            session_of = self.session_uids.principal_of(peer.uid)
+            if session_of is None:
+                raise NotAuthorized(f"uid {peer.uid} may not act for any principal")
+            if hello.role != "emit":
+                raise NotAuthorized(
+                    f"uid {peer.uid} runs principal {session_of!r}'s sessions: role emit only"
+                )
+            if hello.principal not in (None, session_of):
+                raise NotAuthorized(f"uid {peer.uid} may not act for principal {hello.principal!r}")
+            return Identity(
+                source=f"emit:{peer.uid}",
+                principal=session_of,
+                acl=Acl(publish=["sage.v1.hook.>"], subscribe=[]),
+                uid=peer.uid,
+            )
         principal = hello.principal
         if principal is not None and principal not in allowed:
             names = ", ".join(sorted(allowed)) or "none"
@@ -345,9 +364,11 @@ class Supervisor:
     ) -> None:
         config = self.config
         try:
-            # group members must pass through the state folder to reach a socket inside it
+            # group members must pass through the state folder to reach a socket inside
+            # it; children of a root supervisor, to reach their homes and identity files
             inside = config.socket_path.is_relative_to(config.state_dir)
-            group = _group_id(config.socket.group) if inside else None
+            access = access_group(config)
+            group = access if inside or runs_children_as_principals() else None
             ensure_private_dir(config.state_dir, group=group)
         except BusError as exc:
             raise SageError(f"state folder: {exc}") from exc
@@ -360,6 +381,12 @@ class Supervisor:
 
     async def _run_locked(self, task_status: anyio.abc.TaskStatus[None]) -> None:
         config = self.config
+        if runs_children_as_principals():
+            _close_state_entries(config)
+        try:
+            self.session_uids.allocate()
+        except SageError as exc:
+            raise SageError(f"sessions' uids: {exc}") from exc
         _raise_open_file_limit()
         log_loop_errors()
         key = load_signing_key(config.keys_dir)
@@ -380,7 +407,7 @@ class Supervisor:
 
     async def _serve(self, audit: AuditLog, task_status: anyio.abc.TaskStatus[None]) -> None:
         config = self.config
-        group = _group_id(config.socket.group)
+        group = access_group(config)
         sink = self.sink = _AuditSink(
             audit, config.audit.rate_per_source, config.audit.burst_per_source
         )
@@ -494,6 +521,11 @@ class Supervisor:
                 ("supervisor.capsules", old.supervisor.capsules, new.supervisor.capsules),
                 ("claude.binary", old.claude.binary, new.claude.binary),
                 (
+                    "sessions.uid_base / uid_count",
+                    (old.sessions.uid_base, old.sessions.uid_count),
+                    (new.sessions.uid_base, new.sessions.uid_count),
+                ),
+                (
                     "supervisor.shutdown_grace",
                     old.supervisor.shutdown_grace,
                     new.supervisor.shutdown_grace,
@@ -507,6 +539,9 @@ class Supervisor:
             base_dir=old.base_dir,
             socket=old.socket,
             audit=old.audit,
+            sessions=msgspec.structs.replace(
+                new.sessions, uid_base=old.sessions.uid_base, uid_count=old.sessions.uid_count
+            ),
             bus=msgspec.structs.replace(
                 old.bus, user_publish=new.bus.user_publish, user_subscribe=new.bus.user_subscribe
             ),
@@ -516,6 +551,12 @@ class Supervisor:
                 log_level=new.supervisor.log_level,
             ),
         )
+        uids = SessionUids(new)
+        try:
+            uids.allocate()  # principals added: their children's uids, before any re-check
+        except SageError as exc:
+            log.error("supervisor.session_uids_failed", error=str(exc))
+        self.session_uids = uids
         self.config = new
         configure_logging(new.supervisor.log_level)
         self.reloads += 1
@@ -687,12 +728,28 @@ def _bus_without_acl(config: Config) -> object:
     return msgspec.structs.replace(config.bus, user_publish=[], user_subscribe=[])
 
 
-def _group_id(name: str) -> int | None:
-    if not name:
-        return None
-    import grp
+def _close_state_entries(config: Config) -> None:
+    """Take group and other bits off what is directly in the state folder (supervisor root).
 
+    The state folder is the children's access group's (0750) so that they can
+    pass through it; an entry left open to others (a ``tools-policy.json``
+    written 0644, a folder made 0755 by hand) would then be theirs to read.
+    The socket's folder keeps its group; the homes' and sessions' folders are
+    0711 (passable, not listable).  Links are not followed."""
+    passable = {config.state_dir / "sessions"}
+    if config.homes_dir is not None:
+        passable.add(config.homes_dir)
+    grouped = config.socket_path.parent
     try:
-        return grp.getgrnam(name).gr_gid
-    except KeyError:
-        raise ConfigError(f"socket.group: no group named {name!r}") from None
+        entries = list(os.scandir(config.state_dir))
+    except OSError as exc:
+        raise SageError(f"state folder: cannot list {config.state_dir}: {exc.strerror}") from exc
+    for entry in entries:
+        path = Path(entry.path)
+        if path == grouped or entry.is_symlink():
+            continue
+        mode = entry.stat(follow_symlinks=False).st_mode & 0o7777
+        want = 0o711 if path in passable and entry.is_dir() else mode & 0o700
+        if mode != want:
+            os.chmod(path, want, follow_symlinks=False)
+            log.warning("supervisor.state_entry_closed", path=str(path), mode=f"{mode:o}")

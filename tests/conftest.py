@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
+import tempfile
 from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -52,6 +55,22 @@ def _bounded(
             ) from exc
 
     return run
+
+
+@pytest.fixture
+def tmp_path(tmp_path: Path) -> Path:
+    """pytest's ``tmp_path``, passable (0711, never listable) by other uids when run as root.
+
+    A root supervisor runs each principal's ``claude`` children as the principal's
+    uid (sage/runas.py); a test's CLI double or wrapper in ``tmp_path`` must be
+    reachable by that uid, as ``/usr/bin`` is for the real CLI."""
+    if os.geteuid() == 0:
+        top = Path(tempfile.gettempdir())
+        for folder in (tmp_path, *tmp_path.parents):
+            if folder == top or not folder.is_relative_to(top):
+                break
+            folder.chmod(folder.stat().st_mode & 0o7777 | 0o011)
+    return tmp_path
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

@@ -21,7 +21,10 @@ when its content differs (``changed`` lists those written; ``force``
 rewrites all); temp files a crashed earlier write left behind are removed
 first.  Requests of one principal run one at a time.  The principal must be
 configured, its home must not be a symlink, another uid's, or writable by
-others (the same check the runner makes before a spawn).
+others (the same check the runner makes before a spawn).  Under a root
+supervisor the home and its files belong to the uid the principal's
+children run as (sage/runas.py), and are written without following any
+link in the home (:func:`sage.homes.write_in_home`).
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ from sage.capsules import CapsuleContext
 from sage.claude_binary import FLOOR, read_claude_version, resolve_claude_binary
 from sage.config import NAME_PATTERN
 from sage.errors import SageError
-from sage.homes import unsafe_home, write_private
+from sage.homes import own_home, unsafe_home, write_in_home, write_private
+from sage.runas import RunAs, SessionUids, emit_launcher
 
 __all__ = ("Installer", "run")
 
@@ -49,6 +53,7 @@ SETTINGS = Path(".claude") / "settings.local.json"
 CLAUDE_MD = Path("CLAUDE.md")
 MCP_JSON = Path(".mcp.json")
 MARKER = Path(".astrid") / "install.json"
+EMIT_LAUNCHER = Path(".astrid") / "astrid-emit"
 
 
 class _Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -153,34 +158,57 @@ class Installer:
         home = self.ctx.config.home_of(principal)
         config = msgspec.to_builtins(request.config)
         self._step(name, rid, "home")
-        problem = unsafe_home(home)
+        try:
+            run_as = SessionUids(self.ctx.config).run_as(principal)
+        except SageError as exc:
+            raise InstallFailed(f"no uid for the principal's sessions: {exc}") from None
+        problem = unsafe_home(home, None if run_as is None else run_as.uid)
         if problem is not None:
             raise InstallFailed(f"unsafe home: {problem}")
-        home.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if run_as is None:
+            home.mkdir(mode=0o700, parents=True, exist_ok=True)
+        else:  # the children's own (supervisor root): written without following its links
+            config_ = self.ctx.config
+            own_home(
+                home,
+                run_as.uid,
+                run_as.gid,
+                homes_dir=config_.homes_dir if home.parent == config_.homes_dir else None,
+            )
         self._step(name, rid, "scrub")
         for folder in (home, home / ".claude", home / ".astrid"):
-            for stale in folder.glob(".*.tmp") if folder.is_dir() else ():
+            for stale in (
+                folder.glob(".*.tmp") if folder.is_dir() and not folder.is_symlink() else ()
+            ):
                 with contextlib.suppress(OSError):
                     stale.unlink()
         version = await self.claude_version()
+        changed: list[str] = []
+        emit = _command("astrid-emit")
+        launcher = None if run_as is None else emit_launcher(run_as)
+        if run_as is not None and launcher is not None:
+            # sage's Python is out of the child's reach: hooks run a launcher of its own
+            if _read(home / EMIT_LAUNCHER) != launcher or request.force:
+                write_in_home(home, EMIT_LAUNCHER, launcher, run_as.uid, run_as.gid, mode=0o700)
+                changed.append(str(EMIT_LAUNCHER))
+            emit = str(home / EMIT_LAUNCHER)
         contents = {
-            str(SETTINGS): files.settings_local(config, _command("astrid-emit"), version),
+            str(SETTINGS): files.settings_local(config, emit, version),
             str(MCP_JSON): files.mcp_json(
                 name, _command("astrid"), str(self.ctx.config.socket_path)
             ),
             str(CLAUDE_MD): files.claude_md(name, config),
         }
-        changed: list[str] = []
         for rel, step in ((SETTINGS, "settings"), (MCP_JSON, "mcp"), (CLAUDE_MD, "claude_md")):
             self._step(name, rid, step)
-            if _write(home / rel, contents[str(rel)], force=request.force):
+            if _write(home, rel, contents[str(rel)], force=request.force, run_as=run_as):
                 changed.append(str(rel))
         self._step(name, rid, "marker")
         mark = files.marker(name, config, version, contents)
         previous = _read_json(home / MARKER)
         if request.force or changed or not _same_marker(previous, mark):
             mark["installed_at"] = time.time()
-            write_private(home / MARKER, msgspec.json.encode(mark))
+            _put(home, MARKER, msgspec.json.encode(mark), run_as)
             changed.append(str(MARKER))
         return {"home_path": str(home), "config": config, "changed": changed}
 
@@ -191,16 +219,31 @@ def _valid(name: str) -> bool:
     return re.match(NAME_PATTERN, name) is not None
 
 
-def _write(path: Path, data: bytes, *, force: bool) -> bool:
-    """Write ``path`` when its content differs (or ``force``); True if written."""
+def _write(home: Path, rel: Path, data: bytes, *, force: bool, run_as: RunAs | None) -> bool:
+    """Write ``home/rel`` when its content differs (or ``force``); True if written."""
+    path = home / rel
     if not force:
         with contextlib.suppress(OSError):
             if path.read_bytes() == data:
                 return False
     if path.is_symlink():
         raise InstallFailed(f"{path} is a symbolic link; refusing to write through it")
-    write_private(path, data)
+    _put(home, rel, data, run_as)
     return True
+
+
+def _put(home: Path, rel: Path, data: bytes, run_as: RunAs | None) -> None:
+    if run_as is None:
+        write_private(home / rel, data)
+    else:
+        write_in_home(home, rel, data, run_as.uid, run_as.gid)
+
+
+def _read(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
 
 
 def _read_json(path: Path) -> Any:

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sage.config import Config, PrincipalConfig
-from sage.homes import read_api_key, unsafe_home, write_private
+from sage.homes import own_home, read_api_key, unsafe_home, write_private
 from sage.hooks import hash_token, mint_token
+from sage.runas import RunAs, setpriv_prefix
 
 __all__ = (
     "MCP_CONFIG",
@@ -58,6 +59,15 @@ class Launch:
     flags_hash: str
     identity_fallback: bool
     permission_mode: str = PERMISSION_MODE
+    prefix: tuple[str, ...] = ()
+    """What runs before ``argv`` (``setpriv`` to the child's uid; supervisor root)."""
+    uid: int | None = None
+    """The uid the child runs as; None: the supervisor's."""
+
+    @property
+    def command(self) -> list[str]:
+        """What is started: ``prefix`` then ``argv`` (``argv`` is what the child runs)."""
+        return [*self.prefix, *self.argv]
 
 
 def flags_hash(argv: Sequence[str]) -> str:
@@ -79,14 +89,33 @@ def build_launch(
     api_key: str | None,
     identity: str | None,
     resume: bool = False,
+    run_as: RunAs | None = None,
 ) -> Launch:
-    """Decide argv and environment, make the home, write the identity file."""
+    """Decide argv and environment, make the home, write the identity file.
+
+    With ``run_as`` (a root supervisor) the child starts through ``setpriv`` as
+    that uid, the home is handed to it, and the identity file is its own (0400)
+    in folders it may pass through (0711) but not list."""
     home = config.home_of(principal)
-    home.mkdir(mode=0o700, parents=True, exist_ok=True)
-    identity_file = config.state_dir / "sessions" / session_id / "identity.md"
+    sessions = config.state_dir / "sessions"
+    identity_file = sessions / session_id / "identity.md"
     fallback = not identity
     text = identity or DEFAULT_IDENTITY.format(principal=principal.name, session=session_id)
-    write_private(identity_file, text.encode())
+    if run_as is None:
+        home.mkdir(mode=0o700, parents=True, exist_ok=True)
+        write_private(identity_file, text.encode())
+    else:
+        own_home(
+            home,
+            run_as.uid,
+            run_as.gid,
+            homes_dir=config.homes_dir if home.parent == config.homes_dir else None,
+        )
+        write_private(identity_file, text.encode())
+        for folder in (sessions, identity_file.parent):
+            os.chmod(folder, 0o711)
+        os.chown(identity_file, run_as.uid, -1)
+        os.chmod(identity_file, 0o400)
     argv = [
         str(binary),
         "-p",
@@ -139,4 +168,6 @@ def build_launch(
         claude_session=claude_session,
         flags_hash=flags_hash(argv),
         identity_fallback=fallback,
+        prefix=tuple(setpriv_prefix(run_as)) if run_as is not None else (),
+        uid=None if run_as is None else run_as.uid,
     )

@@ -84,7 +84,9 @@ from sage.claude_binary import (
 )
 from sage.config import NAME_PATTERN, Config, PrincipalConfig
 from sage.errors import ConfigError, SageError
+from sage.homes import unreachable
 from sage.protocol import CanUseToolRequest, HookCallbackRequest, HookMatcher, McpMessageRequest
+from sage.runas import SessionUids
 from sage.secrets import API_KEY, SecretError, SecretStore, principal_namespace
 
 __all__ = ("Runner", "SessionRecord", "run")
@@ -737,7 +739,12 @@ class Runner:
                         " [[principals]] entry"
                     )
                 raise SessionError("api_key_missing", message)
-        problem = unsafe_home(config.home_of(principal))
+        try:
+            run_as = SessionUids(config).run_as(principal)
+        except SageError as exc:
+            raise SessionError("session_uid_unavailable", str(exc)) from None
+        home = config.home_of(principal)
+        problem = unsafe_home(home, None if run_as is None else run_as.uid)
         if problem is not None:
             raise SessionError("unsafe_home", problem)
         identity = principal.identity or None
@@ -759,9 +766,17 @@ class Runner:
                 api_key=api_key,
                 identity=identity,
                 resume=resume,
+                run_as=run_as,
             )
-        except OSError as exc:
+        except (OSError, SageError) as exc:
             raise SessionError("spawn_failed", f"cannot prepare the session: {exc}") from None
+        if run_as is not None:  # the child must reach its home and the socket by their paths
+            groups = {run_as.gid, *run_as.groups}
+            for path in (home, config.socket_path):
+                far = unreachable(path, run_as.uid, groups)
+                if far is not None:
+                    launch.identity_file.unlink(missing_ok=True)
+                    raise SessionError("home_unreachable", f"{path}: {far}")
         session.token_hash = hash_token(token)
         return launch
 
@@ -901,6 +916,7 @@ class Runner:
                 "session_id": session.id,
                 "pid": pid,
                 "flags_hash": launch.flags_hash,
+                "uid": os.getuid() if launch.uid is None else launch.uid,
                 "auth_mode": session.principal.auth_mode,
                 "key_source": session.key_source,
                 "interaction_mode": session.principal.interaction_mode,

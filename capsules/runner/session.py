@@ -246,7 +246,9 @@ class ClaudeProcess:
         self, *, task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED
     ) -> Ending:
         """Start the child, serve it until it is gone; ``task_status`` gets its pid."""
-        self.child = child = Child.spawn(self.launch.argv, env=self.launch.env, cwd=self.launch.cwd)
+        self.child = child = Child.spawn(
+            self.launch.command, env=self.launch.env, cwd=self.launch.cwd
+        )
         init_id = self._queue_initialize()
         task_status.started(child.pid)
         log.info("session.spawned", session_id=self.session_id, pid=child.pid)

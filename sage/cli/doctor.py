@@ -37,6 +37,7 @@ from sage.cli._connect import print_json
 from sage.config import Config, load_config
 from sage.errors import ConfigError, ProcessError
 from sage.hooks import hooks_known_by
+from sage.runas import access_group
 
 Status = Literal["ok", "warn", "fail"]
 
@@ -59,15 +60,16 @@ checks:
   bwrap       bubblewrap really runs a minimal sandbox (as forge.sandbox_uid_base
               when run as root); fail: forge refuses to run any forged tool (fail
               closed) - install bubblewrap, allow unprivileged user namespaces
-  state       state_dir is yours, mode 0700 (0750 with socket.group); warn: not
+  state       state_dir is yours, mode 0700 (0750 with socket.group, or as root
+              with the claude children's access group [sessions] uid_base); warn: not
               created yet (the supervisor does on first start); fail: owned by
               another uid or open to others (chmod/chown it)
   homes       installed principals' .claude/settings.local.json name only hook
               events this claude knows; fail: reinstall (`astrid sage install
               NAME --force`)
   keys        state_dir/keys is 0700, the audit key 0600 (its .pub 0644 at most)
-  socket      the control socket is 0600 (0660 with socket.group) in a 0700
-              (0750) folder; warn: absent, the supervisor is not running
+  socket      the control socket is 0600 (0660 with socket.group or the access
+              group) in a 0700 (0750) folder; warn: absent, the supervisor is not running
   supervisor  (when the socket exists) the supervisor answers a status request;
               warn: it does not (a stale socket left by a killed supervisor?)
 
@@ -299,9 +301,20 @@ async def _check_bwrap(config: Config | None) -> Check:
     )
 
 
+def _grouped(config: Config, info: os.stat_result) -> bool:
+    """May this folder or socket be the group's: ``socket.group``, or (root) the access
+    group of the claude children (sage/runas.py) when it has that group."""
+    if config.socket.group:
+        return True
+    try:
+        gid = access_group(config)
+    except ConfigError:
+        return False
+    return gid is not None and info.st_gid == gid
+
+
 def _check_state(config: Config) -> Check:
     path = config.state_dir
-    want = 0o750 if config.socket.group else 0o700
     info, problem = _lstat(path)
     if info is None:
         if problem:
@@ -312,7 +325,7 @@ def _check_state(config: Config) -> Check:
             detail=f"{path} does not exist yet (the supervisor creates it 0700 on first start)",
             facts={"path": str(path)},
         )
-    problems = _dir_problems(path, info, want)
+    problems = _dir_problems(path, info, 0o750 if _grouped(config, info) else 0o700)
     return _verdict("state", path, info, problems)
 
 
@@ -363,12 +376,12 @@ def _check_keys(config: Config) -> Check:
 def _check_socket(config: Config) -> tuple[Check, bool]:
     """The socket row, and whether a socket file is there to talk to."""
     path = config.socket_path
-    grouped = bool(config.socket.group)
     problems: list[str] = []
     folder_info, problem = _lstat(path.parent)
     if problem:
         problems.append(problem)
     elif folder_info is not None:
+        grouped = _grouped(config, folder_info)
         problems += _dir_problems(path.parent, folder_info, 0o750 if grouped else 0o700)
     info, problem = _lstat(path)
     facts: dict[str, Any] = {"path": str(path)}
@@ -391,6 +404,7 @@ def _check_socket(config: Config) -> tuple[Check, bool]:
     if not stat.S_ISSOCK(info.st_mode):
         problems.append(f"{path} is not a socket (the supervisor refuses to replace it)")
         return Check(name="socket", status="fail", detail="; ".join(problems), facts=facts), False
+    grouped = _grouped(config, info)
     problems += _owner_and_mode(path, info, 0o660 if grouped else 0o600, need=0o600)
     return _verdict("socket", path, info, problems), True
 

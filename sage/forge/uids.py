@@ -69,17 +69,23 @@ class SandboxUids:
         *,
         name: str = "sandbox_uids",
         setting: str = "[forge] sandbox_uid",
+        what: str = "sandbox",
     ) -> None:
-        """``name``: the table's file name (``.json``, ``.lock``); ``setting``: the
-        config keys the errors point to (``<setting>_base``, ``<setting>_count``).
-        Installed capsules' workers use the same class, keyed by capsule name."""
+        # ``name``: the table's file name (``.json``, ``.lock``); ``setting`` and ``what``
+        # name it in messages. Session uids (sage/runas.py) and installed capsules'
+        # workers (keyed by capsule name) use the same class with the same rules.
         self.path = forge_dir / f"{name}.json"
         self.lock_path = forge_dir / f"{name}.lock"
         self.base = base
         self.count = count
         self.setting = setting
+        self.what = what
         self._mutex = threading.Lock()
         self._cache: dict[str, int] = {}
+
+    def in_range(self, uid: int) -> bool:
+        """Is ``uid`` one of the range's?"""
+        return self._in_range(uid)
 
     def _in_range(self, uid: int) -> bool:
         return self.base <= uid < self.base + self.count
@@ -135,7 +141,7 @@ class SandboxUids:
                 return uid
         raise SandboxError(
             "sandbox_uid_exhausted",
-            f"no free sandbox uid left in {self.base}..{self.base + self.count - 1}"
+            f"no free {self.what} uid left in {self.base}..{self.base + self.count - 1}"
             f" (raise {self.setting}_count)",
         )
 
@@ -148,8 +154,8 @@ class SandboxUids:
         if known_uid(uid):
             raise SandboxError(
                 "sandbox_uid_taken",
-                f"sandbox uid {uid} ({name or 'no principal'}) now belongs to a user of this"
-                " host; forge will not share it (remove that user or move"
+                f"{self.what} uid {uid} ({name or 'no principal'}) now belongs to a user of this"
+                " host; sage will not share it (remove that user or move"
                 f" {self.setting}_base)",
             )
         return uid

@@ -157,3 +157,78 @@ async def test_a_real_claude_uses_the_installed_mcp_json(
         (tool_result,) = standin.messages[-1].tool_results()
         assert "Hello, Ada!" in json.dumps(tool_result["content"])
         assert not tool_result.get("is_error")
+
+
+def _status(pid: int) -> dict[str, list[int]]:
+    fields: dict[str, list[int]] = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name in ("Uid", "Gid", "Groups"):
+            fields[name] = [int(v) for v in value.split()]
+    return fields
+
+
+def _transcript_owners(home: Path) -> set[int]:
+    return {p.stat().st_uid for p in home.rglob("*.jsonl") if p.is_file()}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="children change uid only under root")
+async def test_a_real_claude_runs_as_its_principals_uid_under_a_root_supervisor(
+    claude_bin: Path, standin: Standin
+) -> None:
+    """The supervisor is root; alice's real ``claude`` and the ``astrid-emit`` its
+    installed command hook runs are alice's uid from sage's range, never root."""
+    async with running_sage(_config(claude_bin, standin)) as sage:
+        installed = await sage.request(
+            "sage.v1.request.install", {"principal_id": "alice", "api_key": KEY}
+        )
+        assert installed["ok"], installed
+        home = Path(installed["home_path"])
+        raw = await sage.client.subscribe("sage.v1.hook.>")  # as astrid-emit sent them
+        hooks = await sage.client.subscribe("hook.v1.event.before_tool_call")
+        with anyio.fail_after(20):
+            while not (await sage.request("sage.v1.request.tools", {}))["tools"]:  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+        events, spawned = await sage.spawn("u1")
+        assert spawned["ok"], spawned
+        await events.until("init")
+        pid = spawned["pid"]
+        creds = await anyio.to_thread.run_sync(_status, pid)
+        (uid,) = set(creds["Uid"])
+        assert uid != 0
+        assert 91000 < uid < 92000
+        assert set(creds["Gid"]) == {uid}
+        assert creds["Groups"] == [91000]
+        ps = await anyio.run_process(["ps", "-o", "uid=,comm=", "-p", str(pid)])
+        assert ps.stdout.split()[0].decode() == str(uid), ps.stdout
+        # the installer's files and the home are alice's uid's, written for it
+        settings = home / ".claude" / "settings.local.json"
+        for path in (home, settings):
+            assert path.stat().st_uid == uid, path
+
+        standin.push(ToolUse("mcp__sage__greet", {"name": "Ada"}), Text("greeted"))
+        await sage.send("u1", "greet Ada")
+        seen = await events.until("done", 60.0)
+        text = "".join(d.get("delta", "") for n, d in seen if n == "text")
+        assert text == "greeted", (seen, standin.calls)
+        with anyio.fail_after(20):
+            while True:
+                event = msgspec.json.decode((await hooks.get()).payload)
+                if event.get("decision_source") == "token":
+                    break
+        assert event["principal_id"] == "alice"
+        assert event["session_id"] == "u1"
+        assert event["payload"]["tool_name"] == "mcp__sage__greet"
+        # the command hook's astrid-emit ran as alice's uid, and that uid's connection
+        # is alice's on the bus
+        with anyio.fail_after(10):
+            while True:
+                envelope = await raw.get()
+                if envelope.source.startswith("emit:"):
+                    break
+        assert envelope.source == f"emit:{uid}"
+        assert envelope.principal == "alice"
+        # what the CLI wrote in its home (its transcript) is that uid's too
+        assert await anyio.to_thread.run_sync(_transcript_owners, home) == {uid}
+        await sage.request("sage.v1.request.stop.u1", {})
+        await events.until("exited")

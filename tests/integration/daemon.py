@@ -19,8 +19,14 @@ ASTRID = [sys.executable, "-m", "sage.cli"]
 
 
 def short_dir() -> Path:
-    """A temp folder with a short path (AF_UNIX paths are limited to 107 bytes)."""
-    return Path(tempfile.mkdtemp(prefix="sg", dir="/tmp"))
+    """A temp folder with a short path (AF_UNIX paths are limited to 107 bytes).
+
+    Mode 0711, as ``/var/lib`` is for a real state folder: a root supervisor's
+    ``claude`` children run as their principals' uids and must pass through it
+    to their homes and the socket (they cannot list it)."""
+    root = Path(tempfile.mkdtemp(prefix="sg", dir="/tmp"))
+    root.chmod(0o711)
+    return root
 
 
 def alive(pid: int) -> bool:

@@ -187,6 +187,21 @@ def test_group_readable_state_folder_fails(
     assert "group or others can read it" in _rows(report)["state"]["detail"]
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the access group is a root supervisor's")
+def test_a_state_folder_of_the_childrens_access_group_is_ok_as_root(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """0750 is what a root supervisor makes for its claude children's group (gid 91000)."""
+    config = _setup(tmp_path, state_mode=0o750)
+    os.chown(tmp_path / "state", -1, 91000)
+    _, report = _doctor(capsys, config)
+    assert _rows(report)["state"]["status"] == "ok", report
+    os.chown(tmp_path / "state", -1, 91001)  # a group that is not the access group
+    code, report = _doctor(capsys, config)
+    assert code == 1
+    assert "group or others can read it" in _rows(report)["state"]["detail"]
+
+
 def test_good_host_has_no_fail(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A 0700 state folder and a tested claude: no fail, exit 0; keys and socket not there yet."""
     config = _setup(tmp_path)
@@ -462,7 +477,8 @@ def test_running_supervisor_is_all_ok(daemon: Daemon) -> None:
         "supervisor": "ok",
     }
     assert rows["supervisor"]["pid"] == daemon.proc.pid
-    assert rows["socket"]["mode"] == "0600"
+    # as root the socket is the claude children's access group's (sage/runas.py)
+    assert rows["socket"]["mode"] == ("0660" if os.geteuid() == 0 else "0600")
     assert "audit_ed25519.pem 0600" in rows["keys"]["detail"]
 
 

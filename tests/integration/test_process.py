@@ -249,3 +249,52 @@ def test_children_die_with_the_supervisor(tmp_path: Path) -> None:
     )
     pid = int(out.stdout.strip())
     assert _gone(pid), "the child outlived its parent"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a uid change needs root")
+def test_a_child_that_changes_uid_still_dies_with_its_parent_and_its_group() -> None:
+    """A uid change clears PR_SET_PDEATHSIG; the runner's setpriv prefix sets it again,
+    and root still signals the group of a child that runs as another uid."""
+    from sage.runas import RunAs, setpriv_prefix
+
+    prefix = setpriv_prefix(RunAs(91001, 91001, (91000,)))
+    script = textwrap.dedent(
+        f"""
+        import anyio, os, sys
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
+        from sage.process import Child
+
+        async def main():
+            child = Child.spawn({prefix!r} + ["/bin/sleep", "300"], env={{"PATH": "/bin"}},
+                                cwd="/")
+            await anyio.sleep(0.3)  # setpriv has changed the uid and exec'd sleep
+            print(child.pid, flush=True)
+            os._exit(0)  # no cleanup at all
+
+        anyio.run(main)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=30, check=True
+    )
+    pid = int(out.stdout.strip())
+    assert _gone(pid), "the child outlived its parent across the uid change"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a uid change needs root")
+async def test_the_group_of_a_child_of_another_uid_is_stopped() -> None:
+    from sage.runas import RunAs, setpriv_prefix
+
+    prefix = setpriv_prefix(RunAs(91001, 91001, (91000,)))
+    child = Child.spawn(
+        [*prefix, "/bin/sh", "-c", "trap '' TERM; /bin/sleep 300 & wait"],
+        env={"PATH": "/bin"},
+        cwd="/",
+    )
+    await anyio.sleep(0.3)
+    status_text = await anyio.Path(f"/proc/{child.pid}/status").read_text()
+    assert "Uid:\t91001\t91001\t91001\t91001" in status_text
+    with anyio.fail_after(10):
+        status = await stop(child, grace=0.3)
+    assert status.signal == signal.SIGKILL  # SIGTERM ignored, SIGKILL to the group
+    child.close()

@@ -27,11 +27,21 @@ def daemon() -> Iterator[Daemon]:
 
 
 def test_ready_quickly_with_safe_permissions(daemon: Daemon) -> None:
-    """The supervisor is ready fast; state 0700, socket 0600 in a 0700 directory."""
+    """The supervisor is ready fast; state 0700, socket 0600 in a 0700 directory; as
+    root the claude children's access group (gid 91000, no host group) gets the way to
+    the socket: state and run folders 0750, socket 0660, and nothing else there."""
     assert daemon.startup_s < 10
-    assert stat.S_IMODE(daemon.socket.stat().st_mode) == 0o600
-    assert stat.S_IMODE(daemon.socket.parent.stat().st_mode) == 0o700
-    assert stat.S_IMODE((daemon.root / "state").stat().st_mode) == 0o700
+    state = daemon.root / "state"
+    grouped = os.geteuid() == 0
+    assert stat.S_IMODE(daemon.socket.stat().st_mode) == (0o660 if grouped else 0o600)
+    assert stat.S_IMODE(daemon.socket.parent.stat().st_mode) == (0o750 if grouped else 0o700)
+    assert stat.S_IMODE(state.stat().st_mode) == (0o750 if grouped else 0o700)
+    if grouped:
+        for path in (state, daemon.socket.parent, daemon.socket):
+            assert path.stat().st_gid == 91000, path
+        for path in state.rglob("*"):  # the group's way goes to the socket only
+            if path not in (daemon.socket.parent, daemon.socket):
+                assert path.stat().st_gid != 91000, path
 
 
 def test_status_shows_uptime_capsules_and_bus(daemon: Daemon) -> None:
