@@ -9,9 +9,12 @@ fails (``no rule for topic family X``) until someone decides who may use it.
 The peers, against one real supervisor over its socket (real ``SO_PEERCRED``:
 forked clients that take other uids, so the test needs root):
 
-- ``unmapped``: uid 65532, in the socket's group but mapped to no principal;
+- ``unmapped``: uid 65532, in the socket's group but mapped to no principal (its
+  attempts rotate through hellos as cli, as cli for alice, as capsule, as emit);
 - ``alice`` (the principal) and ``bob`` (another principal): users, uids 65533
   and 65534, bound by the default ``bus.user_publish`` / ``bus.user_subscribe``;
+- ``alice_emit``: alice's uid with role ``emit`` (what ``astrid-emit`` uses):
+  ``sage.v1.hook.>`` to publish, nothing to subscribe;
 - ``admin``: the supervisor's own uid (root), no principal, no ACL;
 - ``admin_as_alice``: the same uid, its hello naming principal alice (no ACL: not
   a user, but its envelopes and requests are alice's);
@@ -67,9 +70,9 @@ ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "topics.md"
 
 UNMAPPED, ALICE, BOB = 65532, 65533, 65534
-ACTORS = ("unmapped", "alice", "bob", "admin", "admin_as_alice", "capsule")
-USERS = {"alice": "alice", "bob": "bob"}
-"""User actors and the principal each acts for."""
+ACTORS = ("unmapped", "alice", "alice_emit", "bob", "admin", "admin_as_alice", "capsule")
+USERS = {"alice": "alice", "alice_emit": "alice", "bob": "bob"}
+"""Actors the broker treats as users (a principal and an ACL), and their principals."""
 SEALED = frozenset({"sage.v1.request.install"})
 """Topics the bus delivers in-process only (docs/security.md, The secret store)."""
 ANSWERED_IN_PROCESS = frozenset({"sage.v1.request.status", "sage.v1.request.capsule.load"})
@@ -162,6 +165,8 @@ def may_publish(actor: str, topic: str) -> bool:
         return False
     if actor in ("admin", "admin_as_alice"):
         return True
+    if actor == "alice_emit":
+        return family(topic) == "sage.v1.hook" and not protected(topic)
     if actor == "capsule":  # manifest: publish ">" and "sage.v1.audit.>"
         return not protected(topic) or topic.startswith("sage.v1.audit.")
     return rule.user_publish and not protected(topic)
@@ -169,7 +174,7 @@ def may_publish(actor: str, topic: str) -> bool:
 
 def may_subscribe(actor: str, topic: str) -> bool:
     rule = rule_for(topic)
-    if actor == "unmapped":
+    if actor in ("unmapped", "alice_emit"):
         return False
     if actor in USERS:
         return rule.user_subscribe
@@ -221,10 +226,19 @@ def expected_request(requester: str, topic: str) -> tuple[str, frozenset[str]]:
     return "no_responders", frozenset()
 
 
+HELLOS: tuple[tuple[str, str | None], ...] = (
+    ("cli", None),
+    ("cli", "alice"),
+    ("capsule", None),
+    ("emit", None),
+)
+"""The hellos the unmapped uid tries in turn: each is refused."""
+
 EMISSIONS: tuple[tuple[str, str | None], ...] = (
     ("unmapped", None),
     ("alice", None),
     ("alice", "bob"),
+    ("alice_emit", None),
     ("bob", None),
     ("admin", None),
     ("admin", "alice"),
@@ -254,6 +268,7 @@ class Agent:
         self.socket_path = socket_path
         self.seen: list[list[Any]] = []
         self._one_at_a_time = anyio.Lock()
+        self._attempts = 0
 
     async def serve(self, control: str) -> None:
         stream = await anyio.connect_unix(control)
@@ -275,8 +290,12 @@ class Agent:
 
     async def _refused(self) -> str:
         async with self._one_at_a_time:  # not past the per-uid connection cap
+            self._attempts += 1
+            role, principal = HELLOS[self._attempts % len(HELLOS)]
             try:
-                async with BusClient.connect(self.socket_path, name="authz"):
+                async with BusClient.connect(
+                    self.socket_path, role=role, name="authz", principal=principal
+                ):
                     return "connected"
             except BusError as exc:
                 return exc.code
@@ -374,8 +393,9 @@ def fork_agent(name: str, uid: int | None, socket_path: Path, control: Path) -> 
                 await Agent(name, None, str(socket_path)).serve(str(control))
                 return
             principal = "alice" if name == "admin_as_alice" else None
+            role = "emit" if name == "alice_emit" else "cli"
             async with BusClient.connect(
-                socket_path, name=f"authz-{name}", principal=principal
+                socket_path, role=role, name=f"authz-{name}", principal=principal
             ) as client:
                 await Agent(name, client, str(socket_path)).serve(str(control))
 
@@ -452,6 +472,7 @@ def peers() -> Iterator[dict[str, Peer]]:
         uids = {
             "unmapped": UNMAPPED,
             "alice": ALICE,
+            "alice_emit": ALICE,
             "bob": BOB,
             "admin": None,
             "admin_as_alice": None,
@@ -601,6 +622,7 @@ def test_the_matrix_holds_over_the_real_socket(peers: dict[str, Peer]) -> None:
     assert len(subscribed["alice"]) < len(every)
     assert subscribed["admin"] == set(every) == subscribed["capsule"]
     assert not subscribed["unmapped"]
+    assert not subscribed["alice_emit"]
     assert time.monotonic() - started < 60
 
 
