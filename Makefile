@@ -19,7 +19,7 @@ CLAUDE_OTHERS := $(foreach v,$(sort $(CLAUDE_FLOOR) $(CLAUDE_NEWEST) $(CLAUDE_WI
 STAMP := $(VENV)/.installed
 
 .PHONY: setup run test test-matrix check lint typecheck format bench clean system-deps \
-	transcripts claude-versions
+	transcripts claude-versions soak
 
 setup: $(STAMP) $(CLAUDE_BIN) $(CLAUDE_OTHERS) system-deps
 
@@ -96,6 +96,13 @@ check: setup lint typecheck test
 
 bench: setup
 	$(BIN)/python -m tests.bench
+
+# The standing adversarial suite (not part of `make test`): 100,000 malformed frames from
+# four workers (admin, a mapped user, an unmapped uid) against a real supervisor while a
+# canary keeps doing round trips; prints a table, fails on a crash, a hang or growth.
+# Needs root. Bounded: 10 minutes at most. SEED=<seed> replays a run.
+soak: setup
+	timeout -k 10 600 $(BIN)/python -m tests.soak $(if $(SEED),--seed $(SEED))
 
 # Re-record the golden stream-json transcripts (tests/fixtures/claude-code-<version>/)
 # from the real CLI against the Messages API stand-in; CLAUDE=path for another release.
