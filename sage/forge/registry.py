@@ -19,6 +19,7 @@ a :class:`ToolRecord` is hidden and reported once per (path, mtime) through
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -183,6 +184,92 @@ def write_replace(path: Path, data: bytes, *, durable: bool = True) -> None:
         _fsync_dir(path.parent)
 
 
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+PROJECT_PARTS = (".astrid", "forge", "tools")
+"""The project scope's folder below a principal's home."""
+
+
+def open_project(home: Path, *, create: bool) -> int | None:
+    """The project scope's folder of ``home``, opened one component at a time with
+    ``O_NOFOLLOW``: the home may be its ``claude`` child's own (a root supervisor
+    hands it over), and a link the child planted there must never turn the
+    supervisor's read, write or delete into one somewhere else.  Folders made here
+    (0700) belong to the home's owner.  None when it does not exist and ``create``
+    is false; ``ForgeError("unsafe_home")`` for a link or a non-folder on the way."""
+    if create and not os.path.lexists(home):
+        private_dir(home)  # not made yet (the runner makes it at a first spawn): ours, 0700
+    try:
+        fd = os.open(home, _DIR_FLAGS)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ForgeError("unsafe_home", f"{home}: {exc.strerror}") from None
+    try:
+        owner = os.fstat(fd)
+        for part in PROJECT_PARTS:
+            if create:
+                try:
+                    os.mkdir(part, 0o700, dir_fd=fd)
+                except FileExistsError:
+                    pass
+                else:
+                    os.chown(part, owner.st_uid, owner.st_gid, dir_fd=fd, follow_symlinks=False)
+            try:
+                sub = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                os.close(fd)
+                return None
+            except OSError as exc:  # ELOOP: a link; ENOTDIR: a file
+                raise ForgeError(
+                    "unsafe_home", f"{home}: {part} is a link or not a folder ({exc.strerror})"
+                ) from None
+            os.close(fd)
+            fd = sub
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _read_at(fd: int, name: str) -> tuple[bytes, int]:
+    """A regular file's bytes and mtime, opened in folder ``fd`` without following a link."""
+    file = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=fd)
+    try:
+        st = os.fstat(file)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"{name}: not a regular file")
+        with os.fdopen(os.dup(file), "rb") as fh:
+            return fh.read(), st.st_mtime_ns
+    finally:
+        os.close(file)
+
+
+def _write_new_at(fd: int, name: str, data: bytes) -> None:
+    """Create ``name`` in folder ``fd`` atomically, owned like the folder."""
+    owner = os.fstat(fd)
+    tmp = f".{name}.{os.getpid()}.{threading.get_ident()}.{os.urandom(4).hex()}.tmp"
+    out = os.open(
+        tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=fd
+    )
+    try:
+        with os.fdopen(out, "wb") as fh:
+            if owner.st_uid != os.geteuid():
+                os.fchown(fh.fileno(), owner.st_uid, owner.st_gid)
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        try:
+            os.link(tmp, name, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
+        except FileExistsError:
+            raise ForgeError(
+                "name_taken", f"a tool named {name.removesuffix('.json')!r} already exists"
+            ) from None
+        os.fsync(fd)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=fd)
+
+
 def _owned(record: ToolRecord, principal: str | None) -> bool:
     """A session tool is its forging principal's only (a payload names the session,
     the broker vouches for the principal); operators (None) see everything."""
@@ -209,23 +296,38 @@ class Registry:
         home = self.home_of(principal) if principal else None
         return None if home is None else home / ".astrid" / "forge" / "tools"
 
-    def _load(self, path: Path) -> ToolRecord | None:
+    def _load(self, path: Path, fd: int | None = None) -> ToolRecord | None:
+        """The record at ``path``; with ``fd`` (a project folder) read link-safely in it."""
         try:
-            st = path.stat()
-            raw = path.read_bytes()
+            if fd is not None:
+                raw, mtime = _read_at(fd, path.name)
+            else:
+                mtime = path.stat().st_mtime_ns
+                raw = path.read_bytes()
         except FileNotFoundError:
             return None
         except OSError as exc:
             self._report(path, 0, str(exc))
             return None
+        return self._decode(path, raw, mtime)
+
+    def _decode(self, path: Path, raw: bytes, mtime: int) -> ToolRecord | None:
         try:
             record = msgspec.json.decode(raw, type=ToolRecord)
             if record.name != path.stem:
                 raise ValueError(f"file holds {record.name!r}")
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-            self._report(path, st.st_mtime_ns, str(exc))
+            self._report(path, mtime, str(exc))
             return None
         return record
+
+    def _project(self, principal: str | None, *, create: bool) -> tuple[Path, int] | None:
+        """The project folder of ``principal``'s home: its path and an open fd."""
+        home = self.home_of(principal) if principal else None
+        if home is None:
+            return None
+        fd = open_project(home, create=create)
+        return None if fd is None else (home.joinpath(*PROJECT_PARTS), fd)
 
     def _report(self, path: Path, mtime: int, error: str) -> None:
         with self._lock:
@@ -238,8 +340,24 @@ class Registry:
     def get(
         self, scope: Scope, name: str, principal: str | None, session: str | None
     ) -> Located | None:
+        if not NAME_RE.match(name):
+            return None
+        if scope == "project":
+            try:
+                project = self._project(principal, create=False)
+            except ForgeError as exc:
+                self._report(Path(str(principal)), 0, str(exc))
+                return None
+            if project is None:
+                return None
+            folder, fd = project
+            try:
+                record = self._load(folder / f"{name}.json", fd)
+            finally:
+                os.close(fd)
+            return None if record is None else Located(record, folder / f"{name}.json")
         directory = self.directory(scope, principal, session)
-        if directory is None or not NAME_RE.match(name):
+        if directory is None:
             return None
         path = directory / f"{name}.json"
         record = self._load(path)
@@ -256,6 +374,21 @@ class Registry:
         return None
 
     def scan(self, scope: Scope, principal: str | None, session: str | None) -> list[Located]:
+        if scope == "project":
+            try:
+                project = self._project(principal, create=False)
+            except ForgeError as exc:
+                self._report(Path(str(principal)), 0, str(exc))
+                return []
+            if project is None:
+                return []
+            folder, fd = project
+            try:
+                names = sorted(n for n in os.listdir(fd) if n.endswith(".json"))
+                found = [(folder / n, self._load(folder / n, fd)) for n in names]
+            finally:
+                os.close(fd)
+            return [Located(r, path) for path, r in found if r is not None]
         directory = self.directory(scope, principal, session)
         if directory is None or not directory.is_dir():
             return []
@@ -274,11 +407,22 @@ class Registry:
         return [seen[name] for name in sorted(seen)]
 
     def create(self, record: ToolRecord) -> Path:
+        data = msgspec.json.format(msgspec.json.encode(record))
+        if record.scope == "project":
+            project = self._project(record.principal_id, create=True)
+            if project is None:
+                raise ForgeError("bad_scope", "no project scope for this caller")
+            folder, fd = project
+            try:
+                _write_new_at(fd, f"{record.name}.json", data)
+            finally:
+                os.close(fd)
+            return folder / f"{record.name}.json"
         directory = self.directory(record.scope, record.principal_id, record.session_id)
         if directory is None:
             raise ForgeError("bad_scope", f"no {record.scope} scope for this caller")
         path = directory / f"{record.name}.json"
-        write_new(path, msgspec.json.format(msgspec.json.encode(record)))
+        write_new(path, data)
         return path
 
     def promote(self, source: ToolRecord, *, force: bool) -> ToolRecord:
@@ -309,8 +453,22 @@ class Registry:
         return promoted
 
     def remove(self, scope: Scope, name: str, principal: str | None, session: str | None) -> bool:
+        if not NAME_RE.match(name):
+            return False
+        if scope == "project":
+            project = self._project(principal, create=False)
+            if project is None:
+                return False
+            _, fd = project
+            try:
+                os.unlink(f"{name}.json", dir_fd=fd)
+            except FileNotFoundError:
+                return False
+            finally:
+                os.close(fd)
+            return True
         directory = self.directory(scope, principal, session)
-        if directory is None or not NAME_RE.match(name):
+        if directory is None:
             return False
         try:
             (directory / f"{name}.json").unlink()
