@@ -68,6 +68,9 @@ MAX_SUBSCRIPTIONS_PER_CONNECTION = 1024
 MAX_REQUEST_DEADLINE = 300.0
 """The longest deadline a remote client may ask for, in seconds."""
 _OUTBOX_MIN_BYTES = 64 * 1024 * 1024  # like NATS's default pending limit
+UID_OUTBOX_BYTES = 256 * 1024 * 1024
+"""Bytes the outboxes of one user uid's connections may hold together: without it a
+uid's 64 connections that never read could make the supervisor hold 4 GiB."""
 
 
 @dataclass(frozen=True)
@@ -192,6 +195,7 @@ class _RemoteSubscription:
         conn = self.conn
         if conn.admit():
             encode_msg_into(self.sid, envelope, conn.outbox)
+            conn.account()
             conn.queued += 1
             conn.wake.set()
             self.delivered += 1
@@ -225,6 +229,7 @@ class _Connection:
         self.subs: dict[int, _RemoteSubscription] = {}
         self.requests = 0
         self.outbox = bytearray()
+        self._charged = 0  # bytes of the outbox counted against the uid's budget
         self.queued = 0
         self.wake = anyio.Event()
         self._full_since: float | None = None
@@ -233,12 +238,27 @@ class _Connection:
 
     # -- outbound ---------------------------------------------------------
 
+    def account(self) -> None:
+        """Count the outbox's growth or shrinking against the uid's budget (users only)."""
+        counted = len(self.outbox) if self.server.budgeted(self) else 0
+        if counted != self._charged:
+            self.server.charge(self.peer.uid, counted - self._charged)
+            self._charged = counted
+
     def admit(self) -> bool:
         """Whether one more frame may be queued; cuts off a consumer slow past its deadline."""
         if self._closing:
             return False
         if len(self.outbox) > self.server.outbox_limit:
             self.kill(SlowConsumer(f"outbox over {self.server.outbox_limit} bytes"))
+            return False
+        if self.server.over_budget(self):
+            self.kill(
+                SlowConsumer(
+                    f"uid {self.peer.uid}'s connections hold over"
+                    f" {self.server.uid_outbox_limit} unread bytes"
+                )
+            )
             return False
         if self.queued >= self.server.bus.queue_size:
             now = time.monotonic()
@@ -258,6 +278,7 @@ class _Connection:
         if not self.admit():
             return False
         encode_into(frame, self.outbox)
+        self.account()
         self.queued += 1
         self.wake.set()
         return True
@@ -271,6 +292,7 @@ class _Connection:
                 await self.wake.wait()
                 continue
             data, self.outbox = self.outbox, bytearray()
+            self.account()
             self.queued = 0
             self._full_since = None
             # a fresh buffer took its place, so nothing mutates ``data`` while it is sent
@@ -563,6 +585,9 @@ class BusServer:
         self.max_frame = frame_limit(bus.max_payload)
         self.outbox_limit = max(_OUTBOX_MIN_BYTES, 4 * self.max_frame)
         """Bytes a connection's outbox may hold before it is cut off as a slow consumer."""
+        self.uid_outbox_limit = max(UID_OUTBOX_BYTES, self.outbox_limit)
+        """Bytes the outboxes of one user uid's connections may hold together."""
+        self._uid_bytes: dict[int, int] = {}
         self.connections: set[_Connection] = set()
         self._per_uid: dict[int, int] = {}
         self.accepted = 0
@@ -606,6 +631,23 @@ class BusServer:
             return
         await self.serve_connection(stream, peer)
 
+    def budgeted(self, conn: _Connection) -> bool:
+        """A user's connection (not an admin's, a capsule's or the supervisor's own)."""
+        identity = conn.identity
+        return identity is not None and identity.acl is not None and not conn.adopted
+
+    def charge(self, uid: int, delta: int) -> None:
+        left = self._uid_bytes.get(uid, 0) + delta
+        if left > 0:
+            self._uid_bytes[uid] = left
+        else:
+            self._uid_bytes.pop(uid, None)
+
+    def over_budget(self, conn: _Connection) -> bool:
+        return self.budgeted(conn) and self._uid_bytes.get(conn.peer.uid, 0) > (
+            self.uid_outbox_limit
+        )
+
     async def serve_connection(self, stream: anyio.abc.SocketStream, peer: PeerCred) -> None:
         """Serve one already-connected stream (also used for inherited socketpairs)."""
         count = self._per_uid.get(peer.uid, 0)
@@ -627,9 +669,12 @@ class BusServer:
             return
         self._per_uid[peer.uid] = count + 1
         self.accepted += 1
+        conn = _Connection(self, stream, peer)
         try:
-            await self._serve(_Connection(self, stream, peer))
+            await self._serve(conn)
         finally:
+            conn.outbox = bytearray()  # what it never read is freed with it
+            conn.account()
             left = self._per_uid.get(peer.uid, 1) - 1
             if left:
                 self._per_uid[peer.uid] = left

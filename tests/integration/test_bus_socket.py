@@ -16,6 +16,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import pytest
 
 from bus.acl import Identity
@@ -420,6 +421,41 @@ async def test_slow_consumer_is_disconnected_and_publisher_never_blocks(sock_pat
         # the connection is gone: the socket reaches EOF once buffered frames are read
         assert await conn.closed(within=10)
         bus.publish_raw(pub, "flood", payload)  # nobody left to deliver to, no error
+
+
+async def test_one_users_unread_outboxes_are_bounded_together(sock_path: Path) -> None:
+    """Each connection's outbox has a cap; a user's connections together have one too,
+    so many connections that never read cannot make the supervisor hold gigabytes."""
+    from bus.acl import Acl
+
+    def user(peer: PeerCred, hello: Hello) -> Identity:
+        acl = Acl(publish=["demo.>"], subscribe=["demo.>"])
+        return Identity(f"cli:{peer.uid}", principal="alice", acl=acl, uid=peer.uid)
+
+    bus = Bus(queue_size=1_000_000)  # only the byte budgets cut anyone off here
+    async with serving(sock_path, bus, authorize=user, slow_consumer_timeout=60) as server:
+        server.outbox_limit = 4 * 1024 * 1024
+        server.uid_outbox_limit = 6 * 1024 * 1024
+        async with contextlib.AsyncExitStack() as stack:
+            conns = [await stack.enter_async_context(raw(sock_path)) for _ in range(4)]
+            for conn in conns:
+                await conn.send(Sub(1, "demo.>"))
+                assert await conn.recv() == Ok(1)
+            payload = b'"' + b"p" * 65536 + b'"'
+            pub = Identity("test")
+            held = []
+            with anyio.fail_after(20):
+                while not server.disconnected_slow:
+                    for _ in range(16):
+                        bus.publish_raw(pub, "demo.x", payload, on_behalf_of="alice")
+                    held.append(sum(len(c.outbox) for c in server.connections))
+                    await anyio.lowlevel.checkpoint()
+            # no single connection reached its own 4 MiB cap: the uid's budget cut in
+            assert max(held) <= server.uid_outbox_limit + 16 * (len(payload) + 256) * 4
+            assert server.disconnected_slow >= 1
+        with anyio.fail_after(5):
+            while server._uid_bytes:  # noqa: ASYNC110 - freed as the connections end
+                await anyio.sleep(0.01)
 
 
 # -- request / reply --------------------------------------------------------------
