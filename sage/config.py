@@ -100,7 +100,13 @@ class BusConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True)
     )
     """What a non-admin user (a uid mapped to a principal) may publish to."""
     user_subscribe: list[str] = msgspec.field(
-        default_factory=lambda: ["sage.v1.event.>", "hook.v1.event.>", "llm.v1.stream.>", "demo.>"]
+        default_factory=lambda: [
+            "sage.v1.event.>",
+            "sage.v1.approver.>",
+            "hook.v1.event.>",
+            "llm.v1.stream.>",
+            "demo.>",
+        ]
     )
     """What a non-admin user may subscribe to."""
 

@@ -1176,10 +1176,9 @@ class Runner:
         elif not (
             self.ctx.bus.has_subscribers(topic)
             or self.ctx.bus.has_subscribers(
-                f"sage.v1.event.{proc.session_id}.approval_request",
-                principal=proc.principal_id,
+                f"sage.v1.approver.{proc.session_id}", principal=proc.principal_id
             )
-        ):  # nobody who may answer: not an admin or capsule, nor the session's own clients
+        ):  # nobody who may answer: no admin or capsule, no approver of the session's own
             decision = Decision(False, "no approver is listening", "no_approver")
         else:
             pending = self.approvals.open(

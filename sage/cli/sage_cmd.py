@@ -213,11 +213,14 @@ async def _send(args: argparse.Namespace) -> int:
     sid = args.session
     async with connect(args) as client:
         events = await client.subscribe(f"sage.v1.event.{sid}.>")
+        approve = args.approve or ("prompt" if sys.stdin.isatty() else "deny")
+        if approve != "deny":  # present as this session's approver: calls wait for us
+            await client.subscribe(f"sage.v1.approver.{sid}")
         # Ctrl-C is ours from before the turn is sent: its first text may already be here
         with anyio.open_signal_receiver(signal.SIGINT) as signals:
             sent = await _call(client, f"sage.v1.request.send.{sid}", {"text": text}, 10.0)
             turn = _Turn(client, sid, int(sent.get("turn") or 0), json_output=args.json)
-            turn.approve = args.approve or ("prompt" if sys.stdin.isatty() else "deny")
+            turn.approve = approve
             with anyio.fail_after(args.timeout or None):
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(turn.watch_interrupts, signals)
@@ -361,6 +364,12 @@ class _Turn:
                     out.flush()
                 elif name in _NOTES:
                     print(_NOTES[name](data), file=sys.stderr, flush=True)
+                    if name == "approval" and data.get("source") == "no_approver":
+                        print(
+                            "  (astrid sage send --approve prompt|ask waits for an answer)",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                 if name == "approval_request":
                     self._prompts.start_soon(self._approval, data)
                 if name == "done":
@@ -390,13 +399,7 @@ class _Turn:
                 flush=True,
             )
             return
-        if self.approve == "deny":
-            print(
-                f"[approval] {request.get('tool_name')} denied: no terminal to ask"
-                " (--approve prompt|ask)",
-                file=sys.stderr,
-                flush=True,
-            )
+        if self.approve == "deny":  # another approver made it wait: answer for us
             await self._answer(cid, {"allowed": False, "reason": "denied: nobody to ask"})
             return
         async with self._prompting:  # one question at a time
@@ -545,6 +548,7 @@ async def _approvals(args: argparse.Namespace) -> int:
 async def _watch_approvals(client: Any) -> int:
     """Ask about each approval of the caller's sessions as it comes, one at a time."""
     requests = await client.subscribe("sage.v1.event.*.approval_request")
+    await client.subscribe("sage.v1.approver.*")  # present: calls wait for an answer
     print("waiting for approvals (Ctrl-C to stop)", file=sys.stderr, flush=True)
     async for envelope in requests:
         request = msgspec.json.decode(envelope.payload)

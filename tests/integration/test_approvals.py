@@ -137,8 +137,9 @@ async def test_an_unanswered_prompt_times_out_as_a_denial() -> None:
 async def test_off_a_terminal_the_default_is_deny_and_said(sage: Sage) -> None:
     await sage.ready("t5")
     code, out, err = await sage.astrid("sage", "send", "t5", ASK)
-    assert (code, out) == (0, "denied: denied: nobody to ask\n"), err
-    assert "[approval] mcp__sage__greet denied: no terminal to ask (--approve prompt|ask)" in err
+    assert (code, out) == (0, "denied: no approver is listening\n"), err
+    assert "[approval] mcp__sage__greet denied: no approver is listening" in err
+    assert "--approve prompt|ask waits for an answer" in err
 
 
 async def test_approvals_lists_and_approve_answers_from_another_terminal(sage: Sage) -> None:

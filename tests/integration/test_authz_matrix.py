@@ -91,7 +91,8 @@ class Rule:
 
 RULES: dict[str, Rule] = {
     # the default bus.user_publish: sage.v1.request.>, sage.v1.hook.>, llm.v1.request.>, demo.>
-    # the default bus.user_subscribe: sage.v1.event.>, hook.v1.event.>, llm.v1.stream.>, demo.>
+    # the default bus.user_subscribe: sage.v1.event.>, sage.v1.approver.>, hook.v1.event.>,
+    # llm.v1.stream.>, demo.>
     "sage.v1.request": Rule(True, False, "users ask; only capsules and admins answer"),
     "sage.v1.hook": Rule(
         True, False, "astrid-emit and users publish hooks, the hooks capsule reads"
@@ -100,6 +101,9 @@ RULES: dict[str, Rule] = {
     "demo.v1.echo": Rule(True, True, "demo.> is free for users"),
     "demo.v1.audit": Rule(True, True, "demo.> covers it, but it is an audit topic"),
     "sage.v1.event": Rule(False, True, "session events, scoped to the session's principal"),
+    "sage.v1.approver": Rule(
+        False, True, "a session's approvers say they are there; nothing is published"
+    ),
     "hook.v1.event": Rule(False, True, "validated hook events, scoped to the principal"),
     "llm.v1.stream": Rule(False, True, "the generation stream, scoped to the requester"),
     "sage.v1.audit": Rule(False, False, "the audit log: the supervisor's, admins', capsules'"),
