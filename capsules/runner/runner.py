@@ -429,7 +429,8 @@ class Runner:
             return {
                 "ok": True,
                 "principal_id": name,
-                "config": {**view, "allow_rules": rules},
+                "config": view,
+                "allow_rules": rules,
                 "relinked": False,
                 "changed": [],
             }
@@ -454,7 +455,8 @@ class Runner:
         return {
             "ok": True,
             "principal_id": name,
-            "config": {**principals.view(after), "allow_rules": rules},
+            "config": principals.view(after),
+            "allow_rules": rules,
             "relinked": done is not None,
             "changed": done.changed if done is not None else [],
         }

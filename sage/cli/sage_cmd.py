@@ -607,17 +607,19 @@ async def _settings(args: argparse.Namespace) -> int:
             )
             if row is None:
                 raise SageError(f"unknown_principal: no principal {args.principal_id!r}")
-            shown = {
-                k: row.get(k)
-                for k in ("interaction_mode", "auth_mode", "model", "max_turns", "allow_rules")
+            shown = {k: row.get(k) for k in ("interaction_mode", "auth_mode", "model", "max_turns")}
+            data: dict[str, Any] = {
+                "ok": True,
+                "principal_id": args.principal_id,
+                "config": shown,
+                "allow_rules": row.get("allow_rules", []),
             }
-            data: dict[str, Any] = {"ok": True, "principal_id": args.principal_id, "config": shown}
         else:
             data = await _call(client, "sage.v1.request.settings.set", patch, 10.0)
     if args.json:
         print_json(data)
     else:
-        for key, value in data["config"].items():
+        for key, value in {**data["config"], "allow_rules": data.get("allow_rules")}.items():
             print(f"{key:<17} {value}")
     return 0
 
