@@ -205,11 +205,16 @@ class SessionsConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=
     """How many ids the range holds (the group's included)."""
 
     def __post_init__(self) -> None:
-        last = self.uid_base + self.uid_count - 1
-        if self.uid_base <= 65534 <= last:
-            raise ValueError("uid_base: the range holds 65534 (nobody), shared by others")
-        if last > 2**32 - 2:
-            raise ValueError("uid_base + uid_count: past the last valid uid")
+        _check_uid_range(self.uid_base, self.uid_count)
+
+
+def _check_uid_range(base: int, count: int) -> None:
+    """A range of sage's own uids: never ``nobody`` (shared with other daemons)."""
+    last = base + count - 1
+    if base <= 65534 <= last:
+        raise ValueError("uid_base: the range holds 65534 (nobody), shared by others")
+    if last > 2**32 - 2:
+        raise ValueError("uid_base + uid_count: past the last valid uid")
 
 
 class SecretsConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -319,11 +324,7 @@ class CapsulesConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=
     """RLIMIT_NPROC of a capsule's uid (processes and threads; supervisor root only)."""
 
     def __post_init__(self) -> None:
-        last = self.uid_base + self.uid_count - 1
-        if self.uid_base <= 65534 <= last:
-            raise ValueError("uid_base: the range holds 65534 (nobody), shared by others")
-        if last > 2**32 - 2:
-            raise ValueError("uid_base + uid_count: past the last valid uid")
+        _check_uid_range(self.uid_base, self.uid_count)
 
 
 class PrincipalConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):

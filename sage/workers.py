@@ -68,6 +68,9 @@ from sage.forge.sandbox import (
     open_binds,
     seccomp_program,
 )
+from sage.forge.sandbox import (
+    memfd as _memfd,
+)
 from sage.forge.uids import SandboxUids
 from sage.process import Child, ExitStatus, Ring, stop
 from sage.state import StateStore
@@ -215,19 +218,6 @@ class WorkerSandbox:
     shm_bytes: int = 8 * 1024 * 1024
     max_processes: int = 256
     """RLIMIT_NPROC of the capsule's uid (threads count), as root only."""
-
-
-def _memfd(name: str, data: bytes) -> int:
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.lseek(fd, 0, os.SEEK_SET)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 def capsule_uids(config: Config) -> SandboxUids:

@@ -730,7 +730,8 @@ def _rlimits(limits: Limits, nproc: int) -> tuple[tuple[str, int, int], ...]:
     )
 
 
-def _memfd(name: str, data: bytes) -> int:
+def memfd(name: str, data: bytes) -> int:
+    """A sealed-off copy of ``data`` in memory (an fd to hand to bwrap's ``--*-data``)."""
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
     try:
         view = memoryview(data)
@@ -877,20 +878,20 @@ def start_sandbox(
         opened += bind_fds
         impl_fd = loader_fd = shim_fd = None
         if impl is not None:
-            impl_fd = _memfd("forge-tool", impl)
+            impl_fd = memfd("forge-tool", impl)
             opened.append(impl_fd)
         if loader is not None:
-            loader_fd = _memfd("forge-loader", loader)
+            loader_fd = memfd("forge-loader", loader)
             opened.append(loader_fd)
         if network:
             source = _SHIMS.get(loopback)
             if source is None:
                 source = _SHIMS[loopback] = _shim_source(loopback)
-            shim_fd = _memfd("forge-shim", source)
+            shim_fd = memfd("forge-shim", source)
             opened.append(shim_fd)
         seccomp_fd = None
         if _SECCOMP is not None:
-            seccomp_fd = _memfd("forge-seccomp", _SECCOMP)
+            seccomp_fd = memfd("forge-seccomp", _SECCOMP)
             opened.append(seccomp_fd)
         status_r, status_w = os.pipe()
         args = build_args(
@@ -907,7 +908,7 @@ def start_sandbox(
             forge_bytes=forge_bytes,
             seccomp_fd=seccomp_fd,
         )
-        args_fd = _memfd("forge-args", b"".join(a.encode() + b"\0" for a in args))
+        args_fd = memfd("forge-args", b"".join(a.encode() + b"\0" for a in args))
         opened.append(args_fd)
         nproc = nproc_limit(limits)
         prefix = launcher(tools, uid=run_as(limits), rlimits=_rlimits(limits, nproc))
