@@ -61,6 +61,9 @@ class SettingsPatch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omi
     """Tool-name patterns (``mcp__sage__*``) to allow without asking, from now on."""
     allow_remove: list[str] | None = None
     """Allow rules to drop."""
+    identity: Annotated[str, msgspec.Meta(max_length=65536)] | None = None
+    """Text appended to the system prompt of the principal's sessions from now on (its
+    live sessions respawn with ``--resume`` to take it up); ``""``: the config's again."""
 
 
 class ApprovalResponse(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -24,6 +24,7 @@ resume = true``) or ended with reason ``supervisor_restart``.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import signal
 import time
@@ -421,9 +422,11 @@ class Runner:
         bad = [r for r in add + remove if not valid_rule(r)]
         if bad:
             raise SessionError("bad_request", f"not a tool-name pattern: {', '.join(bad)}")
-        if not changes and not add and not remove:
+        if not changes and not add and not remove and patch.identity is None:
             raise SessionError("bad_request", "the patch changes nothing")
-        if not changes:  # only allow rules: no files to rewrite
+        if patch.identity is not None:
+            await self._set_identity(name, patch.identity)
+        if not changes:  # only allow rules or the identity: no files to rewrite
             rules = await self._change_rules(name, add=add, remove=remove)
             view = principals.view(self.principal(name) or base)
             return {
@@ -1119,11 +1122,7 @@ class Runner:
             principal = envelope.principal  # the verified publisher, never the payload
             if not msg.success or principal is None:
                 continue
-            for session in list(self.sessions.values()):
-                if session.record.principal_id == principal and session.proc is not None:
-                    session.respawn_reason = "identity_refresh"
-                    assert self._tg is not None
-                    self._tg.start_soon(session.proc.stop, "respawn")
+            self._refresh_identity(principal)
 
     # -- Host: what a ClaudeProcess asks of the runner -------------------------------
 
@@ -1308,6 +1307,37 @@ class Runner:
             "tool_name": pending.tool_name,
             **({"rule_added": added} if added is not None else {}),
         }
+
+    async def _set_identity(self, name: str, text: str) -> None:
+        """Keep ``text`` as the principal's identity (``""``: back to the config's), audit
+        the change by digest, and respawn its live sessions so they take it up."""
+        try:
+            old = await self.ctx.state.get("identities", name)
+            if text.strip():
+                await self.ctx.state.put("identities", name, text)
+            else:
+                await self.ctx.state.delete("identities", name)
+        except SageError as exc:
+            raise SessionError("state_error", f"the identity was not saved: {exc}") from None
+
+        def digest(value: Any) -> str | None:
+            if not isinstance(value, str) or not value.strip():
+                return None
+            return hashlib.sha256(value.encode()).hexdigest()
+
+        self.audit(
+            "identity_changed",
+            {"principal_id": name, "before_sha256": digest(old), "after_sha256": digest(text)},
+        )
+        self._refresh_identity(name)
+
+    def _refresh_identity(self, principal: str) -> None:
+        """Respawn ``principal``'s live sessions (``--resume``) with the identity now in force."""
+        for session in list(self.sessions.values()):
+            if session.record.principal_id == principal and session.proc is not None:
+                session.respawn_reason = "identity_refresh"
+                assert self._tg is not None
+                self._tg.start_soon(session.proc.stop, "respawn")
 
     async def _change_rules(self, name: str, *, add: list[str], remove: list[str]) -> list[str]:
         """Change a principal's allow rules through the settings path (saved, audited)."""

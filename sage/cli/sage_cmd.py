@@ -127,6 +127,12 @@ def register(sub: Any) -> None:
     settings.add_argument(
         "--disallow", action="append", metavar="PATTERN", help="drop an allow rule; repeatable"
     )
+    settings.add_argument(
+        "--identity",
+        metavar="FILE",
+        help="the principal's identity (appended to the system prompt) from FILE ('-': stdin;"
+        " an empty file: the config's again); its live sessions respawn to take it up",
+    )
     _common(settings, add_common)
     settings.set_defaults(handler=_settings)
 
@@ -598,6 +604,15 @@ async def _settings(args: argparse.Namespace) -> int:
         patch["allow_add"] = args.allow
     if args.disallow:
         patch["allow_remove"] = args.disallow
+    if args.identity is not None:
+        try:
+            patch["identity"] = (
+                sys.stdin.read()
+                if args.identity == "-"
+                else await anyio.Path(args.identity).read_text(encoding="utf-8")
+            )
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SageError(f"--identity {args.identity}: cannot read it: {exc}") from None
     async with connect(args) as client:
         if len(patch) == 1:  # no change asked: show the settings in force
             listing = await _call(client, "sage.v1.request.principals", {}, 10.0)

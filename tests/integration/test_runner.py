@@ -609,6 +609,38 @@ async def test_tool_calls_go_to_the_bus_and_hooks_are_republished(sage: Sage) ->
     assert text == "tool denied: no approver is listening"
 
 
+async def test_a_new_identity_from_settings_reaches_the_live_sessions(tmp_path: Path) -> None:
+    """astrid sage settings --identity FILE: kept, audited by digest, and the principal's
+    live session respawns with it (the path existed, but nothing wrote identities)."""
+    import hashlib
+
+    text = "You are Ada's careful assistant."
+    identity = tmp_path / "identity.md"
+    identity.write_text(text)
+    async with running_sage(_config(), env=ENV) as sage:
+        audits = await sage.client.subscribe("sage.v1.audit.identity_changed")
+        events = await sage.ready("idt")
+        code, _, err = await sage.astrid("sage", "settings", "alice", "--identity", str(identity))
+        assert code == 0, err
+        _name, data = (await events.until("respawned"))[-1]
+        assert data["reason"] == "identity_refresh"
+        await events.until("init")
+        (row,) = await _listing(sage)
+        argv = (await anyio.Path(f"/proc/{row['pid']}/cmdline").read_bytes()).split(b"\0")
+        path = argv[argv.index(b"--append-system-prompt-file") + 1].decode()
+        assert await anyio.Path(path).read_text() == text
+        changed = msgspec.json.decode((await audits.get()).payload)
+        assert changed["after_sha256"] == hashlib.sha256(text.encode()).hexdigest()
+        assert changed["before_sha256"] is None
+        assert text not in str(changed)  # the audit keeps a digest, not the prompt
+        await sage.send("idt", "still here")
+        reply, _ = await events.text_until_done()
+        assert reply == "echo: still here"
+        code, _, err = await sage.astrid("sage", "settings", "alice", "--identity", "/nonexistent")
+        assert code == 1
+        assert "cannot read it" in err
+
+
 async def test_identity_refresh_respawns_then_gives_up(tmp_path: Path) -> None:
     from bus.client import BusClient
 
