@@ -947,12 +947,12 @@ class Runner:
         with anyio.CancelScope(shield=True):
             await self._save(record)
             await self._scrub(session)
+            # before exited and done: whoever saw the end finds the history settled
+            await self._prune_history(record.principal_id)
         self._event(session.id, "exited", payload)
         self.history.ended(session.id)
         session.done.set()
         log.info("session.exited", session_id=session.id, reason=reason)
-        with anyio.CancelScope(shield=True):
-            await self._prune_history(record.principal_id)
 
     async def _prune_history(self, principal: str) -> None:
         """Keep the newest ``[sessions] history`` ended records of ``principal``."""
