@@ -118,8 +118,8 @@ class Approvals:
     def close(self, cid: str) -> None:
         self._pending.pop(cid, None)
 
-    def decide(self, cid: str, decider: str | None, decision: Decision) -> Pending:
-        """Settle ``cid`` for ``decider`` (a principal, or None for an admin)."""
+    def check(self, cid: str, decider: str | None) -> Pending:
+        """The approval ``decider`` (a principal, or None for an admin) may settle now."""
         pending = self._pending.get(cid)
         if (
             pending is None
@@ -128,6 +128,11 @@ class Approvals:
             or self._clock() > pending.deadline
         ):
             raise UnknownApproval(f"no pending approval {cid!r} (unknown, decided or expired)")
+        return pending
+
+    def decide(self, cid: str, decider: str | None, decision: Decision) -> Pending:
+        """Settle ``cid`` for ``decider``; the call it held goes on at once."""
+        pending = self.check(cid, decider)
         pending.decision = decision
         pending.done.set()
         return pending

@@ -1290,15 +1290,16 @@ class Runner:
         if rule is not None and not valid_rule(rule):
             raise SessionError("bad_request", f"{rule!r} is not a tool-name pattern")
         try:
-            pending = self.approvals.decide(
+            pending = self.approvals.check(cid, request.principal)
+            added = None
+            if req.always:  # the rule first: the next call of the turn must find it
+                added = rule or pending.tool_name
+                await self._change_rules(pending.principal_id, add=[added], remove=[])
+            self.approvals.decide(
                 cid, request.principal, Decision(req.allowed, req.reason or "", "approver")
             )
         except UnknownApproval as exc:
             raise SessionError("unknown_approval", str(exc)) from None
-        added = None
-        if req.always:
-            added = rule or pending.tool_name
-            await self._change_rules(pending.principal_id, add=[added], remove=[])
         return {
             "ok": True,
             "approval_id": cid,
