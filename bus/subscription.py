@@ -95,14 +95,18 @@ class Subscription:
 
     async def get(self) -> Envelope:
         """The next envelope; raises EndOfStream once closed and drained."""
-        while not self._queue:
+        await self._until_queued()
+        return self._queue.popleft()
+
+    async def _until_queued(self) -> None:
+        """Wait until something is queued; EndOfStream once closed with nothing left."""
+        while not len(self):
             if self.state is SubscriptionState.CLOSED:
                 raise anyio.EndOfStream
             waiter = self._waiter
             if waiter is None:
                 waiter = self._waiter = anyio.Event()
             await waiter.wait()
-        return self._queue.popleft()
 
     def __aiter__(self) -> Subscription:
         return self
@@ -216,13 +220,7 @@ class FairSubscription(Subscription):
         return [self._pop() for _ in range(self._size)]
 
     async def get(self) -> Envelope:
-        while not self._size:
-            if self.state is SubscriptionState.CLOSED:
-                raise anyio.EndOfStream
-            waiter = self._waiter
-            if waiter is None:
-                waiter = self._waiter = anyio.Event()
-            await waiter.wait()
+        await self._until_queued()
         return self._pop()
 
     async def __anext__(self) -> Envelope:

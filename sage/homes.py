@@ -113,13 +113,7 @@ def unreachable(path: Path, uid: int, gids: set[int]) -> str | None:
             st = os.stat(folder)
         except OSError as exc:
             return f"cannot inspect {folder}: {exc.strerror}"
-        if st.st_uid == uid:
-            bit = stat.S_IXUSR
-        elif st.st_gid in gids:
-            bit = stat.S_IXGRP
-        else:
-            bit = stat.S_IXOTH
-        if not st.st_mode & bit:
+        if not _may_execute(st, uid, gids):
             return (
                 f"uid {uid} cannot pass through {folder} (mode {st.st_mode & 0o777:o},"
                 f" owner {st.st_uid}:{st.st_gid})"
@@ -136,6 +130,11 @@ def can_run(path: Path, uid: int, gids: set[int]) -> bool:
         st = os.stat(real)
     except OSError:
         return False
+    return _may_execute(st, uid, gids)
+
+
+def _may_execute(st: os.stat_result, uid: int, gids: set[int]) -> bool:
+    """The execute (search, for a folder) bit that applies to ``uid`` and ``gids``."""
     if st.st_uid == uid:
         bit = stat.S_IXUSR
     elif st.st_gid in gids:

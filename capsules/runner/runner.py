@@ -973,13 +973,19 @@ class Runner:
         except SageError as exc:
             log.error("runner.history_prune_failed", principal_id=principal, error=str(exc))
 
-    async def _record(self, sid: str) -> SessionRecord | None:
-        """The stored record of a session, live or ended."""
+    async def _visible_record(self, request: Envelope, sid: str) -> SessionRecord | None:
+        """The stored record of session ``sid`` if the requester may see it (its
+        principal's, or an admin's); another principal's looks like none."""
+        if not _check_id(sid):
+            return None
         try:
             value = await self.ctx.state.get("sessions", sid)
-            return msgspec.convert(value, SessionRecord) if isinstance(value, dict) else None
+            record = msgspec.convert(value, SessionRecord) if isinstance(value, dict) else None
         except (SageError, msgspec.ValidationError):
             return None
+        if record is None or request.principal not in (None, record.principal_id):
+            return None
+        return record
 
     async def _scrub(self, session: _Session) -> None:
         try:
@@ -999,12 +1005,8 @@ class Runner:
         # a session of someone else looks the same as none at all
         if session is not None and request.principal in (None, session.record.principal_id):
             return session
-        record = await self._record(sid) if _check_id(sid) else None
-        if (
-            record is not None
-            and record.state == "ended"
-            and request.principal in (None, record.principal_id)
-        ):
+        record = await self._visible_record(request, sid)
+        if record is not None and record.state == "ended":
             raise SessionError("session_ended", f"session {sid!r} {_ended_text(record)}")
         raise SessionError("unknown_session", f"no session {sid!r}")
 
@@ -1082,15 +1084,13 @@ class Runner:
         sid = request.topic.rsplit(".", 1)[1]
         req = msgspec.json.decode(request.payload or b"{}", type=SessionRequest)
         session = self.sessions.get(sid)
-        row: dict[str, Any] | None = None
         if session is not None and request.principal in (None, session.record.principal_id):
             row = self._live_row(session)
         else:
-            record = await self._record(sid) if _check_id(sid) else None
-            if record is not None and request.principal in (None, record.principal_id):
-                row = self._live_row(session) if session is not None else _ended_row(record)
-        if row is None:
-            raise SessionError("unknown_session", f"no session {sid!r}")
+            record = await self._visible_record(request, sid)
+            if record is None:
+                raise SessionError("unknown_session", f"no session {sid!r}")
+            row = _ended_row(record)
         events = self.history.last(sid, req.replay)
         return {"ok": True, "session": row, "events": events}
 

@@ -29,15 +29,6 @@ def short_dir() -> Path:
     return root
 
 
-def alive(pid: int) -> bool:
-    """Whether ``pid`` is a live process (a zombie is not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(") ", 1)[1][0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
 def descendants(root: int) -> list[int]:
     """Every live process below ``root`` (children first found, from /proc)."""
     children: dict[int, list[int]] = {}

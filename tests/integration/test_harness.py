@@ -8,8 +8,9 @@ import time
 import anyio
 import pytest
 
+from tests.bench.procs import alive
 from tests.conftest import TEARDOWN_MARGIN, _bounded
-from tests.integration.daemon import alive, descendants
+from tests.integration.daemon import descendants
 from tests.integration.sage_harness import running_sage, sage_config
 
 pytestmark = pytest.mark.anyio
