@@ -5,10 +5,10 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 TOOLS := .tools
-# Claude Code releases, read from the one place that names them (sage/claude_binary.py):
+# Claude Code releases, read from the one place that names them (sage/claude/binary.py):
 # the pin (the whole suite), the supported range's floor and newest (the e2e suite),
 # and a release whose -p default permission mode is auto (e2e witness).
-claude_const = $(shell sed -n 's/^$(1): Final = "\(.*\)"/\1/p' sage/claude_binary.py)
+claude_const = $(shell sed -n 's/^$(1): Final = "\(.*\)"/\1/p' sage/claude/binary.py)
 CLAUDE_VERSION := $(call claude_const,PINNED)
 CLAUDE_FLOOR := $(call claude_const,FLOOR)
 CLAUDE_NEWEST := $(call claude_const,NEWEST_TESTED)

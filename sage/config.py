@@ -148,7 +148,7 @@ class ClaudeConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     """Path of the ``claude`` binary; empty means the one ``make setup`` installed, else PATH."""
     version: str = ""
     """Ignored, kept so older configs load: the supported Claude Code range is built
-    into sage (``sage/claude_binary.py``); ``astrid doctor`` warns when it is set."""
+    into sage (``sage/claude/binary.py``); ``astrid doctor`` warns when it is set."""
     env: dict[str, str] = {}
     """Extra environment for every ``claude`` child (e.g. ANTHROPIC_BASE_URL)."""
     api_key_file: str = ""
@@ -200,7 +200,7 @@ class SessionsConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=
     uid_base: Annotated[int, msgspec.Meta(ge=1000, le=2**31 - 1)] = 91000
     """Supervisor root only: the gid of the sessions' group (the socket and the folders
     a ``claude`` child must pass through), and the first of the uids principals without
-    ``run_as`` get, one each, from ``uid_base + 1`` (sage/runas.py)."""
+    ``run_as`` get, one each, from ``uid_base + 1`` (sage/security/runas.py)."""
     uid_count: Annotated[int, msgspec.Meta(ge=2, le=65536)] = 1000
     """How many ids the range holds (the group's included)."""
 
@@ -354,7 +354,7 @@ class PrincipalConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields
     (``api_key_missing``), so no principal shares the operator's key unless said here."""
     run_as: str | Annotated[int, msgspec.Meta(ge=1, le=2**32 - 2)] = ""
     """Supervisor root only: the user (name or uid) the principal's ``claude`` children
-    run as; empty: a uid of sage's own from ``[sessions] uid_base`` (sage/runas.py)."""
+    run as; empty: a uid of sage's own from ``[sessions] uid_base`` (sage/security/runas.py)."""
 
     def __post_init__(self) -> None:
         for name in self.allowed_tools:

@@ -18,7 +18,7 @@ Spawn from the event loop's thread: the death signal is tied to the thread
 that forked, and that thread lives as long as the supervisor.
 
 A child that must run as another uid gets it through its argv (``setpriv
---reuid ... --pdeathsig KILL --``, sage.runas): a uid change clears the
+--reuid ... --pdeathsig KILL --``, sage.security.runas): a uid change clears the
 death signal, so the program that changes it sets it again.  The
 supervisor, root then, still signals the child's group across the change.
 """

@@ -62,7 +62,7 @@ def tmp_path(tmp_path: Path) -> Path:
     """pytest's ``tmp_path``, passable (0711, never listable) by other uids when run as root.
 
     A root supervisor runs each principal's ``claude`` children as the principal's
-    uid (sage/runas.py); a test's CLI double or wrapper in ``tmp_path`` must be
+    uid (sage/security/runas.py); a test's CLI double or wrapper in ``tmp_path`` must be
     reachable by that uid, as ``/usr/bin`` is for the real CLI."""
     if os.geteuid() == 0:
         top = Path(tempfile.gettempdir())

@@ -36,7 +36,7 @@ import anyio
 import msgspec
 
 from bus import BusError, Envelope
-from sage.capsules import CapsuleContext
+from sage.daemon.capsule_host import CapsuleContext
 from sage.errors import ForgeError
 from sage.forge.service import Caller, Forge, mcp_result
 
@@ -81,7 +81,7 @@ class ForgeCapsule:
             self.log.error("forge.changed_failed", error=str(exc))
 
     def _secret(self, name: str) -> str | None:
-        from sage.secrets import SecretStore
+        from sage.security.secrets import SecretStore
 
         if self._store is None:
             self._store = SecretStore.open(self.ctx.config)

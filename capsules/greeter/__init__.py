@@ -1,8 +1,8 @@
-"""The greeter capsule: the smallest tool capsule, written with ``sage.sdk``.
+"""The greeter capsule: the smallest tool capsule, written with ``sage.capsule.sdk``.
 
 Its manifest's ``entry`` is this module, so the supervisor serves the
 ``@tool`` functions below.  ``greet`` answers with text; ``shout`` refuses
-an empty text with a :class:`~sage.sdk.ToolError`, which Claude sees as an
+an empty text with a :class:`~sage.capsule.sdk.ToolError`, which Claude sees as an
 ``isError`` result.
 """
 
@@ -12,7 +12,7 @@ from typing import Annotated
 
 import msgspec
 
-from sage.sdk import ToolError, tool
+from sage.capsule.sdk import ToolError, tool
 
 
 class GreetArgs(msgspec.Struct):

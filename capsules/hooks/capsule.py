@@ -67,10 +67,10 @@ from capsules.hooks.validate import (
     spoof_report,
     verify,
 )
-from sage.capsules import CapsuleContext
+from sage.claude.hooks import hash_token, mint_token
+from sage.daemon.capsule_host import CapsuleContext
+from sage.daemon.supervisor import DenialLimiter
 from sage.errors import SageError
-from sage.hooks import hash_token, mint_token
-from sage.supervisor import DenialLimiter
 
 __all__ = ("AUDIT_BURST", "HookGate", "run")
 

@@ -51,7 +51,7 @@ from typing import Any
 
 import msgspec
 
-from sage.hooks import KNOWN_HOOKS, PAYLOAD_LIMIT, hash_token
+from sage.claude.hooks import KNOWN_HOOKS, PAYLOAD_LIMIT, hash_token
 
 __all__ = (
     "CANONICAL_NAMES",

@@ -23,8 +23,8 @@ first.  Requests of one principal run one at a time.  The principal must be
 configured, its home must not be a symlink, another uid's, or writable by
 others (the same check the runner makes before a spawn).  Under a root
 supervisor the home and its files belong to the uid the principal's
-children run as (sage/runas.py), and are written without following any
-link in the home (:func:`sage.homes.write_in_home`).
+children run as (sage/security/runas.py), and are written without following any
+link in the home (:func:`sage.claude.homes.write_in_home`).
 """
 
 from __future__ import annotations
@@ -40,12 +40,12 @@ import msgspec
 
 from bus import BusError, Envelope
 from capsules.installer import files
-from sage.capsules import CapsuleContext
-from sage.claude_binary import FLOOR, read_claude_version, resolve_claude_binary
+from sage.claude.binary import FLOOR, read_claude_version, resolve_claude_binary
+from sage.claude.homes import own_home, unsafe_home, write_in_home, write_private
 from sage.config import NAME_PATTERN
+from sage.daemon.capsule_host import CapsuleContext
 from sage.errors import SageError
-from sage.homes import own_home, unsafe_home, write_in_home, write_private
-from sage.runas import RunAs, SessionUids, emit_launcher
+from sage.security.runas import RunAs, SessionUids, emit_launcher
 
 __all__ = ("Installer", "run")
 

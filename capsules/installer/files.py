@@ -29,7 +29,7 @@ from typing import Any, Final
 
 import msgspec
 
-from sage.hooks import KNOWN_HOOKS, hooks_known_by
+from sage.claude.hooks import KNOWN_HOOKS, hooks_known_by
 
 __all__ = (
     "ARTIFACT_VERSION",

@@ -52,8 +52,8 @@ from capsules.llm.mapping import (
     parse_request,
 )
 from capsules.llm.pricing import cost_usd
-from sage.capsules import CapsuleContext
 from sage.config import Config
+from sage.daemon.capsule_host import CapsuleContext
 from sage.errors import SageError
 
 __all__ = ("PROVIDER_ID", "CompletionProvider", "provider_entry", "run")
@@ -94,8 +94,8 @@ def lookup_api_key(config: Config, principal: str | None) -> str | None:
     """The principal's own key from the secret store; the operator's for the operator
     (no principal) and for a principal configured with ``operator_key = true``
     (blocking)."""
-    from sage.homes import read_api_key
-    from sage.secrets import API_KEY, SecretStore, principal_namespace
+    from sage.claude.homes import read_api_key
+    from sage.security.secrets import API_KEY, SecretStore, principal_namespace
 
     if principal is None:
         return read_api_key(config)

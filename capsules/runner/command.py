@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from sage.claude.homes import own_home, read_api_key, unsafe_home, write_private
+from sage.claude.hooks import hash_token, mint_token
 from sage.config import Config, PrincipalConfig
-from sage.homes import own_home, read_api_key, unsafe_home, write_private
-from sage.hooks import hash_token, mint_token
-from sage.runas import RunAs, setpriv_prefix
+from sage.security.runas import RunAs, setpriv_prefix
 
 __all__ = (
     "MCP_CONFIG",

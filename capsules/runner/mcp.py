@@ -22,7 +22,7 @@ from bus import BusError
 from capsules.runner import forge_mcp
 from capsules.runner.messages import ToolResult, ToolsList
 from capsules.runner.session import ClaudeProcess, SessionError
-from sage.protocol import McpMessageRequest
+from sage.claude.protocol import McpMessageRequest
 
 if TYPE_CHECKING:
     from capsules.runner.runner import Runner

@@ -75,20 +75,25 @@ from capsules.runner.messages import (
 )
 from capsules.runner.principals import PrincipalSettings, SettingsError
 from capsules.runner.session import ClaudeProcess, Ending, SessionError
-from sage.capsules import CapsuleContext
-from sage.claude_binary import (
+from sage.claude.binary import (
     Support,
     Verdict,
     read_claude_version,
     resolve_claude_binary,
     support,
 )
+from sage.claude.homes import unreachable
+from sage.claude.protocol import (
+    CanUseToolRequest,
+    HookCallbackRequest,
+    HookMatcher,
+    McpMessageRequest,
+)
 from sage.config import NAME_PATTERN, Config, PrincipalConfig
+from sage.daemon.capsule_host import CapsuleContext
 from sage.errors import ConfigError, SageError
-from sage.homes import unreachable
-from sage.protocol import CanUseToolRequest, HookCallbackRequest, HookMatcher, McpMessageRequest
-from sage.runas import SessionUids
-from sage.secrets import API_KEY, SecretError, SecretStore, principal_namespace
+from sage.security.runas import SessionUids
+from sage.security.secrets import API_KEY, SecretError, SecretStore, principal_namespace
 
 __all__ = ("Runner", "SessionRecord", "run")
 

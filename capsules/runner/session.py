@@ -1,8 +1,8 @@
 """One supervised ``claude`` process: pipes, codec, control protocol, the end.
 
 A :class:`ClaudeProcess` owns one child (:class:`sage.process.Child`), a
-:class:`~sage.protocol.StreamDecoder` on its stdout, a bounded ring on its
-stderr, a single writer for its stdin and a :class:`~sage.protocol.ControlChannel`.
+:class:`~sage.claude.protocol.StreamDecoder` on its stdout, a bounded ring on its
+stderr, a single writer for its stdin and a :class:`~sage.claude.protocol.ControlChannel`.
 All of its tasks live in one task group that :meth:`ClaudeProcess.run`
 opens and closes, so a cancel never leaves a reader behind.
 
@@ -40,9 +40,7 @@ import msgspec
 import structlog
 
 from capsules.runner.command import Launch
-from sage.errors import ProcessError, ProtocolError
-from sage.process import Child, ExitStatus, Ring, stop
-from sage.protocol import (
+from sage.claude.protocol import (
     AssistantMessage,
     CanUseToolRequest,
     ChannelState,
@@ -80,6 +78,8 @@ from sage.protocol import (
     encode_permission_deny,
     encode_user_turn,
 )
+from sage.errors import ProcessError, ProtocolError
+from sage.process import Child, ExitStatus, Ring, stop
 
 __all__ = ("ClaudeProcess", "Ending", "Host", "ProcessState", "SessionError", "Turn")
 

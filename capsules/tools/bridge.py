@@ -51,7 +51,7 @@ import msgspec
 from bus import BusError, Envelope, Subscription
 from capsules.tools.catalogue import PREFIX, Catalogue, Change, Rejection, Tool
 from capsules.tools.policy import PolicyFile
-from sage.capsules import CapsuleContext
+from sage.daemon.capsule_host import CapsuleContext
 from sage.errors import SageError
 
 __all__ = ("DOWN_STATES", "EXECUTE_DEADLINE", "POLICY_FILE", "ToolBridge", "run")

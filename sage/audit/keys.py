@@ -31,7 +31,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 from bus import BusError
 from bus.server import ensure_private_dir
 from sage.errors import AuditError
-from sage.private import read_private
+from sage.security.private import read_private
 
 __all__ = (
     "KEY_FILENAME",

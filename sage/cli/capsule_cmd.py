@@ -69,9 +69,9 @@ def _install(args: argparse.Namespace) -> int:
 
     import anyio
 
-    from sage.capsule_install import check_capsule, install
+    from sage.capsule.install import check_capsule, install
     from sage.cli._connect import config_of
-    from sage.workers import capsule_uids
+    from sage.daemon.workers import capsule_uids
 
     folder = Path(args.folder)
     if not folder.is_dir():

@@ -20,9 +20,9 @@ from typing import Any
 
 import msgspec
 
-from sage.capsules import capsule_folder, load_manifest
 from sage.cli._connect import print_json
 from sage.config import Config, load_config
+from sage.daemon.capsule_host import capsule_folder, load_manifest
 from sage.errors import ConfigError
 
 #: Claude Code's own tools: kept in step with the installer's deny list.

@@ -26,18 +26,18 @@ from bus import BusError
 from bus.client import BusClient
 from bus.wire import frame_limit
 from sage.audit.keys import KEY_FILENAME, PUBLIC_KEY_FILENAME
-from sage.bwrap import probe_bwrap
-from sage.claude_binary import (
+from sage.claude.binary import (
     Support,
     read_claude_version,
     resolve_claude_binary,
     support,
 )
+from sage.claude.hooks import hooks_known_by
 from sage.cli._connect import print_json
 from sage.config import Config, load_config
 from sage.errors import ConfigError, ProcessError
-from sage.hooks import hooks_known_by
-from sage.runas import access_group
+from sage.security.bwrap import probe_bwrap
+from sage.security.runas import access_group
 
 Status = Literal["ok", "warn", "fail"]
 
@@ -303,7 +303,7 @@ async def _check_bwrap(config: Config | None) -> Check:
 
 def _grouped(config: Config, info: os.stat_result) -> bool:
     """May this folder or socket be the group's: ``socket.group``, or (root) the access
-    group of the claude children (sage/runas.py) when it has that group."""
+    group of the claude children (sage/security/runas.py) when it has that group."""
     if config.socket.group:
         return True
     try:

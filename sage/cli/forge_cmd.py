@@ -268,7 +268,7 @@ def _table(rows: list[dict[str, Any]], keys: tuple[str, ...]) -> None:
 
 
 def _store(args: argparse.Namespace) -> Any:
-    from sage.secrets import SecretStore
+    from sage.security.secrets import SecretStore
 
     return SecretStore.open(config_of(args))
 

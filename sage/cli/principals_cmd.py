@@ -196,9 +196,9 @@ async def _repl(args: argparse.Namespace) -> int:
     import signal
     import subprocess
 
-    from sage.claude_binary import resolve_claude_binary
+    from sage.claude.binary import resolve_claude_binary
     from sage.cli._connect import config_of
-    from sage.secrets import API_KEY, SecretError, SecretStore, principal_namespace
+    from sage.security.secrets import API_KEY, SecretError, SecretStore, principal_namespace
 
     config = config_of(args)
     name = args.principal_id

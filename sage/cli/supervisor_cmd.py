@@ -27,8 +27,8 @@ def register(sub: Any) -> None:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    from sage.logs import configure_logging
-    from sage.supervisor import Supervisor
+    from sage.daemon.logs import configure_logging
+    from sage.daemon.supervisor import Supervisor
 
     config = config_of(args)
     configure_logging(config.supervisor.log_level)

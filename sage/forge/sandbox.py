@@ -27,7 +27,7 @@ RLIMIT_NPROC is enforced (it is not for root) and the tool can only open
 what that uid could; binds are refused unless that uid may reach them.  The
 rlimits (CPU, address space, file size, open files, processes, core 0) are
 set by ``prlimit`` just before bwrap, the uid and the death signal by
-``setpriv`` (:func:`sage.bwrap.launcher`), so the supervisor spawns with
+``setpriv`` (:func:`sage.security.bwrap.launcher`), so the supervisor spawns with
 ``vfork`` and never copies its address space.  The wall clock SIGKILLs bwrap's
 process group; ``--die-with-parent`` then kills the pid namespace's init,
 and with it every process of the sandbox, daemonized or not.
@@ -56,11 +56,11 @@ from typing import TYPE_CHECKING, Literal
 
 import anyio
 
-from sage.bwrap import BwrapProbe, launcher, probe_bwrap
 from sage.errors import ProcessError, SandboxError
 from sage.forge.registry import private_dir
 from sage.forge.uids import DEFAULT_UID_BASE
 from sage.process import Child, Ring
+from sage.security.bwrap import BwrapProbe, launcher, probe_bwrap
 
 if TYPE_CHECKING:
     from sage.config import Config, ForgeConfig
@@ -482,7 +482,7 @@ def build_args(
     (``SandboxError("bad_limits")`` for a size that is not positive: a tmpfs
     without one would take up to half the host's memory).
 
-    Installed capsules' workers (:mod:`sage.workers`) use the same sandbox
+    Installed capsules' workers (:mod:`sage.daemon.workers`) use the same sandbox
     with no tool, their own ``hostname`` and ``chdir`` (their folder, a
     ``ro`` bind), ``symlinks`` (``(target, link)``, made after the binds)
     for the interpreter's path, and no ``status_fd``; as root, with
@@ -914,7 +914,7 @@ def start_sandbox(
         prefix = launcher(tools, uid=run_as(limits), rlimits=_rlimits(limits, nproc))
         at = time.monotonic()
         try:
-            # no preexec_fn and no user=: Python spawns with vfork (see sage.bwrap.launcher)
+            # no preexec_fn and no user=: Python spawns with vfork (see sage.security.bwrap.launcher)
             popen = subprocess.Popen(
                 [*prefix, tools.path, "--args", str(args_fd), "--", *argv],
                 stdin=subprocess.PIPE,

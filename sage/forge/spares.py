@@ -52,7 +52,6 @@ from pathlib import Path
 
 import anyio
 
-from sage.bwrap import BwrapProbe
 from sage.errors import ProcessError
 from sage.forge.sandbox import (
     IMPL_PATH,
@@ -67,6 +66,7 @@ from sage.forge.sandbox import (
     start_sandbox,
     supervise,
 )
+from sage.security.bwrap import BwrapProbe
 
 __all__ = (
     "LOADER_INCOMPLETE",

@@ -72,7 +72,7 @@ class SandboxUids:
         what: str = "sandbox",
     ) -> None:
         # ``name``: the table's file name (``.json``, ``.lock``); ``setting`` and ``what``
-        # name it in messages. Session uids (sage/runas.py) and installed capsules'
+        # name it in messages. Session uids (sage/security/runas.py) and installed capsules'
         # workers (keyed by capsule name) use the same class with the same rules.
         self.path = forge_dir / f"{name}.json"
         self.lock_path = forge_dir / f"{name}.lock"

@@ -1,4 +1,4 @@
-"""Decode throughput of sage.protocol.StreamDecoder against json.loads + dict dispatch.
+"""Decode throughput of sage.claude.protocol.StreamDecoder against json.loads + dict dispatch.
 
 Input: every line of the golden transcripts, repeated to about 100k lines.
 Ours is fed the bytes in 64 KiB chunks, so it pays for line framing too; the
@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from sage.protocol import (
+from sage.claude.protocol import (
     AssistantMessage,
     ControlCancelRequest,
     ControlRequest,

@@ -41,8 +41,8 @@ import anyio
 
 from capsules.runner.command import Launch, build_launch
 from capsules.runner.runner import HOOKS
+from sage.claude.protocol import OutgoingState, ResultMessage, encode_initialize, encode_user_turn
 from sage.config import load_config
-from sage.protocol import OutgoingState, ResultMessage, encode_initialize, encode_user_turn
 from tests.bench.procs import alive, marked
 from tests.bench.report import Report
 from tests.e2e.host import Host

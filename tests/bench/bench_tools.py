@@ -24,9 +24,9 @@ so machine noise hits all alike, after a warm-up of each:
 - ``greet``: the built-in ``greeter`` capsule, in the supervisor's process;
 - ``greet_w``: the very same ``greet`` function (``capsules.greeter.greet``)
   served by an out-of-process capsule ``greeter_w``: a ``[worker]`` capsule
-  folder in the temp folder running ``python3 -m sage.worker
+  folder in the temp folder running ``python3 -m sage.capsule.worker
   bench_greeter_w:capsule``, a module on the worker's ``PYTHONPATH`` (via
-  ``[worker] env``) that wraps ``greet`` in a :class:`sage.sdk.Capsule` as
+  ``[worker] env``) that wraps ``greet`` in a :class:`sage.capsule.sdk.Capsule` as
   tool ``greet_w`` (tool names are unique across capsules, so it cannot be
   ``greet`` again);
 - reference: JSON-RPC ``ping`` on the same ``mcp_message`` path, which the
@@ -264,7 +264,7 @@ WORKER_MODULE = '''
 """greeter_w: the greeter's own greet function, served out of process as tool greet_w."""
 
 from capsules.greeter import greet
-from sage.sdk import Capsule, Tool
+from sage.capsule.sdk import Capsule, Tool
 
 capsule = Capsule([Tool.of("greet_w", greet)])
 '''
@@ -315,7 +315,7 @@ def _write_files(root: Path, marker: str) -> tuple[Path, Path, Path]:
         '  "tool.v1.request.describe",\n'
         '  "tool.v1.execute.greet_w",\n]\n'
         "[worker]\n"
-        'command = ["python3", "-m", "sage.worker", "bench_greeter_w:capsule"]\n'
+        'command = ["python3", "-m", "sage.capsule.worker", "bench_greeter_w:capsule"]\n'
         f"env = {{ {env_toml} }}\n"
     )
     return child, folder, root / "bench_tools_out.json"

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from sage.claude_binary import AUTO_DEFAULT_WITNESS
+from sage.claude.binary import AUTO_DEFAULT_WITNESS
 from tests.e2e.host import FINDINGS, Host, run_claude
 from tests.e2e.standin import Standin
 

@@ -1,4 +1,4 @@
-"""A minimal host for the real Claude Code CLI, built on the sage.protocol codec.
+"""A minimal host for the real Claude Code CLI, built on the sage.claude.protocol codec.
 
 :func:`run_claude` starts ``claude -p`` in stream-json mode as a subprocess
 (its own process group, a clean environment pointing at the Messages API
@@ -28,7 +28,7 @@ from typing import Any
 import anyio
 from anyio.abc import Process
 
-from sage.protocol import (
+from sage.claude.protocol import (
     CanUseToolRequest,
     ChannelState,
     ControlCancelRequest,

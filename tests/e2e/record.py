@@ -33,9 +33,9 @@ from pathlib import Path
 
 import anyio
 
-from sage.claude_binary import INSTALLED_BINARY, read_claude_version
+from sage.claude.binary import INSTALLED_BINARY, read_claude_version
+from sage.claude.protocol import SystemApiRetry, encode_user_turn
 from sage.errors import SageError
-from sage.protocol import SystemApiRetry, encode_user_turn
 from tests.e2e.host import Host, claude_env, run_claude
 from tests.e2e.standin import Error, Standin, Text, ToolUse
 

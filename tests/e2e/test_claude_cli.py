@@ -12,8 +12,8 @@ import anyio
 import msgspec
 import pytest
 
-from sage.claude_binary import read_claude_version
-from sage.protocol import (
+from sage.claude.binary import read_claude_version
+from sage.claude.protocol import (
     AssistantMessage,
     Message,
     OutgoingState,

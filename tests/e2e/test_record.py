@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from sage.claude_binary import read_claude_version
-from sage.protocol import StreamDecoder
+from sage.claude.binary import read_claude_version
+from sage.claude.protocol import StreamDecoder
 from tests.e2e.record import HOME, STANDIN, normalize, record
 from tests.unit.test_protocol import EXPECTED_KINDS, PINNED, REFERENCE
 

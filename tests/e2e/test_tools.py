@@ -1,7 +1,7 @@
 """Capsule tools end to end: the real CLI calls a capsule's tool through the runner and the bridge.
 
 A real supervisor runs the session runner, the tool bridge and the example
-``greeter`` capsule (written with ``sage.sdk``); the real ``claude`` binary
+``greeter`` capsule (written with ``sage.capsule.sdk``); the real ``claude`` binary
 talks to the Messages API stand-in.  A ``tool_use`` the stand-in scripts
 becomes an in-band ``tools/call``, the bridge validates it and runs it on
 ``tool.v1.execute.greet``, and the result is in the model's next request as
@@ -156,7 +156,7 @@ import msgspec
 
 import sys
 
-from sage.sdk import Capsule, ToolCall, tool
+from sage.capsule.sdk import Capsule, ToolCall, tool
 
 CONTEXT = {}
 
@@ -202,7 +202,7 @@ name = "faulty"
 version = "0.1.0"
 
 [worker]
-command = ["python3", "-m", "sage.worker", "faulty_mod:main"]
+command = ["python3", "-m", "sage.capsule.worker", "faulty_mod:main"]
 env = {{ PYTHONPATH = "{path}" }}
 
 [publish]

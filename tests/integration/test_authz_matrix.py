@@ -458,7 +458,7 @@ def peers() -> Iterator[dict[str, Peer]]:
         '[publish]\npatterns = [">", "sage.v1.audit.>"]\n'
         '[subscribe]\npatterns = [">"]\n'
         "[worker]\n"
-        f"command = {json.dumps([sys.executable, '-m', 'sage.worker', f'{PROBE_MODULE}:probe_main'])}\n"
+        f"command = {json.dumps([sys.executable, '-m', 'sage.capsule.worker', f'{PROBE_MODULE}:probe_main'])}\n"
         f"env = {{ PYTHONPATH = {json.dumps(str(ROOT))},"
         f" AUTHZ_CONTROL = {json.dumps(str(control / 'capsule'))} }}\n"
     )

@@ -28,7 +28,7 @@ patterns = ["tool.v1.request.describe", "tool.v1.execute.hello"]
 GOOD_PUBLISH = '"tool.v1.response.describe.{name}", "tool.v1.execute.hello.result"'
 CODE = '''
 import msgspec
-from sage.sdk import tool
+from sage.capsule.sdk import tool
 
 
 class HelloArgs(msgspec.Struct):
@@ -170,7 +170,7 @@ def test_install_without_a_running_supervisor(tmp_path: Path) -> None:
 PROBE_CODE = '''
 import json, os, socket
 import msgspec
-from sage.sdk import tool
+from sage.capsule.sdk import tool
 
 
 class ProbeArgs(msgspec.Struct):
@@ -272,7 +272,8 @@ def _worker_pids(d: Daemon, name: str) -> list[int]:
     return [
         p
         for p in descendants(pid)
-        if Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[1:3] == [b"-m", b"sage.worker"]
+        if Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[1:3]
+        == [b"-m", b"sage.capsule.worker"]
     ]
 
 

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-import sage.claude_binary as claude_binary
-from sage.bwrap import probe_bwrap, sandbox_argv
-from sage.claude_binary import FLOOR, NEWEST_TESTED
+import sage.claude.binary as claude_binary
+from sage.claude.binary import FLOOR, NEWEST_TESTED
 from sage.cli import main
+from sage.security.bwrap import probe_bwrap, sandbox_argv
 from tests.integration.daemon import ASTRID, Daemon, short_dir
 
 SECRET = "sk-ant-do-not-print-me"
@@ -477,7 +477,7 @@ def test_running_supervisor_is_all_ok(daemon: Daemon) -> None:
         "supervisor": "ok",
     }
     assert rows["supervisor"]["pid"] == daemon.proc.pid
-    # as root the socket is the claude children's access group's (sage/runas.py)
+    # as root the socket is the claude children's access group's (sage/security/runas.py)
     assert rows["socket"]["mode"] == ("0660" if os.geteuid() == 0 else "0600")
     assert "audit_ed25519.pem 0600" in rows["keys"]["detail"]
 

@@ -15,8 +15,8 @@ from bus.acl import Acl, Identity
 from bus.broker import Bus
 from capsules.forge.capsule import ForgeCapsule
 from capsules.runner.forge_mcp import ForgeMcpServer
-from sage.capsules import CapsuleContext
 from sage.config import Config, ForgeConfig, PrincipalConfig, SupervisorConfig
+from sage.daemon.capsule_host import CapsuleContext
 from sage.forge.runs import PAGE_MAX
 
 pytestmark = pytest.mark.anyio

@@ -29,9 +29,9 @@ from bus import Acl, Bus, Envelope, Identity, Subscription
 from capsules.hooks.capsule import REPL_TOKEN_TTL, HookGate
 from capsules.hooks.validate import PAYLOAD_LIMIT
 from capsules.runner.command import hash_token, mint_token
-from sage.capsules import CapsuleContext, capsule_folder, load_manifest
 from sage.config import Config, LimitsConfig, PrincipalConfig
-from sage.state import StateStore
+from sage.daemon.capsule_host import CapsuleContext, capsule_folder, load_manifest
+from sage.daemon.state import StateStore
 from tests.integration.sage_harness import Sage, running_sage, sage_config
 
 pytestmark = pytest.mark.anyio

@@ -23,7 +23,7 @@ import pytest
 
 from bus.client import BusClient, RemoteSubscription
 from sage.config import decode_config
-from sage.secrets import API_KEY, SecretStore, principal_namespace
+from sage.security.secrets import API_KEY, SecretStore, principal_namespace
 from tests.integration.daemon import short_dir
 from tests.integration.llm_standin import (
     Cut,

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from sage.config import load_config
-from sage.secrets import API_KEY, SecretStore, principal_namespace
+from sage.security.secrets import API_KEY, SecretStore, principal_namespace
 from tests.integration.daemon import short_dir
 from tests.integration.sage_harness import running_sage, sage_config
 

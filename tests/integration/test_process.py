@@ -255,7 +255,7 @@ def test_children_die_with_the_supervisor(tmp_path: Path) -> None:
 def test_a_child_that_changes_uid_still_dies_with_its_parent_and_its_group() -> None:
     """A uid change clears PR_SET_PDEATHSIG; the runner's setpriv prefix sets it again,
     and root still signals the group of a child that runs as another uid."""
-    from sage.runas import RunAs, setpriv_prefix
+    from sage.security.runas import RunAs, setpriv_prefix
 
     prefix = setpriv_prefix(RunAs(91001, 91001, (91000,)))
     script = textwrap.dedent(
@@ -283,7 +283,7 @@ def test_a_child_that_changes_uid_still_dies_with_its_parent_and_its_group() -> 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a uid change needs root")
 async def test_the_group_of_a_child_of_another_uid_is_stopped() -> None:
-    from sage.runas import RunAs, setpriv_prefix
+    from sage.security.runas import RunAs, setpriv_prefix
 
     prefix = setpriv_prefix(RunAs(91001, 91001, (91000,)))
     child = Child.spawn(

@@ -24,7 +24,7 @@ import msgspec
 import pytest
 
 from bus import FrameError
-from sage.claude_binary import FLOOR, NEWEST_TESTED
+from sage.claude.binary import FLOOR, NEWEST_TESTED
 from tests.integration.sage_harness import Events, Sage, running_sage, sage_config
 
 pytestmark = pytest.mark.anyio
@@ -907,7 +907,7 @@ def test_a_second_sigterm_during_the_stop_does_not_kill_the_supervisor(tmp_path:
     capsule.mkdir()
     (capsule / "Capsule.toml").write_text(
         '[package]\nname = "stubborn"\n[worker]\n'
-        'command = ["python3", "-m", "sage.worker", "stubborn_mod:main"]\n'
+        'command = ["python3", "-m", "sage.capsule.worker", "stubborn_mod:main"]\n'
         f'env = {{ PYTHONPATH = "{tmp_path}" }}\n'
     )
     d = Daemon(short_dir(), f'capsules = ["{capsule}"]\n').start()

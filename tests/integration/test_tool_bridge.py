@@ -25,8 +25,8 @@ from structlog.testing import capture_logs
 
 from bus import Acl, Bus, Envelope, Identity, Subscription
 from capsules.tools.bridge import ToolBridge
-from sage.capsules import CapsuleContext, capsule_folder, load_manifest
 from sage.config import Config, SupervisorConfig
+from sage.daemon.capsule_host import CapsuleContext, capsule_folder, load_manifest
 
 pytestmark = pytest.mark.anyio
 

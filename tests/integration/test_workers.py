@@ -20,9 +20,15 @@ import pytest
 from bus import Acl, AclDenied, Bus, Identity, NoResponders, NotAuthorized
 from bus.client import BusClient, RemoteSubscription
 from bus.server import BusServer
-from sage.capsules import STATE_TOPIC, CapsuleRunner, RestartPolicy, WorkerSpec, load_manifest
+from sage.daemon.capsule_host import (
+    STATE_TOPIC,
+    CapsuleRunner,
+    RestartPolicy,
+    WorkerSpec,
+    load_manifest,
+)
+from sage.daemon.workers import LineSplitter, worker_argv, worker_env
 from sage.errors import ConfigError
-from sage.workers import LineSplitter, worker_argv, worker_env
 from tests.integration.sage_harness import Sage, running_sage
 
 ECHO_WORKER = """
@@ -62,7 +68,7 @@ def write_capsule(root: Path, name: str, module: str, source: str) -> Path:
         f'[package]\nname = "{name}"\nversion = "0.1.0"\n'
         '[publish]\npatterns = ["wtest.v1.echoed"]\n'
         '[subscribe]\npatterns = ["wtest.v1.echo"]\n'
-        f'[worker]\ncommand = ["python3", "-m", "sage.worker", "{module}:run"]\n'
+        f'[worker]\ncommand = ["python3", "-m", "sage.capsule.worker", "{module}:run"]\n'
         f"env = {{ PYTHONPATH = {json.dumps(str(root))} }}\n"
     )
     return folder
@@ -206,7 +212,9 @@ async def test_worker_that_cannot_start_is_given_up(tmp_path: Path) -> None:
     folder = write_capsule(tmp_path, "wmissing", "wmissing_worker", CRASHING_WORKER)
     manifest = folder / "Capsule.toml"
     manifest.write_text(
-        manifest.read_text().replace('"python3", "-m", "sage.worker"', '"./no-such-program"')
+        manifest.read_text().replace(
+            '"python3", "-m", "sage.capsule.worker"', '"./no-such-program"'
+        )
     )
     async with running_sage(config_for(folder)) as sage:
         events = await sage.client.subscribe("sage.v1.capsules.changed")
@@ -375,11 +383,11 @@ def test_worker_manifest_needs_no_entry(tmp_path: Path) -> None:
 @pytest.mark.anyio
 async def test_user_namespace_sandbox_runs_the_worker_runtime(tmp_path: Path) -> None:
     """The shape used when the supervisor is not root (setpriv, then bwrap in a user
-    namespace, no uid change), with real bwrap: sage.worker and the capsule import,
+    namespace, no uid change), with real bwrap: sage.capsule.worker and the capsule import,
     the folder is read-only, nothing else of the host's folder is there, no network."""
+    from sage.daemon.workers import WorkerSandbox, sandbox_command
     from sage.forge.sandbox import ensure_sandbox
     from sage.forge.uids import SandboxUids
-    from sage.workers import WorkerSandbox, sandbox_command
 
     folder = tmp_path / "cap"
     folder.mkdir()
@@ -389,7 +397,7 @@ async def test_user_namespace_sandbox_runs_the_worker_runtime(tmp_path: Path) ->
     host.bind(("127.0.0.1", 0))
     host.listen(1)
     code = (
-        "import os, socket, sage.worker, sage.sdk, capmod\n"
+        "import os, socket, sage.capsule.worker, sage.capsule.sdk, capmod\n"
         f"print(capmod.X + 1, os.path.exists({str(tmp_path / 'secret')!r}))\n"
         "try:\n"
         f"    socket.create_connection(('127.0.0.1', {host.getsockname()[1]}), timeout=2)\n"

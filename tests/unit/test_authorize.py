@@ -10,7 +10,7 @@ from bus import FrameError, NotAuthorized
 from bus.server import PeerCred
 from bus.wire import Hello
 from sage.config import decode_config
-from sage.supervisor import Supervisor
+from sage.daemon.supervisor import Supervisor
 
 ME = os.getuid()
 ALICE = ME + 1001
@@ -106,7 +106,7 @@ def test_unknown_role_and_socket_capsule_refused(supervisor: Supervisor) -> None
 
 def test_denial_audits_are_rate_limited_per_source() -> None:
     """Past the burst, refusals are counted, and the next audited one reports how many."""
-    from sage.supervisor import DenialLimiter
+    from sage.daemon.supervisor import DenialLimiter
 
     limiter = DenialLimiter(burst=2, window=10.0)
     assert limiter.admit("cli:1", 0.0) == 0
@@ -121,7 +121,7 @@ def test_denial_audits_are_rate_limited_per_source() -> None:
 def test_audit_limiter_is_a_token_bucket_per_publisher_with_limited_reports() -> None:
     """Past its bucket a publisher's entries are dropped and counted; the counts come out as
     reports, at most one per publisher a second and a few a second over all of them."""
-    from sage.supervisor import AuditLimiter
+    from sage.daemon.supervisor import AuditLimiter
 
     limiter = AuditLimiter(rate=2.0, burst=3, report_every=1.0, report_rate=1.0, report_burst=2)
     bob = ("cli:1000", "bob")

@@ -8,7 +8,13 @@ import anyio
 import pytest
 
 from bus import AclDenied, Bus, Identity
-from sage.capsules import CapsuleRunner, CapsuleState, RestartPolicy, capsule_folder, load_manifest
+from sage.daemon.capsule_host import (
+    CapsuleRunner,
+    CapsuleState,
+    RestartPolicy,
+    capsule_folder,
+    load_manifest,
+)
 from sage.errors import ConfigError
 
 
@@ -183,9 +189,9 @@ def test_worker_sandbox_command(tmp_path: Path, uid: int | None) -> None:
     import os
     import sys
 
-    from sage.bwrap import BwrapProbe
+    from sage.daemon.workers import WorkerSandbox, python_paths, sandbox_command
     from sage.forge.uids import SandboxUids
-    from sage.workers import WorkerSandbox, python_paths, sandbox_command
+    from sage.security.bwrap import BwrapProbe
 
     tools = BwrapProbe(ok=True, path="/usr/bin/bwrap", setpriv="/usr/bin/setpriv", prlimit="/p")
     sandbox = WorkerSandbox(uids=SandboxUids(tmp_path, 92000, 10), tmp_bytes=1 << 20)
@@ -252,7 +258,7 @@ def test_python_paths_are_the_runtime_only() -> None:
     import sys
 
     import sage
-    from sage.workers import python_paths
+    from sage.daemon.workers import python_paths
 
     paths, links = python_paths()
     sage_dir = os.path.dirname(os.path.realpath(sage.__file__))

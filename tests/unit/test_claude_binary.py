@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-import sage.claude_binary as claude_binary
-from sage.claude_binary import (
+import sage.claude.binary as claude_binary
+from sage.claude.binary import (
     FLOOR,
     INSTALLED_BINARY,
     NEWEST_TESTED,

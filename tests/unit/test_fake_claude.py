@@ -5,7 +5,7 @@ in a session of its own, and reads its stdout with :class:`StreamDecoder` in
 a thread while another drains stderr.  :class:`Fake` is the host side: it
 answers the double's control requests (the MCP handshake, ``tools/call``,
 ``can_use_tool``, ``hook_callback``) the way sage's session runner will, and
-writes with the encoders of :mod:`sage.protocol`.  Every wait has a deadline
+writes with the encoders of :mod:`sage.claude.protocol`.  Every wait has a deadline
 and teardown kills the process group, so nothing can hang or leak.
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from sage.protocol import (
+from sage.claude.protocol import (
     DEFAULT_MAX_LINE_BYTES,
     AssistantMessage,
     CanUseToolRequest,

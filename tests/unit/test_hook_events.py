@@ -7,8 +7,8 @@ import json
 import pytest
 
 from capsules.installer.files import HOOK_EVENTS, UNHOOKED, settings_local
-from sage.claude_binary import FLOOR, NEWEST_TESTED, PINNED
-from sage.hooks import HOOK_EVENTS_SINCE, KNOWN_HOOKS, hooks_known_by
+from sage.claude.binary import FLOOR, NEWEST_TESTED, PINNED
+from sage.claude.hooks import HOOK_EVENTS_SINCE, KNOWN_HOOKS, hooks_known_by
 
 
 def test_every_known_event_has_a_first_release() -> None:

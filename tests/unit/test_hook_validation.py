@@ -284,8 +284,8 @@ def test_rejections_never_say_the_token() -> None:
 
 
 def test_the_envelope_type_matches_astrid_emit() -> None:
-    """What sage/emit.py builds decodes into HookEnvelope."""
-    from sage.emit import _build
+    """What sage/claude/emit.py builds decodes into HookEnvelope."""
+    from sage.claude.emit import _build
 
     built = _build("PreToolUse", {"hook_event_name": "PreToolUse"}, False)
     envelope = msgspec.json.decode(msgspec.json.encode(built), type=HookEnvelope)

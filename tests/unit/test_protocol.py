@@ -11,9 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import sage.protocol as protocol
-from sage.errors import ProtocolError
-from sage.protocol import (
+import sage.claude.protocol as protocol
+from sage.claude.protocol import (
     AssistantMessage,
     CanUseToolRequest,
     ChannelState,
@@ -59,6 +58,7 @@ from sage.protocol import (
     encode_permission_deny,
     encode_user_turn,
 )
+from sage.errors import ProtocolError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PINNED = "2.1.328"
@@ -795,8 +795,8 @@ def test_channel_generated_ids_skip_caller_ids() -> None:
 
 
 def test_all_matches_submodules() -> None:
-    """sage.protocol.__all__ is exactly the union of its modules' __all__, all importable."""
-    from sage.protocol import control, decoder, encoder, messages
+    """sage.claude.protocol.__all__ is exactly the union of its modules' __all__, all importable."""
+    from sage.claude.protocol import control, decoder, encoder, messages
 
     names = {n for m in (control, decoder, encoder, messages) for n in m.__all__}
     assert set(protocol.__all__) == names

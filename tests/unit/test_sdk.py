@@ -14,16 +14,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from bus import Acl, Bus, Envelope, Identity, Subscription
-from sage.capsules import (
-    CapsuleContext,
-    CapsuleManifest,
-    CapsuleRunner,
-    CapsuleState,
-    capsule_folder,
-    load_manifest,
-)
-from sage.errors import ConfigError, SageError
-from sage.sdk import (
+from sage.capsule.sdk import (
     MAX_TOOLS,
     Capsule,
     Tool,
@@ -32,6 +23,15 @@ from sage.sdk import (
     input_schema,
     required_patterns,
 )
+from sage.daemon.capsule_host import (
+    CapsuleContext,
+    CapsuleManifest,
+    CapsuleRunner,
+    CapsuleState,
+    capsule_folder,
+    load_manifest,
+)
+from sage.errors import ConfigError, SageError
 
 # -- the Structs and functions the descriptor tests use (module level: annotations resolve)
 
@@ -224,7 +224,7 @@ def test_from_module_collects_the_decorated_functions(
     """Module-level @tool and @subscribe record into that module's capsule."""
     (tmp_path / "sdk_collect_capsule.py").write_text(
         "import msgspec\n"
-        "from sage.sdk import subscribe, tool\n"
+        "from sage.capsule.sdk import subscribe, tool\n"
         "class A(msgspec.Struct):\n    n: int\n"
         "@tool('one')\nasync def one(args: A) -> str:\n    '''One.'''\n    return ''\n"
         "@tool('two')\nasync def two(args: A) -> str:\n    return ''\n"
@@ -597,7 +597,7 @@ async def test_entry_naming_a_capsule_instance_runs_it(
     """An entry 'module:attr' whose attr is a Capsule runs that capsule."""
     (tmp_path / "sdk_instance_capsule.py").write_text(
         "import msgspec\n"
-        "from sage.sdk import Capsule\n"
+        "from sage.capsule.sdk import Capsule\n"
         "capsule = Capsule()\n"
         "class A(msgspec.Struct):\n    n: int\n"
         "@capsule.tool('double')\nasync def double(args: A) -> str:\n"
@@ -661,8 +661,8 @@ def test_module_entry_without_tools_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.anyio
 async def test_a_tool_publishes_and_requests_through_its_context() -> None:
-    """sage.sdk.context(): the running capsule's bus, within its manifest."""
-    from sage.sdk import context
+    """sage.capsule.sdk.context(): the running capsule's bus, within its manifest."""
+    from sage.capsule.sdk import context
 
     capsule = Capsule()
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sage.sdnotify import Notifier, watchdog_interval
+from sage.daemon.sdnotify import Notifier, watchdog_interval
 
 
 def test_disabled_without_notify_socket(monkeypatch: pytest.MonkeyPatch) -> None:

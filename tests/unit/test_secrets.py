@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from sage.config import Config, SecretsConfig, SupervisorConfig
-from sage.secrets import SecretError, SecretStore, load_key
+from sage.security.secrets import SecretError, SecretStore, load_key
 
 
 def _config(tmp_path: Path, **secrets: str) -> Config:

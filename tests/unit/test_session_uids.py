@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from capsules.runner.command import build_launch, flags_hash
+from sage.claude.homes import can_run, own_home, unreachable, unsafe_home, write_in_home
 from sage.config import Config, PrincipalConfig, decode_config
 from sage.errors import ConfigError
-from sage.homes import can_run, own_home, unreachable, unsafe_home, write_in_home
-from sage.runas import RunAs, SessionUids, access_group, emit_launcher, setpriv_prefix
+from sage.security.runas import RunAs, SessionUids, access_group, emit_launcher, setpriv_prefix
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="uid changes need root")
 UUID = "0b6c6f44-3a2b-4c0e-9d7e-8f1a2b3c4d5e"

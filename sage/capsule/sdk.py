@@ -6,7 +6,7 @@ A capsule author writes::
 
     import msgspec
 
-    from sage.sdk import ToolError, tool
+    from sage.capsule.sdk import ToolError, tool
 
 
     class GreetArgs(msgspec.Struct):
@@ -35,7 +35,7 @@ running through all of them.
 (also once at start, and ``{"tools": []}`` when it stops), and serves
 ``tool.v1.execute.<tool>`` on ``tool.v1.execute.<tool>.result``, each call in
 its own task.  It needs only the :class:`Context` methods, so the same code
-runs in the supervisor's process (``sage.capsules.CapsuleContext``) or in an
+runs in the supervisor's process (``sage.daemon.capsule_host.CapsuleContext``) or in an
 out-of-process worker.
 """
 
@@ -77,7 +77,7 @@ __all__ = (
     "tool",
 )
 
-log = structlog.get_logger("sage.sdk")
+log = structlog.get_logger("sage.capsule.sdk")
 
 TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 """What a tool name may be; it is also one token of the tool's topics."""
@@ -105,7 +105,9 @@ def context() -> Context:
     try:
         return _CONTEXT.get()
     except LookupError:
-        raise SageError("sage.sdk.context() is only known while a tool or handler runs") from None
+        raise SageError(
+            "sage.capsule.sdk.context() is only known while a tool or handler runs"
+        ) from None
 
 
 class ToolError(SageError):

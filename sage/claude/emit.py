@@ -43,9 +43,9 @@ import msgspec
 
 from bus.client import BusClient
 from bus.errors import BusError
+from sage.claude.hooks import PAYLOAD_LIMIT
 from sage.config import load_config
 from sage.errors import SageError
-from sage.hooks import PAYLOAD_LIMIT
 
 __all__ = ("DEADLINE", "HARD_DEADLINE", "STDIN_DEADLINE", "STDIN_LIMIT", "main")
 

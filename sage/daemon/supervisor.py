@@ -3,7 +3,7 @@
 Start-up order: state folder (0700), state store, audit log, bus, socket server, the
 audit sink (every envelope on ``*.v1.audit.>`` is appended), the status
 responder, capsules (in-process, or child processes for ``[worker]``
-manifests: sage.workers).  Readiness is reported through ``task_status.started()``
+manifests: sage.daemon.workers).  Readiness is reported through ``task_status.started()``
 and sd_notify ``READY=1``.  SIGTERM or SIGINT stops everything within
 ``shutdown_grace`` seconds (``STOPPING=1``), removing the socket; SIGHUP
 reloads what can be reloaded (principals, admins, user ACLs, log level) and
@@ -27,21 +27,21 @@ from bus import Acl, Bus, BusError, Envelope, FrameError, Identity, NotAuthorize
 from bus.server import BusServer, PeerCred, ensure_private_dir
 from bus.wire import Hello
 from sage.audit import AuditLog, AuditReceipt, load_signing_key
-from sage.capsule_install import installed_folders, worker_manifest
-from sage.capsules import CapsuleRunner, capsule_folder, load_manifest
+from sage.capsule.install import installed_folders, worker_manifest
 from sage.config import Config, load_config
+from sage.daemon.capsule_host import CapsuleRunner, capsule_folder, load_manifest
+from sage.daemon.instance import InstanceLock
+from sage.daemon.logs import configure_logging, log_loop_errors
+from sage.daemon.sdnotify import Notifier, watchdog_interval
+from sage.daemon.state import StateStore
+from sage.daemon.workers import WorkerRunner, WorkerSandbox, capsule_uids
 from sage.errors import AuditError, ConfigError, SageError
-from sage.instance import InstanceLock
-from sage.logs import configure_logging, log_loop_errors
-from sage.runas import SessionUids, access_group
-from sage.runas import enabled as runs_children_as_principals
-from sage.sdnotify import Notifier, watchdog_interval
-from sage.state import StateStore
-from sage.workers import WorkerRunner, WorkerSandbox, capsule_uids
+from sage.security.runas import SessionUids, access_group
+from sage.security.runas import enabled as runs_children_as_principals
 
 __all__ = ("ROLES", "AuditLimiter", "DenialLimiter", "Supervisor")
 
-log = structlog.get_logger("sage.supervisor")
+log = structlog.get_logger("sage.daemon.supervisor")
 
 ROLES = ("cli", "capsule", "emit")
 STATUS_TOPIC = "sage.v1.request.status"

@@ -1,14 +1,14 @@
 """Installing a third-party capsule: check the folder, copy it, have the supervisor run it.
 
 :func:`check_capsule` says everything that is wrong with a capsule folder at
-once: the manifest (:func:`~sage.capsules.load_manifest`), the entry (it is
+once: the manifest (:func:`~sage.daemon.capsule_host.load_manifest`), the entry (it is
 imported in a child Python, so a broken module cannot hurt the caller), the
 SDK tools it declares, and whether the manifest's patterns cover the topics
-those tools need (:func:`sage.sdk.required_patterns`).  :func:`install`
+those tools need (:func:`sage.capsule.sdk.required_patterns`).  :func:`install`
 copies a good folder to ``<state_dir>/capsules/<name>/`` (a temporary copy
 renamed into place, made readable but not writable by the capsule's
 uid).  Installed capsules always run as out-of-process workers
-(:func:`worker_manifest`), sandboxed (:mod:`sage.workers`), from that
+(:func:`worker_manifest`), sandboxed (:mod:`sage.daemon.workers`), from that
 folder, at every start of the supervisor, and at once when ``astrid
 capsule install`` asks a running one (``sage.v1.request.capsule.load``).
 """
@@ -28,17 +28,17 @@ import anyio
 import msgspec
 
 from bus.acl import pattern_covers
-from sage.bwrap import probe_bwrap
-from sage.capsules import CapsuleManifest, WorkerSpec, load_manifest
-from sage.errors import ConfigError, SageError
-from sage.forge.uids import SandboxUids
-from sage.workers import (
+from sage.daemon.capsule_host import CapsuleManifest, WorkerSpec, load_manifest
+from sage.daemon.workers import (
     PASSED_ENV,
     SANDBOX_ENV,
     WorkerSandbox,
     sandbox_command,
     sandbox_uid,
 )
+from sage.errors import ConfigError, SageError
+from sage.forge.uids import SandboxUids
+from sage.security.bwrap import probe_bwrap
 
 __all__ = (
     "CapsuleCheck",
@@ -64,14 +64,14 @@ try:
     if attr:
         target = getattr(module, attr)
     else:
-        from sage.sdk import Capsule
+        from sage.capsule.sdk import Capsule
         target = Capsule.from_module(module)
-    from sage.sdk import Capsule, required_patterns
+    from sage.capsule.sdk import Capsule, required_patterns
     if isinstance(target, Capsule):
         out["tools"] = [t["name"] for t in target.describe()["tools"]]
         out["publish"], out["subscribe"] = required_patterns(target, name)
     elif not callable(target):
-        raise TypeError(f"{entry} is neither a sage.sdk Capsule nor an async function")
+        raise TypeError(f"{entry} is neither a sage.capsule.sdk Capsule nor an async function")
 except Exception as exc:
     out = {"error": f"{type(exc).__name__}: {exc}"}
 print(json.dumps(out))
@@ -142,7 +142,7 @@ def _probe(
 
     Its import-time code is someone else's: it runs on a copy of the folder
     made as :func:`install` makes it (the same files, the same modes), in
-    bubblewrap (:func:`sage.workers.sandbox_command`), as the capsule's own
+    bubblewrap (:func:`sage.daemon.workers.sandbox_command`), as the capsule's own
     uid when the caller is root, with the worker's minimal environment and
     the network only if the manifest declares it; never as the caller.
     """
@@ -214,7 +214,7 @@ def worker_manifest(manifest: CapsuleManifest, folder: Path) -> CapsuleManifest:
     if manifest.worker is not None:
         return manifest
     spec = WorkerSpec(
-        command=["python3", "-m", "sage.worker", manifest.package.entry],
+        command=["python3", "-m", "sage.capsule.worker", manifest.package.entry],
         env={"PYTHONPATH": str(folder.parent)},
     )
     return msgspec.structs.replace(manifest, worker=spec)
@@ -266,7 +266,7 @@ def _copy(source: Path, manifest: CapsuleManifest, root: Path, force: bool) -> P
 def _readable(folder: Path) -> None:
     """Folders 0755, files 0644 (0755 if executable by their owner), symlinks untouched.
 
-    The worker runs under a uid of its own (sage.workers): it must read its
+    The worker runs under a uid of its own (sage.daemon.workers): it must read its
     code but own none of it, so it cannot change it.  Nothing outside the
     copy is exposed: ``<state_dir>/capsules`` stays 0700 and the sandbox gets
     the folder from a descriptor the supervisor opened.

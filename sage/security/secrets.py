@@ -33,7 +33,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from sage.config import Config
 from sage.errors import SageError
-from sage.private import read_private
+from sage.security.private import read_private
 
 __all__ = (
     "API_KEY",

@@ -37,10 +37,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from sage.claude.homes import can_run
 from sage.config import Config, PrincipalConfig
 from sage.errors import ConfigError, SageError, SandboxError
 from sage.forge.uids import SandboxUids, known_uid
-from sage.homes import can_run
 
 __all__ = (
     "RunAs",
@@ -174,12 +174,12 @@ def emit_launcher(run_as: RunAs) -> bytes | None:
             return (
                 f"#!{python} -I\n"
                 "# astrid-emit for a claude child whose uid cannot run sage's own Python\n"
-                "# (written by sage's installer; sage/runas.py emit_launcher)\n"
+                "# (written by sage's installer; sage/security/runas.py emit_launcher)\n"
                 "import site\n"
                 "import sys\n\n"
                 f"for folder in {sites!r}:\n"
                 "    site.addsitedir(folder)\n"
-                "from sage.emit import main\n\n"
+                "from sage.claude.emit import main\n\n"
                 "sys.exit(main())\n"
             ).encode()
     return None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 
-from sage.claude_binary import version_key
+from sage.claude.binary import version_key
 
 __all__ = (
     "HOOK_EVENTS_SINCE",

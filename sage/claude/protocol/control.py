@@ -21,8 +21,8 @@ import itertools
 
 import msgspec
 
+from sage.claude.protocol.messages import ControlCancelRequest, ControlRequest, ControlResponse
 from sage.errors import ProtocolError
-from sage.protocol.messages import ControlCancelRequest, ControlRequest, ControlResponse
 
 __all__ = (
     "ChannelState",

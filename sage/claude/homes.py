@@ -3,7 +3,7 @@
 :func:`unsafe_home` says why a home must not be used (the ``claude`` child
 reads settings, command hooks included, from it); :func:`write_private`
 writes a file there atomically, 0600; :func:`read_api_key` finds the
-operator's Anthropic key (a principal's own key is in :mod:`sage.secrets`).
+operator's Anthropic key (a principal's own key is in :mod:`sage.security.secrets`).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def unsafe_home(home: Path, owner: int | None = None) -> str | None:
     """Why ``home`` must not be used, or None.
 
     The child reads settings (command hooks!) from its home and runs them as
-    its own uid: ``owner`` when the supervisor is root (sage/runas.py), else
+    its own uid: ``owner`` when the supervisor is root (sage/security/runas.py), else
     the supervisor's.  A home someone else could write would let them run code
     as that uid.  A home that does not exist yet is made 0700; one the
     supervisor owns is handed to ``owner`` (:func:`own_home`).

@@ -19,7 +19,7 @@ so the bus refuses anything it did not declare.  A capsule that raises is
 restarted with exponential backoff; after ``max_restarts`` in ``window``
 seconds it is given up (state ``failed``) and that is audited.  Every change
 of state is published on ``sage.v1.capsules.changed``.  A manifest with a
-``[worker]`` table is not imported: :mod:`sage.workers` runs it as a child
+``[worker]`` table is not imported: :mod:`sage.daemon.workers` runs it as a child
 process under the same policy.
 """
 
@@ -40,8 +40,8 @@ import structlog
 
 from bus import Acl, Bus, BusError, Envelope, Identity, Subscription
 from sage.config import NAME_PATTERN, Config
+from sage.daemon.state import StateStore
 from sage.errors import ConfigError, StateError
-from sage.state import StateStore
 
 __all__ = (
     "CapsuleContext",
@@ -54,7 +54,7 @@ __all__ = (
     "load_manifest",
 )
 
-log = structlog.get_logger("sage.capsules")
+log = structlog.get_logger("sage.daemon.capsule_host")
 
 
 class _Package(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -69,7 +69,7 @@ class _Patterns(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class WorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """``[worker]``: run the capsule as a child process instead (see sage.workers)."""
+    """``[worker]``: run the capsule as a child process instead (see sage.daemon.workers)."""
 
     command: list[str]
     """argv; a first element with a ``/`` is relative to the capsule's folder."""
@@ -78,7 +78,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class CapsuleSandbox(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """``[sandbox]``: what an installed capsule's sandboxed worker may reach (sage.workers)."""
+    """``[sandbox]``: what an installed capsule's sandboxed worker may reach (sage.daemon.workers)."""
 
     network: bool = False
     """True: the host's network (its interfaces, DNS and TLS roots); false: a network
@@ -99,7 +99,7 @@ class CapsuleManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 _ENTRY_PATTERN = r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*)?$"
-"""``module`` (its sage.sdk ``@tool``/``@subscribe`` functions) or ``module:function``."""
+"""``module`` (its sage.capsule.sdk ``@tool``/``@subscribe`` functions) or ``module:function``."""
 
 
 def load_manifest(folder: Path) -> CapsuleManifest:
@@ -291,9 +291,9 @@ class CapsuleRunner:
         self._main = self._entry()
 
     def _entry(self) -> CapsuleMain:
-        """The entry's async function; a module alone, or a ``sage.sdk.Capsule``,
+        """The entry's async function; a module alone, or a ``sage.capsule.sdk.Capsule``,
         runs as ``Capsule.run``."""
-        from sage.sdk import Capsule
+        from sage.capsule.sdk import Capsule
 
         module_name, _, func = self.manifest.package.entry.partition(":")
         try:

@@ -1,6 +1,6 @@
-"""The worker side of an out-of-process capsule: ``python -m sage.worker MODULE[:ATTR]``.
+"""The worker side of an out-of-process capsule: ``python -m sage.capsule.worker MODULE[:ATTR]``.
 
-The supervisor (:mod:`sage.workers`) starts this in the capsule's folder
+The supervisor (:mod:`sage.daemon.workers`) starts this in the capsule's folder
 with the bus socket inherited as ``ASTRID_BUS_FD``, the capsule's name in
 ``ASTRID_CAPSULE``, a ready pipe in ``ASTRID_READY_FD`` and the log level in
 ``ASTRID_LOG_LEVEL``.  It attaches a :class:`bus.client.BusClient` to the
@@ -11,7 +11,7 @@ anything said here), loads the capsule's main and runs it with a
 ``manifest``).
 
 ``MODULE:ATTR`` names an async function taking the context (or an object
-with such a ``run``); ``MODULE`` alone runs ``sage.sdk.Capsule.from_module``.
+with such a ``run``); ``MODULE`` alone runs ``sage.capsule.sdk.Capsule.from_module``.
 Exit codes: 0 when the main returned, or on SIGTERM, SIGINT or end of input
 (the supervisor's first stop step), after what was published is flushed;
 1 when the main raised (its traceback goes to stderr); 2 when the worker
@@ -37,13 +37,13 @@ import structlog
 
 from bus import BusError, Envelope, PayloadTooLarge, split_topic
 from bus.client import BusClient, RemoteSubscription
-from sage.capsules import CapsuleManifest, load_manifest
+from sage.daemon.capsule_host import CapsuleManifest, load_manifest
+from sage.daemon.logs import configure_logging
 from sage.errors import ConfigError, SageError
-from sage.logs import configure_logging
 
 __all__ = ("RemoteContext", "WorkerMain", "load_main", "main", "serve")
 
-log = structlog.get_logger("sage.worker")
+log = structlog.get_logger("sage.capsule.worker")
 
 _encode = msgspec.json.Encoder().encode
 _LEVELS = frozenset({"debug", "info", "warning", "error"})
@@ -52,7 +52,7 @@ FLUSH_DEADLINE = 2.0
 
 
 class RemoteContext:
-    """A capsule's context over the socket: what :class:`sage.capsules.CapsuleContext`
+    """A capsule's context over the socket: what :class:`sage.daemon.capsule_host.CapsuleContext`
     offers, for code that runs in either place.
 
     Errors the bus can tell at once (a bad topic, a payload over the limit,
@@ -138,7 +138,7 @@ def load_main(target: str) -> WorkerMain:
     try:
         module = importlib.import_module(module_name)
         if not attr:
-            from sage.sdk import Capsule
+            from sage.capsule.sdk import Capsule
 
             sdk_main: WorkerMain = Capsule.from_module(module).run
             return sdk_main
@@ -203,7 +203,8 @@ async def serve(target: str, environ: Mapping[str, str] = os.environ) -> int:
         fd = int(environ["ASTRID_BUS_FD"])
     except (KeyError, ValueError):
         print(
-            "sage.worker: ASTRID_BUS_FD is not set (the supervisor starts workers)", file=sys.stderr
+            "sage.capsule.worker: ASTRID_BUS_FD is not set (the supervisor starts workers)",
+            file=sys.stderr,
         )
         return 2
     ready_text = environ.get("ASTRID_READY_FD", "")
@@ -211,7 +212,7 @@ async def serve(target: str, environ: Mapping[str, str] = os.environ) -> int:
     try:
         entry = load_main(target)
     except SageError as exc:
-        print(f"sage.worker: {exc}", file=sys.stderr)
+        print(f"sage.capsule.worker: {exc}", file=sys.stderr)
         return 2
     manifest = _manifest(name)
     failed = False
@@ -234,22 +235,22 @@ async def serve(target: str, environ: Mapping[str, str] = os.environ) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m sage.worker MODULE[:ATTR]``."""
+    """``python -m sage.capsule.worker MODULE[:ATTR]``."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1 or args[0].startswith("-"):
-        print("usage: python -m sage.worker MODULE[:ATTR]", file=sys.stderr)
+        print("usage: python -m sage.capsule.worker MODULE[:ATTR]", file=sys.stderr)
         return 2
     level = os.environ.get("ASTRID_LOG_LEVEL", "info")
     configure_logging(level if level in _LEVELS else "info")
     try:
         return anyio.run(serve, args[0])
     except BusError as exc:  # the bus went away underneath the capsule
-        print(f"sage.worker: {exc}", file=sys.stderr)
+        print(f"sage.capsule.worker: {exc}", file=sys.stderr)
         return 1
 
 
 if __name__ == "__main__":
-    # run the importable module's main, so capsule code sees one sage.worker
-    from sage.worker import main as _main
+    # run the importable module's main, so capsule code sees one sage.capsule.worker
+    from sage.capsule.worker import main as _main
 
     sys.exit(_main())

@@ -11,10 +11,10 @@ identity it fixed, ``capsule:<name>`` with the manifest's ACL, so there is
 nothing the worker could claim or forge.  ``ASTRID_READY_FD`` is the write
 end of a pipe on which the worker says ``READY=1`` (its ``ctx.ready()``).
 
-The restart loop is :class:`sage.capsules.CapsuleRunner`'s: the worker's
+The restart loop is :class:`sage.daemon.capsule_host.CapsuleRunner`'s: the worker's
 "main" runs the child until it exits.  Exit code 0 is a finished capsule
 (``stopped``, not restarted); any other end is a crash, restarted by the
-same :class:`~sage.capsules.RestartPolicy`, then ``failed`` and audited.
+same :class:`~sage.daemon.capsule_host.RestartPolicy`, then ``failed`` and audited.
 When the supervisor stops, the child gets the stop sequence
 (:func:`sage.process.stop`: end of input, SIGTERM, SIGKILL, each after a
 grace) while its bus connection stays open, so it can say goodbye.  Its
@@ -57,9 +57,15 @@ import structlog
 
 from bus import Bus
 from bus.server import BusServer
-from sage.bwrap import BwrapProbe, launcher
-from sage.capsules import CapsuleContext, CapsuleMain, CapsuleManifest, CapsuleRunner, WorkerSpec
 from sage.config import Config
+from sage.daemon.capsule_host import (
+    CapsuleContext,
+    CapsuleMain,
+    CapsuleManifest,
+    CapsuleRunner,
+    WorkerSpec,
+)
+from sage.daemon.state import StateStore
 from sage.errors import ProcessError, SandboxError
 from sage.forge.sandbox import (
     ResolvedBind,
@@ -73,7 +79,7 @@ from sage.forge.sandbox import (
 )
 from sage.forge.uids import SandboxUids
 from sage.process import Child, ExitStatus, Ring, stop
-from sage.state import StateStore
+from sage.security.bwrap import BwrapProbe, launcher
 
 __all__ = (
     "MAX_LINE",
@@ -90,7 +96,7 @@ __all__ = (
     "worker_env",
 )
 
-log = structlog.get_logger("sage.workers")
+log = structlog.get_logger("sage.daemon.workers")
 
 MAX_LINE = 4096
 """Bytes of one output line that reach the log; the rest of the line is dropped."""
@@ -104,7 +110,7 @@ _LEVELS = frozenset({"debug", "info", "warning", "error"})
 
 
 def _log_line(out: Any, line: str) -> None:
-    """One output line as ``capsule.output``: a JSON log entry (sage.worker's own
+    """One output line as ``capsule.output``: a JSON log entry (sage.capsule.worker's own
     logging) nested as ``entry`` at its level, so secrets in it are redacted
     here too; anything else as ``line``."""
     entry: Any = None
@@ -318,7 +324,7 @@ def sandbox_command(
     unshared, ``--share-net`` only with ``network``, no capabilities, ``/usr``
     and the interpreter read-only, size-capped ``/tmp`` and ``/dev/shm``, the
     rest of ``/`` read-only) around the capsule's ``folder`` (read-only, the
-    working folder), started by :func:`sage.bwrap.launcher` as ``uid``.  The
+    working folder), started by :func:`sage.security.bwrap.launcher` as ``uid``.  The
     host paths are bound from descriptors the supervisor opened.
     ``workdir`` (inside ``folder``) is the working folder instead of ``folder``.
     """

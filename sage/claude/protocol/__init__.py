@@ -8,14 +8,14 @@ does I/O; the session runner moves the bytes.
 
 from __future__ import annotations
 
-from sage.protocol.control import (
+from sage.claude.protocol.control import (
     ChannelState,
     ControlChannel,
     ControlOutcome,
     IncomingState,
     OutgoingState,
 )
-from sage.protocol.decoder import (
+from sage.claude.protocol.decoder import (
     DEFAULT_MAX_LINE_BYTES,
     DecoderCounters,
     DecoderState,
@@ -24,7 +24,7 @@ from sage.protocol.decoder import (
     LineTooLong,
     StreamDecoder,
 )
-from sage.protocol.encoder import (
+from sage.claude.protocol.encoder import (
     HookMatcher,
     encode_control_error,
     encode_control_request,
@@ -38,7 +38,7 @@ from sage.protocol.encoder import (
     encode_permission_deny,
     encode_user_turn,
 )
-from sage.protocol.messages import (
+from sage.claude.protocol.messages import (
     AssistantBody,
     AssistantMessage,
     CanUseToolRequest,

@@ -24,8 +24,7 @@ from typing import Any, ClassVar, TypeAlias
 
 import msgspec
 
-from sage.errors import ProtocolError
-from sage.protocol.messages import (
+from sage.claude.protocol.messages import (
     AssistantMessage,
     ContentBlock,
     ControlCancelRequest,
@@ -46,6 +45,7 @@ from sage.protocol.messages import (
     UnknownRequest,
     UserMessage,
 )
+from sage.errors import ProtocolError
 
 __all__ = (
     "DEFAULT_MAX_LINE_BYTES",

@@ -1,0 +1,1 @@
+"""The daemon: supervisor, capsule host, out-of-process workers, state store, logging, systemd."""

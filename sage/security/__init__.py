@@ -1,0 +1,1 @@
+"""Security primitives: the secret store, whom children run as, the bubblewrap probe, private key files."""
