@@ -41,7 +41,7 @@ from typing import Any, NoReturn
 import anyio
 import msgspec
 
-from bus.client import BusClient
+from bus import BusClient
 from bus.errors import BusError
 from sage.config import load_config
 from sage.errors import SageError

@@ -55,8 +55,7 @@ import anyio.abc
 import msgspec
 import structlog
 
-from bus import Bus
-from bus.server import BusServer
+from bus import Bus, BusServer
 from sage.bwrap import BwrapProbe, launcher
 from sage.capsules import CapsuleContext, CapsuleMain, CapsuleManifest, CapsuleRunner, WorkerSpec
 from sage.config import Config

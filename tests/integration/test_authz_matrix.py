@@ -62,7 +62,7 @@ import anyio.abc
 import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from bus.client import BusClient, RemoteSubscription
+from bus import BusClient, RemoteSubscription
 from bus.errors import BusError
 from tests.integration.daemon import Daemon, short_dir
 

@@ -17,9 +17,17 @@ import anyio.abc
 import msgspec
 import pytest
 
-from bus import Acl, AclDenied, Bus, Identity, NoResponders, NotAuthorized
-from bus.client import BusClient, RemoteSubscription
-from bus.server import BusServer
+from bus import (
+    Acl,
+    AclDenied,
+    Bus,
+    BusClient,
+    BusServer,
+    Identity,
+    NoResponders,
+    NotAuthorized,
+    RemoteSubscription,
+)
 from sage.capsules import STATE_TOPIC, CapsuleRunner, RestartPolicy, WorkerSpec, load_manifest
 from sage.errors import ConfigError
 from sage.workers import LineSplitter, worker_argv, worker_env
