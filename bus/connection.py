@@ -113,6 +113,7 @@ class Connection:
         "hello_timeout",
         "identity",
         "idle_timeout",
+        "live",
         "state",
         "welcomed",
     )
@@ -128,6 +129,9 @@ class Connection:
         self.identity = identity
         self.adopted = identity is not None
         self.state = ConnectionState.HELLO if identity is None else ConnectionState.OPEN
+        self.live = True
+        """Frames may still be received and queued (HELLO or OPEN); a plain attribute,
+        as the server asks it for every frame it queues."""
         self.hello: Hello | None = None
         """The hello an identity was authorized from; None while in HELLO and when adopted."""
         self.welcomed = False
@@ -135,15 +139,11 @@ class Connection:
         self.idle_timeout = idle_timeout
         self.hello_by = now + hello_timeout
 
-    @property
-    def live(self) -> bool:
-        """Frames may still be received and queued (HELLO or OPEN)."""
-        return self.state in _LIVE
-
     def _move(self, to: ConnectionState) -> None:
         if to not in _TRANSITIONS[self.state]:
             raise ConnectionStateError(f"connection: {self.state.value} -> {to.value}")
         self.state = to
+        self.live = to in _LIVE
 
     # -- transitions ------------------------------------------------------
 
