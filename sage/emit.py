@@ -41,8 +41,7 @@ from typing import Any, NoReturn
 import anyio
 import msgspec
 
-from bus import BusClient
-from bus.errors import BusError
+from bus import BusClient, BusError
 from sage.config import load_config
 from sage.errors import SageError
 from sage.hooks import PAYLOAD_LIMIT
