@@ -1,8 +1,9 @@
 """The bus's own error hierarchy, rooted at :class:`BusError`.
 
 The bus is a library that knows nothing of sage, so it has its own root.
-Every error has a short machine ``code`` that travels in error frames, so a
-remote client re-raises the same class the server raised.
+Every error has a short machine ``code`` (a class default, overridable per
+instance with ``code=``) that travels in error frames, so a remote client
+re-raises the same class the server raised.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ __all__ = (
     "BusClosed",
     "BusError",
     "ConnectionLost",
+    "ConnectionStateError",
     "FrameError",
     "NoResponders",
     "NotAuthorized",
@@ -27,7 +29,12 @@ __all__ = (
 class BusError(Exception):
     """Root of every error the bus raises."""
 
-    code = "bus_error"
+    code: str = "bus_error"
+
+    def __init__(self, message: str = "", *, code: str | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
 
 
 class TopicError(BusError):
@@ -90,12 +97,19 @@ class ConnectionLost(BusError):
     code = "connection_lost"
 
 
+class ConnectionStateError(BusError):
+    """A connection was asked to do what its state does not allow (a bug in the server)."""
+
+    code = "bad_connection_state"
+
+
 _BY_CODE: dict[str, type[BusError]] = {
     cls.code: cls
     for cls in (
         AclDenied,
         BusClosed,
         ConnectionLost,
+        ConnectionStateError,
         FrameError,
         NoResponders,
         NotAuthorized,
@@ -111,8 +125,7 @@ for _code in ("frame_too_large", "unknown_type", "bad_hello", "bad_payload"):
 
 def error_for_code(code: str, message: str) -> BusError:
     """The exception a remote error frame stands for."""
-    err = _BY_CODE.get(code, BusError)(message)
-    return err
+    return _BY_CODE.get(code, BusError)(message)
 
 
 def sole_error(group: BaseExceptionGroup[BaseException]) -> BaseException:

@@ -7,7 +7,9 @@ is replaced only when no other server holds it.  Each peer's uid comes from
 hello asks for) to an :class:`Identity`, so a client never asserts who it
 is.  :meth:`BusServer.adopt` serves a connection the caller made itself (the
 supervisor's end of a worker capsule's socketpair) under an identity the
-caller fixed, skipping ``SO_PEERCRED`` and ``authorize``.  Delivery to a
+caller fixed, skipping ``SO_PEERCRED`` and ``authorize``.  What each frame
+means in each state of a connection is decided by the sans-IO
+:mod:`bus.connection`; the socket details are in :mod:`bus.unix`.  Delivery to a
 remote subscriber goes through the connection's outbox, which one writer
 task flushes in batches; a connection whose outbox stays over its limit past
 the slow-consumer deadline is disconnected.
@@ -16,15 +18,10 @@ the slow-consumer deadline is disconnected.
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import os
 import socket
-import stat
-import struct
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
@@ -34,11 +31,19 @@ import structlog
 
 from bus.acl import Identity
 from bus.broker import Bus
+from bus.connection import Act, Answer, Connection, Refuse, WelcomeAdopted
 from bus.envelope import Envelope
 from bus.errors import BusError, FrameError, NotAuthorized, SlowConsumer
 from bus.stream import UnixStream, accept
+from bus.unix import (
+    PeerCred,
+    SocketLock,
+    bind_unix_socket,
+    peer_credentials,
+    prepare_socket_dir,
+)
 from bus.wire import (
-    PROTOCOL_VERSION,
+    ClientFrame,
     Err,
     FrameReader,
     FrameTooLarge,
@@ -60,7 +65,7 @@ from bus.wire import (
     frame_limit,
 )
 
-__all__ = ("BusServer", "PeerCred", "SocketLock", "peer_credentials")
+__all__ = ("Authorize", "BusServer")
 
 log = structlog.get_logger("bus.server")
 
@@ -73,111 +78,8 @@ UID_OUTBOX_BYTES = 256 * 1024 * 1024
 uid's 64 connections that never read could make the supervisor hold 4 GiB."""
 
 
-@dataclass(frozen=True)
-class PeerCred:
-    pid: int
-    uid: int
-    gid: int
-
-
-def peer_credentials(sock: socket.socket) -> PeerCred:
-    """The peer's pid, uid and gid as the kernel reports them."""
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, gid = struct.unpack("3i", raw)
-    return PeerCred(pid, uid, gid)
-
-
 Authorize = Callable[[PeerCred, Hello], Identity]
 """Map a verified peer and its hello to an identity, or raise NotAuthorized."""
-
-
-class SocketLock:
-    """The lock file beside a socket: held while a server owns the path."""
-
-    def __init__(self, socket_path: Path) -> None:
-        self.path = socket_path.with_name(socket_path.name + ".lock")
-        self._fd: int | None = None
-
-    def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise BusError(
-                    f"another server holds {self.path} (is the supervisor already running?)"
-                ) from exc
-            raise
-        self._fd = fd
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-
-def ensure_private_dir(directory: Path, *, group: int | None = None) -> None:
-    """Make ``directory`` ours and private: created 0700 (0750 with a group).
-
-    A folder this call creates gets exactly that mode.  One that already
-    exists is tightened only if it is ours and nobody else can write to it;
-    a folder others can write to (``/tmp``, say) is refused, never chmod'ed.
-    """
-    existed = directory.exists()
-    old = os.umask(0o077)
-    try:
-        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    except OSError as exc:
-        raise BusError(f"cannot create {directory}: {exc.strerror}") from exc
-    finally:
-        os.umask(old)
-    info = directory.lstat()
-    if not stat.S_ISDIR(info.st_mode):
-        raise BusError(f"{directory} is not a directory")
-    if info.st_uid != os.getuid():
-        raise BusError(f"{directory} belongs to uid {info.st_uid}, not to us")
-    mode = stat.S_IMODE(info.st_mode)
-    if existed and mode & 0o022:
-        raise BusError(f"{directory} is writable by others (mode {mode:04o}); use a private folder")
-    want = 0o750 if group is not None else 0o700
-    if mode != want:
-        os.chmod(directory, want)
-    if group is not None:
-        os.chown(directory, -1, group)
-
-
-def prepare_socket_dir(path: Path, group: int | None) -> None:
-    """The socket's directory: private, see :func:`ensure_private_dir`."""
-    ensure_private_dir(path.parent, group=group)
-
-
-def bind_unix_socket(path: Path, group: int | None) -> socket.socket:
-    """Bind ``path`` under umask 0077; 0600, or 0660 with a group."""
-    if len(os.fsencode(path)) > 107:
-        raise BusError(f"socket path too long (over 107 bytes): {path}")
-    with contextlib.suppress(FileNotFoundError):
-        info = path.lstat()
-        if not stat.S_ISSOCK(info.st_mode):
-            raise BusError(f"{path} exists and is not a socket; refusing to replace it")
-        path.unlink()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o077)
-    try:
-        sock.bind(os.fspath(path))
-    except OSError:
-        sock.close()
-        raise
-    finally:
-        os.umask(old)
-    if group is not None:
-        os.chown(path, -1, group)
-        os.chmod(path, 0o660)
-    else:
-        os.chmod(path, 0o600)
-    sock.listen(128)
-    sock.setblocking(False)
-    return sock
 
 
 class _RemoteSubscription:
@@ -205,11 +107,11 @@ class _RemoteSubscription:
 
 
 class _Connection:
-    """One client connection: its identity, subscriptions and outbox.
+    """The async shell of one client connection: its stream, subscriptions and outbox.
 
-    An adopted connection (``identity`` given) starts with its identity: a
-    hello is optional, answered with a welcome for that identity whatever it
-    claims, and neither the hello deadline nor the idle timeout applies.
+    What each frame means, and which state the connection is in, is decided
+    by its sans-IO :class:`bus.connection.Connection` (``self.protocol``);
+    this class moves the bytes and carries out the steps on the bus.
     """
 
     def __init__(
@@ -222,10 +124,12 @@ class _Connection:
         self.server = server
         self.stream = stream
         self.peer = peer
-        self.identity: Identity | None = identity
-        self.adopted = identity is not None
-        self._welcomed = False
-        self.hello: Hello | None = None
+        self.protocol = Connection(
+            now=anyio.current_time(),
+            hello_timeout=server.hello_timeout,
+            idle_timeout=server.idle_timeout,
+            identity=identity,
+        )
         self.subs: dict[int, _RemoteSubscription] = {}
         self.requests = 0
         self.outbox = bytearray()
@@ -233,7 +137,6 @@ class _Connection:
         self.queued = 0
         self.wake = anyio.Event()
         self._full_since: float | None = None
-        self._closing = False
         self.scope = anyio.CancelScope()
 
     # -- outbound ---------------------------------------------------------
@@ -247,7 +150,7 @@ class _Connection:
 
     def admit(self) -> bool:
         """Whether one more frame may be queued; cuts off a consumer slow past its deadline."""
-        if self._closing:
+        if not self.protocol.live:
             return False
         if len(self.outbox) > self.server.outbox_limit:
             self.kill(SlowConsumer(f"outbox over {self.server.outbox_limit} bytes"))
@@ -286,7 +189,7 @@ class _Connection:
     async def writer(self) -> None:
         while True:
             if not self.outbox:
-                if self._closing:
+                if not self.protocol.live:
                     return
                 self.wake = anyio.Event()
                 await self.wake.wait()
@@ -299,14 +202,19 @@ class _Connection:
             try:
                 await self.stream.send(cast(bytes, data))
             except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                self._closing = True
-                self.drop_subscriptions()
+                self.close()
                 self.scope.cancel()
                 return
 
+    def close(self) -> None:
+        """End the connection: nothing more is read or queued, subscriptions go."""
+        if self.protocol.live:
+            self.protocol.close()
+        self.drop_subscriptions()
+
     def kill(self, reason: BusError) -> None:
         """Cut the connection off now (slow consumer, fatal error)."""
-        if self._closing:
+        if not self.protocol.live:
             return
         log.warning(
             "bus.disconnect",
@@ -315,8 +223,7 @@ class _Connection:
             reason=str(reason),
             code=reason.code,
         )
-        self._closing = True
-        self.drop_subscriptions()
+        self.close()
         self.server.disconnected_slow += isinstance(reason, SlowConsumer)
         self.scope.cancel()
 
@@ -337,23 +244,17 @@ class _Connection:
                     await self._read_loop(reader)
                     tg.cancel_scope.cancel()
             finally:
-                self._closing = True
-                self.drop_subscriptions()
+                self.close()
                 self.wake.set()
                 # the writer flushes what is queued (e.g. a fatal error), briefly
                 outer.cancel_scope.deadline = anyio.current_time() + 1.0
 
     async def _read_loop(self, reader: FrameReader) -> None:
-        server = self.server
-        hello_by = anyio.current_time() + server.hello_timeout
-        while not self._closing:
-            if self.identity is None:
-                # one deadline for the whole handshake, however the bytes trickle in
-                timeout: float | None = max(0.0, hello_by - anyio.current_time())
-            elif self.subs or self.requests or self.adopted:
-                timeout = None
-            else:
-                timeout = server.idle_timeout
+        protocol = self.protocol
+        while protocol.live:
+            timeout = protocol.read_timeout(
+                anyio.current_time(), busy=bool(self.subs or self.requests)
+            )
             data = b""
             with anyio.move_on_after(timeout if timeout is not None else float("inf")):
                 try:
@@ -361,13 +262,11 @@ class _Connection:
                 except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
                     return
             if not data:
-                if self.identity is None:
-                    message = f"no hello within {server.hello_timeout:g} s"
-                else:
-                    message = f"no activity within {timeout:g} s"
-                self.push(Err("timeout", message, fatal=True))
+                self.push(protocol.timed_out().error)
                 return
             for item in reader.feed(data):
+                if not protocol.live:
+                    return  # cut off while acting on an earlier frame of this read
                 if isinstance(item, FrameTooLarge):
                     self.push(
                         Err(
@@ -381,17 +280,29 @@ class _Connection:
 
     def _handle(self, body: memoryview) -> bool:
         """Act on one frame; False ends the connection."""
+        frame: ClientFrame | FrameError
         try:
             frame = decode_client_frame(body)
         except FrameError as exc:
-            if self.identity is None:
-                self.push(Err("bad_hello", f"expected a hello frame first: {exc}", fatal=True))
-                return False
-            self.push(Err(exc.code, str(exc)))
+            frame = exc
+        step = self.protocol.receive(frame)
+        if isinstance(step, Act):
+            self._act(step.frame, step.identity)
             return True
-        if self.identity is None:
-            return self._hello(frame)
-        identity = self.identity
+        if isinstance(step, Answer):
+            self.push(step.error)
+            return True
+        if isinstance(step, Refuse):
+            self.push(step.error)
+            return False
+        if isinstance(step, WelcomeAdopted):
+            self._welcome(
+                step.identity, [] if step.identity.principal is None else [step.identity.principal]
+            )
+            return True
+        return self._authorize(step.hello)
+
+    def _act(self, frame: Pub | Sub | Unsub | Req | Reply | Ping, identity: Identity) -> None:
         bus = self.server.bus
         try:
             if isinstance(frame, Pub):
@@ -415,27 +326,21 @@ class _Connection:
                     check_payload(bytes(frame.payload))
                 except FrameError as exc:
                     self.push(Result(frame.rid, code=exc.code, message=str(exc)))
-                    return True
+                    return
                 self.requests += 1
                 self.tg.start_soon(self._request, frame, identity)
             elif isinstance(frame, Reply):
                 payload = bytes(frame.payload)
                 check_payload(payload)
                 bus.reply_raw(identity, frame.to, payload)
-            elif isinstance(frame, Ping):
-                if self.server.before_pong is None:
-                    self.push(Pong(frame.n))
-                else:
-                    self.requests += 1
-                    self.tg.start_soon(self._pong_when_settled, frame.n)
-            elif self.adopted and not self._welcomed:
-                return self._welcome_adopted(frame, identity)
+            elif self.server.before_pong is None:
+                self.push(Pong(frame.n))
             else:
-                self.push(Err("bad_frame", "hello may be sent only once"))
+                self.requests += 1
+                self.tg.start_soon(self._pong_when_settled, frame.n)
         except BusError as exc:
             sid = frame.sid if isinstance(frame, Sub) else None
             self.push(Err(exc.code, str(exc), sid=sid))
-        return True
 
     def _subscribe(self, frame: Sub, identity: Identity) -> None:
         if frame.sid in self.subs:
@@ -477,49 +382,28 @@ class _Connection:
         finally:
             self.requests -= 1
 
-    def _version_ok(self, frame: Hello) -> bool:
-        if frame.version == PROTOCOL_VERSION:
-            return True
-        self.push(
-            Err(
-                "bad_hello",
-                f"protocol version {frame.version} is not supported (server speaks {PROTOCOL_VERSION})",
-                fatal=True,
-            )
-        )
-        return False
-
-    def _welcome_adopted(self, frame: Hello, identity: Identity) -> bool:
-        """Answer an adopted peer's hello: its claims (role, principal) change nothing."""
-        if not self._version_ok(frame):
-            return False
-        self._welcomed = True
+    def _welcome(self, identity: Identity, principals: list[str]) -> None:
         self.push(
             Welcome(
                 uid=self.peer.uid,
                 source=identity.source,
                 principal=identity.principal,
-                principals=[] if identity.principal is None else [identity.principal],
+                principals=principals,
                 max_payload=self.server.bus.max_payload,
                 max_frame=self.server.max_frame,
             )
         )
-        return True
 
-    def _hello(self, frame: object) -> bool:
-        if not isinstance(frame, Hello):
-            self.push(Err("bad_hello", "the first frame must be a hello", fatal=True))
-            return False
-        if not self._version_ok(frame):
-            return False
+    def _authorize(self, hello: Hello) -> bool:
+        """Ask the server who this hello's peer is; welcome it, or refuse and end."""
         try:
-            identity = self.server.authorize(self.peer, frame)
+            identity = self.server.authorize(self.peer, hello)
         except NotAuthorized as exc:
             log.warning(
                 "bus.refused",
                 uid=self.peer.uid,
                 pid=self.peer.pid,
-                role=frame.role,
+                role=hello.role,
                 reason=str(exc),
             )
             self.push(Err(exc.code, str(exc), fatal=True))
@@ -531,23 +415,13 @@ class _Connection:
             log.exception("bus.authorize_failed", uid=self.peer.uid, pid=self.peer.pid)
             self.push(Err("not_authorized", "the server could not authorize this peer", fatal=True))
             return False
-        self.identity = identity
-        self.hello = frame
-        self.push(
-            Welcome(
-                uid=self.peer.uid,
-                source=identity.source,
-                principal=identity.principal,
-                principals=sorted(self.server.principals_of(self.peer.uid)),
-                max_payload=self.server.bus.max_payload,
-                max_frame=self.server.max_frame,
-            )
-        )
+        self.protocol.open(hello, identity)
+        self._welcome(identity, sorted(self.server.principals_of(self.peer.uid)))
         log.info(
             "bus.connected",
             uid=self.peer.uid,
             pid=self.peer.pid,
-            role=frame.role,
+            role=hello.role,
             source=identity.source,
         )
         return True
@@ -633,8 +507,9 @@ class BusServer:
 
     def budgeted(self, conn: _Connection) -> bool:
         """A user's connection (not an admin's, a capsule's or the supervisor's own)."""
-        identity = conn.identity
-        return identity is not None and identity.acl is not None and not conn.adopted
+        protocol = conn.protocol
+        identity = protocol.identity
+        return identity is not None and identity.acl is not None and not protocol.adopted
 
     def charge(self, uid: int, delta: int) -> None:
         left = self._uid_bytes.get(uid, 0) + delta
@@ -708,10 +583,11 @@ class BusServer:
             # one connection's bug must never take the server down
             log.exception("bus.connection_failed", uid=peer.uid, pid=peer.pid)
         finally:
-            conn.drop_subscriptions()
+            conn.close()
             self.connections.discard(conn)
             with anyio.CancelScope(shield=True):
                 await conn.stream.aclose()
+            conn.protocol.finish()
 
     def reauthorize(self) -> int:
         """Check every live connection again (after a change of access rules).
@@ -722,16 +598,16 @@ class BusServer:
         """
         cut = 0
         for conn in list(self.connections):
-            # adopted connections (conn.hello is None) keep the identity their owner fixed
-            if conn.identity is None or conn.hello is None:
+            # adopted connections (no hello) keep the identity their owner fixed
+            hello, before = conn.protocol.hello, conn.protocol.identity
+            if hello is None or before is None:
                 continue
             try:
-                now = self.authorize(conn.peer, conn.hello)
+                now = self.authorize(conn.peer, hello)
             except BusError as exc:
                 conn.kill(NotAuthorized(f"access changed: {exc}"))
                 cut += 1
                 continue
-            before = conn.identity
             same_acl = (before.acl is None) == (now.acl is None) and (
                 before.acl is None
                 or now.acl is None

@@ -231,9 +231,7 @@ def _decode(decoder: msgspec.json.Decoder[Any], body: bytes | memoryview) -> obj
     except msgspec.ValidationError as exc:
         text = str(exc)
         if "at `$.t`" in text or "Object missing required field `t`" in text:
-            err = FrameError(f"unknown frame type: {text}")
-            err.code = "unknown_type"
-            raise err from exc
+            raise FrameError(f"unknown frame type: {text}", code="unknown_type") from exc
         raise FrameError(f"invalid frame: {text}") from exc
     except msgspec.DecodeError as exc:
         raise FrameError(f"frame is not valid JSON: {exc}") from exc
@@ -252,9 +250,9 @@ def check_payload(payload: bytes) -> None:
     try:
         payload.decode()
     except UnicodeDecodeError as exc:
-        err = FrameError(f"payload is not UTF-8 JSON text: {exc.reason} at byte {exc.start}")
-        err.code = "bad_payload"
-        raise err from None
+        raise FrameError(
+            f"payload is not UTF-8 JSON text: {exc.reason} at byte {exc.start}", code="bad_payload"
+        ) from None
 
 
 _PUB_PREFIX = b'{"t":"pub",'

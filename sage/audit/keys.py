@@ -29,7 +29,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 )
 
 from bus import BusError
-from bus.server import ensure_private_dir
+from bus.unix import ensure_private_dir
 from sage.errors import AuditError
 from sage.security.private import read_private
 

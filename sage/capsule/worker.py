@@ -35,8 +35,7 @@ import anyio
 import msgspec
 import structlog
 
-from bus import BusError, Envelope, PayloadTooLarge, split_topic
-from bus.client import BusClient, RemoteSubscription
+from bus import BusClient, BusError, Envelope, PayloadTooLarge, RemoteSubscription, split_topic
 from sage.daemon.capsule_host import CapsuleManifest, load_manifest
 from sage.daemon.logs import configure_logging
 from sage.errors import ConfigError, SageError

@@ -41,8 +41,7 @@ from typing import Any, NoReturn
 import anyio
 import msgspec
 
-from bus.client import BusClient
-from bus.errors import BusError
+from bus import BusClient, BusError
 from sage.claude.hooks import PAYLOAD_LIMIT
 from sage.config import load_config
 from sage.errors import SageError

@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from bus.client import BusClient
+from bus import BusClient
 from bus.wire import frame_limit
 from sage.config import Config, load_config
 

@@ -22,8 +22,7 @@ from typing import Any, Literal
 import anyio
 import msgspec
 
-from bus import BusError
-from bus.client import BusClient
+from bus import BusClient, BusError
 from bus.wire import frame_limit
 from sage.audit.keys import KEY_FILENAME, PUBLIC_KEY_FILENAME
 from sage.claude.binary import (

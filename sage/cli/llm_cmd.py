@@ -20,8 +20,7 @@ from typing import Any
 import anyio
 import msgspec
 
-from bus import NoResponders
-from bus.client import BusClient, RemoteSubscription
+from bus import BusClient, NoResponders, RemoteSubscription
 from sage.cli._connect import config_of, connect, print_json
 from sage.errors import SageError
 

@@ -23,8 +23,18 @@ import anyio.abc
 import msgspec
 import structlog
 
-from bus import Acl, Bus, BusError, Envelope, FrameError, Identity, NotAuthorized
-from bus.server import BusServer, PeerCred, ensure_private_dir
+from bus import (
+    Acl,
+    Bus,
+    BusError,
+    BusServer,
+    Envelope,
+    FrameError,
+    Identity,
+    NotAuthorized,
+    PeerCred,
+)
+from bus.unix import ensure_private_dir
 from bus.wire import Hello
 from sage.audit import AuditLog, AuditReceipt, load_signing_key
 from sage.capsule.install import installed_folders, worker_manifest

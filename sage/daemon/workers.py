@@ -55,8 +55,7 @@ import anyio.abc
 import msgspec
 import structlog
 
-from bus import Bus
-from bus.server import BusServer
+from bus import Bus, BusServer
 from sage.config import Config
 from sage.daemon.capsule_host import (
     CapsuleContext,

@@ -26,8 +26,7 @@ from typing import Any, BinaryIO
 import anyio
 import msgspec
 
-from bus import BusError
-from bus.client import BusClient
+from bus import BusClient, BusError
 from sage.config import Config
 from sage.mcp.protocol import (
     NeedCall,

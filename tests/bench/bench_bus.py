@@ -173,7 +173,7 @@ def _bench_inproc(report: Report) -> None:
 
 
 async def _ours_sub(path: str, n: int) -> dict[str, Any]:
-    from bus.client import BusClient
+    from bus import BusClient
 
     async with BusClient.connect(path, role="cli", name="bench-sub") as client:
         sub = await client.subscribe(TOPIC)
@@ -191,7 +191,7 @@ async def _ours_sub(path: str, n: int) -> dict[str, Any]:
 
 
 async def _ours_pub(path: str, n: int) -> dict[str, Any]:
-    from bus.client import BusClient
+    from bus import BusClient
 
     async with BusClient.connect(path, role="emit", name="bench-pub") as client:
         publish = client.publish_raw
@@ -296,9 +296,9 @@ def _pair_sync(kind: str, address: str, n: int) -> tuple[float, int]:
 
 
 async def _ours_socket(n: int) -> list[tuple[float, int]]:
+    from bus import BusServer
     from bus.acl import Identity
     from bus.broker import Bus
-    from bus.server import BusServer
 
     def authorize(peer: Any, hello: Any) -> Identity:
         return Identity(f"{hello.role}:{peer.uid}", uid=peer.uid)

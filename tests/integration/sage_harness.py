@@ -23,7 +23,7 @@ from typing import Any
 import anyio
 import msgspec
 
-from bus.client import BusClient, RemoteSubscription
+from bus import BusClient, RemoteSubscription
 from tests.integration.daemon import Daemon, short_dir
 
 __all__ = ("Events", "Sage", "running_sage", "sage_config")

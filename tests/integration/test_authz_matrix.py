@@ -62,8 +62,7 @@ import anyio.abc
 import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from bus.client import BusClient, RemoteSubscription
-from bus.errors import BusError
+from bus import BusClient, BusError, RemoteSubscription
 from tests.integration.daemon import Daemon, short_dir
 
 ROOT = Path(__file__).resolve().parents[2]

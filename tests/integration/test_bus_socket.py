@@ -19,9 +19,9 @@ import anyio.abc
 import anyio.lowlevel
 import pytest
 
+from bus import BusClient, BusServer, PeerCred
 from bus.acl import Identity
 from bus.broker import Bus
-from bus.client import BusClient
 from bus.errors import (
     BusError,
     ConnectionLost,
@@ -30,7 +30,6 @@ from bus.errors import (
     PayloadTooLarge,
     TopicError,
 )
-from bus.server import BusServer, PeerCred
 from bus.wire import (
     Err,
     FrameReader,

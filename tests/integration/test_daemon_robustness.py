@@ -15,7 +15,7 @@ import msgspec
 import pytest
 
 from bus import BusError
-from bus.server import ensure_private_dir
+from bus.unix import ensure_private_dir
 from tests.integration.daemon import ASTRID, Daemon, short_dir
 
 

@@ -10,7 +10,7 @@ import anyio
 import msgspec
 import pytest
 
-from bus.client import BusClient
+from bus import BusClient
 from tests.integration.sage_harness import Sage, running_sage, sage_config
 
 pytestmark = pytest.mark.anyio

@@ -680,7 +680,7 @@ def _flood_as(uid: int, socket_path: str, seconds: float) -> tuple[int, int]:
         os.setuid(uid)
 
         async def main() -> None:
-            from bus.client import BusClient
+            from bus import BusClient
 
             spoof = {
                 "hook": "PreToolUse",

@@ -21,7 +21,7 @@ import anyio
 import msgspec
 import pytest
 
-from bus.client import BusClient, RemoteSubscription
+from bus import BusClient, RemoteSubscription
 from sage.config import decode_config
 from sage.security.secrets import API_KEY, SecretStore, principal_namespace
 from tests.integration.daemon import short_dir

@@ -176,7 +176,7 @@ async def test_each_principals_children_run_as_its_own_uid() -> None:
                 sys.executable,
                 "-c",
                 "import anyio, sys\n"
-                "from bus.client import BusClient\n"
+                "from bus import BusClient\n"
                 "async def main():\n"
                 f"    async with BusClient.connect(sys.argv[1], role={role!r},"
                 f" principal={principal}, name='x'):\n"

@@ -362,7 +362,7 @@ async def test_who_may_act_repl_and_missing_key() -> None:
         environ = (await anyio.Path(f"/proc/{reply['pid']}/environ").read_bytes()).split(b"\0")
         assert not [e for e in environ if e.startswith(b"ANTHROPIC_API_KEY=")]
         # a connection acting for bob may not spawn for carol, nor see or stop her session
-        from bus.client import BusClient
+        from bus import BusClient
 
         async with BusClient.connect(
             sage.daemon.socket, role="cli", name="bob", principal="bob"
@@ -642,7 +642,7 @@ async def test_a_new_identity_from_settings_reaches_the_live_sessions(tmp_path: 
 
 
 async def test_identity_refresh_respawns_then_gives_up(tmp_path: Path) -> None:
-    from bus.client import BusClient
+    from bus import BusClient
 
     broken = tmp_path / "broken"
     wrapper = tmp_path / "claude"
@@ -742,7 +742,7 @@ async def test_an_unsupported_claude_is_refused_and_audited(tmp_path: Path) -> N
 
 
 async def test_settings_patches_apply_to_new_sessions_and_survive_a_restart() -> None:
-    from bus.client import BusClient
+    from bus import BusClient
     from tests.integration.daemon import short_dir
 
     root = short_dir()
@@ -839,7 +839,7 @@ def _watch_as(uid: int, socket_path: Path, seconds: float) -> tuple[int, int]:
         os.setuid(uid)
 
         async def main() -> None:
-            from bus.client import BusClient
+            from bus import BusClient
 
             async with BusClient.connect(socket_path, role="cli", name="watcher") as client:
                 events = await client.subscribe("sage.v1.event.>")

@@ -284,7 +284,7 @@ def test_audit_records_supervisor_events_and_verifies(daemon: Daemon) -> None:
 
 _ACKING_CLIENT = """
 import sys, anyio
-from bus.client import BusClient
+from bus import BusClient
 
 async def main(path):
     async with BusClient.connect(path) as client:

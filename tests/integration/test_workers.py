@@ -17,9 +17,17 @@ import anyio.abc
 import msgspec
 import pytest
 
-from bus import Acl, AclDenied, Bus, Identity, NoResponders, NotAuthorized
-from bus.client import BusClient, RemoteSubscription
-from bus.server import BusServer
+from bus import (
+    Acl,
+    AclDenied,
+    Bus,
+    BusClient,
+    BusServer,
+    Identity,
+    NoResponders,
+    NotAuthorized,
+    RemoteSubscription,
+)
 from sage.daemon.capsule_host import (
     STATE_TOPIC,
     CapsuleRunner,

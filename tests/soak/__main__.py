@@ -34,7 +34,7 @@ from typing import Any
 
 import anyio
 
-from bus.client import BusClient
+from bus import BusClient
 from sage.process import tie_to_parent
 from tests.integration.daemon import Daemon, short_dir
 from tests.soak.fuzz import GENERATORS, WorkerSpec, run_worker

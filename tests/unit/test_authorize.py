@@ -6,8 +6,7 @@ import os
 
 import pytest
 
-from bus import FrameError, NotAuthorized
-from bus.server import PeerCred
+from bus import FrameError, NotAuthorized, PeerCred
 from bus.wire import Hello
 from sage.config import decode_config
 from sage.daemon.supervisor import Supervisor
