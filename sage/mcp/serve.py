@@ -30,6 +30,7 @@ from bus import BusError
 from bus.client import BusClient
 from sage.config import Config
 from sage.mcp.protocol import (
+    STDIO,
     NeedCall,
     NeedList,
     Reply,
@@ -111,7 +112,7 @@ async def serve(
                 break
             if not line.strip():
                 continue
-            outcome = handle_line(line.rstrip(b"\r\n"))
+            outcome = handle_line(line.rstrip(b"\r\n"), STDIO)
             if isinstance(outcome, Reply):
                 await send(outcome.message)
             elif isinstance(outcome, NeedList | NeedCall):
