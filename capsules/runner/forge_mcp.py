@@ -1,8 +1,9 @@
 """The in-band ``forge`` MCP server: forged tools as ``mcp__forge__<name>``.
 
-A second ``{"type": "sdk"}`` server next to ``sage`` (see :mod:`capsules.runner.mcp`).
-It keeps no catalogue of its own: ``tools/list`` asks the forge capsule
-(``forge.v1.request.list``) and ``tools/call`` becomes ``forge.v1.request.call``,
+A second ``{"type": "sdk"}`` server next to ``sage``: :mod:`capsules.runner.mcp`
+routes the CLI's messages to it and the MCP core (:mod:`sage.mcp.protocol`)
+answers all but ``tools/list`` and ``tools/call``.  It keeps no catalogue of
+its own: ``tools/list`` asks the forge capsule (``forge.v1.request.list``) and ``tools/call`` becomes ``forge.v1.request.call``,
 both on behalf of the session's principal so the forge capsule scopes tools to
 that principal and session.  With no forge capsule running the list is empty,
 and every failure of a call is an ``isError`` result, so Claude always gets an
@@ -12,22 +13,24 @@ answer.  The forge capsule announces changes on ``sage.v1.tools.changed`` with
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import structlog
 
 from bus import BusError, NoResponders
+from sage.daemon.capsule_host import CapsuleContext
+from sage.mcp.protocol import NeedCall, Server
 
 if TYPE_CHECKING:
-    from capsules.runner.runner import Runner
     from capsules.runner.session import ClaudeProcess
 
-__all__ = ("SERVER", "ForgeMcpServer")
+__all__ = ("FORGE", "SERVER", "ForgeMcpServer")
 
 log = structlog.get_logger("sage.runner.forge_mcp")
 
-SERVER = "forge"
-VERSION = "0.1.0"
+FORGE: Final = Server("forge", list_changed=True, negotiate=False)
+"""What the ``forge`` sdk server announces: forged tools, which change."""
+SERVER: Final = FORGE.name
 CHANGES_TOOLS = frozenset({"forge_tool", "forge_promote"})
 """Meta-tools whose success changes the session's tool list."""
 LIST_DEADLINE = 5.0
@@ -38,40 +41,18 @@ def _text_error(text: str) -> dict[str, Any]:
 
 
 class ForgeMcpServer:
-    """Answers the CLI's MCP messages for the ``forge`` server over the bus."""
+    """The ``forge`` server's tools, over the bus; :func:`capsules.runner.mcp.answer`
+    speaks MCP for it."""
 
-    def __init__(self, runner: Runner) -> None:
-        self.runner = runner
+    server: Final = FORGE
 
-    async def answer(
-        self, proc: ClaudeProcess, msg_id: int | str, method: str, params: dict[str, Any]
-    ) -> dict[str, Any]:
-        """The JSON-RPC response to one request."""
-        result: Any
-        if method == "initialize":
-            result = {
-                "protocolVersion": params.get("protocolVersion", "2025-06-18"),
-                "capabilities": {"tools": {"listChanged": True}},
-                "serverInfo": {"name": SERVER, "version": VERSION},
-            }
-        elif method == "tools/list":
-            result = {"tools": await self.list(proc)}
-        elif method == "tools/call":
-            result = await self.call(proc, params)
-        elif method == "ping":
-            result = {}
-        else:
-            return {
-                "jsonrpc": "2.0",
-                "id": msg_id,
-                "error": {"code": -32601, "message": f"method not found: {method}"},
-            }
-        return {"jsonrpc": "2.0", "id": msg_id, "result": result}
+    def __init__(self, ctx: CapsuleContext) -> None:
+        self.ctx = ctx
 
     async def list(self, proc: ClaudeProcess) -> list[dict[str, Any]]:
         """The session's forged tools (bare names); [] when the forge does not answer."""
         try:
-            reply = await self.runner.ctx.request(
+            reply = await self.ctx.request(
                 "forge.v1.request.list",
                 {"session_id": proc.session_id},
                 deadline=LIST_DEADLINE,
@@ -92,24 +73,22 @@ class ForgeMcpServer:
             if isinstance(tool, dict) and isinstance(tool.get("name"), str) and tool["name"]
         ]
 
-    async def call(self, proc: ClaudeProcess, params: dict[str, Any]) -> dict[str, Any]:
+    async def call(self, proc: ClaudeProcess, call: NeedCall) -> dict[str, Any]:
         """Call one forged tool; the forge capsule's MCP result, or an isError result."""
-        name = str(params.get("name", ""))
-        arguments = params.get("arguments") or {}
-        meta = params.get("_meta") or {}
+        name = call.name
         payload: dict[str, Any] = {
             "session_id": proc.session_id,
             "tool_name": name,
-            "arguments": arguments,
+            "arguments": call.arguments,
         }
-        tool_use_id = meta.get("claudecode/toolUseId") if isinstance(meta, dict) else None
+        tool_use_id = call.meta.get("claudecode/toolUseId")
         if isinstance(tool_use_id, str):
             payload["tool_use_id"] = tool_use_id
         try:
-            reply = await self.runner.ctx.request(
+            reply = await self.ctx.request(
                 "forge.v1.request.call",
                 payload,
-                deadline=self.runner.config.limits.tool_timeout,
+                deadline=self.ctx.config.limits.tool_timeout,
                 on_behalf_of=proc.principal_id,
             )
             data = reply.data()

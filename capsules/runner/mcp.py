@@ -1,45 +1,76 @@
-"""The in-band ``sage`` MCP server: JSON-RPC over the CLI's ``mcp_message`` requests.
+"""The in-band MCP servers: JSON-RPC over the CLI's ``mcp_message`` requests.
 
 The CLI reaches a ``{"type": "sdk"}`` MCP server through control requests,
-so the runner is the server and no extra process exists.  ``initialize``
-advertises tools with ``listChanged``; ``tools/list`` serves the catalogue
-last published on ``sage.v1.tools.list`` (empty until a tool bridge
-publishes one); ``tools/call`` becomes ``sage.v1.tool.call.<cid>`` and waits
-for ``sage.v1.tool.result.<cid>``.  Every failure of a call is an
-``isError`` result, so Claude always gets an answer.
+so the runner is the server and no extra process exists.  Two such servers
+run here, both thin shells over the one MCP core (:mod:`sage.mcp.protocol`):
+``sage`` (below) and ``forge`` (:mod:`capsules.runner.forge_mcp`).  Each
+supplies only what its ``tools/list`` and ``tools/call`` become; the core
+answers ``initialize`` (tools with ``listChanged``, the CLI's protocol
+version echoed), ``ping``, notifications and errors.
+
+For ``sage``: ``tools/list`` serves the catalogue last published on
+``sage.v1.tools.list`` (empty until a tool bridge publishes one);
+``tools/call`` becomes ``sage.v1.tool.call.<cid>`` and waits for
+``sage.v1.tool.result.<cid>``.  Every failure of a call is an ``isError``
+result, so Claude always gets an answer.
 """
 
 from __future__ import annotations
 
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any, Final, Protocol
 
 import anyio
 import msgspec
-import structlog
 
 from bus import BusError
-from capsules.runner import forge_mcp
+from capsules.runner.forge_mcp import ForgeMcpServer
 from capsules.runner.messages import ToolResult, ToolsList
 from capsules.runner.session import ClaudeProcess, SessionError
 from sage.claude.protocol import McpMessageRequest
+from sage.daemon.capsule_host import CapsuleContext
+from sage.mcp.protocol import (
+    NeedCall,
+    NeedList,
+    Reply,
+    Server,
+    Silent,
+    Unreadable,
+    handle_line,
+    result,
+)
 
-if TYPE_CHECKING:
-    from capsules.runner.runner import Runner
+__all__ = ("SAGE", "McpServer", "Tools", "answer")
 
-__all__ = ("McpServer",)
-
-log = structlog.get_logger("sage.runner.mcp")
-
-SERVER = "sage"
-PREFIX = "mcp__sage__"
-VERSION = "0.1.0"
+SAGE: Final = Server("sage", list_changed=True, negotiate=False)
+"""What the ``sage`` sdk server announces: the tool bridge's catalogue, which changes."""
+PREFIX: Final = "mcp__sage__"
 
 
-class _JsonRpc(msgspec.Struct, frozen=True):
-    method: str = ""
-    id: int | str | None = None
-    params: dict[str, Any] = {}
+class Tools(Protocol):
+    """One in-band server: what its ``tools/list`` and ``tools/call`` become."""
+
+    @property
+    def server(self) -> Server: ...
+
+    async def list(self, proc: ClaudeProcess) -> list[dict[str, Any]]: ...
+
+    async def call(self, proc: ClaudeProcess, call: NeedCall) -> dict[str, Any]: ...
+
+
+async def answer(tools: Tools, proc: ClaudeProcess, message: bytes) -> dict[str, Any] | None:
+    """The JSON-RPC response to one message for ``tools`` (None: a notification,
+    which the session acknowledges); SessionError for a message that is no request."""
+    outcome = handle_line(message, tools.server)
+    if isinstance(outcome, Unreadable):
+        raise SessionError("bad_message", f"not a JSON-RPC message: {outcome.text}")
+    if isinstance(outcome, Reply):
+        return outcome.message
+    if isinstance(outcome, Silent):
+        return None
+    if isinstance(outcome, NeedList):
+        return result(outcome.id, {"tools": await tools.list(proc)})
+    return result(outcome.id, await tools.call(proc, outcome))
 
 
 def _text_error(text: str) -> dict[str, Any]:
@@ -50,10 +81,12 @@ class McpServer:
     """Answers the CLI's MCP messages: the ``sage`` server here, ``forge`` in
     :mod:`capsules.runner.forge_mcp`."""
 
-    def __init__(self, runner: Runner) -> None:
-        self.runner = runner
+    server: Final = SAGE
+
+    def __init__(self, ctx: CapsuleContext) -> None:
+        self.ctx = ctx
         self.tools: list[dict[str, Any]] = []
-        self.forge = forge_mcp.ForgeMcpServer(runner)
+        self.forge = ForgeMcpServer(ctx)
 
     async def follow(self, envelopes: Any) -> None:
         """Keep the catalogue the tool bridge publishes."""
@@ -68,66 +101,47 @@ class McpServer:
             ]
 
     async def handle(self, proc: ClaudeProcess, request: McpMessageRequest) -> Any:
-        if request.server_name not in (SERVER, forge_mcp.SERVER):
-            raise SessionError("unknown_server", f"no sdk MCP server {request.server_name!r}")
-        try:
-            message = msgspec.json.decode(request.message, type=_JsonRpc)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise SessionError("bad_message", f"not a JSON-RPC message: {exc}") from None
-        if message.id is None:
-            return None  # a notification: acknowledged by the caller
-        if request.server_name == forge_mcp.SERVER:
-            return await self.forge.answer(proc, message.id, message.method, message.params)
-        result: Any = None
-        if message.method == "initialize":
-            result = {
-                "protocolVersion": message.params.get("protocolVersion", "2025-06-18"),
-                "capabilities": {"tools": {"listChanged": True}},
-                "serverInfo": {"name": SERVER, "version": VERSION},
-            }
-        elif message.method == "tools/list":
-            result = {"tools": self.tools}
-        elif message.method == "tools/call":
-            result = await self._call(proc, message.params)
-        elif message.method == "ping":
-            result = {}
+        tools: Tools
+        if request.server_name == self.server.name:
+            tools = self
+        elif request.server_name == self.forge.server.name:
+            tools = self.forge
         else:
-            return {
-                "jsonrpc": "2.0",
-                "id": message.id,
-                "error": {"code": -32601, "message": f"method not found: {message.method}"},
-            }
-        return {"jsonrpc": "2.0", "id": message.id, "result": result}
+            raise SessionError("unknown_server", f"no sdk MCP server {request.server_name!r}")
+        return await answer(tools, proc, bytes(request.message))
 
-    async def _call(self, proc: ClaudeProcess, params: dict[str, Any]) -> dict[str, Any]:
-        runner = self.runner
-        name = str(params.get("name", ""))
-        arguments = params.get("arguments") or {}
-        meta = params.get("_meta") or {}
+    async def list(self, proc: ClaudeProcess) -> list[dict[str, Any]]:
+        """The catalogue the tool bridge last published (bare names)."""
+        return self.tools
+
+    async def call(self, proc: ClaudeProcess, call: NeedCall) -> dict[str, Any]:
+        """Run one tool through the tool bridge; its result, or an isError result."""
+        ctx = self.ctx
+        name = call.name
         cid = uuid.uuid4().hex
         topic = f"sage.v1.tool.call.{cid}"
-        if not runner.ctx.bus.has_subscribers(topic):
+        if not ctx.bus.has_subscribers(topic):
             return _text_error(f"tool {name!r} is not available: no tool bridge is running")
-        with runner.ctx.subscribe(f"sage.v1.tool.result.{cid}") as results:
+        with ctx.subscribe(f"sage.v1.tool.result.{cid}") as results:
             try:
-                runner.ctx.publish(
+                ctx.publish(
                     topic,
                     {
                         "session_id": proc.session_id,
                         "principal_id": proc.principal_id,
                         "tool_name": name,
-                        "arguments": arguments,
-                        "tool_use_id": meta.get("claudecode/toolUseId"),
+                        "arguments": call.arguments,
+                        "tool_use_id": call.meta.get("claudecode/toolUseId"),
                     },
                     on_behalf_of=proc.principal_id,
                 )
             except BusError as exc:  # e.g. arguments over the payload limit
                 return _text_error(f"tool {name!r} could not be called: {exc}")
-            with anyio.move_on_after(runner.config.limits.tool_timeout):
+            with anyio.move_on_after(ctx.config.limits.tool_timeout):
                 async for envelope in results:
                     try:
-                        result = msgspec.json.decode(envelope.payload, type=ToolResult)
+                        outcome = msgspec.json.decode(envelope.payload, type=ToolResult)
                     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                         return _text_error(f"the tool bridge sent a bad result: {exc}")
-                    return {"content": result.content, "isError": result.is_error}
+                    return {"content": outcome.content, "isError": outcome.is_error}
         return _text_error(f"tool {name!r} did not answer in time")

@@ -168,7 +168,7 @@ class Runner:
     def __init__(self, ctx: CapsuleContext) -> None:
         self.ctx = ctx
         self.sessions: dict[str, _Session] = {}
-        self.mcp = McpServer(self)
+        self.mcp = McpServer(ctx)
         self._locks: dict[str, anyio.Lock] = {}
         """One per principal: installs and settings changes of a principal run one at a time."""
         self._secrets: SecretStore | None = None

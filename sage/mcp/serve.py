@@ -29,6 +29,7 @@ import msgspec
 from bus import BusClient, BusError
 from sage.config import Config
 from sage.mcp.protocol import (
+    STDIO,
     NeedCall,
     NeedList,
     Reply,
@@ -110,7 +111,7 @@ async def serve(
                 break
             if not line.strip():
                 continue
-            outcome = handle_line(line.rstrip(b"\r\n"))
+            outcome = handle_line(line.rstrip(b"\r\n"), STDIO)
             if isinstance(outcome, Reply):
                 await send(outcome.message)
             elif isinstance(outcome, NeedList | NeedCall):

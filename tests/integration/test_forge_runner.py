@@ -14,7 +14,8 @@ import structlog
 from bus.acl import Acl, Identity
 from bus.broker import Bus
 from capsules.forge.capsule import ForgeCapsule
-from capsules.runner.forge_mcp import ForgeMcpServer
+from capsules.runner.mcp import McpServer
+from sage.claude.protocol import McpMessageRequest
 from sage.config import Config, ForgeConfig, PrincipalConfig, SupervisorConfig
 from sage.daemon.capsule_host import CapsuleContext
 from sage.forge.runs import PAGE_MAX
@@ -31,18 +32,36 @@ def anyio_backend() -> str:
 
 
 class _Ctx:
+    """What the runner's MCP servers use of its capsule context."""
+
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
+        self.config = SimpleNamespace(limits=SimpleNamespace(tool_timeout=2.0))
 
     async def request(self, topic: str, payload: Any, **kw: Any) -> Any:
         return await self.bus.request(RUNNER, topic, payload, **kw)
 
 
-def _server(bus: Bus) -> ForgeMcpServer:
-    runner = SimpleNamespace(
-        ctx=_Ctx(bus), config=SimpleNamespace(limits=SimpleNamespace(tool_timeout=2.0))
-    )
-    return ForgeMcpServer(runner)  # type: ignore[arg-type]
+class _Forge:
+    """The runner's ``forge`` sdk server, reached as the CLI reaches it: mcp_message requests."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.mcp = McpServer(cast(CapsuleContext, _Ctx(bus)))
+
+    async def answer(
+        self, proc: Any, msg_id: int, method: str, params: dict[str, Any]
+    ) -> dict[str, Any]:
+        message = {"jsonrpc": "2.0", "id": msg_id, "method": method, "params": params}
+        request = McpMessageRequest(
+            server_name="forge", message=msgspec.Raw(msgspec.json.encode(message))
+        )
+        response = await self.mcp.handle(proc, request)
+        assert isinstance(response, dict)
+        return response
+
+
+def _server(bus: Bus) -> _Forge:
+    return _Forge(bus)
 
 
 PROC: Any = SimpleNamespace(session_id="s1", principal_id="alice")
