@@ -282,7 +282,9 @@ class ToolBridge:
             return
         tools = [{**tool.mcp(), "capsule": tool.capsule} for tool in self.catalogue.tools()]
         try:
-            self.ctx.reply(envelope, {"ok": True, "tools": tools})
+            self.ctx.reply(
+                envelope, {"ok": True, "tools": tools, "clashes": self.catalogue.clashes()}
+            )
         except BusError as exc:
             self.log.error("tools.listing_failed", error=str(exc))
 

@@ -212,6 +212,19 @@ class Catalogue:
         """Capsules with an offer on record (possibly of no tools)."""
         return list(self._offers)
 
+    def clashes(self) -> list[dict[str, str]]:
+        """Offered tools not in force because another capsule owns their name:
+        ``{"name", "capsule", "owner"}`` each, sorted by name then capsule."""
+        return sorted(
+            (
+                {"name": name, "capsule": capsule, "owner": self._owners[name]}
+                for capsule, offered in self._offers.items()
+                for name in offered
+                if self._owners.get(name, capsule) != capsule
+            ),
+            key=lambda row: (row["name"], row["capsule"]),
+        )
+
     # -- changing ---------------------------------------------------------
 
     def offer(self, capsule: str, response: Any) -> Change:

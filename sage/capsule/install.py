@@ -263,6 +263,15 @@ def _copy(source: Path, manifest: CapsuleManifest, root: Path, force: bool) -> P
     return target
 
 
+def uninstall(state_dir: Path, name: str) -> Path | None:
+    """Delete the installed capsule named ``name``; its folder, or None if none was installed."""
+    for folder in installed_folders(state_dir):
+        if _name_of(folder) == name:
+            shutil.rmtree(folder)
+            return folder
+    return None
+
+
 def _readable(folder: Path) -> None:
     """Folders 0755, files 0644 (0755 if executable by their owner), symlinks untouched.
 

@@ -9,16 +9,22 @@ from typing import Any
 import msgspec
 
 from bus import NoResponders
+from sage import replies
 from sage.cli._connect import connect, print_json
 from sage.errors import SageError
 
 __all__ = ("register",)
 
+CHANGE_DEADLINE = 30.0
+"""Seconds a load, restart or removal may take (a worker is given 10 s to stop)."""
+
 
 def register(sub: Any) -> None:
     from sage.cli import add_common
 
-    group = sub.add_parser("capsule", help="capsules: list them and their state")
+    group = sub.add_parser(
+        "capsule", help="capsules: list, install, restart and remove them (admins)"
+    )
     commands = group.add_subparsers(dest="action", metavar="ACTION", required=True)
     listing = commands.add_parser(
         "list",
@@ -43,12 +49,44 @@ def register(sub: Any) -> None:
         ),
     )
     install.add_argument("folder", metavar="FOLDER", help="the capsule's folder (a Python package)")
-    install.add_argument("--force", action="store_true", help="replace an installed capsule")
+    install.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an installed capsule, and restart it if it runs",
+    )
     install.add_argument(
         "--check", action="store_true", help="only check the folder; install nothing"
     )
     add_common(install)
     install.set_defaults(handler=_install)
+
+    restart = commands.add_parser(
+        "restart",
+        help="stop a capsule and start it again",
+        description=(
+            "Stop the running capsule NAME and start it again from its source (its"
+            " built-in folder, its path in [supervisor] capsules, or its installed copy)."
+            " Restarting `runner` interrupts its sessions; with [sessions] resume they"
+            " come back. Admins only."
+        ),
+    )
+    restart.add_argument("name", metavar="NAME", help="the capsule's name (astrid capsule list)")
+    add_common(restart)
+    restart.set_defaults(handler=_restart)
+
+    remove = commands.add_parser(
+        "rm",
+        help="stop an installed capsule and delete it",
+        description=(
+            "Stop the installed capsule NAME and delete its copy under"
+            " <state_dir>/capsules/; its tools leave the catalogue. Built-in capsules"
+            " come from [supervisor] capsules: take them out of the config instead."
+            " With no supervisor running, only the copy is deleted. Admins only."
+        ),
+    )
+    remove.add_argument("name", metavar="NAME", help="the installed capsule's name")
+    add_common(remove)
+    remove.set_defaults(handler=_remove)
 
     tools = sub.add_parser("tools", help="the tool catalogue Claude sessions are offered")
     tool_commands = tools.add_subparsers(dest="action", metavar="ACTION", required=True)
@@ -91,7 +129,7 @@ def _install(args: argparse.Namespace) -> int:
             print(f"{name}: good ({len(check.tools)} tools)")
         return 0
     target = install(check, config_of(args).state_dir, force=args.force)
-    started = anyio.run(_load, args, name)
+    started = anyio.run(_load, args, name, args.force)
     if args.json:
         print_json(
             {
@@ -107,25 +145,68 @@ def _install(args: argparse.Namespace) -> int:
     if isinstance(started, str):
         print(started)
     elif started.get("ok"):
-        print(f"started {name}")
+        print(f"{'restarted' if started.get('replaced') else 'started'} {name}")
     else:
         print(f"not started: {started.get('message')}")
     return 0
 
 
-async def _load(args: argparse.Namespace, name: str) -> dict[str, Any] | str:
-    """Ask a running supervisor to start the capsule; a note when none runs."""
+async def _load(args: argparse.Namespace, name: str, replace: bool) -> dict[str, Any] | str:
+    """Ask a running supervisor to start the capsule (replacing a running one when
+    ``replace``); a note when none runs."""
     from bus import BusError
 
     try:
         async with connect(args) as client:
             reply = await client.request(
-                "sage.v1.request.capsule.load", {"name": name}, deadline=10.0
+                "sage.v1.request.capsule.load",
+                {"name": name, "replace": replace},
+                deadline=CHANGE_DEADLINE,
             )
     except BusError as exc:
         return f"not started now ({exc}); it starts with the supervisor"
     answer: dict[str, Any] = msgspec.json.decode(reply.payload)
     return answer
+
+
+async def _change(args: argparse.Namespace, verb: str) -> dict[str, Any]:
+    """Send ``sage.v1.request.capsule.<verb> {name}``; the reply's fields, or an error."""
+    async with connect(args) as client:
+        try:
+            reply = await client.request(
+                f"sage.v1.request.capsule.{verb}", {"name": args.name}, deadline=CHANGE_DEADLINE
+            )
+        except NoResponders:
+            raise SageError("the supervisor did not answer the capsule request") from None
+    return replies.parse(reply.payload)
+
+
+async def _restart(args: argparse.Namespace) -> int:
+    data = await _change(args, "restart")
+    if args.json:
+        print_json(data)
+    else:
+        print(f"restarted {args.name}")
+    return 0
+
+
+async def _remove(args: argparse.Namespace) -> int:
+    from bus import BusError
+    from sage.capsule.install import uninstall
+    from sage.cli._connect import config_of
+
+    try:
+        data = await _change(args, "remove")
+    except BusError:  # no supervisor: only the installed copy is there to delete
+        state_dir = config_of(args).state_dir
+        if uninstall(state_dir, args.name) is None:
+            raise SageError(f"no installed capsule {args.name!r} in {state_dir}") from None
+        data = {"ok": True, "capsule": args.name, "running": False}
+    if args.json:
+        print_json(data)
+    else:
+        print(f"removed {args.name}")
+    return 0
 
 
 async def _list(args: argparse.Namespace) -> int:
@@ -134,7 +215,10 @@ async def _list(args: argparse.Namespace) -> int:
             reply = await client.request("sage.v1.request.status", {}, deadline=5.0)
         except NoResponders:
             raise SageError("the supervisor did not answer the status request") from None
+        clashes = await _clashes(client)
     capsules: list[dict[str, Any]] = msgspec.json.decode(reply.payload).get("capsules", [])
+    for row in capsules:
+        row["tool_clashes"] = [c for c in clashes if c.get("capsule") == row.get("name")]
     if args.json:
         print_json(capsules)
         return 0
@@ -144,7 +228,26 @@ async def _list(args: argparse.Namespace) -> int:
             f"{row.get('name', ''):<16} {row.get('version', ''):<9} {row.get('state', ''):<9}"
             f" {row.get('restarts', 0):>8}  {row.get('last_error', '')}"
         )
+    _print_clashes(clashes)
     return 0
+
+
+async def _clashes(client: Any) -> list[dict[str, str]]:
+    """Tools offered but not in force (their name is another capsule's); none without a bridge."""
+    try:
+        reply = await client.request("sage.v1.request.tools", {}, deadline=5.0)
+    except NoResponders:
+        return []
+    found: list[dict[str, str]] = msgspec.json.decode(reply.payload).get("clashes", [])
+    return found
+
+
+def _print_clashes(clashes: list[dict[str, str]]) -> None:
+    for clash in clashes:
+        print(
+            f"clash: tool {clash.get('name')!r} of capsule {clash.get('capsule')} is not offered:"
+            f" capsule {clash.get('owner')} has that name"
+        )
 
 
 async def _tools(args: argparse.Namespace) -> int:
@@ -155,15 +258,18 @@ async def _tools(args: argparse.Namespace) -> int:
             raise SageError(
                 "no tool bridge is running (is `tools` in supervisor.capsules?)"
             ) from None
-    tools: list[dict[str, Any]] = msgspec.json.decode(reply.payload).get("tools", [])
+    listing = msgspec.json.decode(reply.payload)
+    tools: list[dict[str, Any]] = listing.get("tools", [])
+    clashes: list[dict[str, str]] = listing.get("clashes", [])
     if args.json:
         print_json(tools)
         return 0
     if not tools:
         print("no tools")
-        return 0
-    width = max(len(t["name"]) for t in tools)
-    for tool in tools:
-        summary = (tool.get("description") or "").splitlines()[0:1]
-        print(f"{tool['name']:<{width}}  {tool.get('capsule', ''):<12} {''.join(summary)}")
+    else:
+        width = max(len(t["name"]) for t in tools)
+        for tool in tools:
+            summary = (tool.get("description") or "").splitlines()[0:1]
+            print(f"{tool['name']:<{width}}  {tool.get('capsule', ''):<12} {''.join(summary)}")
+    _print_clashes(clashes)
     return 0

@@ -40,6 +40,7 @@ from sage.audit import AuditLog, AuditReceipt, load_signing_key
 from sage.capsule.install import installed_folders, worker_manifest
 from sage.config import Config, load_config
 from sage.daemon.capsule_host import CapsuleRunner, capsule_folder, load_manifest
+from sage.daemon.capsule_set import CAPSULE_REQUESTS, CapsuleSet, Source
 from sage.daemon.instance import InstanceLock
 from sage.daemon.logs import configure_logging, log_loop_errors
 from sage.daemon.sdnotify import Notifier, watchdog_interval
@@ -55,7 +56,6 @@ log = structlog.get_logger("sage.daemon.supervisor")
 
 ROLES = ("cli", "capsule", "emit")
 STATUS_TOPIC = "sage.v1.request.status"
-LOAD_TOPIC = "sage.v1.request.capsule.load"
 AUDIT_PATTERN = "*.v1.audit.>"
 SEALED_TOPICS = ("sage.v1.request.install",)
 """Requests that may carry a secret (an API key): never delivered off the process."""
@@ -257,30 +257,28 @@ class Supervisor:
         self._outer: anyio.CancelScope | None = None
         self._denials = DenialLimiter()
         self._capsule_uids = capsule_uids(config)
-        self.capsules = [self._capsule(name) for name in config.supervisor.capsules]
-        names = [c.manifest.name for c in self.capsules]
-        if len(set(names)) != len(names):
-            raise ConfigError("supervisor.capsules: a capsule is named twice")
+        self.capsules = CapsuleSet(
+            self._capsule, self._publish_audit, lambda: self.config.state_dir
+        )
+        for name in config.supervisor.capsules:
+            try:
+                self.capsules.add(Source(name))
+            except ConfigError as exc:
+                if "named twice" not in str(exc):
+                    raise
+                raise ConfigError("supervisor.capsules: a capsule is named twice") from None
         for folder in installed_folders(config.state_dir):
             try:
-                runner = self._capsule(str(folder), installed=True)
+                self.capsules.add(Source(str(folder), installed=True))
             except ConfigError as exc:  # one broken install does not stop the supervisor
                 log.error(
                     "supervisor.installed_capsule_skipped", folder=str(folder), error=str(exc)
                 )
-                continue
-            if runner.manifest.name in names:
-                log.error(
-                    "supervisor.installed_capsule_skipped", folder=str(folder), error="name taken"
-                )
-                continue
-            names.append(runner.manifest.name)
-            self.capsules.append(runner)
-        self._tg: anyio.abc.TaskGroup | None = None
 
-    def _capsule(self, name: str, *, installed: bool = False) -> CapsuleRunner:
+    def _capsule(self, source: Source) -> CapsuleRunner:
         """The runner of one capsule: in-process, or a worker process (installed ones always)."""
-        folder = capsule_folder(name)
+        installed = source.installed
+        folder = capsule_folder(source.entry)
         manifest = load_manifest(folder)
         if installed:
             manifest = worker_manifest(manifest, folder)
@@ -443,18 +441,16 @@ class Supervisor:
             with stop:
                 async with anyio.create_task_group() as tg:
                     await tg.start(self.server.serve)
-                    self._tg = tg
                     tg.start_soon(sink.report_every_second)
                     status = self.bus.subscribe(STATUS_TOPIC, self.identity)
                     tg.start_soon(self._answer_status, status)
-                    loads = self.bus.subscribe(LOAD_TOPIC, self.identity)
-                    tg.start_soon(self._answer_loads, loads)
-                    for capsule in self.capsules:
-                        tg.start_soon(capsule.run)
+                    changes = self.bus.subscribe(CAPSULE_REQUESTS, self.identity)
+                    tg.start_soon(self._answer_capsule_requests, changes)
+                    self.capsules.start_all(tg)
                     with anyio.move_on_after(CAPSULE_READY_TIMEOUT):
-                        for capsule in self.capsules:
+                        for capsule in self.capsules.runners:
                             await capsule.ready.wait()
-                    late = [c.manifest.name for c in self.capsules if not c.ready.is_set()]
+                    late = [c.manifest.name for c in self.capsules.runners if not c.ready.is_set()]
                     if late:
                         log.warning("supervisor.capsules_not_ready", capsules=late)
                     interval = watchdog_interval()
@@ -616,7 +612,7 @@ class Supervisor:
             "state_dir": str(self.config.state_dir),
             "config": self.config_path or os.environ.get("ASTRID_CONFIG") or "<embedded defaults>",
             "principals": [p.name for p in self.config.principals],
-            "capsules": [c.describe() for c in self.capsules],
+            "capsules": self.capsules.describe(),
             "bus": msgspec.to_builtins(self.bus.stats()),
             "connections": self.server.stats() if self.server else {},
             "audit": {
@@ -627,58 +623,12 @@ class Supervisor:
             "reloads": self.reloads,
         }
 
-    async def _answer_loads(self, requests: Any) -> None:
-        """``sage.v1.request.capsule.load {name}``: start a capsule just installed (admins)."""
+    async def _answer_capsule_requests(self, requests: Any) -> None:
+        """``sage.v1.request.capsule.{load,restart,remove}`` (admins): see capsule_set.py."""
         async for request in requests:
-            reply = self._load(request)
+            reply = await self.capsules.answer(request)
             if request.reply_to:
                 self.bus.reply(self.identity, request.reply_to, reply)
-
-    def _load(self, request: Envelope) -> dict[str, Any]:
-        if request.principal is not None:  # users act for a principal; admins need not
-            return {
-                "ok": False,
-                "error": "not_authorized",
-                "message": "only an admin may load capsules",
-            }
-        try:
-            name = msgspec.json.decode(request.payload, type=dict[str, str])["name"]
-        except (msgspec.DecodeError, msgspec.ValidationError, KeyError):
-            return {"ok": False, "error": "bad_request", "message": 'expected {"name": NAME}'}
-        running = {c.manifest.name: c for c in self.capsules}
-        if name in running and running[name].state.value not in ("failed", "stopped"):
-            return {
-                "ok": False,
-                "error": "running",
-                "message": f"capsule {name!r} runs already; restart the supervisor to replace it",
-            }
-        folder = next(
-            (f for f in installed_folders(self.config.state_dir) if _manifest_name(f) == name),
-            None,
-        )
-        if folder is None:
-            return {
-                "ok": False,
-                "error": "not_installed",
-                "message": f"no installed capsule {name!r}",
-            }
-        try:
-            runner = self._capsule(str(folder), installed=True)
-        except ConfigError as exc:
-            return {"ok": False, "error": "bad_capsule", "message": str(exc)}
-        self.capsules = [c for c in self.capsules if c.manifest.name != runner.manifest.name]
-        self.capsules.append(runner)
-        assert self._tg is not None
-        self._tg.start_soon(runner.run)
-        self._publish_audit(
-            "sage.v1.audit.capsule_loaded",
-            {
-                "capsule": runner.manifest.name,
-                "version": runner.manifest.package.version,
-                "source": request.source,
-            },
-        )
-        return {"ok": True, "capsule": runner.manifest.name}
 
     async def _answer_status(self, requests: Any) -> None:
         async for request in requests:
@@ -725,13 +675,6 @@ def _raise_open_file_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         except (ValueError, OSError) as exc:
             log.warning("supervisor.nofile_limit", soft=soft, hard=hard, error=str(exc))
-
-
-def _manifest_name(folder: Path) -> str | None:
-    try:
-        return load_manifest(folder).name
-    except ConfigError:
-        return None
 
 
 def _bus_without_acl(config: Config) -> object:

@@ -74,7 +74,14 @@ USERS = {"alice": "alice", "alice_emit": "alice", "bob": "bob"}
 """Actors the broker treats as users (a principal and an ACL), and their principals."""
 SEALED = frozenset({"sage.v1.request.install"})
 """Topics the bus delivers in-process only (docs/security.md, The secret store)."""
-ANSWERED_IN_PROCESS = frozenset({"sage.v1.request.status", "sage.v1.request.capsule.load"})
+ANSWERED_IN_PROCESS = frozenset(
+    {
+        "sage.v1.request.status",
+        "sage.v1.request.capsule.load",
+        "sage.v1.request.capsule.restart",
+        "sage.v1.request.capsule.remove",
+    }
+)
 """Requests the supervisor itself answers (no capsule runs in this test)."""
 PROBE_MODULE = "tests.integration.test_authz_matrix"
 EXTRA_TOPICS = ("demo.v1.audit.x1",)

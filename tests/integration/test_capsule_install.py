@@ -103,7 +103,7 @@ def test_install_starts_a_worker_whose_tool_answers(tmp_path: Path) -> None:
         assert "--force" in again.stderr
         forced = d.astrid("capsule", "install", str(folder), "--force")
         assert forced.returncode == 0, forced.stderr
-        assert "runs already; restart the supervisor" in forced.stdout
+        assert "restarted mine" in forced.stdout  # the running one was replaced live
     finally:
         d.stop()
     # installed capsules start with the supervisor
@@ -163,6 +163,14 @@ def test_install_without_a_running_supervisor(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "it starts with the supervisor" in result.stdout
     assert (d.root / "state" / "capsules" / "my_capsule" / "Capsule.toml").is_file()
+    # rm with no supervisor deletes the copy; a second rm says there is none
+    removed = d.astrid("capsule", "rm", "mine")
+    assert removed.returncode == 0, removed.stderr
+    assert "removed mine" in removed.stdout
+    assert not (d.root / "state" / "capsules" / "my_capsule").exists()
+    again = d.astrid("capsule", "rm", "mine")
+    assert again.returncode == 1
+    assert "no installed capsule 'mine'" in again.stderr
 
 
 # -- the sandbox of installed workers ------------------------------------------------

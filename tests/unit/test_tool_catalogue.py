@@ -224,6 +224,23 @@ def test_name_let_go_passes_to_the_next_offer() -> None:
     assert tool.capsule == "b"
 
 
+def test_clashes_list_each_offer_left_out_and_its_owner() -> None:
+    """What `astrid tools list` and `capsule list` show: who wanted a name another owns."""
+    catalogue = Catalogue()
+    catalogue.offer("a", {"tools": [_tool("t"), _tool("v")]})
+    catalogue.offer("b", {"tools": [_tool("t"), _tool("u")]})
+    catalogue.offer("c", {"tools": [_tool("t"), _tool("v")]})
+    assert catalogue.clashes() == [
+        {"name": "t", "capsule": "b", "owner": "a"},
+        {"name": "t", "capsule": "c", "owner": "a"},
+        {"name": "v", "capsule": "c", "owner": "a"},
+    ]
+    catalogue.remove("a")
+    assert catalogue.clashes() == [{"name": "t", "capsule": "c", "owner": "b"}]
+    catalogue.remove("b")
+    assert catalogue.clashes() == []
+
+
 def test_a_later_claim_does_not_steal_a_name() -> None:
     """A capsule that offered first but added the name later does not take it."""
     catalogue = Catalogue()
