@@ -7,15 +7,20 @@ the supervisor turn it into one clear line for the user, and a capsule turns
 it into the one failure reply (:func:`sage.replies.from_error`).  Families
 name the part that failed:
 
-- :class:`ConfigError`, :class:`ProtocolError`, :class:`ProcessError`,
+- :class:`ConfigError` (and the tool bridge's ``PolicyError``, a policy file
+  that cannot be used), :class:`ProtocolError`, :class:`ProcessError`,
   :class:`AuditError`, :class:`StateError`: the daemon's parts;
 - :class:`CapsuleError`: a capsule's lifecycle (an illegal transition);
 - :class:`ForgeError` and :class:`SandboxError`: the forge;
-- :class:`RequestError`: a capsule refused a request it was sent (a bad
-  payload, an unknown name, a policy); the capsules subclass it
-  (``HookRejected``, ``PolicyError``, ``SchemaError``, ``UnknownModel``);
-- :class:`UpstreamError`: a service sage calls failed (``InstallFailed``,
-  ``IncompleteStream``).
+- :class:`RequestError`: a capsule refused what it was sent (a forged hook
+  envelope, a schema that does not compile, an unknown model); the capsules
+  subclass it (``HookRejected``, ``SchemaError``, ``UnknownModel``);
+- :class:`UpstreamError`: a service sage calls failed (the Messages API's
+  stream broke off: ``IncompleteStream``).
+
+Others derive from :class:`SageError` directly, each with its own ``code``
+(``SecretError``, ``ToolError``, ``InstallFailed``, ``AlreadyRunning``,
+:class:`sage.replies.ReplyError`).
 
 Third-party errors are translated at the boundary (``raise AuditError(...)
 from exc``).  The bus library (``bus/``) is independent of sage and has its
@@ -98,7 +103,7 @@ class RequestError(SageError):
 
 
 class UpstreamError(SageError):
-    """A service sage relies on (an API, pip, a stream) failed."""
+    """A service sage relies on (an API, its response stream) failed."""
 
     code = "upstream_failed"
 

@@ -26,6 +26,7 @@ import structlog
 from bus import Acl, Bus, BusError, Envelope, FrameError, Identity, NotAuthorized
 from bus.server import BusServer, PeerCred, ensure_private_dir
 from bus.wire import Hello
+from sage import replies
 from sage.audit import AuditLog, AuditReceipt, load_signing_key
 from sage.capsule.install import installed_folders, worker_manifest
 from sage.config import Config, load_config
@@ -626,36 +627,26 @@ class Supervisor:
 
     def _load(self, request: Envelope) -> dict[str, Any]:
         if request.principal is not None:  # users act for a principal; admins need not
-            return {
-                "ok": False,
-                "error": "not_authorized",
-                "message": "only an admin may load capsules",
-            }
+            return replies.error("not_authorized", "only an admin may load capsules")
         try:
             name = msgspec.json.decode(request.payload, type=dict[str, str])["name"]
         except (msgspec.DecodeError, msgspec.ValidationError, KeyError):
-            return {"ok": False, "error": "bad_request", "message": 'expected {"name": NAME}'}
+            return replies.error("bad_request", 'expected {"name": NAME}')
         running = {c.manifest.name: c for c in self.capsules}
         if name in running and running[name].state.value not in ("failed", "stopped"):
-            return {
-                "ok": False,
-                "error": "running",
-                "message": f"capsule {name!r} runs already; restart the supervisor to replace it",
-            }
+            return replies.error(
+                "running", f"capsule {name!r} runs already; restart the supervisor to replace it"
+            )
         folder = next(
             (f for f in installed_folders(self.config.state_dir) if _manifest_name(f) == name),
             None,
         )
         if folder is None:
-            return {
-                "ok": False,
-                "error": "not_installed",
-                "message": f"no installed capsule {name!r}",
-            }
+            return replies.error("not_installed", f"no installed capsule {name!r}")
         try:
             runner = self._capsule(str(folder), installed=True)
         except ConfigError as exc:
-            return {"ok": False, "error": "bad_capsule", "message": str(exc)}
+            return replies.error("bad_capsule", str(exc))
         self.capsules = [c for c in self.capsules if c.manifest.name != runner.manifest.name]
         self.capsules.append(runner)
         assert self._tg is not None
@@ -668,7 +659,7 @@ class Supervisor:
                 "source": request.source,
             },
         )
-        return {"ok": True, "capsule": runner.manifest.name}
+        return replies.ok(capsule=runner.manifest.name)
 
     async def _answer_status(self, requests: Any) -> None:
         async for request in requests:
