@@ -9,8 +9,10 @@ from typing import Any
 import msgspec
 
 from bus import NoResponders
+from sage import replies
 from sage.cli._connect import connect, print_json
 from sage.errors import SageError
+from sage.replies import ReplyError
 
 __all__ = ("register",)
 
@@ -124,8 +126,10 @@ async def _load(args: argparse.Namespace, name: str) -> dict[str, Any] | str:
             )
     except BusError as exc:
         return f"not started now ({exc}); it starts with the supervisor"
-    answer: dict[str, Any] = msgspec.json.decode(reply.payload)
-    return answer
+    try:
+        return replies.parse(reply.payload)
+    except ReplyError as refused:  # printed as "not started: MESSAGE", kept whole for --json
+        return refused.reply
 
 
 async def _list(args: argparse.Namespace) -> int:
@@ -155,7 +159,7 @@ async def _tools(args: argparse.Namespace) -> int:
             raise SageError(
                 "no tool bridge is running (is `tools` in supervisor.capsules?)"
             ) from None
-    tools: list[dict[str, Any]] = msgspec.json.decode(reply.payload).get("tools", [])
+    tools: list[dict[str, Any]] = replies.parse(reply.payload).get("tools", [])
     if args.json:
         print_json(tools)
         return 0
