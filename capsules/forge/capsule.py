@@ -8,11 +8,11 @@ the broker-verified one, never a payload field):
   tools (session > project > user), names without the ``mcp__forge__`` prefix.
 - ``forge.v1.request.call`` ``{session_id, tool_name, arguments,
   tool_use_id?}`` → the MCP result ``{content, structuredContent, isError}``.
-  Every failure is an ``isError`` result with ``{ok: false, error: {kind,
-  message}}``.
+  Every failure is an ``isError`` result with ``{ok: false, error: CODE,
+  message}`` (the bus's one reply shape, :mod:`sage.replies`).
 - ``forge.v1.request.admin.<op>`` (``list``, ``show``, ``run``, ``promote``,
   ``rm``, ``runs``): only for an envelope without a principal (an operator
-  or a trusted capsule); others get ``{ok: false, error: {kind: "acl_denied"}}``.
+  or a trusted capsule); others get ``{ok: false, error: "acl_denied", message}``.
 - ``forge.v1.request.runs.list`` ``{principal_id?, name?, limit?}`` →
   ``{ok, runs, total_bytes, principals, max_bytes, max_bytes_per_principal}``
   and ``forge.v1.request.runs.prune`` ``{principal_id?, older_than?,
@@ -36,6 +36,7 @@ import anyio
 import msgspec
 
 from bus import BusError, Envelope
+from sage import replies
 from sage.daemon.capsule_host import CapsuleContext
 from sage.errors import ForgeError
 from sage.forge.service import Caller, Forge, mcp_result
@@ -45,10 +46,6 @@ __all__ = ("ForgeCapsule", "run")
 PREFIX = "forge.v1.request."
 CONCURRENT_CALLS = 8
 """Tool calls run at once; more wait their turn (lists and forges do not wait)."""
-
-
-def _error(kind: str, message: str) -> dict[str, Any]:
-    return {"ok": False, "error": {"kind": kind, "message": message}}
 
 
 class ForgeCapsule:
@@ -104,7 +101,9 @@ class ForgeCapsule:
             answer = await self.handle(envelope)
         except Exception as exc:  # one bad request never stops the capsule
             self.log.error("forge.handler_failed", topic=envelope.topic, error=type(exc).__name__)
-            answer = mcp_result(_error("internal", "the forge capsule failed on this request"))
+            answer = mcp_result(
+                replies.error("internal", "the forge capsule failed on this request")
+            )
         if envelope.reply_to is not None:
             try:
                 self.ctx.reply(envelope, answer)
@@ -118,7 +117,7 @@ class ForgeCapsule:
         except msgspec.DecodeError:
             data = None
         if not isinstance(data, dict):
-            return mcp_result(_error("bad_request", "the payload must be a JSON object"))
+            return mcp_result(replies.error("bad_request", "the payload must be a JSON object"))
         sid = data.get("session_id")
         sid = sid if isinstance(sid, str) else None
         caller = Caller(envelope.principal, sid)
@@ -127,7 +126,7 @@ class ForgeCapsule:
         if op == "call":
             name = data.get("tool_name")
             if not isinstance(name, str):
-                return mcp_result(_error("bad_request", "tool_name must be a string"))
+                return mcp_result(replies.error("bad_request", "tool_name must be a string"))
             async with self.calls:
                 answer = await self.forge.dispatch(caller, name, data.get("arguments", {}))
             return mcp_result(answer)
@@ -135,15 +134,15 @@ class ForgeCapsule:
             try:
                 return self.runs(op.removeprefix("runs."), envelope.principal, data)
             except ForgeError as exc:
-                return _error(exc.kind, str(exc))
+                return replies.from_error(exc)
         if op.startswith("admin."):
             if envelope.principal is not None:
-                return _error("acl_denied", "forge admin requests are for operators")
+                return replies.error("acl_denied", "forge admin requests are for operators")
             try:
                 return await self.admin(op.removeprefix("admin."), data)
             except ForgeError as exc:
-                return _error(exc.kind, str(exc))
-        return _error("bad_request", f"unknown forge request {op!r}")
+                return replies.from_error(exc)
+        return replies.error("bad_request", f"unknown forge request {op!r}")
 
     def runs(self, op: str, principal: str | None, data: dict[str, Any]) -> dict[str, Any]:
         caller = Caller(principal, None)

@@ -67,6 +67,7 @@ from capsules.hooks.validate import (
     spoof_report,
     verify,
 )
+from sage import replies
 from sage.claude.hooks import hash_token, mint_token
 from sage.daemon.capsule_host import CapsuleContext
 from sage.daemon.supervisor import DenialLimiter
@@ -189,7 +190,7 @@ class HookGate:
             try:
                 reply = await self._repl(request)
             except SageError as exc:
-                reply = {"ok": False, "error": "state_error", "message": str(exc)}
+                reply = replies.error("state_error", str(exc))
             if request.reply_to is not None:
                 try:
                     self.ctx.reply(request, reply)
@@ -202,34 +203,23 @@ class HookGate:
         try:
             data = msgspec.json.decode(request.payload, type=dict[str, Any])
         except (msgspec.DecodeError, msgspec.ValidationError):
-            return {"ok": False, "error": "bad_request", "message": "not a JSON object"}
+            return replies.error("bad_request", "not a JSON object")
         if request.topic.endswith(".open"):
             name = data.get("principal_id")
             if not isinstance(name, str) or self.ctx.config.principal(name) is None:
-                return {
-                    "ok": False,
-                    "error": "unknown_principal",
-                    "message": f"no principal {name!r}",
-                }
+                return replies.error("unknown_principal", f"no principal {name!r}")
             if request.principal not in (None, name):
-                return {
-                    "ok": False,
-                    "error": "not_authorized",
-                    "message": f"you may not act for {name!r}",
-                }
+                return replies.error("not_authorized", f"you may not act for {name!r}")
             live = await self._live_repl_tokens(name)
             cap = self.ctx.config.limits.max_repl_tokens_per_principal
             if live >= cap:
-                return {
-                    "ok": False,
-                    "error": "too_many_repl_sessions",
-                    "message": (
-                        f"principal {name!r} has {live} live repl sessions"
-                        f" (limits.max_repl_tokens_per_principal = {cap}); end one"
-                        f" (exit its astrid sage repl) or wait {REPL_TOKEN_TTL / 3600:g} h"
-                        " for it to expire"
-                    ),
-                }
+                return replies.error(
+                    "too_many_repl_sessions",
+                    f"principal {name!r} has {live} live repl sessions"
+                    f" (limits.max_repl_tokens_per_principal = {cap}); end one"
+                    f" (exit its astrid sage repl) or wait {REPL_TOKEN_TTL / 3600:g} h"
+                    " for it to expire",
+                )
             token = mint_token()
             sid = f"repl-{secrets.token_hex(8)}"
             record = {
@@ -242,23 +232,19 @@ class HookGate:
             principal = self.ctx.config.principal(name)
             assert principal is not None
             home = str(self.ctx.config.home_of(principal))
-            return {"ok": True, "session_id": sid, "token": token, "home": home}
+            return replies.ok(session_id=sid, token=token, home=home)
         claimed = data.get("session_id")
         sid = claimed if isinstance(claimed, str) else ""
         if not sid.startswith("repl-"):
-            return {
-                "ok": False,
-                "error": "bad_request",
-                "message": "session_id must be a repl session",
-            }
+            return replies.error("bad_request", "session_id must be a repl session")
         record = await self.ctx.state.get(TOKENS, sid)
         if not isinstance(record, dict) or request.principal not in (
             None,
             record.get("principal_id"),
         ):
-            return {"ok": False, "error": "unknown_session", "message": f"no repl session {sid!r}"}
+            return replies.error("unknown_session", f"no repl session {sid!r}")
         await self.ctx.state.delete(TOKENS, sid)
-        return {"ok": True, "session_id": sid}
+        return replies.ok(session_id=sid)
 
     async def _live_repl_tokens(self, principal: str) -> int:
         """The principal's REPL tokens within their lifetime; expired ones are scrubbed."""
@@ -337,7 +323,7 @@ class HookGate:
         try:
             self.ctx.publish(SPOOF_TOPIC, {**report, "suppressed_before": suppressed})
         except BusError as exc:
-            self.log.error("hooks.audit_failed", reason=rejection.reason, error=str(exc))
+            self.log.error("hooks.audit_failed", reason=rejection.code, error=str(exc))
 
 
 def _expired(record: Any, now: float) -> bool:

@@ -52,6 +52,7 @@ from typing import Any
 import msgspec
 
 from sage.claude.hooks import KNOWN_HOOKS, PAYLOAD_LIMIT, hash_token
+from sage.errors import RequestError
 
 __all__ = (
     "CANONICAL_NAMES",
@@ -113,19 +114,19 @@ class HookEnvelope(msgspec.Struct, frozen=True):
     """astrid-emit left the hook input out (over :data:`PAYLOAD_LIMIT`, or cut)."""
 
 
-class HookRejected(Exception):
-    """An envelope that is dropped and audited, with what it claimed."""
+class HookRejected(RequestError):
+    """An envelope that is dropped and audited, with what it claimed; ``code``
+    is one of :data:`REASONS`."""
 
     def __init__(
         self,
-        reason: str,
+        code: str,
         claimed_principal: str = "",
         claimed_session: str = "",
         hook: str = "",
         token: str = "",
     ) -> None:
-        super().__init__(reason)  # the message is the reason alone, never a claim
-        self.reason = reason
+        super().__init__(code, code=code)  # the message is the reason alone, never a claim
         self.claimed_principal = claimed_principal
         self.claimed_session = claimed_session
         self.hook = hook
@@ -266,6 +267,6 @@ def spoof_report(rejection: HookRejected, source: str) -> dict[str, Any]:
         "claimed_principal": _field(rejection.claimed_principal, token),
         "claimed_session": _field(rejection.claimed_session, token),
         "hook": _field(rejection.hook, token),
-        "reason": rejection.reason,
+        "reason": rejection.code,
         "source": _field(source, token),
     }

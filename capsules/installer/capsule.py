@@ -70,8 +70,10 @@ class _Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     force: bool = False
 
 
-class InstallFailed(Exception):
-    pass
+class InstallFailed(SageError):
+    """A home could not be (re)written; the message says why."""
+
+    code = "install_failed"
 
 
 def _command(name: str) -> str:

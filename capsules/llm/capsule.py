@@ -52,6 +52,7 @@ from capsules.llm.mapping import (
     parse_request,
 )
 from capsules.llm.pricing import cost_usd
+from sage import replies
 from sage.config import Config
 from sage.daemon.capsule_host import CapsuleContext
 from sage.errors import SageError
@@ -181,15 +182,11 @@ class CompletionProvider:
             gen.scope.cancel()
         self.log.info("llm.cancel", request_id=request_id, principal=principal, found=len(hits))
         if hits:
-            self._reply(envelope, {"ok": True, "request_id": request_id})
+            self._reply(envelope, replies.ok(request_id=request_id))
         else:
             self._reply(
                 envelope,
-                {
-                    "ok": False,
-                    "error": "unknown_request",
-                    "message": f"no generation {request_id} is running",
-                },
+                replies.error("unknown_request", f"no generation {request_id} is running"),
             )
 
     # -- generate ---------------------------------------------------------
@@ -216,13 +213,13 @@ class CompletionProvider:
         try:
             arguments = api_arguments(parsed, config)
         except UnknownModel as exc:
-            self._refuse(envelope, parsed.request_id, Error(str(exc), "unknown_model"))
+            self._refuse(envelope, parsed.request_id, Error(str(exc), exc.code))
             return
         gen = Generation(parsed, principal, arguments["model"], arguments)
         self.running[key] = gen
         assert self._tg is not None
         self._tg.start_soon(self._generate, gen)
-        self._reply(envelope, {"ok": True, "request_id": parsed.request_id})
+        self._reply(envelope, replies.ok(request_id=parsed.request_id))
 
     def _refuse(self, envelope: Envelope, request_id: str | None, error: Error) -> None:
         """A request that never starts: its Error event (when it has an id), audit, reply."""
@@ -236,10 +233,8 @@ class CompletionProvider:
             if isinstance(data := _loads(envelope.payload), dict):
                 model = data.get("model") if isinstance(data.get("model"), str) else None
             self._audit(request_id, principal, model, None, error, 0.0)
-        reply: dict[str, Any] = {"ok": False, "error": error.code, "message": error.message}
-        if request_id is not None:
-            reply["request_id"] = request_id
-        self._reply(envelope, reply)
+        extra = {} if request_id is None else {"request_id": request_id}
+        self._reply(envelope, replies.error(error.code, error.message, **extra))
 
     async def _generate(self, gen: Generation) -> None:
         terminal: Done | Error | None = None

@@ -52,7 +52,7 @@ _RETRIED = frozenset({"rate_limited", "overloaded", "server_error"})
 def error_event(exc: BaseException, *, max_retries: int, timeout: float) -> Error:
     """The one ``Error`` event for a failed generation."""
     if isinstance(exc, IncompleteStream):
-        return Error(str(exc), "stream_incomplete")
+        return Error(str(exc), exc.code)
     if isinstance(exc, anthropic.APIStatusError):
         return _status_error(exc, max_retries)
     if isinstance(exc, anthropic.APITimeoutError):

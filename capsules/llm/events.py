@@ -34,6 +34,8 @@ from anthropic.types import (
     TextDelta as ApiTextDelta,
 )
 
+from sage.errors import UpstreamError
+
 __all__ = (
     "Done",
     "Error",
@@ -97,8 +99,10 @@ def stream_payload(request_id: str, event: StreamEvent) -> dict[str, object]:
     return {"request_id": request_id, "event": msgspec.to_builtins(event)}
 
 
-class IncompleteStream(Exception):
+class IncompleteStream(UpstreamError):
     """The stream ended before ``message_stop``."""
+
+    code = "stream_incomplete"
 
 
 @dataclass

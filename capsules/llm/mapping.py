@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal, TypeAlias
 import msgspec
 
 from sage.config import LlmConfig
+from sage.errors import RequestError
 
 __all__ = (
     "REQUEST_ID",
@@ -131,8 +132,10 @@ def offered_models(config: LlmConfig) -> list[str]:
     return list(dict.fromkeys([*config.models, config.model]))
 
 
-class UnknownModel(ValueError):
+class UnknownModel(RequestError):
     """A request names a model the provider does not offer."""
+
+    code = "unknown_model"
 
 
 def api_arguments(request: GenerateRequest, config: LlmConfig) -> dict[str, Any]:

@@ -113,11 +113,9 @@ class ForgeMcpServer:
 def _result(name: str, data: Any) -> dict[str, Any]:
     if not isinstance(data, dict):
         return _text_error("the forge sent a bad result: not an object")
-    if data.get("ok") is False:
-        raw = data.get("error")
-        error: dict[str, Any] = raw if isinstance(raw, dict) else {}
-        kind = error.get("kind", "error")
-        return _text_error(f"forged tool {name!r} failed: {kind}: {error.get('message', '')}")
+    if data.get("ok") is False:  # the bus's one failure reply (sage.replies)
+        code, message = data.get("error") or "error", data.get("message", "")
+        return _text_error(f"forged tool {name!r} failed: {code}: {message}")
     content = data.get("content")
     if not isinstance(content, list):
         return _text_error("the forge sent a bad result: no content")

@@ -51,6 +51,7 @@ import msgspec
 from bus import BusError, Envelope, Subscription
 from capsules.tools.catalogue import PREFIX, Catalogue, Change, Rejection, Tool
 from capsules.tools.policy import PolicyFile
+from sage import replies
 from sage.daemon.capsule_host import CapsuleContext
 from sage.errors import SageError
 
@@ -282,9 +283,7 @@ class ToolBridge:
             return
         tools = [{**tool.mcp(), "capsule": tool.capsule} for tool in self.catalogue.tools()]
         try:
-            self.ctx.reply(
-                envelope, {"ok": True, "tools": tools, "clashes": self.catalogue.clashes()}
-            )
+            self.ctx.reply(envelope, replies.ok(tools=tools, clashes=self.catalogue.clashes()))
         except BusError as exc:
             self.log.error("tools.listing_failed", error=str(exc))
 

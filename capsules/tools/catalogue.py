@@ -29,6 +29,8 @@ from typing import Any
 import fastjsonschema
 import msgspec
 
+from sage.errors import RequestError
+
 __all__ = (
     "MAX_DESCRIPTION",
     "MAX_SCHEMA",
@@ -67,8 +69,10 @@ def _short(text: str) -> str:
     return text if len(text) <= _SHOWN else text[:_SHOWN] + "..."
 
 
-class SchemaError(ValueError):
+class SchemaError(RequestError):
     """An inputSchema that does not compile."""
+
+    code = "bad_schema"
 
 
 class _NoRemoteRefs(Mapping[str, Callable[[str], Any]]):

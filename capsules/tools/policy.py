@@ -50,6 +50,7 @@ from typing import Any, Literal
 import msgspec
 
 from capsules.tools.catalogue import PREFIX
+from sage.errors import ConfigError
 
 __all__ = (
     "DEFAULT_POLICY",
@@ -70,8 +71,10 @@ __all__ = (
 Action = Literal["allow", "deny"]
 
 
-class PolicyError(ValueError):
+class PolicyError(ConfigError):
     """A policy file that cannot be used, with a message naming what is wrong."""
+
+    code = "policy_invalid"
 
 
 # -- JSON pointers (RFC 6901) ---------------------------------------------------

@@ -113,6 +113,8 @@ def context() -> Context:
 class ToolError(SageError):
     """Raised by a tool: Claude gets an ``isError`` result with this message."""
 
+    code = "tool_error"
+
 
 class ToolCall(msgspec.Struct, frozen=True):
     """The call a tool serves, for a tool that takes a second parameter."""

@@ -12,6 +12,7 @@ from bus import NoResponders
 from sage import replies
 from sage.cli._connect import connect, print_json
 from sage.errors import SageError
+from sage.replies import ReplyError
 
 __all__ = ("register",)
 
@@ -165,8 +166,10 @@ async def _load(args: argparse.Namespace, name: str, replace: bool) -> dict[str,
             )
     except BusError as exc:
         return f"not started now ({exc}); it starts with the supervisor"
-    answer: dict[str, Any] = msgspec.json.decode(reply.payload)
-    return answer
+    try:
+        return replies.parse(reply.payload)
+    except ReplyError as refused:  # printed as "not started: MESSAGE", kept whole for --json
+        return refused.reply
 
 
 async def _change(args: argparse.Namespace, verb: str) -> dict[str, Any]:
@@ -258,7 +261,7 @@ async def _tools(args: argparse.Namespace) -> int:
             raise SageError(
                 "no tool bridge is running (is `tools` in supervisor.capsules?)"
             ) from None
-    listing = msgspec.json.decode(reply.payload)
+    listing = replies.parse(reply.payload)
     tools: list[dict[str, Any]] = listing.get("tools", [])
     clashes: list[dict[str, str]] = listing.get("clashes", [])
     if args.json:

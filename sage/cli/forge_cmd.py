@@ -31,6 +31,7 @@ from typing import Any
 import msgspec
 
 from bus import NoResponders
+from sage import replies
 from sage.cli._connect import config_of, connect, print_json
 from sage.errors import SageError
 
@@ -170,10 +171,7 @@ async def _runs(args: argparse.Namespace) -> int:
             payload["keep_bytes"] = args.keep_bytes
     if args.owner is not None:
         payload["principal_id"] = args.owner
-    data = await _request(args, f"forge.v1.request.runs.{args.runs_action}", payload)
-    if data.get("ok") is not True:
-        error = data.get("error") or {}
-        raise SageError(f"{error.get('kind', 'error')}: {error.get('message', '')}")
+    data = replies.parse(await _request(args, f"forge.v1.request.runs.{args.runs_action}", payload))
     if args.json:
         print_json(data)
     elif args.runs_action == "list":
@@ -194,7 +192,7 @@ async def _runs(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _request(args: argparse.Namespace, topic: str, payload: dict[str, Any]) -> Any:
+async def _request(args: argparse.Namespace, topic: str, payload: dict[str, Any]) -> bytes:
     async with connect(args) as client:
         try:
             reply = await client.request(topic, payload, deadline=DEADLINE)
@@ -202,7 +200,7 @@ async def _request(args: argparse.Namespace, topic: str, payload: dict[str, Any]
             raise SageError(
                 "no forge is running (is the supervisor up with `forge` in supervisor.capsules?)"
             ) from None
-    return msgspec.json.decode(reply.payload)
+    return reply.payload
 
 
 def _owner(parser: argparse.ArgumentParser) -> None:
@@ -232,14 +230,13 @@ def _payload(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _admin(args: argparse.Namespace) -> int:
-    data: dict[str, Any] = await _request(args, f"forge.v1.request.admin.{args.op}", _payload(args))
-    if args.op == "run":
-        envelope = data.get("structuredContent", data)
+    raw = await _request(args, f"forge.v1.request.admin.{args.op}", _payload(args))
+    if args.op == "run":  # an MCP result, or the failure reply to a refused request
+        result: dict[str, Any] = msgspec.json.decode(raw)
+        envelope = result.get("structuredContent", result)
         print_json(envelope)
-        return 1 if data.get("isError") or data.get("ok") is False else 0
-    if data.get("ok") is False:
-        error = data.get("error") or {}
-        raise SageError(f"{error.get('kind', 'error')}: {error.get('message', '')}")
+        return 1 if result.get("isError") or result.get("ok") is False else 0
+    data = replies.parse(raw)
     if args.json:
         print_json(data)
     elif args.op == "list":

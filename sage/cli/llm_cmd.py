@@ -21,8 +21,10 @@ import anyio
 import msgspec
 
 from bus import BusClient, NoResponders, RemoteSubscription
+from sage import replies
 from sage.cli._connect import config_of, connect, print_json
 from sage.errors import SageError
+from sage.replies import ReplyError
 
 __all__ = ("register",)
 
@@ -134,9 +136,10 @@ async def _generate(args: argparse.Namespace) -> int:
             reply = await client.request(GENERATE, payload, deadline=ACCEPT_DEADLINE)
         except NoResponders:
             raise SageError(_NO_PROVIDER) from None
-        answer: dict[str, Any] = msgspec.json.decode(reply.payload)
-        if not answer.get("ok"):
-            print(f"astrid: {answer.get('message', answer.get('error'))}", file=sys.stderr)
+        try:
+            replies.parse(reply.payload)
+        except ReplyError as refused:  # the provider's message alone, as it always was
+            print(f"astrid: {refused.reply.get('message', refused.code)}", file=sys.stderr)
             return 1
         follower = _Follower(client, request_id, json_output=args.json)
         code = 130

@@ -20,6 +20,7 @@ import anyio
 import msgspec
 
 from bus import BusError, NoResponders
+from sage import replies
 from sage.cli._connect import connect, print_json
 from sage.errors import SageError
 
@@ -193,10 +194,7 @@ async def _call(client: Any, topic: str, payload: Any, deadline: float) -> dict[
         raise SageError(
             "no session runner is running (is `runner` in supervisor.capsules?)"
         ) from None
-    data: dict[str, Any] = msgspec.json.decode(reply.payload)
-    if not data.get("ok"):
-        raise SageError(f"{data.get('error', 'error')}: {data.get('message', '')}")
-    return data
+    return replies.parse(reply.payload)  # a failure raises ReplyError: "CODE: MESSAGE"
 
 
 async def _spawn(args: argparse.Namespace) -> int:

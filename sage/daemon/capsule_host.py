@@ -41,7 +41,7 @@ import structlog
 from bus import Acl, Bus, BusError, Envelope, Identity, Subscription
 from sage.config import NAME_PATTERN, Config
 from sage.daemon.state import StateStore
-from sage.errors import ConfigError, StateError
+from sage.errors import CapsuleError, ConfigError, StateError
 
 __all__ = (
     "CapsuleContext",
@@ -313,7 +313,7 @@ class CapsuleRunner:
         if state is self.state:
             return
         if state not in _TRANSITIONS[self.state]:
-            raise RuntimeError(f"capsule {self.manifest.name}: {self.state.value} -> {state.value}")
+            raise CapsuleError(f"capsule {self.manifest.name}: {self.state.value} -> {state.value}")
         self.state = state
         try:
             self._publish(STATE_TOPIC, {"capsule": self.manifest.name, "state": state.value})

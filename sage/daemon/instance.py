@@ -17,6 +17,8 @@ __all__ = ("AlreadyRunning", "InstanceLock")
 class AlreadyRunning(SageError):
     """Another supervisor holds this state folder."""
 
+    code = "already_running"
+
 
 class InstanceLock:
     """Held while a supervisor runs on a state folder; see the module docstring."""

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import fastjsonschema
 import msgspec
 
+from sage import replies
 from sage.config import Config
 from sage.errors import ForgeError, SandboxError
 from sage.forge.breakers import BreakerBoard, State
@@ -111,10 +112,9 @@ def mcp_result(envelope: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _err(kind: str, message: str, **extra: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {"ok": False, "error": {"kind": kind, "message": message}}
-    out.update(extra)
-    return out
+def _err(code: str, message: str, **extra: Any) -> dict[str, Any]:
+    """A failure envelope: the bus's one reply shape, ``extra`` fields kept."""
+    return replies.error(code, message, **extra)
 
 
 def _now() -> str:
@@ -325,7 +325,7 @@ class Forge:
                 return {"ok": True, "data": self.read_artifact(caller, arguments)}
             return await self.call(caller, name, arguments)
         except ForgeError as exc:
-            return _err(exc.kind, str(exc))
+            return _err(exc.code, str(exc))
 
     # -- forge -----------------------------------------------------------------
 
@@ -755,7 +755,7 @@ class Forge:
             },
         )
         self._retain()
-        error = None if ok else str((envelope.get("error") or {}).get("kind"))
+        error = None if ok else str(envelope.get("error"))
         self._finish(
             record,
             who,
@@ -868,8 +868,8 @@ class Forge:
             uid = self.uids.uid_for(caller.principal)
         except (SandboxError, OSError) as exc:
             message = f"no sandbox uid for this principal: {exc}"
-            kind = exc.kind if isinstance(exc, SandboxError) else "sandbox_failed"
-            return _err(kind, message), {"error": message}
+            code = exc.code if isinstance(exc, SandboxError) else "sandbox_failed"
+            return _err(code, message), {"error": message}
         limits = Limits(
             **{
                 **limits.__dict__,
@@ -909,7 +909,7 @@ class Forge:
             result = await self.executor.run(spec)
         except SandboxError as exc:
             message = redact_text(str(exc), values)
-            return _err(exc.kind, message), {"sandbox": sandbox_info, "error": message}
+            return _err(exc.code, message), {"sandbox": sandbox_info, "error": message}
         except OSError as exc:  # a host-side failure around the sandbox: fail closed
             message = redact_text(f"{type(exc).__name__}: {exc}", values)
             return _err("sandbox_failed", message), {"sandbox": sandbox_info, "error": message}
@@ -978,7 +978,12 @@ class Forge:
             )
         redacted: dict[str, Any] = redact_json(parsed, values)
         if not redacted["ok"]:
-            error = redacted.get("error")
-            if not isinstance(error, dict):
-                redacted["error"] = {"kind": "tool_error", "message": str(error)}
+            # a tool prints {"ok": false, "error": {"kind", "message"}}; the reply is flat
+            error = redacted.pop("error", None)
+            redacted.pop("message", None)
+            if isinstance(error, dict):
+                kind, message = error.get("kind"), error.get("message")
+                code = kind if isinstance(kind, str) and kind else "tool_error"
+                return _err(code, message if isinstance(message, str) else "", **redacted)
+            return _err("tool_error", str(error), **redacted)
         return redacted

@@ -68,6 +68,8 @@ CREATE TABLE IF NOT EXISTS secrets (
 class SecretError(SageError):
     """The secret store could not be opened, or a value could not be stored or read."""
 
+    code = "secret_store_failed"
+
 
 def principal_namespace(principal: str) -> str:
     return f"principal:{principal}"

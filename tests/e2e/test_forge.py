@@ -144,14 +144,14 @@ async def test_claude_pages_back_the_output_a_tool_spilled(
         (over,) = standin.messages[-1].tool_results()
         assert over.get("is_error") is True
         envelope = _envelope(over)
-        error = envelope["error"]
-        assert isinstance(error, dict)
-        assert error["kind"] == "output_truncated"
+        assert envelope["error"] == "output_truncated"
+        message = envelope["message"]
+        assert isinstance(message, str)
         meta = envelope["meta"]
         assert isinstance(meta, dict)
         run_id = meta["run_id"]
-        assert run_id in error["message"]
-        assert "read_artifact" in error["message"]
+        assert run_id in message
+        assert "read_artifact" in message
         # the next turn: the model pages the run back, then tries another path
         assert "mcp__forge__read_artifact" in standin.messages[-1].tool_names
         standin.push(
@@ -170,6 +170,4 @@ async def test_claude_pages_back_the_output_a_tool_spilled(
         assert (data["encoding"], data["eof"], data["text"]) == ("utf-8", True, BIG_OUT)
         (tricked,) = standin.messages[-1].tool_results()
         assert tricked.get("is_error") is True
-        tricked_error = _envelope(tricked)["error"]
-        assert isinstance(tricked_error, dict)
-        assert tricked_error["kind"] == "bad_arguments"
+        assert _envelope(tricked)["error"] == "bad_arguments"

@@ -142,8 +142,8 @@ async def test_real_sandbox_bad_output_and_no_network(tmp_path: Path) -> None:
         },
     )
     out = await forge.dispatch(caller, "noisy", {})
-    assert out["error"]["kind"] == "bad_output"
-    assert "oops" in out["error"]["message"]
+    assert out["error"] == "bad_output"
+    assert "oops" in out["message"]
     probe = (
         "import json, os\n"
         "print(json.dumps({'ok': True, 'data': sorted(os.listdir('/sys/class/net'))"
@@ -214,9 +214,9 @@ async def test_capsule_forge_list_call_audit() -> None:
             {"session_id": "s1", "tool_name": "fib", "arguments": {"n": "x"}},
         )
         assert bad["isError"] is True
-        assert bad["structuredContent"]["error"]["kind"] == "validation_failed"
+        assert bad["structuredContent"]["error"] == "validation_failed"
         taken = await sage.request("forge.v1.request.call", call)
-        assert taken["structuredContent"]["error"]["kind"] == "name_taken"
+        assert taken["structuredContent"]["error"] == "name_taken"
         # operator requests
         tools = await sage.request("forge.v1.request.admin.list", {})
         assert [t["name"] for t in tools["tools"]] == ["fib"]
@@ -435,7 +435,7 @@ async def test_real_sandbox_output_over_the_cap_is_spilled(tmp_path: Path) -> No
         },
     )
     out = await forge.dispatch(caller, "big", {})
-    assert out["error"]["kind"] == "output_truncated"
+    assert out["error"] == "output_truncated"
     meta = out["meta"]
     assert meta["stdout_truncated"] is True
     assert meta["stdout_total_bytes"] > 20000
@@ -460,7 +460,7 @@ async def test_capsule_races_on_a_real_supervisor() -> None:
             for _ in range(4):
                 tg.start_soon(one, call)
         kinds = sorted(
-            "ok" if not r["isError"] else r["structuredContent"]["error"]["kind"] for r in results
+            "ok" if not r["isError"] else r["structuredContent"]["error"] for r in results
         )
         assert kinds == ["name_taken", "name_taken", "name_taken", "ok"]
         results.clear()
@@ -506,7 +506,7 @@ async def test_real_sandbox_wall_clock(tmp_path: Path) -> None:
         },
     )
     out = await forge.dispatch(caller, "spin", {})
-    assert out["error"]["kind"] == "timeout"
+    assert out["error"] == "timeout"
     manifest = forge.runs.read([p for e, p in events if e == "called"][-1]["run_id"])
     assert manifest is not None
     assert manifest["timed_out"] is True
@@ -559,7 +559,7 @@ async def test_real_sandbox_network_follows_the_persona_policy(tmp_path: Path) -
     }
     with pytest.raises(ForgeError) as refused:  # the static check: socket needs the network
         await forge.forge(caller, args)
-    assert refused.value.kind == "static_check_failed"
+    assert refused.value.code == "static_check_failed"
 
     accepted: list[str] = []
     listener = await anyio.create_tcp_listener(local_host="0.0.0.0", local_port=0)
@@ -677,6 +677,6 @@ async def test_real_sandbox_x_bind_paths_through_the_forge(tmp_path: Path) -> No
             {"src": "/etc/passwd", "dst": str(out_dir), "hidden": "/"},
         )
         assert refused["ok"] is False
-        assert refused["error"]["kind"] == "mount_refused", refused
+        assert refused["error"] == "mount_refused", refused
     finally:
         shutil.rmtree(base, ignore_errors=True)

@@ -137,13 +137,13 @@ async def test_astrid_forge_runs_list_and_prune() -> None:
                     "forge.v1.request.call",
                     {"session_id": "s1", "tool_name": "spill", "arguments": {}},
                 )
-                assert out["structuredContent"]["error"]["kind"] == "output_truncated"
+                assert out["structuredContent"]["error"] == "output_truncated"
                 run_ids.append(out["structuredContent"]["meta"]["run_id"])
             # a principal lists and prunes its own runs only
             denied = await call(
                 "forge.v1.request.runs.prune", {"principal_id": "bob", "older_than": 0}
             )
-            assert denied["error"]["kind"] == "acl_denied", denied
+            assert denied["error"] == "acl_denied", denied
             mine = await call("forge.v1.request.runs.list", {})
             assert {r["run_id"] for r in mine["runs"]} == set(run_ids)
 

@@ -224,9 +224,9 @@ async def test_claude_pages_its_own_spilled_output_back_through_the_forge_server
                 SimpleNamespace(session_id="s1", principal_id="bob"),
             ):
                 denied = await call(other, "read_artifact", {"run_id": run_id})
-                assert denied["structuredContent"]["error"]["kind"] == "unknown_run", denied
+                assert denied["structuredContent"]["error"] == "unknown_run", denied
             tricks = await call(alice, "read_artifact", {"run_id": f"../{run_id}"})
-            assert tricks["structuredContent"]["error"]["kind"] == "bad_arguments"
+            assert tricks["structuredContent"]["error"] == "bad_arguments"
             huge = await call(alice, "read_artifact", {"run_id": run_id, "limit": 2**40})
             assert huge["structuredContent"]["data"]["bytes"] <= PAGE_MAX
             tg.cancel_scope.cancel()

@@ -200,7 +200,7 @@ async def test_cannot_read_etc_shadow_or_the_vault(open_dir: Path) -> None:
     for bad in (Path("/etc/shadow"), vault, state, open_dir, Path("/")):
         with pytest.raises(SandboxError) as caught:
             await _run("pass", binds=(Bind(bad, "ro"),), forbidden=(state, vault))
-        assert caught.value.kind == "mount_refused"
+        assert caught.value.code == "mount_refused"
 
 
 @both
@@ -419,7 +419,7 @@ async def test_an_xbind_symlink_to_etc_is_refused(open_dir: Path) -> None:
     for path in (open_dir / "innocent", open_dir / "hosts", open_dir / "innocent" / "ssl"):
         with pytest.raises(SandboxError) as caught:
             await _run("pass", binds=(Bind(path, "ro"),))
-        assert caught.value.kind == "mount_refused"
+        assert caught.value.code == "mount_refused"
         assert "/etc" in str(caught.value)
 
 
@@ -443,7 +443,7 @@ async def test_a_path_swapped_for_a_symlink_after_the_check(
     monkeypatch.setattr(sb, "check_binds", check_then_swap)
     with pytest.raises(SandboxError) as caught:
         await _run("pass", binds=(Bind(data, "ro"),))
-    assert caught.value.kind == "mount_refused"
+    assert caught.value.code == "mount_refused"
     assert "swapped" in str(caught.value)
     monkeypatch.undo()
 
@@ -724,7 +724,7 @@ async def test_setup_failure_raises_and_bwrap_missing_fails_closed(
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(SandboxError) as caught:
         await _run("print('ran')")
-    assert caught.value.kind == "sandbox_unavailable"
+    assert caught.value.code == "sandbox_unavailable"
     assert "forge refuses to run tools" in str(caught.value)
     assert "bwrap not found" in str(caught.value)
 

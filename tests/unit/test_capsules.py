@@ -15,7 +15,7 @@ from sage.daemon.capsule_host import (
     capsule_folder,
     load_manifest,
 )
-from sage.errors import ConfigError
+from sage.errors import CapsuleError, ConfigError, SageError
 
 
 def _write(folder: Path, text: str) -> Path:
@@ -77,6 +77,17 @@ async def test_capsule_acl_comes_from_manifest() -> None:
         bus.subscribe("demo.other", runner.identity)
     with pytest.raises(AclDenied):
         bus.publish(runner.identity, "sage.v1.audit.fake", {})
+
+
+def test_illegal_transition_is_a_capsule_error() -> None:
+    """A change the transition table does not allow raises a SageError with its code."""
+    runner = CapsuleRunner(Bus(), load_manifest(capsule_folder("echo")), lambda t, p: None)
+    assert runner.state is CapsuleState.STARTING
+    with pytest.raises(CapsuleError, match="starting -> failed") as caught:
+        runner._set_state(CapsuleState.FAILED)
+    assert isinstance(caught.value, SageError)
+    assert caught.value.code == "illegal_transition"
+    assert runner.state is CapsuleState.STARTING
 
 
 @pytest.mark.anyio

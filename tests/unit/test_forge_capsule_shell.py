@@ -83,11 +83,11 @@ async def test_forge_and_list_through_the_shell(shell: tuple[ForgeCapsule, FakeC
 async def test_admin_requests_need_no_principal(shell: tuple[ForgeCapsule, FakeCtx]) -> None:
     capsule, _ = shell
     denied = await capsule.handle(_env("forge.v1.request.admin.list", {}, "alice"))
-    assert denied["error"]["kind"] == "acl_denied"
+    assert denied["error"] == "acl_denied"
     allowed = await capsule.handle(_env("forge.v1.request.admin.list", {}))
     assert allowed == {"ok": True, "tools": []}
     missing = await capsule.handle(_env("forge.v1.request.admin.show", {"name": "nope"}))
-    assert missing["error"]["kind"] == "unknown_tool"
+    assert missing["error"] == "unknown_tool"
 
 
 async def test_bad_requests_are_error_results(shell: tuple[ForgeCapsule, FakeCtx]) -> None:
@@ -97,8 +97,8 @@ async def test_bad_requests_are_error_results(shell: tuple[ForgeCapsule, FakeCtx
     out = await capsule.handle(
         _env("forge.v1.request.call", {"session_id": "s1", "tool_name": 3}, "alice")
     )
-    assert out["structuredContent"]["error"]["kind"] == "bad_request"
+    assert out["structuredContent"]["error"] == "bad_request"
     out = await capsule.handle(
         _env("forge.v1.request.call", {"session_id": "s1", "tool_name": "x", "arguments": 5})
     )
-    assert out["structuredContent"]["error"]["kind"] == "bad_arguments"
+    assert out["structuredContent"]["error"] == "bad_arguments"

@@ -105,7 +105,7 @@ class Rig:
             await self.forge.forge(caller, PRINT)
             self.forged.add(caller)
         out = await self.forge.dispatch(caller, "say", {"text": text, "n": size // len(text)})
-        assert out["error"]["kind"] == "output_truncated", out
+        assert out["error"] == "output_truncated", out
         run_id: str = out["meta"]["run_id"]
         return run_id
 
@@ -182,7 +182,7 @@ async def test_runs_written_before_a_restart_count(tmp_path: Path) -> None:
     again = Rig(tmp_path, runs_max_bytes=4 * MIB, runs_max_bytes_per_principal=1 * MIB)
     await again.forge.forge(BOB, {**PRINT, "name": "say2"})
     out = await again.forge.dispatch(BOB, "say2", {"text": "y", "n": 300 * KIB})
-    assert out["error"]["kind"] == "output_truncated"
+    assert out["error"] == "output_truncated"
     assert [again.exists(r) for r in old] == [False, False, False, True, True]
     assert again.pruned("principal_quota")[0]["count"] == 3
 
@@ -225,7 +225,7 @@ async def test_manual_prune_older_than_keep_bytes_and_dry_run(tmp_path: Path) ->
     assert all(rig.exists(r) for r in alice)
     with pytest.raises(ForgeError) as denied:
         rig.forge.prune_runs(BOB, "alice", older_than=0, keep_bytes=None, dry_run=False)
-    assert denied.value.kind == "acl_denied"
+    assert denied.value.code == "acl_denied"
     assert ("acl_denied", {"principal": "bob", "name": "runs", "target": "alice"}) in rig.events
     with pytest.raises(ForgeError, match="older_than, keep_bytes or both"):
         rig.forge.prune_runs(admin, None, older_than=None, keep_bytes=None, dry_run=False)
@@ -250,8 +250,8 @@ async def test_the_truncated_result_names_the_run_and_read_artifact_pages_it(
     await rig.forge.forge(ALICE, PRINT)
     out = await rig.forge.dispatch(ALICE, "say", {"text": text, "n": 20000})
     run_id = out["meta"]["run_id"]
-    assert run_id in out["error"]["message"]
-    assert "read_artifact" in out["error"]["message"]
+    assert run_id in out["message"]
+    assert "read_artifact" in out["message"]
     assert "read_artifact" in [t["name"] for t in rig.forge.descriptors(ALICE)]
     whole = (text * 20000).encode()
     got, offset, pages = bytearray(), 0, 0
@@ -287,21 +287,21 @@ async def test_read_artifact_is_scoped_to_the_session_and_refuses_path_tricks(
     others = [Caller("alice", "s2"), Caller("bob", "s1"), Caller(None, "s1"), Caller("bob", None)]
     for caller in others:
         out = await rig.forge.dispatch(caller, "read_artifact", {"run_id": run_id})
-        assert out["error"]["kind"] == "unknown_run", (caller, out)
+        assert out["error"] == "unknown_run", (caller, out)
     none = await rig.forge.dispatch(ALICE, "read_artifact", {"run_id": "20260101T000000Z_00"})
-    assert none["error"]["kind"] == "unknown_run"
+    assert none["error"] == "unknown_run"
     for bad in ("../" + run_id, f"{run_id}/../{run_id}", "..", ".", "", "/etc", run_id + "\n"):
         out = await rig.forge.dispatch(ALICE, "read_artifact", {"run_id": bad})
-        assert out["error"]["kind"] == "bad_arguments", (bad, out)
+        assert out["error"] == "bad_arguments", (bad, out)
     for args in ({"offset": -1}, {"limit": 0}, {"limit": "9"}, {"offset": True}):
         out = await rig.forge.dispatch(ALICE, "read_artifact", {"run_id": run_id, **args})
-        assert out["error"]["kind"] == "bad_arguments", (args, out)
+        assert out["error"] == "bad_arguments", (args, out)
     # a symlink planted as the artifact is not followed
     artifact = rig.config.forge_dir / "runs" / run_id / "artifacts" / "full_stdout.bin"
     artifact.unlink()
     artifact.symlink_to("/etc/passwd")
     out = await rig.forge.dispatch(ALICE, "read_artifact", {"run_id": run_id})
-    assert out["error"]["kind"] == "no_artifact"
+    assert out["error"] == "no_artifact"
 
 
 async def test_binary_artifacts_come_back_as_base64(tmp_path: Path) -> None:
@@ -325,24 +325,24 @@ async def test_a_run_with_secrets_or_without_a_spill_has_nothing_to_page(tmp_pat
     rig.policy(persona_secret_allow={"alice": ["API_TOKEN"]})
     await rig.forge.forge(ALICE, {**PRINT, "name": "sec", "meta": {"secrets": ["API_TOKEN"]}})
     out = await rig.forge.dispatch(ALICE, "sec", {"text": "x", "n": 10 * KIB})
-    assert out["error"]["kind"] == "output_truncated"
-    assert "read_artifact" not in out["error"]["message"]
+    assert out["error"] == "output_truncated"
+    assert "read_artifact" not in out["message"]
     page = await rig.forge.dispatch(ALICE, "read_artifact", {"run_id": out["meta"]["run_id"]})
-    assert page["error"]["kind"] == "artifact_withheld"
+    assert page["error"] == "artifact_withheld"
     small = await rig.forge.dispatch(ALICE, "sec", {"text": "x", "n": 10})
     assert small["ok"] is False  # "xxx…" is not JSON; the run kept no artifact
     run_id = [p for e, p in rig.events if e == "called"][-1]["run_id"]
     await rig.forge.forge(ALICE, PRINT)
     plain = await rig.forge.dispatch(ALICE, "say", {"text": "x", "n": 10})
-    assert plain["error"]["kind"] == "bad_output"
+    assert plain["error"] == "bad_output"
     plain_id = [p for e, p in rig.events if e == "called"][-1]["run_id"]
     assert plain_id != run_id
     page = await rig.forge.dispatch(ALICE, "read_artifact", {"run_id": plain_id})
-    assert page["error"]["kind"] == "no_artifact"
+    assert page["error"] == "no_artifact"
 
 
 async def test_read_artifact_cannot_be_forged_over(tmp_path: Path) -> None:
     rig = Rig(tmp_path)
     with pytest.raises(ForgeError) as exc:
         await rig.forge.forge(ALICE, {**PRINT, "name": "read_artifact"})
-    assert exc.value.kind == "bad_name"
+    assert exc.value.code == "bad_name"

@@ -27,7 +27,7 @@ from sage.forge.sitecustomize import denied, denied_address
 def _refused(binds: list[Bind], forbidden: tuple[Path, ...] = (), **kw: object) -> str:
     with pytest.raises(SandboxError) as caught:
         check_binds(binds, forbidden, **kw)  # type: ignore[arg-type]
-    assert caught.value.kind == "mount_refused"
+    assert caught.value.code == "mount_refused"
     return str(caught.value)
 
 

@@ -215,7 +215,7 @@ async def test_spec_runtime_argv_and_stdin(rig: Rig) -> None:
 async def test_forge_refusals(rig: Rig, args: dict[str, Any], kind: str) -> None:
     with pytest.raises(ForgeError) as caught:
         await rig.fib(ALICE, **args)
-    assert caught.value.kind == kind
+    assert caught.value.code == kind
     if kind in ("static_check_failed", "name_forbidden"):
         assert kind in rig.names()
 
@@ -239,7 +239,7 @@ async def test_namespaces_and_network_override(rig: Rig) -> None:
     )
     with pytest.raises(ForgeError) as caught:
         await rig.fib(ALICE)
-    assert caught.value.kind == "namespace_denied"
+    assert caught.value.code == "namespace_denied"
     assert "namespace_denied" in rig.names()
     await rig.fib(ALICE, name="code_fib", impl=FIB + "import socket\n")  # network: socket ok
     await rig.forge.dispatch(ALICE, "code_fib", {"n": 1})
@@ -255,7 +255,7 @@ async def test_two_forges_of_one_name_race(rig: Rig) -> None:
             await rig.fib(ALICE)
             outcomes.append("ok")
         except ForgeError as exc:
-            outcomes.append(exc.kind)
+            outcomes.append(exc.code)
 
     async with anyio.create_task_group() as tg:
         for _ in range(8):
@@ -302,7 +302,7 @@ async def test_scopes_shadowing_and_promote(rig: Rig) -> None:
     await rig.fib(Caller("bob", "s4"), impl=FIB + "# other\n")
     with pytest.raises(ForgeError) as caught:
         await rig.forge.promote(Caller("bob", "s4"), "fib")
-    assert caught.value.kind == "promote_conflict"
+    assert caught.value.code == "promote_conflict"
     assert (await rig.forge.promote(Caller("bob", "s4"), "fib", force=True)).version == 3
     assert "promoted" in rig.names()
     await rig.forge.remove(Caller(None, None), "user", "fib")
@@ -313,11 +313,11 @@ async def test_acl_and_forbidden_name_at_call_time(rig: Rig) -> None:
     await rig.fib(ALICE, name="deploy_x")
     rig.policy(persona_allowed_tools={"alice": ["other"]})
     out = await rig.forge.dispatch(ALICE, "deploy_x", {"n": 1})
-    assert out["error"]["kind"] == "acl_denied"
+    assert out["error"] == "acl_denied"
     assert "acl_denied" in rig.names()
     rig.policy(persona_allowed_tools={}, forbidden_tool_names=["deploy_*"])
     out = await rig.forge.dispatch(ALICE, "deploy_x", {"n": 1})
-    assert out["error"]["kind"] == "name_forbidden"
+    assert out["error"] == "name_forbidden"
     assert "policy_reloaded" in rig.names()
     assert rig.executor.specs == []
 
@@ -325,11 +325,11 @@ async def test_acl_and_forbidden_name_at_call_time(rig: Rig) -> None:
 async def test_malformed_policy_keeps_the_last_good(rig: Rig) -> None:
     await rig.fib(ALICE)
     rig.policy(forbidden_tool_names=["fib"])
-    assert (await rig.forge.dispatch(ALICE, "fib", {"n": 1}))["error"]["kind"] == "name_forbidden"
+    assert (await rig.forge.dispatch(ALICE, "fib", {"n": 1}))["error"] == "name_forbidden"
     path = rig.config.forge_dir / "policy.json"
     path.write_text('{"forbidden_tool_names": [}')
     out = await rig.forge.dispatch(ALICE, "fib", {"n": 1})
-    assert out["error"]["kind"] == "name_forbidden"  # the good policy still holds
+    assert out["error"] == "name_forbidden"  # the good policy still holds
     failed = [p for e, p in rig.events if e == "policy_reload_failed"]
     assert len(failed) == 1
     assert failed[0]["path"] == str(path)
@@ -354,7 +354,7 @@ async def test_policy_edited_mid_call_keeps_the_snapshot(rig: Rig) -> None:
         rig.policy(forbidden_tool_names=["fib"])
         rig.executor.gate.set()
     assert results[0]["ok"] is True  # the in-flight call kept its policy
-    assert (await rig.forge.dispatch(ALICE, "fib", {"n": 4}))["error"]["kind"] == "name_forbidden"
+    assert (await rig.forge.dispatch(ALICE, "fib", {"n": 4}))["error"] == "name_forbidden"
 
 
 async def test_cache_hit_during_a_running_call(rig: Rig) -> None:
@@ -386,7 +386,7 @@ async def test_corrupted_registry_file_is_hidden_and_audited(rig: Rig) -> None:
     path = rig.config.forge_dir / "sessions" / "s1" / "tools" / "fib.json"
     path.write_text("{not json")
     assert [t["name"] for t in rig.forge.list_tools(ALICE)] == ["fib2"]
-    assert (await rig.forge.dispatch(ALICE, "fib", {"n": 1}))["error"]["kind"] == "unknown_tool"
+    assert (await rig.forge.dispatch(ALICE, "fib", {"n": 1}))["error"] == "unknown_tool"
     failed = [p for e, p in rig.events if e == "registry_load_failed"]
     assert len(failed) == 1
     assert failed[0]["path"] == str(path)
@@ -404,28 +404,31 @@ async def test_output_contract(rig: Rig) -> None:
     rig.executor.stdout = lambda spec: b"not json"
     rig.executor.stderr = b"Traceback: boom"
     out = await rig.forge.dispatch(ALICE, "fib", {"n": 1})
-    assert out["error"]["kind"] == "bad_output"
-    assert "boom" in out["error"]["message"]
+    assert out["error"] == "bad_output"
+    assert "boom" in out["message"]
     rig.executor.stdout = lambda spec: b'{"ok": false, "error": {"kind": "mine", "message": "m"}}'
     out = await rig.forge.dispatch(ALICE, "fib", {"n": 1})
-    assert out == {"ok": False, "error": {"kind": "mine", "message": "m"}}
+    assert out == {"ok": False, "error": "mine", "message": "m"}  # the bus's flat shape
     assert mcp_result(out)["isError"] is True
+    rig.executor.stdout = lambda spec: b'{"ok": false, "error": "gone", "meta": {"n": 1}}'
+    out = await rig.forge.dispatch(ALICE, "fib", {"n": 1})
+    assert out == {"ok": False, "error": "tool_error", "message": "gone", "meta": {"n": 1}}
     out = await rig.forge.dispatch(ALICE, "fib", {"n": -1})
-    assert out["error"]["kind"] == "validation_failed"
+    assert out["error"] == "validation_failed"
     rig.executor.unavailable = True
     out = await rig.forge.dispatch(ALICE, "fib", {"n": 2})
-    assert out["error"]["kind"] == "sandbox_unavailable"
+    assert out["error"] == "sandbox_unavailable"
 
 
 async def test_secrets_fail_closed_injected_and_redacted(rig: Rig) -> None:
     secret = "sk-live-0123456789abcdef"
     await rig.fib(ALICE, name="keyed", meta={"secrets": ["API_KEY"]})
     out = await rig.forge.dispatch(ALICE, "keyed", {"n": 1})
-    assert out["error"]["kind"] == "secret_denied"
+    assert out["error"] == "secret_denied"
     assert "secret_denied" in rig.names()
     rig.policy(persona_secret_allow={"alice": ["API_KEY"]})
     out = await rig.forge.dispatch(ALICE, "keyed", {"n": 1})
-    assert out["error"]["kind"] == "secret_missing"
+    assert out["error"] == "secret_missing"
     assert "secret_missing" in rig.names()
     rig.vault["API_KEY"] = secret
     import base64
@@ -466,18 +469,18 @@ async def test_breakers(rig: Rig) -> None:
     await rig.fib(ALICE, name="fib2")
     with pytest.raises(ForgeError) as caught:
         await rig.fib(ALICE, name="fib3")
-    assert caught.value.kind == "breaker_open"
+    assert caught.value.code == "breaker_open"
     for _ in range(3):
         assert (await rig.forge.dispatch(ALICE, "fib", {"n": 1}))["ok"]
     out = await rig.forge.dispatch(ALICE, "fib", {"n": 1})
-    assert out["error"]["kind"] == "breaker_open"
+    assert out["error"] == "breaker_open"
     opened = [p for e, p in rig.events if e == "breaker_open"]
     assert {o["breaker"] for o in opened} == {"forge_count", "rate"}
     rig.now[0] += 61
     rig.executor.stdout = lambda spec: b"garbage"
     for _ in range(2):
-        assert (await rig.forge.dispatch(ALICE, "fib", {"n": 1}))["error"]["kind"] == "bad_output"
-    assert (await rig.forge.dispatch(ALICE, "fib", {"n": 1}))["error"]["kind"] == "breaker_open"
+        assert (await rig.forge.dispatch(ALICE, "fib", {"n": 1}))["error"] == "bad_output"
+    assert (await rig.forge.dispatch(ALICE, "fib", {"n": 1}))["error"] == "breaker_open"
     rig.now[0] += 31
     rig.executor.stdout = _fib_out
     assert (await rig.forge.dispatch(ALICE, "fib", {"n": 1}))["ok"]  # the half-open probe
@@ -512,8 +515,8 @@ async def test_call_counts_breakers_and_forge_counts_survive_a_restart(rig: Rig)
         assert (await rig.forge.dispatch(ALICE, "fib2", {"n": n}))["ok"]
     rig.executor.stdout = lambda spec: b"garbage"
     for _ in range(2):
-        assert (await rig.forge.dispatch(ALICE, "fib", {"n": 1}))["error"]["kind"] == "bad_output"
-    assert (await rig.forge.dispatch(ALICE, "fib", {"n": 1}))["error"]["kind"] == "breaker_open"
+        assert (await rig.forge.dispatch(ALICE, "fib", {"n": 1}))["error"] == "bad_output"
+    assert (await rig.forge.dispatch(ALICE, "fib", {"n": 1}))["error"] == "breaker_open"
     rig.now[0] += 10  # 20 s of the cooldown left
     await rig.forge.aclose()
 
@@ -521,8 +524,8 @@ async def test_call_counts_breakers_and_forge_counts_survive_a_restart(rig: Rig)
     listed = {t["name"]: t["call_count"] for t in again.list_tools(ALICE, None)}
     assert listed == {"fib": 2, "fib2": 3}
     out = await again.dispatch(ALICE, "fib", {"n": 1})
-    assert out["error"]["kind"] == "breaker_open", out
-    assert "resets in 20s" in out["error"]["message"]
+    assert out["error"] == "breaker_open", out
+    assert "resets in 20s" in out["message"]
     with pytest.raises(ForgeError) as caught:  # the session's forge allowance is used up too
         await again.forge(
             ALICE,
@@ -534,13 +537,13 @@ async def test_call_counts_breakers_and_forge_counts_survive_a_restart(rig: Rig)
                 "runtime": "python",
             },
         )
-    assert caught.value.kind == "breaker_open"
+    assert caught.value.code == "breaker_open"
     await again.aclose()
 
     later = _restarted(rig, now=100.0)  # a clock that starts anywhere: the cooldown is relative
     rig.executor.stdout = _fib_out
     out = await later.dispatch(ALICE, "fib", {"n": 1})
-    assert out["error"]["kind"] == "breaker_open"  # still 20 s: no time passed while stopped
+    assert out["error"] == "breaker_open"  # still 20 s: no time passed while stopped
     await later.aclose()
 
 
@@ -656,18 +659,18 @@ async def test_a_record_whose_schema_was_broken_by_hand(rig: Rig) -> None:
     data["input_schema"] = {"type": "object", "properties": {"n": {"type": 7}}}
     path.write_text(json.dumps(data))
     out = await rig.forge.dispatch(ALICE, "fib", {"n": 1})
-    assert out["error"]["kind"] == "bad_schema"
+    assert out["error"] == "bad_schema"
 
 
 async def test_hostile_session_ids_and_relative_binds(rig: Rig) -> None:
     for sid in ("..", ".", "a/b", ""):
         with pytest.raises(ForgeError) as caught:
             await rig.fib(Caller("alice", sid))
-        assert caught.value.kind == "bad_scope"
+        assert caught.value.code == "bad_scope"
     schema = {"type": "object", "properties": {"src": {"type": "string", "x-bind": "ro"}}}
     await rig.fib(ALICE, input_schema=schema)
     out = await rig.forge.dispatch(ALICE, "fib", {"src": "relative/x.csv"})
-    assert out["error"]["kind"] == "validation_failed"
+    assert out["error"] == "validation_failed"
     assert rig.executor.specs == []
 
 
@@ -675,5 +678,5 @@ async def test_a_session_tool_is_its_principals_only(rig: Rig) -> None:
     await rig.fib(ALICE)
     mallory = Caller("bob", "s1")  # bob names alice's session in his payload
     assert rig.forge.list_tools(mallory) == []
-    assert (await rig.forge.dispatch(mallory, "fib", {"n": 1}))["error"]["kind"] == "unknown_tool"
+    assert (await rig.forge.dispatch(mallory, "fib", {"n": 1}))["error"] == "unknown_tool"
     assert [t["name"] for t in rig.forge.list_tools(Caller(None, "s1"))] == ["fib"]

@@ -39,20 +39,20 @@ def test_a_uid_the_host_knows_is_skipped_and_refused(tmp_path: Path) -> None:
     (tmp_path / "sandbox_uids.json").write_text(f'{{"uids": {{"x": {nobody}}}}}')
     with pytest.raises(SandboxError) as caught:
         SandboxUids(tmp_path, nobody - 1, 3).uid_for("x")
-    assert caught.value.kind == "sandbox_uid_taken"
+    assert caught.value.code == "sandbox_uid_taken"
 
 
 def test_a_bad_table_fails_closed_and_a_full_range_says_so(tmp_path: Path) -> None:
     (tmp_path / "sandbox_uids.json").write_text("not json")
     with pytest.raises(SandboxError) as caught:
         SandboxUids(tmp_path, 90000, 10).uid_for("alice")
-    assert caught.value.kind == "sandbox_uid_unavailable"
+    assert caught.value.code == "sandbox_uid_unavailable"
     assert (tmp_path / "sandbox_uids.json").read_text() == "not json"  # nothing lost
     full = SandboxUids(tmp_path / "f", 90000, 2)
     full.allocate(["a", "b"])
     with pytest.raises(SandboxError) as caught:
         full.uid_for("c")
-    assert caught.value.kind == "sandbox_uid_exhausted"
+    assert caught.value.code == "sandbox_uid_exhausted"
 
 
 def test_config_refuses_the_old_key_and_a_range_holding_nobody() -> None:

@@ -48,7 +48,7 @@ def _raw(**fields: Any) -> bytes:
 def _reason(topic: str, raw: bytes, record: Any = RECORD, verified: str | None = None) -> str:
     with pytest.raises(HookRejected) as caught:
         verify(parse(topic, raw), record, verified)
-    return caught.value.reason
+    return caught.value.code
 
 
 TOPIC = "sage.v1.hook.PreToolUse"
