@@ -64,7 +64,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from bus.client import BusClient, RemoteSubscription
 from bus.errors import BusError
-from tests.integration.daemon import Daemon, short_dir
+from tests.support.daemon import Daemon, short_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "topics.md"

@@ -19,7 +19,7 @@ import anyio
 import pytest
 
 from bus.client import BusClient
-from tests.integration.daemon import Daemon, short_dir
+from tests.support.daemon import Daemon, short_dir
 
 pytestmark = pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as two other uids")
 

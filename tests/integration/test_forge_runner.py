@@ -25,11 +25,6 @@ RUNNER = Identity("capsule:runner", acl=Acl(publish=["forge.v1.request.*"], subs
 FORGE = Identity("capsule:forge")
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 class _Ctx:
     def __init__(self, bus: Bus) -> None:
         self.bus = bus

@@ -32,11 +32,12 @@ from capsules.runner.command import hash_token, mint_token
 from sage.config import Config, LimitsConfig, PrincipalConfig
 from sage.daemon.capsule_host import CapsuleContext, capsule_folder, load_manifest
 from sage.daemon.state import StateStore
-from tests.integration.sage_harness import Sage, running_sage, sage_config
+from tests.support import FAKE_CLAUDE
+from tests.support.sage_harness import Sage, running_sage, sage_config
 
 pytestmark = pytest.mark.anyio
 
-FAKE = Path(__file__).resolve().parents[1] / "doubles" / "fake_claude.py"
+FAKE = FAKE_CLAUDE
 EMIT = Path(sys.executable).parent / "astrid-emit"
 SPOOF = "sage.v1.audit.hook_spoof_attempt"
 
@@ -724,7 +725,7 @@ async def test_a_hook_flood_from_one_uid_does_not_drop_anothers_hooks() -> None:
     """bob (uid 65534) floods sage.v1.hook.> with spoofs over the real socket while
     alice's astrid-emit sends genuine hooks: every genuine hook is validated and
     republished; bob's dropped envelopes are audited once, with their count."""
-    from tests.integration.daemon import short_dir
+    from tests.support.daemon import short_dir
 
     root = short_dir()
     root.chmod(0o755)  # uid 65534 must reach the socket's folder (0750, group nogroup)
