@@ -24,8 +24,10 @@ import msgspec
 import pytest
 
 from bus import FrameError
+from bus.client import BusClient
 from sage.claude.binary import FLOOR, NEWEST_TESTED
 from tests.support import FAKE_CLAUDE
+from tests.support.as_uid import Say, fork_as
 from tests.support.sage_harness import Events, Sage, running_sage, sage_config
 
 pytestmark = pytest.mark.anyio
@@ -821,36 +823,18 @@ async def test_a_cancelled_control_request_gets_no_answer(sage: Sage) -> None:
 def _watch_as(uid: int, socket_path: Path, seconds: float) -> tuple[int, int]:
     """Fork a client that runs as ``uid`` (group nogroup), subscribes to every session
     event and reports the topics it got; returns (pid, read end of its pipe)."""
-    import json
 
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid:
-        os.close(write)
-        return pid, read
-    try:  # the child: no exec, the interpreter is already loaded
-        os.close(read)
-        os.setgroups([])
-        os.setgid(65534)
-        os.setuid(uid)
+    async def watch(say: Say) -> None:
+        async with BusClient.connect(socket_path, role="cli", name="watcher") as client:
+            events = await client.subscribe("sage.v1.event.>")
+            say("ready")
+            topics = []
+            with anyio.move_on_after(seconds):
+                async for envelope in events:
+                    topics.append(envelope.topic)
+            say(json.dumps(topics))
 
-        async def main() -> None:
-            from bus.client import BusClient
-
-            async with BusClient.connect(socket_path, role="cli", name="watcher") as client:
-                events = await client.subscribe("sage.v1.event.>")
-                os.write(write, b"ready\n")
-                topics = []
-                with anyio.move_on_after(seconds):
-                    async for envelope in events:
-                        topics.append(envelope.topic)
-                os.write(write, json.dumps(topics).encode() + b"\n")
-
-        anyio.run(main)
-        os._exit(0)
-    except BaseException as exc:  # report, never return into pytest
-        os.write(write, f"error {exc!r}\n".encode())
-        os._exit(1)
+    return fork_as(uid, watch)
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as two other uids")
