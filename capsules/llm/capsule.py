@@ -290,7 +290,12 @@ class CompletionProvider:
             usage, done = mapper.finish()
         except (anthropic.AnthropicError, httpx2.HTTPError, IncompleteStream) as exc:
             gen.usage = mapper.usage() if mapper.started else None
-            error = error_event(exc, max_retries=llm.max_retries, timeout=llm.timeout)
+            error = error_event(
+                exc,
+                max_retries=llm.max_retries,
+                timeout=llm.timeout,
+                mid_stream=stream is not None,
+            )
             return Error(scrub(error.message, api_key), error.code)
         except Exception as exc:  # a bug or an SDK surprise: logged without the key
             gen.usage = mapper.usage() if mapper.started else None
