@@ -31,6 +31,7 @@ import msgspec
 
 from capsules.runner.command import write_private
 from sage.config import NAME_PATTERN, PrincipalConfig
+from sage.errors import SageError
 
 __all__ = (
     "FIELDS",
@@ -55,13 +56,10 @@ FIELDS: Final = ("interaction_mode", "auth_mode", "model", "max_turns")
 MAX_FILE: Final = 64 * 1024
 
 
-class SettingsError(Exception):
+class SettingsError(SageError):
     """A principal's settings file cannot be used; ``code`` is the spawn rejection reason."""
 
     code = "settings_error"
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
 
 
 class SettingsCorrupt(SettingsError):
