@@ -36,7 +36,7 @@ from typing import Any
 import msgspec
 
 from sage.errors import ForgeError
-from sage.forge.registry import private_dir, write_replace
+from sage.files import private_dir, write_replace
 
 __all__ = (
     "ARTIFACT",

@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Literal
 import anyio
 
 from sage.errors import ProcessError, SandboxError
-from sage.forge.registry import private_dir
+from sage.files import private_dir
 from sage.forge.uids import DEFAULT_UID_BASE
 from sage.process import Child, Ring
 from sage.security.bwrap import BwrapProbe, launcher, probe_bwrap
