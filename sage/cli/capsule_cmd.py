@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 
 from bus import NoResponders
+from sage.cli._common import add_common
 from sage.cli._connect import connect, print_json
 from sage.errors import SageError
 
@@ -16,8 +17,6 @@ __all__ = ("register",)
 
 
 def register(sub: Any) -> None:
-    from sage.cli import add_common
-
     group = sub.add_parser("capsule", help="capsules: list them and their state")
     commands = group.add_subparsers(dest="action", metavar="ACTION", required=True)
     listing = commands.add_parser(
