@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import enum
 import importlib
+import importlib.util
 import time
 import traceback
 from collections.abc import Awaitable, Callable
@@ -51,6 +52,8 @@ __all__ = (
     "CapsuleState",
     "RestartPolicy",
     "WorkerSpec",
+    "builtin_capsules_dir",
+    "capsule_folder",
     "load_manifest",
 )
 
@@ -384,6 +387,16 @@ def capsule_folder(name_or_path: str) -> Path:
     """A built-in capsule's folder by name, or a folder given as a path."""
     if "/" in name_or_path:
         return Path(name_or_path)
-    import capsules
+    return builtin_capsules_dir() / name_or_path
 
-    return Path(capsules.__file__).parent / name_or_path
+
+def builtin_capsules_dir() -> Path:
+    """The folder of the capsules that ship with sage (the ``capsules`` package).
+
+    Found, not imported: sage loads a capsule through its manifest's entry
+    point, and imports nothing of ``capsules/`` itself.
+    """
+    spec = importlib.util.find_spec("capsules")
+    if spec is None or spec.origin is None:
+        raise ConfigError("the built-in capsules (the capsules package) are not installed")
+    return Path(spec.origin).parent
