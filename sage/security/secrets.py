@@ -51,7 +51,7 @@ API_KEY: Final = "anthropic_api_key"
 MAX_VALUE: Final = 64 * 1024
 MIN_VALUE: Final = 8
 """Shorter values are refused: outputs could not be redacted of them without
-mangling ordinary text (sage/forge/redact.py)."""
+mangling ordinary text (sage/redaction.py)."""
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}\Z")
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS secrets (
