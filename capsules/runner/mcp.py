@@ -14,11 +14,10 @@ from __future__ import annotations
 import uuid
 from typing import TYPE_CHECKING, Any
 
-import anyio
 import msgspec
 import structlog
 
-from bus import BusError
+from bus import BusError, Envelope
 from capsules.runner import forge_mcp
 from capsules.runner.messages import ToolResult, ToolsList
 from capsules.runner.session import ClaudeProcess, SessionError
@@ -108,26 +107,30 @@ class McpServer:
         topic = f"sage.v1.tool.call.{cid}"
         if not runner.ctx.bus.has_subscribers(topic):
             return _text_error(f"tool {name!r} is not available: no tool bridge is running")
-        with runner.ctx.subscribe(f"sage.v1.tool.result.{cid}") as results:
+        call = {
+            "session_id": proc.session_id,
+            "principal_id": proc.principal_id,
+            "tool_name": name,
+            "arguments": arguments,
+            "tool_use_id": meta.get("claudecode/toolUseId"),
+        }
+
+        def result(envelope: Envelope) -> dict[str, Any]:
             try:
-                runner.ctx.publish(
-                    topic,
-                    {
-                        "session_id": proc.session_id,
-                        "principal_id": proc.principal_id,
-                        "tool_name": name,
-                        "arguments": arguments,
-                        "tool_use_id": meta.get("claudecode/toolUseId"),
-                    },
-                    on_behalf_of=proc.principal_id,
-                )
-            except BusError as exc:  # e.g. arguments over the payload limit
-                return _text_error(f"tool {name!r} could not be called: {exc}")
-            with anyio.move_on_after(runner.config.limits.tool_timeout):
-                async for envelope in results:
-                    try:
-                        result = msgspec.json.decode(envelope.payload, type=ToolResult)
-                    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-                        return _text_error(f"the tool bridge sent a bad result: {exc}")
-                    return {"content": result.content, "isError": result.is_error}
+                sent = msgspec.json.decode(envelope.payload, type=ToolResult)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                return _text_error(f"the tool bridge sent a bad result: {exc}")
+            return {"content": sent.content, "isError": sent.is_error}
+
+        try:
+            answer = await runner.ctx.ask(
+                f"sage.v1.tool.result.{cid}",
+                lambda: runner.ctx.publish(topic, call, on_behalf_of=proc.principal_id),
+                result,
+                deadline=runner.config.limits.tool_timeout,
+            )
+        except BusError as exc:  # e.g. arguments over the payload limit
+            return _text_error(f"tool {name!r} could not be called: {exc}")
+        if answer is not None:
+            return answer
         return _text_error(f"tool {name!r} did not answer in time")

@@ -33,7 +33,7 @@ import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import msgspec
@@ -58,6 +58,8 @@ __all__ = (
 )
 
 log = structlog.get_logger("sage.daemon.capsule_host")
+
+T = TypeVar("T")
 
 
 class _Package(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -255,6 +257,32 @@ class CapsuleContext:
         return await self.bus.request(
             self.identity, topic, payload, deadline=deadline, on_behalf_of=on_behalf_of
         )
+
+    async def ask(
+        self,
+        answers: str,
+        send: Callable[[], object],
+        answer: Callable[[Envelope], T | None],
+        *,
+        deadline: float,
+    ) -> T | None:
+        """Ask over plain topics: subscribe to ``answers``, ``send()``, then wait.
+
+        For a question whose answer comes as a publish on a topic of its own
+        (``...result.<cid>``) rather than as a bus reply.  Subscribing first means
+        no answer is missed however fast it comes.  ``answer`` turns each envelope
+        on ``answers`` into the answer, or None to keep waiting (another request's
+        answer, a progress step).  None when no answer came within ``deadline``
+        seconds; what ``send`` raises is raised.
+        """
+        with self.bus.subscribe(answers, self.identity) as envelopes:
+            send()
+            with anyio.move_on_after(deadline):
+                async for envelope in envelopes:
+                    found = answer(envelope)
+                    if found is not None:
+                        return found
+        return None
 
 
 CapsuleMain = Callable[[CapsuleContext], Awaitable[None]]
