@@ -16,6 +16,7 @@ import anthropic
 import httpx2
 
 from capsules.llm.events import Error, IncompleteStream
+from sage.redaction import REDACTED
 
 __all__ = ("error_event", "scrub")
 
@@ -118,5 +119,5 @@ def _status_error(exc: anthropic.APIStatusError, max_retries: int) -> Error:
 def scrub(text: str, secret: str | None) -> str:
     """``text`` without ``secret`` (a message must never carry the key)."""
     if secret and secret in text:
-        return text.replace(secret, "<redacted>")
+        return text.replace(secret, REDACTED)
     return text

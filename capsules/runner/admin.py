@@ -154,26 +154,34 @@ class Admin:
         payload: dict[str, Any] = {"principal_id": name, "request_id": rid, "config": config}
         if force:
             payload["force"] = True
-        with self.ctx.subscribe("sage.v1.install.*") as answers:
-            self._publish(topic, payload, name)
-            with anyio.move_on_after(INSTALL_DEADLINE):
-                async for envelope in answers:
-                    kind = envelope.topic.rsplit(".", 1)[1]
-                    try:
-                        if kind == "status":
-                            step = msgspec.json.decode(envelope.payload, type=InstallStatus)
-                            if step.request_id == rid:
-                                self._publish(
-                                    "sage.v1.event.install.status",
-                                    {"principal_id": name, "request_id": rid, "step": step.step},
-                                    name,
-                                )
-                        elif kind == "complete":
-                            done = msgspec.json.decode(envelope.payload, type=InstallComplete)
-                            if done.request_id == rid:
-                                return done
-                    except (msgspec.ValidationError, msgspec.DecodeError):
-                        continue
+
+        def complete(envelope: Envelope) -> InstallComplete | None:
+            kind = envelope.topic.rsplit(".", 1)[1]
+            try:
+                if kind == "status":
+                    step = msgspec.json.decode(envelope.payload, type=InstallStatus)
+                    if step.request_id == rid:
+                        self._publish(
+                            "sage.v1.event.install.status",
+                            {"principal_id": name, "request_id": rid, "step": step.step},
+                            name,
+                        )
+                elif kind == "complete":
+                    done = msgspec.json.decode(envelope.payload, type=InstallComplete)
+                    if done.request_id == rid:
+                        return done
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                pass
+            return None
+
+        answer = await self.ctx.ask(
+            "sage.v1.install.*",
+            lambda: self._publish(topic, payload, name),
+            complete,
+            deadline=INSTALL_DEADLINE,
+        )
+        if answer is not None:
+            return answer
         raise SessionError(
             "install_timeout", f"the installer did not finish {name!r} in {INSTALL_DEADLINE:g} s"
         )

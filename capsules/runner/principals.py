@@ -29,9 +29,9 @@ from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
-from capsules.runner.command import write_private
 from sage.config import NAME_PATTERN, PrincipalConfig
 from sage.errors import SageError
+from sage.files import write_replace
 
 __all__ = (
     "FIELDS",
@@ -164,7 +164,7 @@ def save(state_dir: Path, settings: PrincipalSettings) -> None:
     stamped = msgspec.structs.replace(
         settings, schema_version=SCHEMA_VERSION, updated_at=time.time()
     )
-    write_private(settings_path(state_dir, settings.principal_id), encode(stamped))
+    write_replace(settings_path(state_dir, settings.principal_id), encode(stamped))
 
 
 def apply(base: PrincipalConfig, settings: PrincipalSettings | None) -> PrincipalConfig:

@@ -21,10 +21,10 @@ from sage.claude.homes import (
     unreachable,
     unsafe_home,
     write_in_home,
-    write_private,
 )
 from sage.config import Config, decode_config
 from sage.errors import ConfigError
+from sage.files import write_replace
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to own files as other uids")
 OTHER = 91001  # a uid that is neither the test's nor root
@@ -147,19 +147,19 @@ def test_own_home_tightens_a_home_to_0700(tmp_path: Path) -> None:
 # -- writing --------------------------------------------------------------------------
 
 
-def test_write_private_is_0600_in_0700_whatever_the_umask(tmp_path: Path, umask0: None) -> None:
+def test_write_replace_is_0600_in_0700_whatever_the_umask(tmp_path: Path, umask0: None) -> None:
     path = tmp_path / "a" / "b" / "file"
-    write_private(path, b"one")
+    write_replace(path, b"one")
     assert (path.read_bytes(), _mode(path)) == (b"one", 0o600)
     assert _mode(path.parent) == 0o700
 
 
-def test_write_private_replaces_a_link_never_writes_through_it(tmp_path: Path) -> None:
+def test_write_replace_replaces_a_link_never_writes_through_it(tmp_path: Path) -> None:
     victim = tmp_path / "victim"
     victim.write_text("keep")
     path = tmp_path / "file"
     path.symlink_to(victim)
-    write_private(path, b"new")
+    write_replace(path, b"new")
     assert victim.read_text() == "keep"
     assert not path.is_symlink()
     assert path.read_bytes() == b"new"

@@ -1,4 +1,4 @@
-"""sage/security/private.py: a private file is read only when nobody else could
+"""sage/files.py, reading: a private file is read only when nobody else could
 have read or planted it (mode, owner, no symlink), checked on the open file."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from sage.errors import SageError
-from sage.security.private import read_private
+from sage.files import read_private
 
 
 class Refused(SageError):
