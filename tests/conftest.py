@@ -11,50 +11,21 @@ teardowns stop what they started), and pytest-timeout stays the backstop.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import os
 import tempfile
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import anyio
 import pytest
 
-#: Seconds kept back from the pytest timeout for the test's teardown.
-TEARDOWN_MARGIN = 10.0
+from tests.support.deadline import body_deadline, bounded
 
 
-def body_deadline(item: pytest.Item) -> float | None:
-    """The anyio deadline of a test body: its pytest timeout less the margin."""
-    marker = item.get_closest_marker("timeout")
-    if marker is not None and marker.args:
-        timeout = float(marker.args[0])
-    elif marker is not None and "timeout" in marker.kwargs:
-        timeout = float(marker.kwargs["timeout"])
-    else:
-        timeout = float(item.config.getini("timeout") or 0)
-    if timeout <= 0:
-        return None
-    return max(timeout - TEARDOWN_MARGIN, timeout * 0.5)
-
-
-def _bounded(
-    func: Callable[..., Coroutine[Any, Any, Any]], deadline: float
-) -> Callable[..., Coroutine[Any, Any, Any]]:
-    @functools.wraps(func)
-    async def run(*args: Any, **kwargs: Any) -> Any:
-        try:
-            with anyio.fail_after(deadline):
-                return await func(*args, **kwargs)
-        except TimeoutError as exc:
-            raise TimeoutError(
-                f"test body passed its {deadline:g} s deadline (pytest timeout less"
-                f" {TEARDOWN_MARGIN:g} s for teardown)"
-            ) from exc
-
-    return run
+@pytest.fixture
+def anyio_backend() -> str:
+    """The event loop every @pytest.mark.anyio test runs on, in every tier."""
+    return "asyncio"
 
 
 @pytest.fixture
@@ -80,7 +51,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> Iterator[None]:
     if deadline is None or not inspect.iscoroutinefunction(func):
         yield
         return
-    pyfuncitem.obj = _bounded(func, deadline)
+    pyfuncitem.obj = bounded(func, deadline)
     try:
         yield
     finally:

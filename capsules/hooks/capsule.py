@@ -70,8 +70,8 @@ from capsules.hooks.validate import (
 from sage import replies
 from sage.claude.hooks import hash_token, mint_token
 from sage.daemon.capsule_host import CapsuleContext
-from sage.daemon.supervisor import DenialLimiter
 from sage.errors import SageError
+from sage.security.denials import DenialLimiter
 
 __all__ = ("AUDIT_BURST", "HookGate", "run")
 

@@ -28,9 +28,9 @@ to :func:`parse`, looks up the session's token record, and hands both to
 audit payload of ``sage.v1.audit.hook_spoof_attempt``.  Neither ever holds
 the token: a report field that contains the claimed token (when it is at
 least :data:`TOKEN_MIN` characters, as a minted one is) becomes
-``[redacted]``, and in a republished hook payload (a ``PostToolUse`` tool
-response could echo the child's environment) each occurrence of the token
-is replaced by ``[redacted]``.
+``<redacted>`` (:data:`sage.redaction.REDACTED`), and in a republished hook
+payload (a ``PostToolUse`` tool response could echo the child's environment)
+each occurrence of the token is replaced by it too.
 
 Payload limit: the bus caps the whole envelope (``[bus] max_payload``); on
 top of that the republished ``payload`` field (Claude's hook input) is kept
@@ -53,6 +53,7 @@ import msgspec
 
 from sage.claude.hooks import KNOWN_HOOKS, PAYLOAD_LIMIT, hash_token
 from sage.errors import RequestError
+from sage.redaction import REDACTED
 
 __all__ = (
     "CANONICAL_NAMES",
@@ -74,7 +75,6 @@ TOPIC_PREFIX = "sage.v1.hook."
 FIELD_LIMIT = 128
 """Characters kept of each field of a spoof report."""
 SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
-REDACTED = "[redacted]"
 TOKEN_MIN = 16
 """Claimed tokens at least this long are redacted wherever they appear."""
 

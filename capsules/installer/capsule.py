@@ -41,10 +41,11 @@ import msgspec
 from bus import BusError, Envelope
 from capsules.installer import files
 from sage.claude.binary import FLOOR, read_claude_version, resolve_claude_binary
-from sage.claude.homes import own_home, unsafe_home, write_in_home, write_private
+from sage.claude.homes import own_home, unsafe_home, write_in_home
 from sage.config import NAME_PATTERN
 from sage.daemon.capsule_host import CapsuleContext
 from sage.errors import SageError
+from sage.files import write_replace
 from sage.security.runas import RunAs, SessionUids, emit_launcher
 
 __all__ = ("Installer", "run")
@@ -236,7 +237,7 @@ def _write(home: Path, rel: Path, data: bytes, *, force: bool, run_as: RunAs | N
 
 def _put(home: Path, rel: Path, data: bytes, run_as: RunAs | None) -> None:
     if run_as is None:
-        write_private(home / rel, data)
+        write_replace(home / rel, data)
     else:
         write_in_home(home, rel, data, run_as.uid, run_as.gid)
 

@@ -32,7 +32,7 @@ import httpx2
 import msgspec
 from anthropic.types import RawMessageStreamEvent
 
-from bus import BusError, Envelope, Subscription
+from bus import BusError, Envelope
 from capsules.llm.errors import error_event, scrub
 from capsules.llm.events import (
     Done,
@@ -53,6 +53,7 @@ from capsules.llm.mapping import (
 )
 from capsules.llm.pricing import cost_usd
 from sage import replies
+from sage.capsule.sdk import follow
 from sage.config import Config
 from sage.daemon.capsule_host import CapsuleContext
 from sage.errors import SageError
@@ -147,19 +148,12 @@ class CompletionProvider:
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
-                tg.start_soon(self._follow, generate, self._on_generate)
-                tg.start_soon(self._follow, describe, self._on_describe)
-                tg.start_soon(self._follow, cancel, self._on_cancel)
+                tg.start_soon(follow, generate, self._on_generate, self.log, "llm.handler_failed")
+                tg.start_soon(follow, describe, self._on_describe, self.log, "llm.handler_failed")
+                tg.start_soon(follow, cancel, self._on_cancel, self.log, "llm.handler_failed")
                 ctx.ready()
         finally:
             self._tg = None
-
-    async def _follow(self, envelopes: Subscription, handler: Callable[[Envelope], None]) -> None:
-        async for envelope in envelopes:
-            try:
-                handler(envelope)
-            except Exception as exc:  # one bad envelope never stops the provider
-                self.log.error("llm.handler_failed", topic=envelope.topic, error=repr(exc))
 
     # -- describe and cancel ----------------------------------------------
 
@@ -290,7 +284,12 @@ class CompletionProvider:
             usage, done = mapper.finish()
         except (anthropic.AnthropicError, httpx2.HTTPError, IncompleteStream) as exc:
             gen.usage = mapper.usage() if mapper.started else None
-            error = error_event(exc, max_retries=llm.max_retries, timeout=llm.timeout)
+            error = error_event(
+                exc,
+                max_retries=llm.max_retries,
+                timeout=llm.timeout,
+                mid_stream=stream is not None,
+            )
             return Error(scrub(error.message, api_key), error.code)
         except Exception as exc:  # a bug or an SDK surprise: logged without the key
             gen.usage = mapper.usage() if mapper.started else None

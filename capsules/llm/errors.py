@@ -16,6 +16,7 @@ import anthropic
 import httpx2
 
 from capsules.llm.events import Error, IncompleteStream
+from sage.redaction import REDACTED
 
 __all__ = ("error_event", "scrub")
 
@@ -49,10 +50,27 @@ _WHAT = {
 _RETRIED = frozenset({"rate_limited", "overloaded", "server_error"})
 
 
-def error_event(exc: BaseException, *, max_retries: int, timeout: float) -> Error:
-    """The one ``Error`` event for a failed generation."""
+def error_event(
+    exc: BaseException, *, max_retries: int, timeout: float, mid_stream: bool = False
+) -> Error:
+    """The one ``Error`` event for a failed generation.
+
+    ``mid_stream``: the response had begun (the SDK returned the stream) when it
+    failed.  A transport error then is a cut stream, however the SDK wraps it
+    (anthropic 2.17 raises ``APIConnectionError`` where earlier releases let
+    httpx's error through), and a timeout is a stalled stream, not a request
+    nobody answered: neither is retried, since text was already sent on."""
     if isinstance(exc, IncompleteStream):
         return Error(str(exc), exc.code)
+    if mid_stream:
+        broken: BaseException = exc.__cause__ or exc.__context__ or exc
+        if isinstance(exc, anthropic.APITimeoutError | httpx2.TimeoutException):
+            return Error(f"the response stream stalled for more than {timeout:g} s", "timeout")
+        if isinstance(exc, anthropic.APIConnectionError | httpx2.TransportError):
+            return Error(
+                f"the response stream broke off before the message was complete: {broken}",
+                "stream_incomplete",
+            )
     if isinstance(exc, anthropic.APIStatusError):
         return _status_error(exc, max_retries)
     if isinstance(exc, anthropic.APITimeoutError):
@@ -101,5 +119,5 @@ def _status_error(exc: anthropic.APIStatusError, max_retries: int) -> Error:
 def scrub(text: str, secret: str | None) -> str:
     """``text`` without ``secret`` (a message must never carry the key)."""
     if secret and secret in text:
-        return text.replace(secret, "<redacted>")
+        return text.replace(secret, REDACTED)
     return text

@@ -26,6 +26,8 @@ from typing import Any, Final
 
 import anyio
 
+from sage.errors import SageError
+
 __all__ = (
     "RULE_PATTERN",
     "Approvals",
@@ -53,8 +55,10 @@ def matches(rules: list[str] | tuple[str, ...], tool_name: str) -> str | None:
     return None
 
 
-class UnknownApproval(Exception):
+class UnknownApproval(SageError):
     """No pending approval of that id for that caller (unknown, decided or expired)."""
+
+    code = "unknown_approval"
 
 
 @dataclass(frozen=True)

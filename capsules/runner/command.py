@@ -14,9 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from sage.claude.homes import own_home, read_api_key, unsafe_home, write_private
+from sage.claude.homes import own_home, read_api_key, unsafe_home
 from sage.claude.hooks import hash_token, mint_token
 from sage.config import Config, PrincipalConfig
+from sage.files import write_replace
 from sage.security.runas import RunAs, setpriv_prefix
 
 __all__ = (
@@ -29,7 +30,6 @@ __all__ = (
     "mint_token",
     "read_api_key",
     "unsafe_home",
-    "write_private",
 )
 
 MCP_CONFIG = (
@@ -103,7 +103,7 @@ def build_launch(
     text = identity or DEFAULT_IDENTITY.format(principal=principal.name, session=session_id)
     if run_as is None:
         home.mkdir(mode=0o700, parents=True, exist_ok=True)
-        write_private(identity_file, text.encode())
+        write_replace(identity_file, text.encode())
     else:
         own_home(
             home,
@@ -111,7 +111,7 @@ def build_launch(
             run_as.gid,
             homes_dir=config.homes_dir if home.parent == config.homes_dir else None,
         )
-        write_private(identity_file, text.encode())
+        write_replace(identity_file, text.encode())
         for folder in (sessions, identity_file.parent):
             os.chmod(folder, 0o711)
         os.chown(identity_file, run_as.uid, -1)

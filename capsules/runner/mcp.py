@@ -20,10 +20,9 @@ from __future__ import annotations
 import uuid
 from typing import Any, Final, Protocol
 
-import anyio
 import msgspec
 
-from bus import BusError
+from bus import BusError, Envelope
 from capsules.runner.forge_mcp import ForgeMcpServer
 from capsules.runner.messages import ToolResult, ToolsList
 from capsules.runner.session import ClaudeProcess, SessionError
@@ -122,26 +121,30 @@ class McpServer:
         topic = f"sage.v1.tool.call.{cid}"
         if not ctx.bus.has_subscribers(topic):
             return _text_error(f"tool {name!r} is not available: no tool bridge is running")
-        with ctx.subscribe(f"sage.v1.tool.result.{cid}") as results:
+        message = {
+            "session_id": proc.session_id,
+            "principal_id": proc.principal_id,
+            "tool_name": name,
+            "arguments": call.arguments,
+            "tool_use_id": call.meta.get("claudecode/toolUseId"),
+        }
+
+        def result(envelope: Envelope) -> dict[str, Any]:
             try:
-                ctx.publish(
-                    topic,
-                    {
-                        "session_id": proc.session_id,
-                        "principal_id": proc.principal_id,
-                        "tool_name": name,
-                        "arguments": call.arguments,
-                        "tool_use_id": call.meta.get("claudecode/toolUseId"),
-                    },
-                    on_behalf_of=proc.principal_id,
-                )
-            except BusError as exc:  # e.g. arguments over the payload limit
-                return _text_error(f"tool {name!r} could not be called: {exc}")
-            with anyio.move_on_after(ctx.config.limits.tool_timeout):
-                async for envelope in results:
-                    try:
-                        outcome = msgspec.json.decode(envelope.payload, type=ToolResult)
-                    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-                        return _text_error(f"the tool bridge sent a bad result: {exc}")
-                    return {"content": outcome.content, "isError": outcome.is_error}
+                sent = msgspec.json.decode(envelope.payload, type=ToolResult)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                return _text_error(f"the tool bridge sent a bad result: {exc}")
+            return {"content": sent.content, "isError": sent.is_error}
+
+        try:
+            answer = await ctx.ask(
+                f"sage.v1.tool.result.{cid}",
+                lambda: ctx.publish(topic, message, on_behalf_of=proc.principal_id),
+                result,
+                deadline=ctx.config.limits.tool_timeout,
+            )
+        except BusError as exc:  # e.g. arguments over the payload limit
+            return _text_error(f"tool {name!r} could not be called: {exc}")
+        if answer is not None:
+            return answer
         return _text_error(f"tool {name!r} did not answer in time")

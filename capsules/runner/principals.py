@@ -29,8 +29,9 @@ from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
-from capsules.runner.command import write_private
 from sage.config import NAME_PATTERN, PrincipalConfig
+from sage.errors import SageError
+from sage.files import write_replace
 
 __all__ = (
     "FIELDS",
@@ -55,13 +56,10 @@ FIELDS: Final = ("interaction_mode", "auth_mode", "model", "max_turns")
 MAX_FILE: Final = 64 * 1024
 
 
-class SettingsError(Exception):
+class SettingsError(SageError):
     """A principal's settings file cannot be used; ``code`` is the spawn rejection reason."""
 
     code = "settings_error"
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
 
 
 class SettingsCorrupt(SettingsError):
@@ -166,7 +164,7 @@ def save(state_dir: Path, settings: PrincipalSettings) -> None:
     stamped = msgspec.structs.replace(
         settings, schema_version=SCHEMA_VERSION, updated_at=time.time()
     )
-    write_private(settings_path(state_dir, settings.principal_id), encode(stamped))
+    write_replace(settings_path(state_dir, settings.principal_id), encode(stamped))
 
 
 def apply(base: PrincipalConfig, settings: PrincipalSettings | None) -> PrincipalConfig:

@@ -8,6 +8,11 @@ Requests (each answered with ``{"ok": true, ...}`` or ``{"ok": false,
 - ``sage.v1.request.stop.<sid>``, ``sage.v1.request.interrupt.<sid>``
 - ``sage.v1.request.sessions`` ``{}``: the caller's sessions (all for an admin)
 
+The principals' administration (settings, install, the principals listing)
+is :mod:`capsules.runner.admin`; tool-call approvals and hook callbacks are
+:mod:`capsules.runner.approving`.  The runner subscribes for them and routes
+their requests there.
+
 Who may do what: a request carries the principal the bus verified for the
 caller's connection (``None`` for an admin uid or an in-process capsule).
 A caller acts only for its own principal; an admin for any.
@@ -24,7 +29,6 @@ resume = true``) or ended with reason ``supervisor_restart``.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import signal
 import time
@@ -39,15 +43,8 @@ import msgspec
 import structlog
 
 from bus import BusError, Envelope
-from capsules.runner import principals
-from capsules.runner.approvals import (
-    Approvals,
-    Decision,
-    Pending,
-    UnknownApproval,
-    matches,
-    valid_rule,
-)
+from capsules.runner.admin import Admin
+from capsules.runner.approving import ApprovalDesk
 from capsules.runner.command import (
     Launch,
     build_launch,
@@ -59,21 +56,14 @@ from capsules.runner.command import (
 from capsules.runner.history import EventHistory
 from capsules.runner.mcp import McpServer
 from capsules.runner.messages import (
-    ApprovalResponse,
-    ApprovalsRequest,
-    ApproveRequest,
     IdentitySaved,
-    InstallComplete,
-    InstallRequest,
-    InstallStatus,
     SendRequest,
     SessionRequest,
     SessionsRequest,
-    SettingsPatch,
     SpawnRequest,
     ToolsChanged,
 )
-from capsules.runner.principals import PrincipalSettings, SettingsError
+from capsules.runner.principals import SettingsError
 from capsules.runner.session import ClaudeProcess, Ending, SessionError
 from sage.claude.binary import (
     Support,
@@ -93,29 +83,16 @@ from sage.config import NAME_PATTERN, Config, PrincipalConfig
 from sage.daemon.capsule_host import CapsuleContext
 from sage.errors import ConfigError, SageError
 from sage.security.runas import SessionUids
-from sage.security.secrets import API_KEY, SecretError, SecretStore, principal_namespace
 
 __all__ = ("Runner", "SessionRecord", "run")
 
 log = structlog.get_logger("sage.runner")
 
 LIVE = ("running", "interrupted")
-HOOK_NAMES = {
-    "PreToolUse": "before_tool_call",
-    "PostToolUse": "after_tool_call",
-    "UserPromptSubmit": "message_received",
-    "Stop": "session_end",
-    "SubagentStop": "subagent_stop",
-}
 HOOKS = {
     name: [HookMatcher(None, [f"hook_{name}"])]
     for name in ("PreToolUse", "PostToolUse", "UserPromptSubmit", "Stop", "SubagentStop")
 }
-
-
-INSTALL_DEADLINE = 30.0
-"""Seconds the installer has to answer an install or relink."""
-INSTALL_MARKER = Path(".astrid") / "install.json"
 
 
 class SessionRecord(msgspec.Struct, kw_only=True):
@@ -169,14 +146,22 @@ class Runner:
         self.ctx = ctx
         self.sessions: dict[str, _Session] = {}
         self.mcp = McpServer(ctx)
-        self._locks: dict[str, anyio.Lock] = {}
-        """One per principal: installs and settings changes of a principal run one at a time."""
-        self._secrets: SecretStore | None = None
+        self.admin = Admin(
+            ctx,
+            publish=self._publish,
+            audit=self.audit,
+            sessions_of=lambda name: sum(
+                1 for s in self.sessions.values() if s.record.principal_id == name
+            ),
+            refresh_identity=self._refresh_identity,
+        )
+        self.desk = ApprovalDesk(
+            ctx, rules=self.admin, publish=self._publish, event=self._event, audit=self.audit
+        )
         self.binary: Path | None = None
         self.version = ""
         self.verdict: Verdict | None = None  # None: the version could not be read
         self.history = EventHistory()
-        self.approvals = Approvals()
         self._version_checked = anyio.Event()
         self._tg: anyio.abc.TaskGroup | None = None
 
@@ -195,11 +180,11 @@ class Runner:
             "sage.v1.request.interrupt.*": self._interrupt,
             "sage.v1.request.sessions": self._list,
             "sage.v1.request.session.*": self._session,
-            "sage.v1.request.approvals": self._approvals,
-            "sage.v1.request.approve.*": self._approve,
-            "sage.v1.request.settings.set": self._settings,
-            "sage.v1.request.install": self._install,
-            "sage.v1.request.principals": self._principals,
+            "sage.v1.request.approvals": self.desk.listing,
+            "sage.v1.request.approve.*": self.desk.approve,
+            "sage.v1.request.settings.set": self.admin.set_settings,
+            "sage.v1.request.install": self.admin.install,
+            "sage.v1.request.principals": self.admin.list_principals,
         }
         self._resolve_binary()
         # subscribed before anything else: requests that come during the
@@ -309,255 +294,17 @@ class Runner:
         except SageError as exc:
             log.error("runner.record_failed", session_id=record.session_id, error=str(exc))
 
-    # -- principals: settings, install, secrets -------------------------------------
-
-    async def _migrate_settings(self) -> None:
-        """Move the state-store patches of earlier releases (schema 0) into settings files."""
-        store, state_dir = self.ctx.state, self.config.state_dir
-        for name, value in await store.items("settings"):
-            if isinstance(value, dict) and self.config.principal(name) is not None:
-                try:
-                    if principals.load(state_dir, name) is None:
-                        data = msgspec.json.encode(value)
-                        principals.save(state_dir, principals.decode(data, name))
-                        log.info("runner.settings_migrated", principal_id=name)
-                except (SettingsError, OSError) as exc:
-                    log.error("runner.settings_not_migrated", principal_id=name, error=str(exc))
-                    continue
-            await store.delete("settings", name)
+    # -- principals: the session side's way to the administration ------------------
 
     def principal(self, name: str) -> PrincipalConfig | None:
-        """The principal as configured, with its stored settings in force.
-
-        None when no principal of that name is configured; raises
-        :class:`SettingsError` when its settings file is corrupt or too new."""
-        base = self.config.principal(name)
-        if base is None:
-            return None
-        return principals.apply(base, principals.load(self.config.state_dir, name))
-
-    def _configured(self, request: Envelope, name: str) -> PrincipalConfig:
-        if not _check_id(name):
-            raise SessionError("invalid_principal", "principal ids are 1-64 of [A-Za-z0-9_-]")
-        if request.principal not in (None, name):
-            raise SessionError("not_authorized", f"you may not act for principal {name!r}")
-        base = self.config.principal(name)
-        if base is None:
-            raise SessionError(
-                "unknown_principal",
-                f"no principal {name!r} is configured (declare it under [[principals]]"
-                " in supervisor.toml)",
-            )
-        return base
-
-    def _lock(self, name: str) -> anyio.Lock:
-        return self._locks.setdefault(name, anyio.Lock())
-
-    def secrets(self) -> SecretStore:
-        if self._secrets is None:
-            self._secrets = SecretStore.open(self.config)
-        return self._secrets
+        """The principal with its stored settings in force (see :meth:`Admin.principal`)."""
+        return self.admin.principal(name)
 
     async def _principal_key(self, name: str) -> str | None:
-        """The principal's stored key; read in a thread (SQLite), as the llm capsule does."""
-        store = self.secrets()
-        try:
-            return await anyio.to_thread.run_sync(store.get, principal_namespace(name), API_KEY)
-        except SecretError as exc:
-            raise SessionError("api_key_unreadable", str(exc)) from None
+        return await self.admin.principal_key(name)
 
-    async def _installer(
-        self, topic: str, name: str, settings: PrincipalSettings, *, force: bool = False
-    ) -> InstallComplete | None:
-        """Ask the installer to (re)write ``name``'s files; None when no installer runs.
-
-        Its steps are relayed to the principal's users on
-        ``sage.v1.event.install.status``; the answer is the one
-        ``install.complete`` with this request's id."""
-        if not self.ctx.bus.has_subscribers(topic):
-            return None
-        rid = uuid.uuid4().hex
-        config = {f: getattr(settings, f) for f in principals.FIELDS}
-        payload: dict[str, Any] = {"principal_id": name, "request_id": rid, "config": config}
-        if force:
-            payload["force"] = True
-        with self.ctx.subscribe("sage.v1.install.*") as answers:
-            self._publish(topic, payload, name)
-            with anyio.move_on_after(INSTALL_DEADLINE):
-                async for envelope in answers:
-                    kind = envelope.topic.rsplit(".", 1)[1]
-                    try:
-                        if kind == "status":
-                            step = msgspec.json.decode(envelope.payload, type=InstallStatus)
-                            if step.request_id == rid:
-                                self._publish(
-                                    "sage.v1.event.install.status",
-                                    {"principal_id": name, "request_id": rid, "step": step.step},
-                                    name,
-                                )
-                        elif kind == "complete":
-                            done = msgspec.json.decode(envelope.payload, type=InstallComplete)
-                            if done.request_id == rid:
-                                return done
-                    except (msgspec.ValidationError, msgspec.DecodeError):
-                        continue
-        raise SessionError(
-            "install_timeout", f"the installer did not finish {name!r} in {INSTALL_DEADLINE:g} s"
-        )
-
-    def _changed(self, name: str, before: PrincipalConfig, after: PrincipalConfig) -> None:
-        previous, new = principals.view(before), principals.view(after)
-        if previous == new:
-            return
-        self._publish(
-            "sage.v1.settings.changed",
-            {"principal_id": name, "config": new, "schema_version": principals.SCHEMA_VERSION},
-        )
-        self.audit(
-            "settings_changed",
-            {"principal_id": name, "previous_config": previous, "new_config": new},
-        )
-
-    async def _settings(self, request: Envelope) -> dict[str, Any]:
-        patch = msgspec.json.decode(request.payload, type=SettingsPatch)
-        name = patch.principal_id
-        base = self._configured(request, name)
-        changes = {f: getattr(patch, f) for f in principals.FIELDS if getattr(patch, f) is not None}
-        add, remove = list(patch.allow_add or ()), list(patch.allow_remove or ())
-        bad = [r for r in add + remove if not valid_rule(r)]
-        if bad:
-            raise SessionError("bad_request", f"not a tool-name pattern: {', '.join(bad)}")
-        if not changes and not add and not remove and patch.identity is None:
-            raise SessionError("bad_request", "the patch changes nothing")
-        if patch.identity is not None:
-            await self._set_identity(name, patch.identity)
-        if not changes:  # only allow rules or the identity: no files to rewrite
-            rules = await self._change_rules(name, add=add, remove=remove)
-            view = principals.view(self.principal(name) or base)
-            return {
-                "ok": True,
-                "principal_id": name,
-                "config": view,
-                "allow_rules": rules,
-                "relinked": False,
-                "changed": [],
-            }
-        async with self._lock(name):
-            try:
-                stored = principals.load(self.config.state_dir, name)
-                before = principals.apply(base, stored)
-                new = principals.patched(principals.of(before, stored), changes)
-            except SettingsError as exc:
-                raise SessionError(exc.code, str(exc)) from None
-            # the files first: a failed relink leaves the settings as they were
-            done = await self._installer("sage.v1.install.relink", name, new)
-            if done is not None and not done.success:
-                raise SessionError("relink_failed", done.error or "the installer failed")
-            try:
-                principals.save(self.config.state_dir, new)
-            except OSError as exc:
-                raise SessionError("state_error", f"the settings were not saved: {exc}") from None
-            after = principals.apply(base, new)
-            self._changed(name, before, after)
-        rules = await self._change_rules(name, add=add, remove=remove)
-        return {
-            "ok": True,
-            "principal_id": name,
-            "config": principals.view(after),
-            "allow_rules": rules,
-            "relinked": done is not None,
-            "changed": done.changed if done is not None else [],
-        }
-
-    async def _install(self, request: Envelope) -> dict[str, Any]:
-        req = msgspec.json.decode(request.payload, type=InstallRequest)
-        name = req.principal_id
-        base = self._configured(request, name)
-        changes = {f: getattr(req, f) for f in principals.FIELDS if getattr(req, f) is not None}
-        key = (req.api_key or "").strip()  # empty: nothing to store
-        async with self._lock(name):
-            try:
-                stored = principals.load(self.config.state_dir, name)
-            except SettingsError as exc:
-                if not req.force:
-                    raise SessionError(
-                        exc.code, f"{exc} (`astrid sage install {name} --force` rewrites it)"
-                    ) from None
-                stored = None
-            before = principals.apply(base, stored)
-            try:
-                new = principals.patched(principals.of(before, stored), changes)
-            except SettingsError as exc:
-                raise SessionError("bad_request", str(exc)) from None
-            if key and new.auth_mode != "api_key":
-                raise SessionError("bad_request", "an API key is only used with auth_mode api_key")
-            done = await self._installer("sage.v1.install.run", name, new, force=req.force)
-            if done is None:
-                raise SessionError(
-                    "installer_unavailable",
-                    'no installer capsule is running (add "installer" to supervisor.capsules)',
-                )
-            if not done.success:
-                raise SessionError("install_failed", done.error or "the installer failed")
-            namespace = principal_namespace(name)
-            try:
-                store = self.secrets()
-                if key:
-                    await anyio.to_thread.run_sync(store.put, namespace, API_KEY, key)
-                key_stored = await anyio.to_thread.run_sync(store.has, namespace, API_KEY)
-            except SecretError as exc:
-                raise SessionError("secret_store_failed", str(exc)) from None
-            try:
-                principals.save(self.config.state_dir, new)
-            except OSError as exc:
-                raise SessionError("state_error", f"the settings were not saved: {exc}") from None
-            after = principals.apply(base, new)
-            self._changed(name, before, after)
-        return {
-            "ok": True,
-            "principal_id": name,
-            "home_path": done.home_path,
-            "config": principals.view(after),
-            "changed": done.changed,
-            "key_stored": key_stored,
-        }
-
-    async def _principals(self, request: Envelope) -> dict[str, Any]:
-        rows: list[dict[str, Any]] = []
-        for base in self.config.principals:
-            if request.principal not in (None, base.name):
-                continue
-            home = self.config.home_of(base)
-            row: dict[str, Any] = {"principal_id": base.name, "uids": base.uids, "home": str(home)}
-            try:
-                row.update(principals.view(self.principal(base.name) or base), settings="ok")
-            except SettingsError as exc:
-                row.update(principals.view(base), settings=exc.code, settings_error=str(exc))
-            row["installed"] = False
-            try:
-                marker = msgspec.json.decode((home / INSTALL_MARKER).read_bytes())
-            except (OSError, msgspec.DecodeError):
-                marker = None
-            if isinstance(marker, dict):
-                row.update(
-                    installed=True,
-                    installed_at=marker.get("installed_at"),
-                    artifact_version=marker.get("artifact_version"),
-                )
-            try:
-                store = self.secrets()
-                row["key_stored"] = await anyio.to_thread.run_sync(
-                    store.has, principal_namespace(base.name), API_KEY
-                )
-            except SecretError:
-                row["key_stored"] = None  # the store cannot be read: say so, not "no"
-            row["operator_key"] = base.operator_key
-            row["allow_rules"] = self._allow_rules(base.name)
-            row["sessions"] = sum(
-                1 for s in self.sessions.values() if s.record.principal_id == base.name
-            )
-            rows.append(row)
-        return {"ok": True, "principals": rows}
+    async def _migrate_settings(self) -> None:
+        await self.admin.migrate_settings()
 
     async def _reconcile(self) -> None:
         """Sessions the last supervisor left live: resume them or end them."""
@@ -1169,173 +916,12 @@ class Runner:
     async def can_use_tool(
         self, proc: ClaudeProcess, request: CanUseToolRequest
     ) -> tuple[bool, str]:
-        """Decide a tool call that is not pre-allowed: an allow rule of the principal,
-        else the people listening on ``approval.v1.request.*`` (the first decision
-        wins, by ``sage.v1.request.approve.<cid>`` or ``approval.v1.response.<cid>``),
-        else deny; each outcome is an ``approval`` event and a ``tool_call`` audit."""
-        cid = uuid.uuid4().hex
-        topic = f"approval.v1.request.{cid}"
-        timeout = self.config.limits.approval_timeout
-        rule = matches(self._allow_rules(proc.principal_id), request.tool_name)
-        if rule is not None:
-            decision = Decision(True, "", "allow_rule")
-        elif not (
-            self.ctx.bus.has_subscribers(topic)
-            or self.ctx.bus.has_subscribers(
-                f"sage.v1.approver.{proc.session_id}", principal=proc.principal_id
-            )
-        ):  # nobody who may answer: no admin or capsule, no approver of the session's own
-            decision = Decision(False, "no approver is listening", "no_approver")
-        else:
-            pending = self.approvals.open(
-                cid,
-                session_id=proc.session_id,
-                principal_id=proc.principal_id,
-                tool_name=request.tool_name,
-                arguments=request.input,
-                tool_use_id=request.tool_use_id,
-                timeout=timeout,
-            )
-            try:
-                with self.ctx.subscribe(f"approval.v1.response.{cid}") as answers:
-                    asked = {
-                        "approval_id": cid,
-                        "session_id": proc.session_id,
-                        "principal_id": proc.principal_id,
-                        "tool_name": request.tool_name,
-                        "arguments": request.input,
-                        "tool_use_id": request.tool_use_id,
-                        "expires_at": pending.deadline,
-                    }
-                    self._publish(topic, asked)
-                    # the session's own clients (astrid sage send, watch) see it too,
-                    # and answer with sage.v1.request.approve.<cid>
-                    self._event(
-                        proc.session_id,
-                        "approval_request",
-                        {**asked, "turn": proc.turn.finished + 1},
-                        proc.principal_id,
-                    )
-                    with anyio.move_on_after(timeout):
-                        async with anyio.create_task_group() as tg:
-                            tg.start_soon(self._published_answers, answers, pending)
-                            await pending.done.wait()
-                            tg.cancel_scope.cancel()
-            finally:
-                self.approvals.close(cid)
-            decision = pending.decision or Decision(False, "no approver answered", "timeout")
-        self._event(
-            proc.session_id,
-            "approval",
-            {
-                "approval_id": cid,
-                "tool_name": request.tool_name,
-                "tool_use_id": request.tool_use_id,
-                "allowed": decision.allowed,
-                "source": decision.source,
-                "reason": decision.reason,
-                **({"rule": rule} if rule is not None else {}),
-                "turn": proc.turn.finished + 1,
-            },
-            proc.principal_id,
-        )
-        self.audit(
-            "tool_call",
-            {
-                "principal_id": proc.principal_id,
-                "session_id": proc.session_id,
-                "call_id": cid,
-                "tool_use_id": request.tool_use_id,
-                "tool_name": request.tool_name,
-                "allowed": decision.allowed,
-                "decision_source": _SOURCES.get(decision.source, decision.source),
-                **({"rule": rule} if rule is not None else {}),
-            },
-        )
-        why = decision.reason or ("" if decision.allowed else "denied by approver")
-        return decision.allowed, why
+        return await self.desk.can_use_tool(proc, request)
 
-    async def _published_answers(self, answers: Any, pending: Pending) -> None:
-        """The older way to answer: a publish on ``approval.v1.response.<cid>``."""
-        async for answer in answers:
-            try:
-                msg = msgspec.json.decode(answer.payload, type=ApprovalResponse)
-            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-                # a typo (allowd) must not pass for a decision, nor vanish unseen
-                self.audit(
-                    "approval_malformed",
-                    {"approval_id": pending.cid, "source": answer.source, "error": str(exc)},
-                )
-                continue
-            with contextlib.suppress(UnknownApproval):
-                self.approvals.decide(
-                    pending.cid,
-                    answer.principal,
-                    Decision(msg.allowed, msg.reason or "", "approver"),
-                )
-                return
-
-    def _allow_rules(self, principal: str) -> list[str]:
-        try:
-            stored = principals.load(self.config.state_dir, principal)
-        except SettingsError:
-            return []  # a corrupt file allows nothing more
-        return list(stored.allow_rules) if stored is not None else []
-
-    async def _approvals(self, request: Envelope) -> dict[str, Any]:
-        msgspec.json.decode(request.payload or b"{}", type=ApprovalsRequest)
-        return {"ok": True, "approvals": self.approvals.listing(request.principal)}
-
-    async def _approve(self, request: Envelope) -> dict[str, Any]:
-        cid = request.topic.rsplit(".", 1)[1]
-        req = msgspec.json.decode(request.payload, type=ApproveRequest)
-        rule = req.rule or None
-        if req.always and not req.allowed:
-            raise SessionError("bad_request", "always applies to an approval, not a denial")
-        if rule is not None and not valid_rule(rule):
-            raise SessionError("bad_request", f"{rule!r} is not a tool-name pattern")
-        try:
-            pending = self.approvals.check(cid, request.principal)
-            added = None
-            if req.always:  # the rule first: the next call of the turn must find it
-                added = rule or pending.tool_name
-                await self._change_rules(pending.principal_id, add=[added], remove=[])
-            self.approvals.decide(
-                cid, request.principal, Decision(req.allowed, req.reason or "", "approver")
-            )
-        except UnknownApproval as exc:
-            raise SessionError("unknown_approval", str(exc)) from None
-        return {
-            "ok": True,
-            "approval_id": cid,
-            "allowed": req.allowed,
-            "session_id": pending.session_id,
-            "tool_name": pending.tool_name,
-            **({"rule_added": added} if added is not None else {}),
-        }
-
-    async def _set_identity(self, name: str, text: str) -> None:
-        """Keep ``text`` as the principal's identity (``""``: back to the config's), audit
-        the change by digest, and respawn its live sessions so they take it up."""
-        try:
-            old = await self.ctx.state.get("identities", name)
-            if text.strip():
-                await self.ctx.state.put("identities", name, text)
-            else:
-                await self.ctx.state.delete("identities", name)
-        except SageError as exc:
-            raise SessionError("state_error", f"the identity was not saved: {exc}") from None
-
-        def digest(value: Any) -> str | None:
-            if not isinstance(value, str) or not value.strip():
-                return None
-            return hashlib.sha256(value.encode()).hexdigest()
-
-        self.audit(
-            "identity_changed",
-            {"principal_id": name, "before_sha256": digest(old), "after_sha256": digest(text)},
-        )
-        self._refresh_identity(name)
+    async def hook_callback(
+        self, proc: ClaudeProcess, request: HookCallbackRequest
+    ) -> dict[str, Any]:
+        return await self.desk.hook_callback(proc, request)
 
     def _refresh_identity(self, principal: str) -> None:
         """Respawn ``principal``'s live sessions (``--resume``) with the identity now in force."""
@@ -1344,57 +930,6 @@ class Runner:
                 session.respawn_reason = "identity_refresh"
                 assert self._tg is not None
                 self._tg.start_soon(session.proc.stop, "respawn")
-
-    async def _change_rules(self, name: str, *, add: list[str], remove: list[str]) -> list[str]:
-        """Change a principal's allow rules through the settings path (saved, audited)."""
-        base = self.config.principal(name)
-        if base is None:
-            raise SessionError("unknown_principal", f"no principal {name!r} is configured")
-        async with self._lock(name):
-            try:
-                stored = principals.load(self.config.state_dir, name)
-                current = stored or principals.of(base)
-                new = principals.with_rules(current, add, remove)
-            except SettingsError as exc:
-                raise SessionError(exc.code, str(exc)) from None
-            try:
-                principals.save(self.config.state_dir, new)
-            except OSError as exc:
-                raise SessionError("state_error", f"the rules were not saved: {exc}") from None
-            self.audit(
-                "allow_rules_changed",
-                {
-                    "principal_id": name,
-                    "before": list(current.allow_rules),
-                    "after": list(new.allow_rules),
-                },
-            )
-        return list(new.allow_rules)
-
-    async def hook_callback(
-        self, proc: ClaudeProcess, request: HookCallbackRequest
-    ) -> dict[str, Any]:
-        hook = str(
-            request.input.get("hook_event_name") or request.callback_id.removeprefix("hook_")
-        )
-        name = HOOK_NAMES.get(hook) or _snake(hook)
-        if _check_id(name):
-            self._publish(
-                f"hook.v1.event.{name}",
-                {
-                    "hook": hook,
-                    "payload": request.input,
-                    "correlation_id": request.tool_use_id,
-                    "principal_id": proc.principal_id,
-                    "session_id": proc.session_id,
-                    "decision_source": "in_band",
-                },
-            )
-        return {"continue": True}
-
-
-#: decision_source in tool_call audit entries, as before approvals had a table
-_SOURCES = {"approver": "approval", "timeout": "approval_timeout"}
 
 
 def _ended_row(record: SessionRecord) -> dict[str, Any]:
@@ -1419,15 +954,6 @@ def _ended_text(record: SessionRecord) -> str:
     if record.signal is not None:
         how = f"signal {record.signal}"
     return f"ended at {when} ({record.reason}{', ' + how if how else ''})"
-
-
-def _snake(name: str) -> str:
-    out = []
-    for i, ch in enumerate(name):
-        if ch.isupper() and i:
-            out.append("_")
-        out.append(ch.lower())
-    return "".join(out)
 
 
 async def _quietly(func: Any) -> None:

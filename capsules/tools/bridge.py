@@ -52,6 +52,7 @@ from bus import BusError, Envelope, Subscription
 from capsules.tools.catalogue import PREFIX, Catalogue, Change, Rejection, Tool
 from capsules.tools.policy import PolicyFile
 from sage import replies
+from sage.capsule.sdk import follow
 from sage.capsule.sessions import foreign_session
 from sage.daemon.capsule_host import CapsuleContext
 from sage.errors import SageError
@@ -169,20 +170,13 @@ class ToolBridge:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
                 for sub, handler in followed:
-                    tg.start_soon(self._follow, sub, handler)
+                    tg.start_soon(follow, sub, handler, self.log, "tools.handler_failed")
                 tg.start_soon(self._serve_calls, calls)
                 tg.start_soon(self._serve_direct, direct)
                 self._request_describe()
                 ctx.ready()
         finally:
             self._tg = None
-
-    async def _follow(self, envelopes: Subscription, handler: Callable[[Envelope], None]) -> None:
-        async for envelope in envelopes:
-            try:
-                handler(envelope)
-            except Exception as exc:  # one bad envelope never stops the bridge
-                self.log.exception("tools.handler_failed", topic=envelope.topic, error=str(exc))
 
     async def _serve_calls(self, calls: Subscription) -> None:
         async for envelope in calls:

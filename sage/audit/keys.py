@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
-import os
 from pathlib import Path
 from typing import Final
 
@@ -28,10 +26,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PublicKey,
 )
 
-from bus import BusError
-from bus.unix import ensure_private_dir
 from sage.errors import AuditError
-from sage.security.private import read_private
+from sage.files import ensure_private_dir, read_private, write_new, write_replace
 
 __all__ = (
     "KEY_FILENAME",
@@ -48,39 +44,7 @@ PUBLIC_KEY_FILENAME: Final = "audit_ed25519.pub"
 
 
 def _ensure_dir(keys_dir: Path) -> None:
-    try:
-        ensure_private_dir(keys_dir)
-    except BusError as exc:
-        raise AuditError(f"keys directory: {exc}") from exc
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_private(path: Path, data: bytes, mode: int) -> bool:
-    """Create ``path`` with ``data``; False when it already existed."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
-    try:
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            return False
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-    _fsync_dir(path.parent)
-    return True
+    ensure_private_dir(keys_dir, error=lambda message: AuditError(f"keys directory: {message}"))
 
 
 def _read_private(path: Path) -> bytes:
@@ -120,7 +84,7 @@ def load_signing_key(keys_dir: Path, *, create: bool = True) -> Ed25519PrivateKe
         serialization.NoEncryption(),
     )
     try:
-        created = _write_private(path, pem, 0o600)
+        created = write_new(path, pem)
     except OSError as exc:
         raise AuditError(f"{path}: cannot write the audit key: {exc.strerror}") from exc
     if not created:  # another process won the race; use its key
@@ -133,18 +97,9 @@ def _write_public(keys_dir: Path, key: Ed25519PublicKey, *, replace: bool) -> No
     pub_path = keys_dir / PUBLIC_KEY_FILENAME
     if not replace and pub_path.exists():
         return
-    tmp = pub_path.with_name(f".{pub_path.name}.{os.getpid()}.tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-        try:
-            os.write(fd, public_key_pem(key).encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, pub_path)
+        write_replace(pub_path, public_key_pem(key).encode(), mode=0o644)
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
         raise AuditError(f"{pub_path}: cannot write the public key: {exc.strerror}") from exc
 
 

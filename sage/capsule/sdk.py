@@ -71,6 +71,7 @@ __all__ = (
     "ToolCall",
     "ToolError",
     "context",
+    "follow",
     "input_schema",
     "required_patterns",
     "subscribe",
@@ -477,6 +478,22 @@ class Capsule:
                     error=f"{type(exc).__name__}: {exc}",
                     trace=traceback.format_exc(limit=8),
                 )
+
+
+async def follow(
+    envelopes: AsyncIterator[Envelope], handler: Callable[[Envelope], object], log: Any, event: str
+) -> None:
+    """Hand each envelope to the synchronous ``handler``, in order, until the subscription ends.
+
+    One that raises is logged as ``event`` with its topic, the error and its
+    traceback (``log.exception``), and the next envelope goes on: one bad
+    envelope never stops a capsule.
+    """
+    async for envelope in envelopes:
+        try:
+            handler(envelope)
+        except Exception as exc:
+            log.exception(event, topic=envelope.topic, error=f"{type(exc).__name__}: {exc}")
 
 
 def required_patterns(capsule: Capsule, name: str) -> tuple[list[str], list[str]]:

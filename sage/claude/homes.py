@@ -1,19 +1,18 @@
 """Principals' homes and keys, shared by the runner, the installer and the llm capsule.
 
 :func:`unsafe_home` says why a home must not be used (the ``claude`` child
-reads settings, command hooks included, from it); :func:`write_private`
-writes a file there atomically, 0600; :func:`read_api_key` finds the
+reads settings, command hooks included, from it); :func:`write_in_home`
+writes a file in a home another uid owns, atomically, never through a link; :func:`read_api_key` finds the
 operator's Anthropic key (a principal's own key is in :mod:`sage.security.secrets`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import secrets
 import stat
 from pathlib import Path
 
+from sage import files
 from sage.config import Config
 from sage.errors import ConfigError
 
@@ -25,7 +24,6 @@ __all__ = (
     "unreachable",
     "unsafe_home",
     "write_in_home",
-    "write_private",
 )
 
 API_KEY_CREDENTIAL = "anthropic-api-key"
@@ -147,7 +145,7 @@ def _may_execute(st: os.stat_result, uid: int, gids: set[int]) -> bool:
 def write_in_home(
     home: Path, rel: Path, data: bytes, uid: int, gid: int, *, mode: int = 0o600
 ) -> None:
-    """Write ``home/rel`` as :func:`write_private` does, owned by ``uid:gid`` (root only).
+    """Write ``home/rel`` as :func:`sage.files.write_replace` does, owned by ``uid:gid`` (root only).
 
     The home is the child's, so the supervisor never follows a link in it: each
     folder is opened with ``O_NOFOLLOW`` from the home down (made 0700 and
@@ -173,36 +171,6 @@ def write_in_home(
             fd = sub
             if os.fstat(fd).st_uid == os.getuid() != uid:  # made by the supervisor (the forge)
                 os.fchown(fd, uid, gid)
-        name = rel.parts[-1]
-        tmp = f".{name}.{secrets.token_hex(4)}.tmp"
-        out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=fd)
-        try:
-            with os.fdopen(out, "wb") as file:
-                os.fchown(file.fileno(), uid, gid)
-                os.fchmod(file.fileno(), mode)
-                file.write(data)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=fd)
-            raise
+        files.write_at(fd, rel.parts[-1], data, replace=True, owner=(uid, gid), mode=mode)
     finally:
         os.close(fd)
-
-
-def write_private(path: Path, data: bytes) -> None:
-    """Write ``path`` atomically (temp file, fsync, rename), mode 0600."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

@@ -53,18 +53,6 @@ def _groups() -> list[Any]:
     ]
 
 
-def add_common(parser: argparse.ArgumentParser, *, json_output: bool = True) -> None:
-    """Give a command the flags every command takes."""
-    parser.add_argument(
-        "--config",
-        metavar="FILE",
-        default=None,
-        help="supervisor.toml to use (default: $ASTRID_CONFIG, else the embedded defaults)",
-    )
-    if json_output:
-        parser.add_argument("--json", action="store_true", help="print JSON for programs")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="astrid",

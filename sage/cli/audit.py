@@ -31,7 +31,7 @@ from sage.audit import (
     tail,
     verify_audit,
 )
-from sage.cli import add_common
+from sage.cli._common import add_common
 from sage.cli._connect import config_of, print_json
 from sage.errors import AuditError
 

@@ -9,13 +9,12 @@ from typing import Any
 import msgspec
 
 from bus import BusError, Envelope
+from sage.cli._common import add_common
 from sage.cli._connect import connect, print_json
 from sage.errors import SageError
 
 
 def register(sub: Any) -> None:
-    from sage.cli import add_common
-
     group = sub.add_parser("bus", help="publish, subscribe and send requests on the bus")
     commands = group.add_subparsers(dest="action", metavar="ACTION", required=True)
 

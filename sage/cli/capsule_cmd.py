@@ -10,6 +10,7 @@ import msgspec
 
 from bus import NoResponders
 from sage import replies
+from sage.cli._common import add_common
 from sage.cli._connect import connect, print_json
 from sage.errors import SageError
 from sage.replies import ReplyError
@@ -21,8 +22,6 @@ CHANGE_DEADLINE = 30.0
 
 
 def register(sub: Any) -> None:
-    from sage.cli import add_common
-
     group = sub.add_parser(
         "capsule", help="capsules: list, install, restart and remove them (admins)"
     )

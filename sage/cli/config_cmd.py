@@ -15,14 +15,13 @@ import difflib
 import fnmatch
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from sage.cli._connect import print_json
 from sage.config import Config, load_config
-from sage.daemon.capsule_host import capsule_folder, load_manifest
+from sage.daemon.capsule_host import builtin_capsules_dir, capsule_folder, load_manifest
 from sage.errors import ConfigError
 
 #: Claude Code's own tools: kept in step with the installer's deny list.
@@ -67,10 +66,8 @@ def problems(config: Config) -> tuple[list[str], list[str]]:
     errors: list[str] = []
     warnings: list[str] = []
     tools: set[str] = set()
-    import capsules
-
     built_in = sorted(
-        p.name for p in Path(capsules.__file__).parent.iterdir() if (p / "Capsule.toml").is_file()
+        p.name for p in builtin_capsules_dir().iterdir() if (p / "Capsule.toml").is_file()
     )
     for name in config.supervisor.capsules:
         folder = capsule_folder(name)

@@ -32,6 +32,7 @@ from sage.claude.binary import (
     support,
 )
 from sage.claude.hooks import hooks_known_by
+from sage.cli._common import add_common
 from sage.cli._connect import print_json
 from sage.config import Config, load_config
 from sage.errors import ConfigError, ProcessError
@@ -88,8 +89,6 @@ class Check(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def register(sub: Any) -> None:
-    from sage.cli import add_common
-
     doctor = sub.add_parser(
         "doctor",
         help="check that this host can run the supervisor",

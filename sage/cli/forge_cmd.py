@@ -32,6 +32,7 @@ import msgspec
 
 from bus import NoResponders
 from sage import replies
+from sage.cli._common import add_common
 from sage.cli._connect import config_of, connect, print_json
 from sage.errors import SageError
 
@@ -42,8 +43,6 @@ DEADLINE = 10.0
 
 
 def register(sub: Any) -> None:
-    from sage.cli import add_common
-
     group = sub.add_parser(
         "forge",
         help="forged tools: list, show, run, promote, rm, runs, secrets",

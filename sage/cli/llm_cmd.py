@@ -22,6 +22,7 @@ import msgspec
 
 from bus import BusClient, NoResponders, RemoteSubscription
 from sage import replies
+from sage.cli._common import add_common
 from sage.cli._connect import config_of, connect, print_json
 from sage.errors import SageError
 from sage.replies import ReplyError
@@ -38,8 +39,6 @@ _NO_PROVIDER = "no completion provider is running (is `llm` in supervisor.capsul
 
 
 def register(sub: Any) -> None:
-    from sage.cli import add_common
-
     group = sub.add_parser(
         "llm",
         help="one completion from the Messages API provider (llm capsule)",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from sage.cli._common import add_common
 from sage.cli._connect import config_of
 from sage.errors import SageError
 
@@ -12,8 +13,6 @@ __all__ = ("register",)
 
 
 def register(sub: Any) -> None:
-    from sage.cli import add_common
-
     group = sub.add_parser(
         "mcp",
         help="MCP servers for Claude Code sessions sage does not run itself",

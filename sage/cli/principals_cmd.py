@@ -21,8 +21,8 @@ import anyio
 import msgspec
 
 from bus import BusError
+from sage.cli._common import call_runner
 from sage.cli._connect import connect, print_json
-from sage.cli.sage_cmd import _call
 from sage.errors import SageError
 
 __all__ = ("register",)
@@ -130,7 +130,7 @@ async def _install(args: argparse.Namespace) -> int:
     async with connect(args) as client:
         current = None
         if not (args.api_key_stdin or args.no_api_key):
-            listing = await _call(client, "sage.v1.request.principals", {}, 10.0)
+            listing = await call_runner(client, "sage.v1.request.principals", {}, 10.0)
             current = next(
                 (p for p in listing["principals"] if p["principal_id"] == args.principal_id),
                 None,
@@ -144,7 +144,7 @@ async def _install(args: argparse.Namespace) -> int:
         async with anyio.create_task_group() as tg:
             if steps is not None and not args.json:
                 tg.start_soon(_progress, steps, args.principal_id)
-            data = await _call(client, "sage.v1.request.install", payload, INSTALL_TIMEOUT)
+            data = await call_runner(client, "sage.v1.request.install", payload, INSTALL_TIMEOUT)
             tg.cancel_scope.cancel()
     if args.json:
         print_json(data)
@@ -167,7 +167,7 @@ async def _progress(steps: Any, principal: str) -> None:
 
 async def _principals(args: argparse.Namespace) -> int:
     async with connect(args) as client:
-        data = await _call(client, "sage.v1.request.principals", {}, 10.0)
+        data = await call_runner(client, "sage.v1.request.principals", {}, 10.0)
     rows = data["principals"]
     if args.json:
         print_json(rows)
@@ -203,11 +203,13 @@ async def _repl(args: argparse.Namespace) -> int:
     config = config_of(args)
     name = args.principal_id
     async with connect(args) as client:
-        listing = await _call(client, "sage.v1.request.principals", {}, 10.0)
+        listing = await call_runner(client, "sage.v1.request.principals", {}, 10.0)
         row = next((p for p in listing["principals"] if p["principal_id"] == name), None)
         if row is None:
             raise SageError(f"unknown_principal: no principal {name!r} you may act for")
-        opened = await _call(client, "sage.v1.request.repl.open", {"principal_id": name}, 10.0)
+        opened = await call_runner(
+            client, "sage.v1.request.repl.open", {"principal_id": name}, 10.0
+        )
     sid, token, home = opened["session_id"], opened["token"], opened["home"]
     try:  # from here on the token is closed however this ends
         env = {
@@ -262,4 +264,4 @@ async def _repl(args: argparse.Namespace) -> int:
     finally:
         with anyio.CancelScope(shield=True), contextlib.suppress(BusError, SageError, OSError):
             async with connect(args) as client:
-                await _call(client, "sage.v1.request.repl.close", {"session_id": sid}, 10.0)
+                await call_runner(client, "sage.v1.request.repl.close", {"session_id": sid}, 10.0)

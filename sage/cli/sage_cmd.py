@@ -19,8 +19,8 @@ from typing import Any
 import anyio
 import msgspec
 
-from bus import BusError, NoResponders
-from sage import replies
+from bus import BusError
+from sage.cli._common import add_common, call_runner
 from sage.cli._connect import connect, print_json
 from sage.errors import SageError
 
@@ -30,8 +30,6 @@ SPAWN_TIMEOUT = 30.0
 
 
 def register(sub: Any) -> None:
-    from sage.cli import add_common
-
     group = sub.add_parser(
         "sage",
         help="Claude sessions: spawn, send, watch, interrupt, stop, list",
@@ -187,16 +185,6 @@ def _common(parser: argparse.ArgumentParser, add_common: Any, *, json_output: bo
     add_common(parser, json_output=json_output)
 
 
-async def _call(client: Any, topic: str, payload: Any, deadline: float) -> dict[str, Any]:
-    try:
-        reply = await client.request(topic, payload, deadline=deadline)
-    except NoResponders:
-        raise SageError(
-            "no session runner is running (is `runner` in supervisor.capsules?)"
-        ) from None
-    return replies.parse(reply.payload)  # a failure raises ReplyError: "CODE: MESSAGE"
-
-
 async def _spawn(args: argparse.Namespace) -> int:
     payload: dict[str, Any] = {"principal_id": args.principal_id}
     if args.session:
@@ -204,7 +192,7 @@ async def _spawn(args: argparse.Namespace) -> int:
     if args.message:
         payload["initial_message"] = args.message
     async with connect(args) as client:
-        data = await _call(client, "sage.v1.request.spawn", payload, SPAWN_TIMEOUT)
+        data = await call_runner(client, "sage.v1.request.spawn", payload, SPAWN_TIMEOUT)
     if args.json:
         print_json(data)
     else:
@@ -222,7 +210,7 @@ async def _send(args: argparse.Namespace) -> int:
             await client.subscribe(f"sage.v1.approver.{sid}")
         # Ctrl-C is ours from before the turn is sent: its first text may already be here
         with anyio.open_signal_receiver(signal.SIGINT) as signals:
-            sent = await _call(client, f"sage.v1.request.send.{sid}", {"text": text}, 10.0)
+            sent = await call_runner(client, f"sage.v1.request.send.{sid}", {"text": text}, 10.0)
             turn = _Turn(client, sid, int(sent.get("turn") or 0), json_output=args.json)
             turn.approve = approve
             with anyio.fail_after(args.timeout or None):
@@ -413,7 +401,7 @@ class _Turn:
 
     async def _answer(self, cid: str, answer: dict[str, Any]) -> None:
         try:
-            await _call(self.client, f"sage.v1.request.approve.{cid}", answer, 10.0)
+            await call_runner(self.client, f"sage.v1.request.approve.{cid}", answer, 10.0)
         except (SageError, BusError) as exc:
             print(f"astrid: the answer was not taken: {exc}", file=sys.stderr, flush=True)
 
@@ -435,7 +423,7 @@ class _Turn:
 
     async def _interrupt(self) -> None:
         try:
-            await _call(self.client, f"sage.v1.request.interrupt.{self.sid}", {}, 10.0)
+            await call_runner(self.client, f"sage.v1.request.interrupt.{self.sid}", {}, 10.0)
         except (SageError, BusError) as exc:
             print(f"astrid: interrupt failed: {exc}", file=sys.stderr)
 
@@ -447,7 +435,7 @@ def event_line(name: str, ts: float | None, data: Any) -> dict[str, Any]:
 
 async def _sessions(args: argparse.Namespace) -> int:
     async with connect(args) as client:
-        data = await _call(client, "sage.v1.request.sessions", {"all": args.all}, 5.0)
+        data = await call_runner(client, "sage.v1.request.sessions", {"all": args.all}, 5.0)
     rows = data["sessions"]
     if args.json:
         print_json(rows)
@@ -496,7 +484,7 @@ async def _watch(args: argparse.Namespace) -> int:
     async with connect(args) as client:
         events = await client.subscribe(f"sage.v1.event.{args.session}.>")
         # after subscribing: nothing between the replay and the live events is lost
-        found = await _call(
+        found = await call_runner(
             client,
             f"sage.v1.request.session.{args.session}",
             {"replay": max(0, min(args.replay, 256))},
@@ -531,7 +519,7 @@ async def _approvals(args: argparse.Namespace) -> int:
     async with connect(args) as client:
         if args.watch:
             return await _watch_approvals(client)
-        data = await _call(client, "sage.v1.request.approvals", {}, 10.0)
+        data = await call_runner(client, "sage.v1.request.approvals", {}, 10.0)
     rows = data["approvals"]
     if args.json:
         print_json(rows)
@@ -560,7 +548,7 @@ async def _watch_approvals(client: Any) -> int:
         if answer is None:
             return 0
         try:
-            await _call(
+            await call_runner(
                 client, f"sage.v1.request.approve.{request.get('approval_id')}", answer, 10.0
             )
         except SageError as exc:
@@ -577,7 +565,9 @@ async def _decide(args: argparse.Namespace) -> int:
         if args.rule:
             answer["rule"] = args.rule
     async with connect(args) as client:
-        data = await _call(client, f"sage.v1.request.approve.{args.approval_id}", answer, 10.0)
+        data = await call_runner(
+            client, f"sage.v1.request.approve.{args.approval_id}", answer, 10.0
+        )
     if args.json:
         print_json(data)
     else:
@@ -613,7 +603,7 @@ async def _settings(args: argparse.Namespace) -> int:
             raise SageError(f"--identity {args.identity}: cannot read it: {exc}") from None
     async with connect(args) as client:
         if len(patch) == 1:  # no change asked: show the settings in force
-            listing = await _call(client, "sage.v1.request.principals", {}, 10.0)
+            listing = await call_runner(client, "sage.v1.request.principals", {}, 10.0)
             row = next(
                 (r for r in listing["principals"] if r["principal_id"] == args.principal_id),
                 None,
@@ -628,7 +618,7 @@ async def _settings(args: argparse.Namespace) -> int:
                 "allow_rules": row.get("allow_rules", []),
             }
         else:
-            data = await _call(client, "sage.v1.request.settings.set", patch, 10.0)
+            data = await call_runner(client, "sage.v1.request.settings.set", patch, 10.0)
     if args.json:
         print_json(data)
     else:
@@ -639,7 +629,7 @@ async def _settings(args: argparse.Namespace) -> int:
 
 async def _simple(args: argparse.Namespace) -> int:
     async with connect(args) as client:
-        data = await _call(client, f"sage.v1.request.{args.verb}.{args.session}", {}, 30.0)
+        data = await call_runner(client, f"sage.v1.request.{args.verb}.{args.session}", {}, 30.0)
     if args.json:
         print_json(data)
     else:

@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from sage.cli._common import add_common
 from sage.cli._connect import connect, print_json
 
 
 def register(sub: Any) -> None:
-    from sage.cli import add_common
-
     status = sub.add_parser(
         "status",
         help="show the running supervisor's state",

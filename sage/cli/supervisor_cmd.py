@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from sage.cli._common import add_common
 from sage.cli._connect import config_of
 
 
 def register(sub: Any) -> None:
-    from sage.cli import add_common
-
     group = sub.add_parser("supervisor", help="run the sage supervisor")
     commands = group.add_subparsers(dest="action", metavar="ACTION", required=True)
     run = commands.add_parser(

@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import enum
 import importlib
+import importlib.util
 import time
 import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import msgspec
@@ -51,10 +52,14 @@ __all__ = (
     "CapsuleState",
     "RestartPolicy",
     "WorkerSpec",
+    "builtin_capsules_dir",
+    "capsule_folder",
     "load_manifest",
 )
 
 log = structlog.get_logger("sage.daemon.capsule_host")
+
+T = TypeVar("T")
 
 
 class _Package(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -253,6 +258,32 @@ class CapsuleContext:
             self.identity, topic, payload, deadline=deadline, on_behalf_of=on_behalf_of
         )
 
+    async def ask(
+        self,
+        answers: str,
+        send: Callable[[], object],
+        answer: Callable[[Envelope], T | None],
+        *,
+        deadline: float,
+    ) -> T | None:
+        """Ask over plain topics: subscribe to ``answers``, ``send()``, then wait.
+
+        For a question whose answer comes as a publish on a topic of its own
+        (``...result.<cid>``) rather than as a bus reply.  Subscribing first means
+        no answer is missed however fast it comes.  ``answer`` turns each envelope
+        on ``answers`` into the answer, or None to keep waiting (another request's
+        answer, a progress step).  None when no answer came within ``deadline``
+        seconds; what ``send`` raises is raised.
+        """
+        with self.bus.subscribe(answers, self.identity) as envelopes:
+            send()
+            with anyio.move_on_after(deadline):
+                async for envelope in envelopes:
+                    found = answer(envelope)
+                    if found is not None:
+                        return found
+        return None
+
 
 CapsuleMain = Callable[[CapsuleContext], Awaitable[None]]
 
@@ -384,6 +415,16 @@ def capsule_folder(name_or_path: str) -> Path:
     """A built-in capsule's folder by name, or a folder given as a path."""
     if "/" in name_or_path:
         return Path(name_or_path)
-    import capsules
+    return builtin_capsules_dir() / name_or_path
 
-    return Path(capsules.__file__).parent / name_or_path
+
+def builtin_capsules_dir() -> Path:
+    """The folder of the capsules that ship with sage (the ``capsules`` package).
+
+    Found, not imported: sage loads a capsule through its manifest's entry
+    point, and imports nothing of ``capsules/`` itself.
+    """
+    spec = importlib.util.find_spec("capsules")
+    if spec is None or spec.origin is None:
+        raise ConfigError("the built-in capsules (the capsules package) are not installed")
+    return Path(spec.origin).parent

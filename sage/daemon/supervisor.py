@@ -47,10 +47,11 @@ from sage.daemon.sdnotify import Notifier, watchdog_interval
 from sage.daemon.state import StateStore
 from sage.daemon.workers import WorkerRunner, WorkerSandbox, capsule_uids
 from sage.errors import AuditError, ConfigError, SageError
+from sage.security.denials import DenialLimiter
 from sage.security.runas import SessionUids, access_group
 from sage.security.runas import enabled as runs_children_as_principals
 
-__all__ = ("ROLES", "AuditLimiter", "DenialLimiter", "Supervisor")
+__all__ = ("ROLES", "AuditLimiter", "Supervisor")
 
 log = structlog.get_logger("sage.daemon.supervisor")
 
@@ -634,33 +635,6 @@ class Supervisor:
         async for request in requests:
             if request.reply_to:
                 self.bus.reply(self.identity, request.reply_to, self.status())
-
-
-class DenialLimiter:
-    """At most ``burst`` audited refusals per source per ``window`` seconds (pure: caller's clock).
-
-    A peer that hammers a topic it may not use would otherwise fill the audit
-    log; the refusals past the limit are counted, and the next audited one
-    says how many were not written one by one.
-    """
-
-    def __init__(self, burst: int = 20, window: float = 60.0) -> None:
-        self.burst = burst
-        self.window = window
-        self._seen: dict[str, tuple[float, int, int]] = {}
-
-    def admit(self, source: str, now: float) -> int | None:
-        """None: do not audit this one. Else audit it, noting this many suppressed before it."""
-        start, count, suppressed = self._seen.get(source, (now, 0, 0))
-        if now - start >= self.window:
-            start, count = now, 0
-        if count >= self.burst:
-            self._seen[source] = (start, count, suppressed + 1)
-            return None
-        if len(self._seen) > 10_000:
-            self._seen.clear()
-        self._seen[source] = (start, count + 1, 0)
-        return suppressed
 
 
 def _raise_open_file_limit() -> None:

@@ -14,7 +14,8 @@ from typing import Any
 
 import msgspec
 
-from sage.forge.registry import canonical, write_replace
+from sage.files import write_replace
+from sage.forge.registry import canonical
 
 __all__ = ("ResultCache", "cache_key")
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
-import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from sage.forge.registry import private_temp
+from sage.files import write_new
 
 __all__ = ("DEFAULT_POLICY", "Breakers", "Policy", "PolicyFile", "SandboxOverride")
 
@@ -119,13 +118,7 @@ class PolicyFile:
         if self.path.exists():
             return
         data = msgspec.json.format(msgspec.json.encode(DEFAULT_POLICY)) + b"\n"
-        tmp = private_temp(self.path.parent, self.path.name, data)  # 0600, in a 0700 folder
-        try:
-            os.link(tmp, self.path)
-        except FileExistsError:
-            pass
-        finally:
-            tmp.unlink(missing_ok=True)
+        write_new(self.path, data)  # 0600, in a 0700 folder; a racer's file wins
 
     def current(self) -> Policy:
         """The policy in force now (reloading it first when the file changed)."""

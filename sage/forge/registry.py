@@ -9,8 +9,7 @@ Scopes, searched in this order (the first hit shadows the rest):
 A record is created with a temp file and ``os.link`` (an existing name:
 ``name_taken``, so of two concurrent forges exactly one wins) and replaced
 with a temp file and ``rename``; both fsync.  Every file the forge writes is
-0600 and every folder it makes 0700, whatever the umask (:func:`private_dir`,
-:func:`write_new`, :func:`write_replace`): tool sources, run manifests (input,
+0600 and every folder it makes 0700, whatever the umask (:mod:`sage.files`): tool sources, run manifests (input,
 output, stderr), policy, stats and cached results are the supervisor's only,
 even when ``[socket] group`` opens the state folder to a group.  A file that does not decode as
 a :class:`ToolRecord` is hidden and reported once per (path, mtime) through
@@ -19,7 +18,6 @@ a :class:`ToolRecord` is hidden and reported once per (path, mtime) through
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import re
@@ -32,7 +30,9 @@ from typing import Any, Literal
 
 import msgspec
 
+from sage import files
 from sage.errors import ForgeError
+from sage.files import private_dir, write_replace
 
 __all__ = (
     "NAME_RE",
@@ -42,11 +42,8 @@ __all__ = (
     "ToolRecord",
     "canonical",
     "fingerprint",
-    "private_dir",
-    "private_temp",
     "tighten",
     "write_new",
-    "write_replace",
 )
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
@@ -97,33 +94,6 @@ class Located:
 Emit = Callable[[str, dict[str, Any]], None]
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def private_dir(directory: Path) -> Path:
-    """Make ``directory`` and its missing parents, each 0700 whatever the umask.
-
-    Folders that exist are left as they are (see :func:`tighten`).
-    """
-    missing: list[Path] = []
-    here = directory
-    while not os.path.lexists(here):
-        missing.append(here)
-        here = here.parent
-    for path in reversed(missing):
-        try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            continue
-        os.chmod(path, 0o700, follow_symlinks=False)
-    return directory
-
-
 def tighten(root: Path) -> int:
     """Take group and other bits off everything under ``root`` (and ``root``); how many changed.
 
@@ -133,8 +103,8 @@ def tighten(root: Path) -> int:
     changed = 0
     if not os.path.isdir(root) or os.path.islink(root):
         return 0
-    for folder, dirs, files in os.walk(root):
-        for path in (folder, *(os.path.join(folder, n) for n in (*dirs, *files))):
+    for folder, dirs, names in os.walk(root):
+        for path in (folder, *(os.path.join(folder, n) for n in (*dirs, *names))):
             try:
                 st = os.lstat(path)
                 if stat.S_ISLNK(st.st_mode) or not st.st_mode & 0o077:
@@ -146,42 +116,10 @@ def tighten(root: Path) -> int:
     return changed
 
 
-def private_temp(directory: Path, name: str, data: bytes, *, durable: bool = True) -> Path:
-    """A new temp file (0600) in ``directory`` (made 0700 if missing) holding ``data``."""
-    private_dir(directory)
-    tmp = directory / f".{name}.{os.getpid()}.{threading.get_ident()}.{os.urandom(4).hex()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        if durable:
-            os.fsync(fh.fileno())
-    return tmp
-
-
 def write_new(path: Path, data: bytes) -> None:
     """Create ``path`` atomically; ``ForgeError("name_taken")`` when it exists."""
-    tmp = private_temp(path.parent, path.name, data)
-    try:
-        os.link(tmp, path)
-    except FileExistsError:
-        raise ForgeError("name_taken", f"a tool named {path.stem!r} already exists") from None
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
-
-
-def write_replace(path: Path, data: bytes, *, durable: bool = True) -> None:
-    """Replace ``path`` atomically: readers see the old bytes or the new, never a mix.
-
-    ``durable`` (the default) also fsyncs the file and its folder, so the new
-    bytes survive a power cut; without it they may not (a crash can lose
-    the file, never tear it for a reader that runs meanwhile).
-    """
-    tmp = private_temp(path.parent, path.name, data, durable=durable)
-    os.replace(tmp, path)
-    if durable:
-        _fsync_dir(path.parent)
+    if not files.write_new(path, data):
+        raise ForgeError("name_taken", f"a tool named {path.stem!r} already exists")
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -247,27 +185,13 @@ def _read_at(fd: int, name: str) -> tuple[bytes, int]:
 def _write_new_at(fd: int, name: str, data: bytes) -> None:
     """Create ``name`` in folder ``fd`` atomically, owned like the folder."""
     owner = os.fstat(fd)
-    tmp = f".{name}.{os.getpid()}.{threading.get_ident()}.{os.urandom(4).hex()}.tmp"
-    out = os.open(
-        tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=fd
-    )
-    try:
-        with os.fdopen(out, "wb") as fh:
-            if owner.st_uid != os.geteuid():
-                os.fchown(fh.fileno(), owner.st_uid, owner.st_gid)
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        try:
-            os.link(tmp, name, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
-        except FileExistsError:
-            raise ForgeError(
-                "name_taken", f"a tool named {name.removesuffix('.json')!r} already exists"
-            ) from None
-        os.fsync(fd)
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp, dir_fd=fd)
+    mine = owner.st_uid == os.geteuid()
+    if not files.write_at(
+        fd, name, data, replace=False, owner=None if mine else (owner.st_uid, owner.st_gid)
+    ):
+        raise ForgeError(
+            "name_taken", f"a tool named {name.removesuffix('.json')!r} already exists"
+        )
 
 
 def _owned(record: ToolRecord, principal: str | None) -> bool:

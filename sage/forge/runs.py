@@ -36,20 +36,19 @@ from typing import Any
 import msgspec
 
 from sage.errors import ForgeError
-from sage.forge.registry import private_dir, write_replace
+from sage.files import private_dir, write_replace
+from sage.redaction import REDACTED
 
 __all__ = (
     "ARTIFACT",
     "PAGE_DEFAULT",
     "PAGE_MAX",
-    "REDACTED",
     "RunInfo",
     "RunStore",
     "mask_input",
     "new_run_id",
 )
 
-REDACTED = "<redacted>"
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
 
 

@@ -52,19 +52,18 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import anyio
 
 from sage.errors import ProcessError, SandboxError
-from sage.forge.registry import private_dir
+from sage.files import private_dir
 from sage.forge.uids import DEFAULT_UID_BASE
 from sage.process import Child, Ring
 from sage.security.bwrap import BwrapProbe, launcher, probe_bwrap
 
 if TYPE_CHECKING:
     from sage.config import Config, ForgeConfig
-    from sage.forge.spares import SparePool
 
 __all__ = (
     "IMPL_PATH",
@@ -76,6 +75,7 @@ __all__ = (
     "SandboxProbe",
     "SandboxResult",
     "SandboxSpec",
+    "Spares",
     "Started",
     "build_args",
     "check_binds",
@@ -812,7 +812,18 @@ def _decode_exit(code: int | None, sig: int | None) -> tuple[int | None, int | N
     return code, sig
 
 
-async def run_sandboxed(spec: SandboxSpec, spares: SparePool | None = None) -> SandboxResult:
+class Spares(Protocol):
+    """Sandboxes started ahead of calls (:class:`sage.forge.spares.SparePool`).
+
+    Declared here, below the pool, so that the sandbox needs nothing of it.
+    """
+
+    async def run(self, spec: SandboxSpec, tools: BwrapProbe) -> SandboxResult | None:
+        """Run ``spec`` in a spare; None when none can take it (a fresh sandbox runs it)."""
+        ...
+
+
+async def run_sandboxed(spec: SandboxSpec, spares: Spares | None = None) -> SandboxResult:
     """Run ``spec`` in a sandbox of its own; ``SandboxError`` when it cannot be set up.
 
     With ``spares``, a call that a spare sandbox can take (see

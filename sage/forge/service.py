@@ -32,7 +32,6 @@ from sage.errors import ForgeError, SandboxError
 from sage.forge.breakers import BreakerBoard, State
 from sage.forge.cache import ResultCache, cache_key
 from sage.forge.policy import Policy, PolicyFile
-from sage.forge.redact import redact_json, redact_text
 from sage.forge.registry import (
     NAME_RE,
     RESERVED,
@@ -54,6 +53,7 @@ from sage.forge.sandbox import Bind, Limits, SandboxResult, SandboxSpec, forbidd
 from sage.forge.static_check import check_impl
 from sage.forge.stats import SAVE_EVERY, StatsFile
 from sage.forge.uids import NO_PRINCIPAL, SandboxUids
+from sage.redaction import redact_json, redact_text
 
 __all__ = ("Caller", "Executor", "Forge", "SandboxExecutor", "mcp_result")
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from sage.forge.registry import write_replace
+from sage.files import write_replace
 
 __all__ = ("SAVE_EVERY", "SCHEMA", "StatsFile")
 

@@ -35,7 +35,7 @@ from pathlib import Path
 import msgspec
 
 from sage.errors import SandboxError
-from sage.forge.registry import private_dir, write_replace
+from sage.files import private_dir, write_replace
 
 __all__ = ("DEFAULT_UID_BASE", "DEFAULT_UID_COUNT", "NO_PRINCIPAL", "SandboxUids", "known_uid")
 

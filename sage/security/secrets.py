@@ -33,7 +33,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from sage.config import Config
 from sage.errors import SageError
-from sage.security.private import read_private
+from sage.files import read_private, write_new
 
 __all__ = (
     "API_KEY",
@@ -51,7 +51,7 @@ API_KEY: Final = "anthropic_api_key"
 MAX_VALUE: Final = 64 * 1024
 MIN_VALUE: Final = 8
 """Shorter values are refused: outputs could not be redacted of them without
-mangling ordinary text (sage/forge/redact.py)."""
+mangling ordinary text (sage/redaction.py)."""
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}\Z")
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS secrets (
@@ -97,21 +97,8 @@ def _read_key_file(path: Path, *, strict_owner: bool) -> bytes:
 def _create_key_file(path: Path) -> bytes:
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     key = AESGCM.generate_key(bit_length=256)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        try:
-            os.write(fd, key)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        try:
-            os.link(tmp, path)
-        except FileExistsError:  # another process made it first: use theirs
-            return _read_key_file(path, strict_owner=True)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+    if not write_new(path, key):  # another process made it first: use theirs
+        return _read_key_file(path, strict_owner=True)
     return key
 
 

@@ -4,7 +4,7 @@
     stand-in.  Reference: the bare ``claude`` with the very argv and
     environment the runner builds (:func:`capsules.runner.command.build_launch`
     on the supervisor's own config, so the same home too), driven by the e2e
-    host (:class:`tests.e2e.host.Host`): process start to the ``initialize``
+    host (:class:`tests.support.host.Host`): process start to the ``initialize``
     control_response, with the runner's hook matchers.  Ours: a
     ``sage.v1.request.spawn`` over the socket to the session's
     ``sage.v1.event.<sid>.init`` event.  Rounds are interleaved (bare, ours,
@@ -15,7 +15,7 @@
     same rounds, right after start-up.
 (c) Memory: the supervisor's RSS (``VmRSS`` of the supervisor process, not
     its children) before and after 200 idle sessions of the CLI test double
-    (tests/doubles/fake_claude.py) have sent ``init``, spawned in batches;
+    (tests/support/fake_claude.py) have sent ``init``, spawned in batches;
     KiB per session, and the time the 200 took, against 200 bare doubles
     started the same way (same batches, same argv) to their ``initialize``
     answers by the e2e host in this process.
@@ -43,16 +43,17 @@ from capsules.runner.command import Launch, build_launch
 from capsules.runner.runner import HOOKS
 from sage.claude.protocol import OutgoingState, ResultMessage, encode_initialize, encode_user_turn
 from sage.config import load_config
-from tests.bench.procs import alive, marked
 from tests.bench.report import Report
-from tests.e2e.host import Host
-from tests.e2e.standin import Standin, Text
-from tests.integration.daemon import short_dir
-from tests.integration.sage_harness import Events, Sage, running_sage, sage_config
+from tests.support import FAKE_CLAUDE
+from tests.support.daemon import short_dir
+from tests.support.host import Host
+from tests.support.procs import alive, marked
+from tests.support.sage_harness import Events, Sage, running_sage, sage_config
+from tests.support.standin import Standin, Text
 
 ROOT = Path(__file__).resolve().parents[2]
 CLAUDE_BIN = ROOT / ".tools/node_modules/@anthropic-ai/claude-code-linux-x64/claude"
-FAKE = ROOT / "tests" / "doubles" / "fake_claude.py"
+FAKE = FAKE_CLAUDE
 
 ROUNDS = 20
 IDLE_SESSIONS = 200

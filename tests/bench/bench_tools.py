@@ -4,9 +4,9 @@ What is timed is what the Claude Code CLI sees: from writing a
 ``control_request`` ``mcp_message`` with JSON-RPC ``tools/call`` on its
 stdout to reading the matching ``control_response`` on its stdin.  The
 supervisor is a separate process, so the clock runs on the CLI's side: the
-``[claude] binary`` of a real supervisor (tests/integration/sage_harness.py)
+``[claude] binary`` of a real supervisor (tests/support/sage_harness.py)
 is a small stand-in written to the temp folder (:data:`CHILD`, standard
-library only).  It answers ``initialize`` as tests/doubles/fake_claude.py
+library only).  It answers ``initialize`` as tests/support/fake_claude.py
 does and, on a user turn ``run {spec}``, writes the requests itself, one at
 a time, each line encoded before the clock starts and decoded after it
 stops: ``perf_counter_ns`` right before the ``os.write`` of the request and
@@ -59,10 +59,10 @@ from typing import Any
 
 import anyio
 
-from tests.bench.procs import marked
 from tests.bench.report import Report
-from tests.integration.daemon import short_dir
-from tests.integration.sage_harness import Sage, running_sage, sage_config
+from tests.support.daemon import short_dir
+from tests.support.procs import marked
+from tests.support.sage_harness import Sage, running_sage, sage_config
 
 CALLS = 2000
 """Timed calls of each kind."""

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from sage.claude.binary import AUTO_DEFAULT_WITNESS
-from tests.e2e.host import FINDINGS, Host, run_claude
-from tests.e2e.standin import Standin
+from tests.support.host import FINDINGS, Host, run_claude
+from tests.support.standin import Standin
 
 ROOT = Path(__file__).resolve().parents[2]
 NATIVE = "node_modules/@anthropic-ai/claude-code-linux-x64/claude"
@@ -23,12 +23,6 @@ CLAUDE_BIN = Path(os.environ.get("SAGE_CLAUDE_BIN") or ROOT / ".tools" / NATIVE)
 #: A release whose -p default permission mode is "auto" (2.1.296 to 2.1.301).
 AUTO_DEFAULT_VERSION = AUTO_DEFAULT_WITNESS
 AUTO_DEFAULT_BIN = ROOT / ".tools" / AUTO_DEFAULT_VERSION / NATIVE
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    """The event loop every e2e test runs on."""
-    return "asyncio"
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@
     make transcripts                                # the same as the first
 
 Each scenario runs the real ``claude`` offline against the Messages API
-stand-in (:mod:`tests.e2e.standin`), with the host of :mod:`tests.e2e.host`
+stand-in (:mod:`tests.support.standin`), with the host of :mod:`tests.support.host`
 answering its control requests, and writes the CLI's stdout, unedited but
 for the host paths and the stand-in's port, to
 ``tests/fixtures/claude-code-<version>/<scenario>.jsonl``.  The protocol
@@ -36,8 +36,8 @@ import anyio
 from sage.claude.binary import INSTALLED_BINARY, read_claude_version
 from sage.claude.protocol import SystemApiRetry, encode_user_turn
 from sage.errors import SageError
-from tests.e2e.host import Host, claude_env, run_claude
-from tests.e2e.standin import Error, Standin, Text, ToolUse
+from tests.support.host import Host, claude_env, run_claude
+from tests.support.standin import Error, Standin, Text, ToolUse
 
 __all__ = ("FIXTURES", "SCENARIOS", "fixture_dir", "main", "record")
 

@@ -28,8 +28,8 @@ from sage.claude.protocol import (
     encode_mcp_notification,
     encode_user_turn,
 )
-from tests.e2e.host import Host
-from tests.e2e.standin import Error, Slow, Standin, Text, ToolUse
+from tests.support.host import Host
+from tests.support.standin import Error, Slow, Standin, Text, ToolUse
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from tests.e2e.standin import Standin, Text, ToolUse
-from tests.integration.sage_harness import running_sage, sage_config
+from tests.support.sage_harness import running_sage, sage_config
+from tests.support.standin import Standin, Text, ToolUse
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 

@@ -23,9 +23,9 @@ import anyio
 import msgspec
 import pytest
 
-from tests.e2e.host import claude_env
-from tests.e2e.standin import Standin, Text, ToolUse
-from tests.integration.sage_harness import running_sage, sage_config
+from tests.support.host import claude_env
+from tests.support.sage_harness import running_sage, sage_config
+from tests.support.standin import Standin, Text, ToolUse
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 

@@ -10,7 +10,7 @@ import pytest
 from sage.claude.binary import read_claude_version
 from sage.claude.protocol import StreamDecoder
 from tests.e2e.record import HOME, STANDIN, normalize, record
-from tests.unit.test_protocol import EXPECTED_KINDS, PINNED, REFERENCE
+from tests.support.transcripts import EXPECTED_KINDS, PINNED, REFERENCE
 
 
 @pytest.mark.anyio

@@ -18,8 +18,8 @@ import anyio
 import msgspec
 import pytest
 
-from tests.e2e.standin import Error, Slow, Standin, Text, ToolUse
-from tests.integration.sage_harness import Sage, running_sage, sage_config
+from tests.support.sage_harness import Sage, running_sage, sage_config
+from tests.support.standin import Error, Slow, Standin, Text, ToolUse
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
@@ -175,7 +175,7 @@ async def test_ctrl_c_in_astrid_sage_send_interrupts_the_real_turn(
 ) -> None:
     """SIGINT to a real `astrid sage send` interrupts the CLI's turn; the next send
     shows its own reply, not the interrupted one's tail."""
-    from tests.integration.daemon import ASTRID
+    from tests.support.daemon import ASTRID
 
     await sage.ready("ctrlc")
     standin.push(Slow("first part and a very slow rest", delay=20, chunks=2))
@@ -266,7 +266,7 @@ async def test_can_use_tool_goes_to_the_approval_topics(
 async def test_an_approval_asked_inline_at_a_real_terminal(sage: Sage, standin: Standin) -> None:
     """The real CLI asks can_use_tool; `astrid sage send` on a pseudo-terminal asks the
     user, who says yes; the call runs and Claude finishes the turn."""
-    from tests.integration.test_approvals import Terminal
+    from tests.support.terminal import Terminal
 
     calls = await _tool_bridge(sage)
     await sage.ready("inline")
@@ -381,7 +381,7 @@ async def test_sigterm_of_the_supervisor_leaves_no_claude_behind(
 
 
 async def test_resume_after_a_supervisor_restart(claude_bin: Path, standin: Standin) -> None:
-    from tests.integration.daemon import short_dir
+    from tests.support.daemon import short_dir
 
     root = short_dir()
     config = _config(claude_bin, standin, "[sessions]\nresume = true\n")
@@ -409,7 +409,7 @@ async def test_resume_after_a_supervisor_restart(claude_bin: Path, standin: Stan
 
 
 async def test_without_resume_a_restart_ends_sessions(claude_bin: Path, standin: Standin) -> None:
-    from tests.integration.daemon import short_dir
+    from tests.support.daemon import short_dir
 
     root = short_dir()
     config = _config(claude_bin, standin)

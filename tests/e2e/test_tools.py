@@ -19,8 +19,8 @@ import anyio
 import msgspec
 import pytest
 
-from tests.e2e.standin import Standin, Text, ToolUse
-from tests.integration.sage_harness import Sage, running_sage, sage_config
+from tests.support.sage_harness import Sage, running_sage, sage_config
+from tests.support.standin import Standin, Text, ToolUse
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
@@ -215,7 +215,7 @@ patterns = ["tool.v1.request.describe", "tool.v1.execute.crash", "tool.v1.execut
 
 @pytest.fixture
 async def faulty_sage(claude_bin: Path, standin: Standin, tmp_path: Path) -> AsyncIterator[Sage]:
-    from tests.integration.daemon import short_dir
+    from tests.support.daemon import short_dir
 
     capsule = tmp_path / "faulty"
     capsule.mkdir()

@@ -4,23 +4,21 @@ real pseudo-terminal), astrid sage approvals / approve / deny, allow rules."""
 from __future__ import annotations
 
 import json
-import os
-import pty
 import sqlite3
-import subprocess
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
-from tests.integration.daemon import ASTRID, short_dir
-from tests.integration.sage_harness import Sage, running_sage, sage_config
+from tests.support import FAKE_CLAUDE
+from tests.support.daemon import ASTRID, short_dir
+from tests.support.sage_harness import Sage, running_sage, sage_config
+from tests.support.terminal import Terminal
 
 pytestmark = pytest.mark.anyio
 
-FAKE = Path(__file__).resolve().parents[1] / "doubles" / "fake_claude.py"
+FAKE = FAKE_CLAUDE
 ENV = {"ANTHROPIC_API_KEY": "sk-double"}
 ASK = '/fault ask mcp__sage__greet {"name":"Ada"}'
 
@@ -36,47 +34,6 @@ def _config(approval_timeout: float = 20.0) -> str:
 async def sage() -> AsyncIterator[Sage]:
     async with running_sage(_config(), env=ENV, root=short_dir()) as running:
         yield running
-
-
-class Terminal:
-    """`astrid sage send` with its stdin and stderr on a pseudo-terminal."""
-
-    def __init__(self, sage: Sage, sid: str, text: str) -> None:
-        self.master, slave = pty.openpty()
-        self.proc = subprocess.Popen(
-            [*ASTRID, "sage", "send", sid, text, "--config", str(sage.daemon.config)],
-            stdin=slave,
-            stdout=subprocess.PIPE,
-            stderr=slave,
-            env=sage.daemon.env,
-        )
-        os.close(slave)
-        self.screen = b""
-
-    async def expect(self, text: bytes, within: float = 15.0) -> None:
-        with anyio.fail_after(within):
-            while text not in self.screen:
-                try:
-                    chunk = await anyio.to_thread.run_sync(os.read, self.master, 4096)
-                except OSError:  # EIO: the process closed the terminal
-                    chunk = b""
-                if not chunk:
-                    raise AssertionError(
-                        f"{text!r} never came; the terminal showed:\n{self.screen!r}"
-                    )
-                self.screen += chunk
-
-    def type(self, line: str) -> None:
-        os.write(self.master, line.encode() + b"\n")
-
-    async def finish(self, within: float = 15.0) -> tuple[int, str]:
-        with anyio.fail_after(within):
-            code = await anyio.to_thread.run_sync(self.proc.wait)
-        assert self.proc.stdout is not None
-        with self.proc.stdout:
-            out = self.proc.stdout.read().decode()
-        os.close(self.master)
-        return code, out
 
 
 async def test_yes_at_the_terminal_allows_the_call(sage: Sage) -> None:

@@ -62,8 +62,10 @@ import anyio.abc
 import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from bus import BusClient, BusError, RemoteSubscription
-from tests.integration.daemon import Daemon, short_dir
+from bus.client import BusClient, RemoteSubscription
+from bus.errors import BusError
+from tests.support.as_uid import Say, fork_as
+from tests.support.daemon import Daemon, short_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "topics.md"
@@ -387,33 +389,23 @@ async def probe_main(ctx: Any) -> None:
 
 
 def fork_agent(name: str, uid: int | None, socket_path: Path, control: Path) -> int:
-    """A peer forked from the test (no exec), under ``uid`` unless None (root, an admin)."""
-    pid = os.fork()
-    if pid:
-        return pid
-    code = 0
-    try:
-        if uid is not None:
-            os.setgroups([])
-            os.setgid(65534)
-            os.setuid(uid)
+    """A peer forked from the test (no exec), under ``uid`` unless None (root, an admin);
+    it answers on its control connection, so the pipe of :func:`fork_as` is not read."""
 
-        async def main() -> None:
-            if name == "unmapped":
-                await Agent(name, None, str(socket_path)).serve(str(control))
-                return
-            principal = "alice" if name == "admin_as_alice" else None
-            role = "emit" if name == "alice_emit" else "cli"
-            async with BusClient.connect(
-                socket_path, role=role, name=f"authz-{name}", principal=principal
-            ) as client:
-                await Agent(name, client, str(socket_path)).serve(str(control))
+    async def agent(say: Say) -> None:
+        if name == "unmapped":
+            await Agent(name, None, str(socket_path)).serve(str(control))
+            return
+        principal = "alice" if name == "admin_as_alice" else None
+        role = "emit" if name == "alice_emit" else "cli"
+        async with BusClient.connect(
+            socket_path, role=role, name=f"authz-{name}", principal=principal
+        ) as client:
+            await Agent(name, client, str(socket_path)).serve(str(control))
 
-        anyio.run(main)
-    except BaseException as exc:  # never return into pytest
-        print(f"authz agent {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        code = 1
-    os._exit(code)
+    pid, pipe = fork_as(uid, agent)
+    os.close(pipe)
+    return pid
 
 
 class Peer:

@@ -18,8 +18,8 @@ from typing import Any
 import anyio
 import pytest
 
-from bus import BusClient
-from tests.integration.daemon import Daemon, short_dir
+from bus.client import BusClient
+from tests.support.daemon import Daemon, short_dir
 
 pytestmark = pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as two other uids")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.daemon import ASTRID, Daemon, descendants, short_dir
+from tests.support.daemon import ASTRID, Daemon, descendants, short_dir
 
 MANIFEST = """[package]
 name = "{name}"

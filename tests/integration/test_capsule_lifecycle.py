@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.integration.daemon import Daemon, short_dir
 from tests.integration.test_capsule_install import CODE, _capsule, _wait_for_tool
+from tests.support.daemon import Daemon, short_dir
 
 
 def _row(d: Daemon, name: str) -> dict[str, Any] | None:

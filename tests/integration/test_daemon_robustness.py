@@ -16,7 +16,7 @@ import pytest
 
 from bus import BusError
 from bus.unix import ensure_private_dir
-from tests.integration.daemon import ASTRID, Daemon, short_dir
+from tests.support.daemon import ASTRID, Daemon, short_dir
 
 
 def _frame(obj: object) -> bytes:

@@ -19,7 +19,7 @@ import sage.claude.binary as claude_binary
 from sage.claude.binary import FLOOR, NEWEST_TESTED
 from sage.cli import main
 from sage.security.bwrap import probe_bwrap, sandbox_argv
-from tests.integration.daemon import ASTRID, Daemon, short_dir
+from tests.support.daemon import ASTRID, Daemon, short_dir
 
 SECRET = "sk-ant-do-not-print-me"
 _PRINCIPAL = '\n[[principals]]\nname = "alice"\nuids = [4242]\n'

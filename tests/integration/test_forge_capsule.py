@@ -26,12 +26,13 @@ import pytest
 from sage.config import Config, PrincipalConfig, SupervisorConfig
 from sage.errors import ForgeError
 from sage.forge.service import Caller, Forge
-from tests.integration.daemon import short_dir
-from tests.integration.sage_harness import Sage, running_sage, sage_config
+from tests.support import FAKE_CLAUDE
+from tests.support.daemon import short_dir
+from tests.support.sage_harness import Sage, running_sage, sage_config
 
 pytestmark = pytest.mark.anyio
 
-FAKE = Path(__file__).resolve().parents[1] / "doubles" / "fake_claude.py"
+FAKE = FAKE_CLAUDE
 FIB = (
     "import sys, json\n"
     "n = json.loads(sys.stdin.read())['n']\n"

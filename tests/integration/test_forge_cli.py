@@ -10,8 +10,8 @@ import anyio
 import msgspec
 import pytest
 
-from bus import BusClient
-from tests.integration.sage_harness import Sage, running_sage, sage_config
+from bus.client import BusClient
+from tests.support.sage_harness import Sage, running_sage, sage_config
 
 pytestmark = pytest.mark.anyio
 
@@ -33,11 +33,6 @@ FIB = {
     ),
     "runtime": "python",
 }
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 async def test_the_operator_cli_drives_the_forge() -> None:

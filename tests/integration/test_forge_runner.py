@@ -26,11 +26,6 @@ RUNNER = Identity("capsule:runner", acl=Acl(publish=["forge.v1.request.*"], subs
 FORGE = Identity("capsule:forge")
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 class _Ctx:
     """What the runner's MCP servers use of its capsule context."""
 

@@ -27,10 +27,10 @@ import pytest
 
 from sage.errors import SandboxError
 from sage.forge import sandbox as sb
-from sage.forge.redact import redact_json, redact_text
 from sage.forge.sandbox import Bind, Limits, SandboxResult, SandboxSpec, run_sandboxed
 from sage.forge.spares import SparePool, kind_of, spare_forge_bytes
-from tests.integration.sandbox_rig import LIMITS, PY, in_spare
+from sage.redaction import redact_json, redact_text
+from tests.support.sandbox_rig import LIMITS, PY, in_spare
 
 pytestmark = pytest.mark.anyio
 

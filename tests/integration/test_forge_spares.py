@@ -29,7 +29,7 @@ from sage.forge.sandbox import (
     run_sandboxed,
 )
 from sage.forge.spares import SparePool, kind_of
-from tests.integration.sandbox_rig import LIMITS, PY, in_spare
+from tests.support.sandbox_rig import LIMITS, PY, in_spare
 
 pytestmark = pytest.mark.anyio
 

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-import os
 import time
 
 import anyio
 import pytest
 
-from tests.bench.procs import alive
-from tests.conftest import TEARDOWN_MARGIN, _bounded
-from tests.integration.daemon import descendants
-from tests.integration.sage_harness import running_sage, sage_config
+from tests.support import FAKE_CLAUDE
+from tests.support.daemon import descendants
+from tests.support.deadline import TEARDOWN_MARGIN, bounded
+from tests.support.procs import alive
+from tests.support.sage_harness import running_sage, sage_config
 
 pytestmark = pytest.mark.anyio
 
-FAKE = os.path.join(os.path.dirname(__file__), "..", "doubles", "fake_claude.py")
+FAKE = str(FAKE_CLAUDE)
 
 
 async def test_a_hung_body_becomes_a_timeout_error() -> None:
@@ -24,7 +24,7 @@ async def test_a_hung_body_becomes_a_timeout_error() -> None:
 
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match=f"less {TEARDOWN_MARGIN:g} s for teardown"):
-        await _bounded(hang, 0.2)()
+        await bounded(hang, 0.2)()
     assert time.monotonic() - t0 < 2
 
 

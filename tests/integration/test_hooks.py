@@ -26,17 +26,20 @@ import msgspec
 import pytest
 
 from bus import Acl, Bus, Envelope, Identity, Subscription
+from bus.client import BusClient
 from capsules.hooks.capsule import REPL_TOKEN_TTL, HookGate
 from capsules.hooks.validate import PAYLOAD_LIMIT
 from capsules.runner.command import hash_token, mint_token
 from sage.config import Config, LimitsConfig, PrincipalConfig
 from sage.daemon.capsule_host import CapsuleContext, capsule_folder, load_manifest
 from sage.daemon.state import StateStore
-from tests.integration.sage_harness import Sage, running_sage, sage_config
+from tests.support import FAKE_CLAUDE
+from tests.support.as_uid import Say, fork_as
+from tests.support.sage_harness import Sage, running_sage, sage_config
 
 pytestmark = pytest.mark.anyio
 
-FAKE = Path(__file__).resolve().parents[1] / "doubles" / "fake_claude.py"
+FAKE = FAKE_CLAUDE
 EMIT = Path(sys.executable).parent / "astrid-emit"
 SPOOF = "sage.v1.audit.hook_spoof_attempt"
 
@@ -668,43 +671,27 @@ def _flood_as(uid: int, socket_path: str, seconds: float) -> tuple[int, int]:
     """Fork a client that runs as ``uid`` and floods ``sage.v1.hook.PreToolUse`` with
     spoofs for ``seconds`` (an emit connection); it writes "flooding" when it starts
     and the count it sent at the end.  Returns (pid, read end of its pipe)."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid:
-        os.close(write)
-        return pid, read
-    try:  # the child: no exec, the interpreter is already loaded
-        os.close(read)
-        os.setgroups([])
-        os.setgid(65534)
-        os.setuid(uid)
 
-        async def main() -> None:
-            from bus import BusClient
+    async def flood(say: Say) -> None:
+        spoof = {
+            "hook": "PreToolUse",
+            "payload": {"hook_event_name": "PreToolUse"},
+            "principal_id": "alice",
+            "session_id": "s-forged",
+            "token": "W" * 43,
+        }
+        sent = 0
+        async with BusClient.connect(socket_path, role="emit", name="flood") as client:
+            say("flooding")
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                for _ in range(500):
+                    client.publish("sage.v1.hook.PreToolUse", spoof)
+                sent += 500
+                await client.flush()
+        say(str(sent))
 
-            spoof = {
-                "hook": "PreToolUse",
-                "payload": {"hook_event_name": "PreToolUse"},
-                "principal_id": "alice",
-                "session_id": "s-forged",
-                "token": "W" * 43,
-            }
-            sent = 0
-            async with BusClient.connect(socket_path, role="emit", name="flood") as client:
-                os.write(write, b"flooding\n")
-                end = time.monotonic() + seconds
-                while time.monotonic() < end:
-                    for _ in range(500):
-                        client.publish("sage.v1.hook.PreToolUse", spoof)
-                    sent += 500
-                    await client.flush()
-            os.write(write, f"{sent}\n".encode())
-
-        anyio.run(main)
-        os._exit(0)
-    except BaseException as exc:  # report, never return into pytest
-        os.write(write, f"error {exc!r}\n".encode())
-        os._exit(1)
+    return fork_as(uid, flood)
 
 
 def _flood_config() -> str:
@@ -724,7 +711,7 @@ async def test_a_hook_flood_from_one_uid_does_not_drop_anothers_hooks() -> None:
     """bob (uid 65534) floods sage.v1.hook.> with spoofs over the real socket while
     alice's astrid-emit sends genuine hooks: every genuine hook is validated and
     republished; bob's dropped envelopes are audited once, with their count."""
-    from tests.integration.daemon import short_dir
+    from tests.support.daemon import short_dir
 
     root = short_dir()
     root.chmod(0o755)  # uid 65534 must reach the socket's folder (0750, group nogroup)

@@ -16,18 +16,14 @@ import msgspec
 import pytest
 
 from capsules.installer import files
-from tests.integration.daemon import short_dir
-from tests.integration.sage_harness import Sage, running_sage, sage_config
+from tests.support import FAKE_CLAUDE
+from tests.support.daemon import short_dir
+from tests.support.sage_harness import Sage, running_sage, sage_config
 
 pytestmark = pytest.mark.anyio
 
-FAKE = Path(__file__).resolve().parents[1] / "doubles" / "fake_claude.py"
+FAKE = FAKE_CLAUDE
 KEY = "sk-ant-installed-key-77e1b2"
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 def _config() -> str:

@@ -24,8 +24,8 @@ import pytest
 from bus import BusClient, RemoteSubscription
 from sage.config import decode_config
 from sage.security.secrets import API_KEY, SecretStore, principal_namespace
-from tests.integration.daemon import short_dir
-from tests.integration.llm_standin import (
+from tests.support.daemon import short_dir
+from tests.support.llm_standin import (
     Cut,
     Error,
     LlmStandin,
@@ -36,7 +36,7 @@ from tests.integration.llm_standin import (
     Text,
     retry_soon,
 )
-from tests.integration.sage_harness import Sage, running_sage, sage_config
+from tests.support.sage_harness import Sage, running_sage, sage_config
 
 pytestmark = pytest.mark.anyio
 

@@ -11,17 +11,13 @@ from typing import Any
 import anyio
 import pytest
 
-from tests.integration.sage_harness import running_sage, sage_config
+from tests.support import FAKE_CLAUDE
+from tests.support.sage_harness import running_sage, sage_config
 
 pytestmark = pytest.mark.anyio
 
 ASTRID = Path(sys.executable).parent / "astrid"
-FAKE = Path(__file__).resolve().parents[1] / "doubles" / "fake_claude.py"
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
+FAKE = FAKE_CLAUDE
 
 
 async def _session(

@@ -15,19 +15,15 @@ import pytest
 
 from sage.config import load_config
 from sage.security.secrets import API_KEY, SecretStore, principal_namespace
-from tests.integration.daemon import short_dir
-from tests.integration.sage_harness import running_sage, sage_config
+from tests.support import FAKE_CLAUDE
+from tests.support.daemon import short_dir
+from tests.support.sage_harness import running_sage, sage_config
 
 pytestmark = pytest.mark.anyio
 
-FAKE = Path(__file__).resolve().parents[1] / "doubles" / "fake_claude.py"
+FAKE = FAKE_CLAUDE
 KEY = "sk-ant-principal-key-4f9a1c"
 OPERATOR = {"ANTHROPIC_API_KEY": "sk-operator"}
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 def _config() -> str:

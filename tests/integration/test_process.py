@@ -21,11 +21,6 @@ pytestmark = pytest.mark.anyio
 ENV = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"}
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def _read_all(child: Child, which: str = "stdout") -> bytes:
     read = child.read_stdout if which == "stdout" else child.read_stderr
     out = bytearray()

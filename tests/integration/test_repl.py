@@ -18,17 +18,12 @@ import anyio
 import msgspec
 import pytest
 
-from tests.integration.daemon import short_dir
-from tests.integration.sage_harness import running_sage, sage_config
+from tests.support.daemon import short_dir
+from tests.support.sage_harness import running_sage, sage_config
 
 pytestmark = pytest.mark.anyio
 
 EMIT = Path(sys.executable).parent / "astrid-emit"
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 def _fake_claude(folder: Path) -> Path:
@@ -61,7 +56,7 @@ async def test_repl_hooks_are_validated_and_the_token_dies_with_the_repl() -> No
         assert plan["env"]["ASTRID_HOOK_TOKEN"] == "<token>"
         assert plan["cwd"] == installed["home_path"]
         assert plan["argv"][1:3] == ["--permission-mode", "default"]  # never the CLI's default
-        from tests.integration.daemon import ASTRID
+        from tests.support.daemon import ASTRID
 
         chosen = await anyio.run_process(
             [

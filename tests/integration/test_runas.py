@@ -25,7 +25,8 @@ import anyio
 import msgspec
 import pytest
 
-from tests.integration.sage_harness import Sage, running_sage, sage_config
+from tests.support import FAKE_CLAUDE
+from tests.support.sage_harness import Sage, running_sage, sage_config
 
 pytestmark = [
     pytest.mark.anyio,
@@ -33,7 +34,7 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
-FAKE = ROOT / "tests" / "doubles" / "fake_claude.py"
+FAKE = FAKE_CLAUDE
 BASE = 91000  # [sessions] uid_base by default: the access group; principals from 91001
 
 
@@ -253,7 +254,7 @@ def test_what_the_state_folder_holds_is_closed_to_the_childrens_group() -> None:
     """The state folder is the access group's (0750) so children can pass through it;
     whatever sits in it open to others (a policy file written 0644, a folder made
     0755) is closed at start, so a child's uid reads none of it."""
-    from tests.integration.daemon import Daemon, short_dir
+    from tests.support.daemon import Daemon, short_dir
 
     root = short_dir()
     state = root / "state"

@@ -1,7 +1,7 @@
 """The session runner against the CLI test double: spawn rules and faults on cue.
 
 The real CLI proves the protocol (tests/e2e/test_sessions.py); the double
-(tests/doubles/fake_claude.py) misbehaves when told to: an 80 MB line, a
+(tests/support/fake_claude.py) misbehaves when told to: an 80 MB line, a
 10 MB stderr flood, garbage, a child that ignores SIGTERM, a grandchild that
 holds the pipes, no answer to ``initialize``, a crash, endless 401 retries.
 Every case must end in a defined outcome, one ``exited`` event, and a
@@ -24,18 +24,16 @@ import msgspec
 import pytest
 
 from bus import FrameError
+from bus.client import BusClient
 from sage.claude.binary import FLOOR, NEWEST_TESTED
-from tests.integration.sage_harness import Events, Sage, running_sage, sage_config
+from tests.support import FAKE_CLAUDE
+from tests.support.as_uid import Say, fork_as
+from tests.support.sage_harness import Events, Sage, running_sage, sage_config
 
 pytestmark = pytest.mark.anyio
 
-FAKE = Path(__file__).resolve().parents[1] / "doubles" / "fake_claude.py"
+FAKE = FAKE_CLAUDE
 ENV = {"ANTHROPIC_API_KEY": "sk-double"}
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 def _config(mode: str = "", extra: str = "", principal_extra: str = "", **env: str) -> str:
@@ -101,7 +99,7 @@ async def test_send_prints_its_own_turn_not_the_tail_of_an_earlier_one(sage: Sag
 
 async def _send_process(sage: Sage, sid: str, text: str) -> tuple[Any, bytearray]:
     """A real `astrid sage send` process, once its turn streams its first text."""
-    from tests.integration.daemon import ASTRID
+    from tests.support.daemon import ASTRID
 
     proc = await anyio.open_process(
         [*ASTRID, "sage", "send", sid, text, "--config", str(sage.daemon.config)],
@@ -221,7 +219,7 @@ async def test_watch_replay_then_live_without_a_gap_or_a_repeat(sage: Sage) -> N
     events = await sage.ready("replay")
     await sage.send("replay", "one")
     await events.text_until_done()
-    from tests.integration.daemon import ASTRID
+    from tests.support.daemon import ASTRID
 
     proc = await anyio.open_process(
         [*ASTRID, "sage", "watch", "replay", "--replay", "256", "--config",
@@ -497,7 +495,7 @@ def _audit(root: Path) -> list[tuple[str, dict[str, Any]]]:
 async def test_a_cli_in_another_permission_mode_never_gets_a_turn() -> None:
     """A CLI that ignores --permission-mode (answers initialize with "auto") ends at
     once as permission_mode_mismatch, audited; the turn queued at spawn never reaches it."""
-    from tests.integration.daemon import short_dir
+    from tests.support.daemon import short_dir
 
     async with running_sage(_config("permission_mode=auto"), env=ENV, root=short_dir()) as sage:
         events, reply = await sage.spawn("auto", initial_message="hello")
@@ -698,7 +696,7 @@ def _config_claiming(version: str, folder: Path) -> str:
 
 
 async def test_version_drift_and_identity_fallback_are_audited(tmp_path: Path) -> None:
-    from tests.integration.daemon import short_dir
+    from tests.support.daemon import short_dir
 
     config = _config_claiming("9.9.9", tmp_path)
     async with running_sage(config, env=ENV, root=short_dir()) as sage:
@@ -721,7 +719,7 @@ async def test_version_drift_and_identity_fallback_are_audited(tmp_path: Path) -
 
 async def test_an_unsupported_claude_is_refused_and_audited(tmp_path: Path) -> None:
     """Below the floor the runner spawns nothing: claude_unsupported, with the range."""
-    from tests.integration.daemon import short_dir
+    from tests.support.daemon import short_dir
 
     config = _config_claiming("2.1.0", tmp_path)
     async with running_sage(config, env=ENV, root=short_dir()) as sage:
@@ -742,8 +740,8 @@ async def test_an_unsupported_claude_is_refused_and_audited(tmp_path: Path) -> N
 
 
 async def test_settings_patches_apply_to_new_sessions_and_survive_a_restart() -> None:
-    from bus import BusClient
-    from tests.integration.daemon import short_dir
+    from bus.client import BusClient
+    from tests.support.daemon import short_dir
 
     root = short_dir()
     extra = '[[principals]]\nname = "bob"\nuids = []\n'
@@ -825,36 +823,18 @@ async def test_a_cancelled_control_request_gets_no_answer(sage: Sage) -> None:
 def _watch_as(uid: int, socket_path: Path, seconds: float) -> tuple[int, int]:
     """Fork a client that runs as ``uid`` (group nogroup), subscribes to every session
     event and reports the topics it got; returns (pid, read end of its pipe)."""
-    import json
 
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid:
-        os.close(write)
-        return pid, read
-    try:  # the child: no exec, the interpreter is already loaded
-        os.close(read)
-        os.setgroups([])
-        os.setgid(65534)
-        os.setuid(uid)
+    async def watch(say: Say) -> None:
+        async with BusClient.connect(socket_path, role="cli", name="watcher") as client:
+            events = await client.subscribe("sage.v1.event.>")
+            say("ready")
+            topics = []
+            with anyio.move_on_after(seconds):
+                async for envelope in events:
+                    topics.append(envelope.topic)
+            say(json.dumps(topics))
 
-        async def main() -> None:
-            from bus import BusClient
-
-            async with BusClient.connect(socket_path, role="cli", name="watcher") as client:
-                events = await client.subscribe("sage.v1.event.>")
-                os.write(write, b"ready\n")
-                topics = []
-                with anyio.move_on_after(seconds):
-                    async for envelope in events:
-                        topics.append(envelope.topic)
-                os.write(write, json.dumps(topics).encode() + b"\n")
-
-        anyio.run(main)
-        os._exit(0)
-    except BaseException as exc:  # report, never return into pytest
-        os.write(write, f"error {exc!r}\n".encode())
-        os._exit(1)
+    return fork_as(uid, watch)
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as two other uids")
@@ -862,7 +842,7 @@ def test_users_see_only_their_own_principals_session_events() -> None:
     """Real uids over the real socket: alice's session events never reach bob."""
     import json
 
-    from tests.integration.daemon import Daemon, short_dir
+    from tests.support.daemon import Daemon, short_dir
 
     config = _config().replace("uids = [0]", "uids = [65533]") + (
         '[[principals]]\nname = "bob"\nuids = [65534]\n[socket]\ngroup = "nogroup"\n'
@@ -895,7 +875,7 @@ def test_users_see_only_their_own_principals_session_events() -> None:
 
 def test_a_second_sigterm_during_the_stop_does_not_kill_the_supervisor(tmp_path: Path) -> None:
     """systemd or an impatient operator may signal twice; the stop still completes."""
-    from tests.integration.daemon import Daemon, short_dir
+    from tests.support.daemon import Daemon, short_dir
 
     # a worker that ignores SIGTERM makes the stop last (SIGKILL after a grace)
     (tmp_path / "stubborn_mod.py").write_text(

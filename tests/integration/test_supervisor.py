@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.daemon import ASTRID, Daemon, short_dir
+from tests.support.daemon import ASTRID, Daemon, short_dir
 
 
 @pytest.fixture

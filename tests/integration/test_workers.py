@@ -37,7 +37,7 @@ from sage.daemon.capsule_host import (
 )
 from sage.daemon.workers import LineSplitter, worker_argv, worker_env
 from sage.errors import ConfigError
-from tests.integration.sage_harness import Sage, running_sage
+from tests.support.sage_harness import Sage, running_sage
 
 ECHO_WORKER = """
 import os

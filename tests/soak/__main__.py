@@ -36,8 +36,8 @@ import anyio
 
 from bus import BusClient
 from sage.process import tie_to_parent
-from tests.integration.daemon import Daemon, short_dir
 from tests.soak.fuzz import GENERATORS, WorkerSpec, run_worker
+from tests.support.daemon import Daemon, short_dir
 
 ALICE, UNMAPPED = 65533, 65532
 CANARY_DEADLINE = 5.0

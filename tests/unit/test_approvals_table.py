@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from capsules.runner.approvals import Approvals, Decision, UnknownApproval, matches, valid_rule
+from sage.errors import SageError
 
 YES = Decision(True, "", "approver")
 
@@ -55,8 +56,10 @@ def test_past_its_deadline_nobody_decides_it() -> None:
     assert (row["age_s"], row["expires_in_s"]) == (2.0, 58.0)
     clock.now += 60
     assert table.listing(None) == []  # both past their deadline
-    with pytest.raises(UnknownApproval, match="unknown, decided or expired"):
+    with pytest.raises(UnknownApproval, match="unknown, decided or expired") as info:
         table.decide("a1", "alice", YES)
+    assert isinstance(info.value, SageError)
+    assert info.value.code == "unknown_approval"
     table.close("a1")
     table.close("a1")  # closing twice is fine
     assert len(table) == 1

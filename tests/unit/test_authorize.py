@@ -105,7 +105,7 @@ def test_unknown_role_and_socket_capsule_refused(supervisor: Supervisor) -> None
 
 def test_denial_audits_are_rate_limited_per_source() -> None:
     """Past the burst, refusals are counted, and the next audited one reports how many."""
-    from sage.daemon.supervisor import DenialLimiter
+    from sage.security.denials import DenialLimiter
 
     limiter = DenialLimiter(burst=2, window=10.0)
     assert limiter.admit("cli:1", 0.0) == 0

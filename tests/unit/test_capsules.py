@@ -5,10 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import anyio
+import msgspec
 import pytest
 
-from bus import AclDenied, Bus, Identity
+from bus import AclDenied, Bus, BusError, Envelope, Identity
 from sage.daemon.capsule_host import (
+    CapsuleContext,
+    CapsuleManifest,
     CapsuleRunner,
     CapsuleState,
     RestartPolicy,
@@ -284,3 +287,31 @@ def test_python_paths_are_the_runtime_only() -> None:
         assert os.path.realpath(link) == target
     # /usr is bound whole, its links with it: none made again over it
     assert python_paths("/usr/bin/python3")[1] == []
+
+
+@pytest.mark.anyio
+async def test_ask_waits_for_the_accepted_answer_subscribed_before_sending() -> None:
+    """The answer is subscribed before the question is sent (an answer sent at once is not
+    missed); envelopes ``answer`` declines are skipped; no answer in time is None."""
+    bus = Bus()
+    manifest = msgspec.convert({"package": {"name": "t", "entry": "x"}}, CapsuleManifest)
+    ctx = CapsuleContext(bus, Identity("capsule:t"), manifest)
+    other = Identity("other")
+
+    def send() -> None:  # answers synchronously, before ask could subscribe after it
+        bus.publish(other, "a.1", {"n": 0})  # not the answer: skipped
+        bus.publish(other, "a.1", {"n": 7})
+
+    def answer(envelope: Envelope) -> int | None:
+        n: int = envelope.data()["n"]
+        return n or None
+
+    assert await ctx.ask("a.*", send, answer, deadline=2.0) == 7
+    with anyio.fail_after(2):
+        assert await ctx.ask("a.*", lambda: None, answer, deadline=0.05) is None
+
+    def refused() -> None:
+        raise BusError("over the payload limit")
+
+    with pytest.raises(BusError, match="payload limit"):
+        await ctx.ask("a.*", refused, answer, deadline=2.0)

@@ -1,4 +1,4 @@
-"""The Claude Code test double (tests/doubles/fake_claude.py), run as a real subprocess.
+"""The Claude Code test double (tests/support/fake_claude.py), run as a real subprocess.
 
 Every test starts the script through its shebang (proving it is executable),
 in a session of its own, and reads its stdout with :class:`StreamDecoder` in
@@ -19,7 +19,6 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -61,10 +60,11 @@ from sage.claude.protocol import (
     encode_permission_deny,
     encode_user_turn,
 )
+from tests.support import FAKE_CLAUDE
 
 pytestmark = pytest.mark.timeout(30)
 
-FAKE = Path(__file__).resolve().parents[1] / "doubles" / "fake_claude.py"
+FAKE = FAKE_CLAUDE
 BASE_ARGS = ("-p", "--input-format", "stream-json", "--output-format", "stream-json", "--verbose")
 MCP_CONFIG = '{"mcpServers":{"sage":{"type":"sdk","name":"sage"}}}'
 MCP_ARGS = ("--mcp-config", MCP_CONFIG, "--strict-mcp-config", "--tools", "")

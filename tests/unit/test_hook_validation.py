@@ -241,8 +241,8 @@ def test_a_token_echoed_in_the_hook_input_is_redacted() -> None:
     out = republished(parse("sage.v1.hook.PostToolUse", raw), "alice")
     text = msgspec.json.encode(out).decode()
     assert TOKEN not in text
-    assert out["payload"]["tool_response"]["stdout"] == "ASTRID_HOOK_TOKEN=[redacted]\nHOME=/x"
-    assert out["payload"]["tool_response"]["x"] == ["[redacted]"]
+    assert out["payload"]["tool_response"]["stdout"] == "ASTRID_HOOK_TOKEN=<redacted>\nHOME=/x"
+    assert out["payload"]["tool_response"]["x"] == ["<redacted>"]
 
 
 def test_a_large_hook_payload_is_dropped_not_cut() -> None:
@@ -268,7 +268,7 @@ def test_spoof_report_fields_are_truncated_and_never_hold_the_token() -> None:
     assert "token" not in report
     leaky = HookRejected("bad_session_id", "alice", f"../{TOKEN}", "PreToolUse", token=TOKEN)
     report = spoof_report(leaky, "emit:1")
-    assert report["claimed_session"] == "[redacted]"
+    assert report["claimed_session"] == "<redacted>"
     assert TOKEN not in str(report)
     # a forged one-letter token redacts nothing
     short = spoof_report(HookRejected("bad_token", "alice", "s1", "Stop", token="a"), "emit:1")

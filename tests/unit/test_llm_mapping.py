@@ -422,6 +422,18 @@ def test_transport_errors() -> None:
     broken = error_event(httpx2.RemoteProtocolError("cut"), max_retries=0, timeout=3)
     assert broken.code == "stream_incomplete"
     assert error_event(IncompleteStream("x"), max_retries=0, timeout=3).code == "stream_incomplete"
+    # once the response began, a wrapped transport error is a cut stream and a timeout a
+    # stalled one, whichever way the SDK release wraps them
+    wrapped = anthropic.APIConnectionError(request=request)
+    wrapped.__cause__ = httpx2.RemoteProtocolError("incomplete chunked read")
+    cut = error_event(wrapped, max_retries=2, timeout=3, mid_stream=True)
+    assert cut.code == "stream_incomplete"
+    assert "incomplete chunked read" in cut.message
+    assert error_event(wrapped, max_retries=2, timeout=3).code == "connection"
+    late = error_event(
+        anthropic.APITimeoutError(request), max_retries=1, timeout=3, mid_stream=True
+    )
+    assert (late.code, "stalled" in late.message) == ("timeout", True)
     assert error_event(ValueError("?"), max_retries=0, timeout=3).code == "error"
 
 

@@ -16,6 +16,7 @@ from capsules.runner.principals import (
     SettingsUnsupported,
 )
 from sage.config import PrincipalConfig
+from sage.errors import SageError
 
 
 def test_round_trip_through_a_file(tmp_path: Path) -> None:
@@ -36,6 +37,7 @@ def test_a_newer_schema_is_refused_with_a_way_out() -> None:
     with pytest.raises(SettingsUnsupported, match="newer than this sage") as info:
         principals.decode(data, "alice")
     assert info.value.code == "schema_version_unsupported"
+    assert isinstance(info.value, SageError)
     assert "--force" in str(info.value)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -59,67 +58,11 @@ from sage.claude.protocol import (
     encode_user_turn,
 )
 from sage.errors import ProtocolError
+from tests.support.transcripts import EXPECTED_KINDS, FIXTURES, REFERENCE
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-PINNED = "2.1.328"
-FIXTURES = REPO_ROOT / "tests" / "fixtures"
-REFERENCE = FIXTURES / f"claude-code-{PINNED}"  # recorded by `make transcripts`
 TRANSCRIPTS = sorted(p.name for p in REFERENCE.glob("*.jsonl"))
 MB = 1 << 20
 CHUNK = 64 * 1024
-
-SETUP = ["control_request", "control_response", "control_request", "control_request"]
-STREAM_TURN = ["system/status", "stream_event", "stream_event", "stream_event", "assistant"]
-STREAM_END = ["stream_event", "stream_event", "stream_event"]
-# a tool call: start, a text-less block whose input comes in two deltas; the CLI
-# asks for permission and calls the tool while the message is still streaming
-STREAM_TOOL_TURN = [
-    "system/status",
-    *["stream_event"] * 4,
-    "assistant",
-    "stream_event",
-    "control_request",
-    "stream_event",
-    "stream_event",
-    "control_request",
-    "user",
-]
-EXPECTED_KINDS = {
-    "api_retry_401_truncated.jsonl": [*SETUP, "system/init", *["system/api_retry"] * 4],
-    "permission_prompt.jsonl": [
-        *SETUP,
-        "system/init",
-        "assistant",
-        "control_request",
-        "control_request",
-        "user",
-        "assistant",
-        "result",
-    ],
-    "print_text_only.jsonl": ["system/init", "assistant", "result"],
-    "tool_loop_partial.jsonl": [
-        *SETUP,
-        "system/init",
-        *STREAM_TOOL_TURN,
-        *STREAM_TURN,
-        *STREAM_END,
-        "result",
-        "system/init",
-        *STREAM_TURN,
-        *STREAM_END,
-        "result",
-    ],
-    "tool_loop_with_hook_callback.jsonl": [
-        *SETUP,
-        "system/init",
-        "assistant",
-        "control_request",
-        "control_request",
-        "user",
-        "assistant",
-        "result",
-    ],
-}
 
 
 def golden(name: str) -> bytes:

@@ -18,7 +18,6 @@ from capsules.runner.command import (
     mint_token,
     read_api_key,
     unsafe_home,
-    write_private,
 )
 from sage.config import Config, PrincipalConfig, decode_config
 from sage.errors import ConfigError
@@ -124,14 +123,6 @@ def test_identity_file_is_private_and_falls_back(tmp_path: Path) -> None:
     assert fallback.identity_fallback is True
     assert "alice" in fallback.identity_file.read_text()
     assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]
-
-
-def test_write_private_replaces_atomically_and_refuses_symlinks(tmp_path: Path) -> None:
-    target = tmp_path / "d" / "f"
-    write_private(target, b"one")
-    write_private(target, b"two")
-    assert target.read_bytes() == b"two"
-    assert os.listdir(target.parent) == ["f"]
 
 
 def test_api_key_sources(tmp_path: Path) -> None:

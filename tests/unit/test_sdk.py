@@ -11,6 +11,7 @@ from typing import Annotated, Any
 import anyio
 import msgspec
 import pytest
+import structlog
 from structlog.testing import capture_logs
 
 from bus import Acl, Bus, Envelope, Identity, Subscription
@@ -20,6 +21,7 @@ from sage.capsule.sdk import (
     Tool,
     ToolCall,
     ToolError,
+    follow,
     input_schema,
     required_patterns,
 )
@@ -698,3 +700,34 @@ async def test_a_tool_publishes_and_requests_through_its_context() -> None:
                 assert "AclDenied" in refused["content"][0]["text"]
     with pytest.raises(SageError, match="only known while a tool or handler runs"):
         context()
+
+
+@pytest.mark.anyio
+async def test_follow_logs_a_failing_envelope_with_its_traceback_and_goes_on() -> None:
+    """One bad envelope is logged (``log.exception``: error and traceback) and never stops
+    the subscription: the envelopes after it are handled, in order."""
+
+    async def envelopes() -> AsyncIterator[Envelope]:
+        for n, topic in enumerate(("t.a", "t.bad", "t.c")):
+            yield Envelope(id=n, topic=topic, payload=b"{}", source="test")
+
+    seen: list[str] = []
+
+    def handler(envelope: Envelope) -> None:
+        if envelope.topic == "t.bad":
+            raise KeyError("boom")
+        seen.append(envelope.topic)
+
+    log = structlog.get_logger("test")
+    with capture_logs() as logs:
+        await follow(envelopes(), handler, log, "x.handler_failed")
+    assert seen == ["t.a", "t.c"]
+    assert logs == [
+        {
+            "event": "x.handler_failed",
+            "topic": "t.bad",
+            "error": "KeyError: 'boom'",
+            "exc_info": True,
+            "log_level": "error",
+        }
+    ]

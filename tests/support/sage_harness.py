@@ -23,8 +23,8 @@ from typing import Any
 import anyio
 import msgspec
 
-from bus import BusClient, RemoteSubscription
-from tests.integration.daemon import Daemon, short_dir
+from bus.client import BusClient, RemoteSubscription
+from tests.support.daemon import Daemon, short_dir
 
 __all__ = ("Events", "Sage", "running_sage", "sage_config")
 
@@ -116,7 +116,7 @@ class Sage:
 
     async def astrid(self, *args: str, stdin: bytes | None = None) -> tuple[int, str, str]:
         """Run the ``astrid`` CLI against this daemon without blocking the loop."""
-        from tests.integration.daemon import ASTRID
+        from tests.support.daemon import ASTRID
 
         result = await anyio.run_process(
             [*ASTRID, *args, "--config", str(self.daemon.config)],

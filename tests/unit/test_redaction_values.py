@@ -5,10 +5,10 @@ from __future__ import annotations
 import base64
 import json
 
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from sage.forge.redact import MIN_SECRET_LENGTH, REDACTED, redact_json, redact_text, secret_forms
+from sage.redaction import MIN_SECRET_LENGTH, REDACTED, redact_json, redact_text, secret_forms
 
 SECRET = "sk-live-0123456789abcdef"
 
@@ -78,6 +78,7 @@ def test_no_secrets_is_identity() -> None:
     prefix=st.text(max_size=10),
 )
 def test_any_whitespace_split_is_found(secret: str, cuts: list[int], ws: str, prefix: str) -> None:
+    assume(secret not in REDACTED)  # "<redacte" is in every redacted text
     for form in (secret, base64.b64encode(secret.encode()).decode(), secret.encode().hex()):
         pieces, last = [], 0
         for cut in sorted({c for c in cuts if c < len(form)}):

@@ -1,6 +1,6 @@
 """The e2e Messages API stand-in, with the replies the completion provider's tests need.
 
-:class:`LlmStandin` is :class:`tests.e2e.standin.Standin` plus:
+:class:`LlmStandin` is :class:`tests.support.standin.Standin` plus:
 
 - :class:`SplitToolUse`: a ``tool_use`` block whose input JSON comes in
   ``chunks`` ``input_json_delta`` events (split at any character, so most
@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from tests.e2e.standin import Error, Recorded, Reply, Slow, Standin, Text, ToolUse
+from tests.support.standin import Error, Recorded, Reply, Slow, Standin, Text, ToolUse
 
 __all__ = (
     "Cut",

@@ -57,7 +57,7 @@ from sage.claude.protocol import (
     encode_permission_deny,
     encode_user_turn,
 )
-from tests.e2e.standin import offline_env
+from tests.support.standin import offline_env
 
 __all__ = ("FINDINGS", "MCP_CONFIG", "Host", "HostClosed", "run_claude")
 

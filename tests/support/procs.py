@@ -1,4 +1,4 @@
-"""Process checks the benchmarks share: is a pid alive, which processes carry a marker."""
+"""Process checks for the benchmarks and the harness tests: is a pid alive, who carries a marker."""
 
 from __future__ import annotations
 

@@ -1,0 +1,39 @@
+"""What the command modules share that is not a connection: the common flags, the runner call.
+
+It imports nothing of ``sage.cli`` (which imports every command module), so a
+command module can import it without a cycle.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from bus import NoResponders
+from sage import replies
+from sage.errors import SageError
+
+__all__ = ("add_common", "call_runner")
+
+
+def add_common(parser: argparse.ArgumentParser, *, json_output: bool = True) -> None:
+    """Give a command the flags every command takes."""
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help="supervisor.toml to use (default: $ASTRID_CONFIG, else the embedded defaults)",
+    )
+    if json_output:
+        parser.add_argument("--json", action="store_true", help="print JSON for programs")
+
+
+async def call_runner(client: Any, topic: str, payload: Any, deadline: float) -> dict[str, Any]:
+    """Ask the session runner; its ``ok`` reply, or a :class:`SageError` with its error."""
+    try:
+        reply = await client.request(topic, payload, deadline=deadline)
+    except NoResponders:
+        raise SageError(
+            "no session runner is running (is `runner` in supervisor.capsules?)"
+        ) from None
+    return replies.parse(reply.payload)  # a failure raises ReplyError: "CODE: MESSAGE"

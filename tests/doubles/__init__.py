@@ -1,1 +1,0 @@
-"""Test doubles of the external programs sage runs (see fake_claude.py)."""
