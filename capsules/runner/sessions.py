@@ -1,0 +1,159 @@
+"""A session of the runner: its record, its state and the table of its changes.
+
+A session outlives its children: it runs one ``claude`` child, or several when
+it is respawned (an identity refresh), and it ends once.  Its state
+(:class:`SessionState`, the table is :data:`SESSION_TRANSITIONS`):
+
+- ``STARTING``: in the table, its first child not yet spawned;
+- ``RUNNING``: a child serves it;
+- ``RESPAWNING``: a new child was asked for (``respawn_reason``) and has not yet
+  answered ``initialize``; every child that dies meanwhile is retried, up to
+  ``[sessions] max_respawns`` attempts in a row;
+- ``STOPPING``: an operator stopped it; whatever the child does next, it ends;
+- ``ENDED``: its end is recorded (or its first start failed);
+- ``INTERRUPTED``: the supervisor stopped under it; the record says so and the
+  next supervisor resumes or ends it.
+
+What the state store keeps (:class:`SessionRecord`) has a coarser state
+(:class:`RecordState`): ``running``, ``interrupted`` or ``ended``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Final
+
+import anyio
+import msgspec
+
+from capsules.runner.errors import IllegalTransition
+from sage.config import PrincipalConfig
+
+if TYPE_CHECKING:
+    from capsules.runner.session import ClaudeProcess, Ending
+
+__all__ = (
+    "SESSION_TRANSITIONS",
+    "RecordState",
+    "Session",
+    "SessionRecord",
+    "SessionState",
+)
+
+
+class SessionState(enum.Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    RESPAWNING = "respawning"
+    STOPPING = "stopping"
+    ENDED = "ended"
+    INTERRUPTED = "interrupted"
+
+
+_OVER = frozenset({SessionState.ENDED, SessionState.INTERRUPTED})
+
+SESSION_TRANSITIONS: Final[dict[SessionState, frozenset[SessionState]]] = {
+    SessionState.STARTING: frozenset(
+        {SessionState.RUNNING, SessionState.RESPAWNING, SessionState.STOPPING} | _OVER
+    ),
+    SessionState.RUNNING: frozenset({SessionState.RESPAWNING, SessionState.STOPPING} | _OVER),
+    SessionState.RESPAWNING: frozenset({SessionState.RUNNING, SessionState.STOPPING} | _OVER),
+    SessionState.STOPPING: _OVER,
+    SessionState.ENDED: frozenset(),
+    SessionState.INTERRUPTED: frozenset(),
+}
+
+
+class RecordState(enum.StrEnum):
+    """A session record's ``state`` in the state store."""
+
+    RUNNING = "running"
+    INTERRUPTED = "interrupted"
+    ENDED = "ended"
+
+
+LIVE: Final = frozenset({RecordState.RUNNING, RecordState.INTERRUPTED})
+"""Records a supervisor start finds live: resumed or ended (``supervisor_restart``)."""
+
+
+class SessionRecord(msgspec.Struct, kw_only=True):
+    """What the state store keeps of a session (namespace ``sessions``)."""
+
+    session_id: str
+    principal_id: str
+    claude_session: str
+    state: RecordState = RecordState.RUNNING
+    pid: int | None = None
+    started_at: float = 0.0
+    ended_at: float | None = None
+    turns: int = 0
+    cost_usd: float = 0.0
+    flags_hash: str = ""
+    reason: str = ""
+    exit_code: int | None = None
+    signal: int | None = None
+
+
+@dataclass
+class Session:
+    """A session in the runner's table; see the module docstring."""
+
+    record: SessionRecord
+    principal: PrincipalConfig
+    state: SessionState = SessionState.STARTING
+    proc: ClaudeProcess | None = None  # the child now (or last) serving it
+    respawn_reason: str | None = None  # why a new child is wanted (RESPAWNING)
+    respawns: int = 0  # attempts since the last child that became ready
+    turns: int = 0  # of earlier children
+    cost_usd: float = 0.0
+    token_hash: str = ""
+    key_source: str = "none"  # principal | operator | claude.env | none (spawn audit)
+    ending: Ending | None = None
+    done: anyio.Event = field(default_factory=anyio.Event)
+
+    @property
+    def id(self) -> str:
+        return self.record.session_id
+
+    def move(self, new: SessionState) -> None:
+        """The one place the state changes, along :data:`SESSION_TRANSITIONS`."""
+        if new is self.state:
+            return
+        if new not in SESSION_TRANSITIONS[self.state]:
+            raise IllegalTransition(f"session {self.id}", self.state.value, new.value)
+        self.state = new
+
+    def may(self, new: SessionState) -> bool:
+        """Whether the table allows a change to ``new`` now."""
+        return new is self.state or new in SESSION_TRANSITIONS[self.state]
+
+    def respawn(self, reason: str) -> bool:
+        """Ask for a new child for ``reason``; False when the session is stopping or over."""
+        if not self.may(SessionState.RESPAWNING):
+            return False
+        self.move(SessionState.RESPAWNING)
+        self.respawn_reason = reason
+        return True
+
+    def stop(self) -> None:
+        """An operator's stop: no respawn, the session ends with its child."""
+        if self.state in _OVER:
+            return  # it ended as the stop came
+        self.move(SessionState.STOPPING)
+        self.respawn_reason = None
+
+    def ready(self) -> None:
+        """A child answered ``initialize``: a respawn is over, its count starts again."""
+        if self.state is SessionState.RESPAWNING and self.respawns:
+            self.move(SessionState.RUNNING)  # the respawned child is up
+            self.respawn_reason = None
+        self.respawns = 0
+
+    def record_state(self) -> RecordState:
+        """What the store says of the session now."""
+        if self.state is SessionState.ENDED:
+            return RecordState.ENDED
+        if self.state is SessionState.INTERRUPTED:
+            return RecordState.INTERRUPTED
+        return RecordState.RUNNING
