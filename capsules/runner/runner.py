@@ -1091,7 +1091,7 @@ class Runner:
 
     # -- tools changed / identity refresh -------------------------------------------
 
-    async def _tools_changed(self, envelopes: Any) -> None:
+    async def _tools_changed(self, envelopes: AsyncIterable[Envelope]) -> None:
         async for envelope in envelopes:
             try:
                 msg = msgspec.json.decode(envelope.payload, type=ToolsChanged)
@@ -1108,7 +1108,7 @@ class Runner:
                     _quietly, lambda p=proc, server=msg.server: p.tools_changed(server)
                 )
 
-    async def _identity_saved(self, envelopes: Any) -> None:
+    async def _identity_saved(self, envelopes: AsyncIterable[Envelope]) -> None:
         async for envelope in envelopes:
             try:
                 msg = msgspec.json.decode(envelope.payload, type=IdentitySaved)
@@ -1421,7 +1421,7 @@ def _snake(name: str) -> str:
     return "".join(out)
 
 
-async def _quietly(func: Any) -> None:
+async def _quietly(func: Callable[[], Awaitable[None]]) -> None:
     with contextlib.suppress(SessionError):
         await func()
 
