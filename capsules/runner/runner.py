@@ -75,7 +75,14 @@ from capsules.runner.messages import (
 )
 from capsules.runner.principals import PrincipalSettings, SettingsError
 from capsules.runner.session import ClaudeProcess, Ending, EndReason, SessionError
-from capsules.runner.sessions import LIVE, RecordState, Session, SessionRecord, SessionState
+from capsules.runner.sessions import (
+    LIVE,
+    AfterChild,
+    RecordState,
+    Session,
+    SessionRecord,
+    SessionState,
+)
 from sage import replies
 from sage.claude.binary import (
     Support,
@@ -794,26 +801,19 @@ class Runner:
                         raise
                     log.warning("session.respawn_failed", session_id=session.id, error=str(exc))
                     ending = None
-                    failed = True
                 else:
                     ending = session.ending
                     assert ending is not None
                     session.turns += proc.turn.finished
                     session.cost_usd += proc.turn.cost_usd
-                    failed = (
-                        ending.reason != EndReason.RESPAWN
-                        and session.state is SessionState.RESPAWNING
-                    )
                 first = False
-                if session.state is SessionState.STOPPING or (
-                    ending is not None and ending.reason == EndReason.STOPPED
-                ):
+                step = session.after_child(
+                    ending.reason if ending is not None else None,
+                    self.config.sessions.max_respawns,
+                )
+                if step is AfterChild.END:
                     break
-                if ending is not None and ending.reason != EndReason.RESPAWN and not failed:
-                    break  # an ordinary end
-                # a refresh was asked for, or a respawned child died before it was ready
-                session.respawns += 1
-                if session.respawns > self.config.sessions.max_respawns:
+                if step is AfterChild.ABANDON:
                     self.audit(
                         "respawn_abandoned",
                         {

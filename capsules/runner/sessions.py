@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Final
 import anyio
 import msgspec
 
+from capsules.runner.conversation import EndReason
 from capsules.runner.errors import IllegalTransition
 from sage.config import PrincipalConfig
 
@@ -34,7 +35,9 @@ if TYPE_CHECKING:
     from capsules.runner.session import ClaudeProcess, Ending
 
 __all__ = (
+    "LIVE",
     "SESSION_TRANSITIONS",
+    "AfterChild",
     "RecordState",
     "Session",
     "SessionRecord",
@@ -63,6 +66,14 @@ SESSION_TRANSITIONS: Final[dict[SessionState, frozenset[SessionState]]] = {
     SessionState.ENDED: frozenset(),
     SessionState.INTERRUPTED: frozenset(),
 }
+
+
+class AfterChild(enum.Enum):
+    """What follows the end of a session's child (:meth:`Session.after_child`)."""
+
+    END = "end"  # the session ends, for the child's reason
+    RESPAWN = "respawn"  # another child, with --resume
+    ABANDON = "abandon"  # too many respawns in a row: the session ends respawn_abandoned
 
 
 class RecordState(enum.StrEnum):
@@ -149,6 +160,23 @@ class Session:
             self.move(SessionState.RUNNING)  # the respawned child is up
             self.respawn_reason = None
         self.respawns = 0
+
+    def after_child(self, reason: str | None, max_respawns: int) -> AfterChild:
+        """What follows a child's end for ``reason`` (None: a new child could not be
+        launched); a respawn counts an attempt (``respawns``)."""
+        if self.state is SessionState.STOPPING or reason == EndReason.STOPPED:
+            return AfterChild.END
+        # a child that ended for anything but a respawn before the new one came up
+        failed = reason is None or (
+            reason != EndReason.RESPAWN and self.state is SessionState.RESPAWNING
+        )
+        if not failed and reason != EndReason.RESPAWN:
+            return AfterChild.END  # an ordinary end
+        # a refresh was asked for, or a respawned child died before it was ready
+        self.respawns += 1
+        if self.respawns > max_respawns:
+            return AfterChild.ABANDON
+        return AfterChild.RESPAWN
 
     def record_state(self) -> RecordState:
         """What the store says of the session now."""

@@ -22,6 +22,7 @@ from capsules.runner.session import ClaudeProcess, EndReason
 from capsules.runner.sessions import (
     LIVE,
     SESSION_TRANSITIONS,
+    AfterChild,
     RecordState,
     Session,
     SessionRecord,
@@ -332,3 +333,56 @@ async def test_a_request_without_reply_to_is_not_answered(tmp_path: Path) -> Non
     quiet = Envelope(id=1, topic="sage.v1.request.stop.x", payload=b"{}", source="client")
     await runner._answer(quiet, broken)
     assert ctx.replies == []
+
+
+# -- after a child ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "reason",
+    [
+        EndReason.EXITED,
+        EndReason.CRASHED,
+        EndReason.AUTH_FAILED,
+        EndReason.LINE_TOO_LONG,
+        EndReason.PERMISSION_MODE_MISMATCH,
+    ],
+)
+def test_a_running_session_ends_with_its_child(reason: EndReason) -> None:
+    s = session(SessionState.RUNNING)
+    assert s.after_child(reason.value, 3) is AfterChild.END
+    assert s.respawns == 0
+
+
+def test_a_stop_ends_the_session_whatever_the_child_did() -> None:
+    for reason in (EndReason.STOPPED.value, EndReason.RESPAWN.value, None):
+        s = session(SessionState.STOPPING)
+        assert s.after_child(reason, 3) is AfterChild.END
+    s = session(SessionState.RESPAWNING)  # a stop overrode the respawn in the child
+    assert s.after_child(EndReason.STOPPED.value, 3) is AfterChild.END
+
+
+def test_a_child_stopped_for_a_respawn_is_followed_by_another() -> None:
+    s = session(SessionState.RUNNING)
+    s.respawn("identity_refresh")
+    assert s.after_child(EndReason.RESPAWN.value, 3) is AfterChild.RESPAWN
+    assert s.respawns == 1
+
+
+@pytest.mark.parametrize("reason", [EndReason.CRASHED.value, EndReason.EXITED.value, None])
+def test_a_respawn_that_fails_is_tried_again_then_abandoned(reason: str | None) -> None:
+    s = session(SessionState.RUNNING)
+    s.respawn("identity_refresh")
+    assert s.after_child(EndReason.RESPAWN.value, 2) is AfterChild.RESPAWN
+    # the new child died (or could not be launched) before it answered initialize
+    assert s.after_child(reason, 2) is AfterChild.RESPAWN
+    assert s.after_child(reason, 2) is AfterChild.ABANDON
+    assert s.respawns == 3  # the audit reports respawns - 1 attempts
+
+
+def test_a_respawned_child_that_came_up_ends_the_session_in_the_ordinary_way() -> None:
+    s = session(SessionState.RUNNING)
+    s.respawn("identity_refresh")
+    assert s.after_child(EndReason.RESPAWN.value, 2) is AfterChild.RESPAWN
+    s.ready()  # its init
+    assert s.after_child(EndReason.CRASHED.value, 2) is AfterChild.END
