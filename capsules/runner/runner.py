@@ -82,6 +82,7 @@ from capsules.runner.sessions import (
     Session,
     SessionRecord,
     SessionState,
+    SessionTable,
 )
 from sage import replies
 from sage.claude.binary import (
@@ -140,7 +141,7 @@ class Runner:
 
     def __init__(self, ctx: CapsuleContext) -> None:
         self.ctx = ctx
-        self.sessions: dict[str, Session] = {}
+        self.sessions = SessionTable()
         self.mcp = McpServer(self)
         self._locks: dict[str, anyio.Lock] = {}
         """One per principal: installs and settings changes of a principal run one at a time."""
@@ -568,11 +569,11 @@ class Runner:
                 principal = None
             if self.config.sessions.resume and principal is not None and self.binary is not None:
                 session = Session(record, principal)
-                self.sessions[record.session_id] = session
+                self.sessions.add(session)
                 try:
                     await self._start(session, resume=True, initial=None)
                 except SessionError as exc:
-                    self.sessions.pop(record.session_id, None)
+                    self.sessions.remove(session)
                     await self._ended(session, None, f"{EndReason.RESUME_FAILED}: {exc}")
                     continue
                 self._event(
@@ -627,12 +628,13 @@ class Runner:
                 " instead, or switch it with `astrid sage settings"
                 f" {pid_} --interaction-mode headless`",
             )
-        if sid in self.sessions:
+        cap = config.limits.max_sessions_per_principal
+        refusal = self.sessions.refusal(sid, pid_, cap)
+        if refusal == "duplicate_session":
             raise self._reject(
                 request, pid_, "duplicate_session", f"session {sid!r} exists", session_id=sid
             )
-        cap = config.limits.max_sessions_per_principal
-        if sum(1 for s in self.sessions.values() if s.record.principal_id == pid_) >= cap:
+        if refusal == "principal_limit":
             raise self._reject(
                 request, pid_, "principal_limit", f"principal {pid_!r} has {cap} sessions already"
             )
@@ -643,11 +645,11 @@ class Runner:
             started_at=time.time(),
         )
         session = Session(record, principal)
-        self.sessions[sid] = session  # taken before the first await: no race past the cap
+        self.sessions.add(session)  # taken before the first await: no race past the cap
         try:
             pid = await self._start(session, resume=False, initial=req.initial_message)
         except SessionError as exc:
-            self.sessions.pop(sid, None)
+            self.sessions.remove(session)
             self._publish(
                 "sage.v1.event.session_rejected",
                 {"principal_id": pid_, "reason": exc.code, "message": str(exc)},
@@ -834,12 +836,12 @@ class Runner:
                 session.record.reason = EndReason.SUPERVISOR_SHUTDOWN.value
                 await self._save(session.record)
                 await self._scrub(session)
-            self.sessions.pop(session.id, None)
+            self.sessions.remove(session)
             session.done.set()
             raise
         except (SageError, OSError):
             session.move(SessionState.ENDED)
-            self.sessions.pop(session.id, None)
+            self.sessions.remove(session)
             session.done.set()
             raise  # the first start failed: the spawn request says why
         await self._ended(
@@ -939,7 +941,7 @@ class Runner:
         )
         payload["reason"] = record.reason
         payload["principal_id"] = record.principal_id
-        self.sessions.pop(session.id, None)
+        self.sessions.remove(session)
         with anyio.CancelScope(shield=True):
             await self._save(record)
             await self._scrub(session)
@@ -997,9 +999,9 @@ class Runner:
 
     async def _target(self, request: Envelope) -> Session:
         sid = request.topic.rsplit(".", 1)[1]
-        session = self.sessions.get(sid)
         # a session of someone else looks the same as none at all
-        if session is not None and request.principal in (None, session.record.principal_id):
+        session = self.sessions.visible(sid, request.principal)
+        if session is not None:
             return session
         record = await self._visible_record(request, sid)
         if record is not None and record.state is RecordState.ENDED:
@@ -1054,11 +1056,7 @@ class Runner:
 
     async def _list(self, request: Envelope) -> dict[str, Any]:
         req = msgspec.json.decode(request.payload or b"{}", type=SessionsRequest)
-        rows = [
-            self._live_row(s)
-            for s in self.sessions.values()
-            if request.principal in (None, s.record.principal_id)
-        ]
+        rows = [self._live_row(s) for s in self.sessions.visible_to(request.principal)]
         if req.all:
             try:
                 stored = await self.ctx.state.items("sessions")
@@ -1078,8 +1076,8 @@ class Runner:
         """One session, live or ended, and its last events (``replay``) for watch."""
         sid = request.topic.rsplit(".", 1)[1]
         req = msgspec.json.decode(request.payload or b"{}", type=SessionRequest)
-        session = self.sessions.get(sid)
-        if session is not None and request.principal in (None, session.record.principal_id):
+        session = self.sessions.visible(sid, request.principal)
+        if session is not None:
             row = self._live_row(session)
         else:
             record = await self._visible_record(request, sid)

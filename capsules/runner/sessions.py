@@ -21,6 +21,7 @@ What the state store keeps (:class:`SessionRecord`) has a coarser state
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
@@ -42,6 +43,7 @@ __all__ = (
     "Session",
     "SessionRecord",
     "SessionState",
+    "SessionTable",
 )
 
 
@@ -185,3 +187,57 @@ class Session:
         if self.state is SessionState.INTERRUPTED:
             return RecordState.INTERRUPTED
         return RecordState.RUNNING
+
+
+class SessionTable(Mapping[str, Session]):
+    """The runner's live sessions by id.
+
+    A spawn checks :meth:`refusal` and takes its place with :meth:`add` before
+    its first ``await``, so two spawns cannot both pass the per-principal cap; a
+    session leaves with :meth:`remove` when it ends.  Another principal's
+    session is invisible to a caller (:meth:`visible`)."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, Session] = {}
+
+    def __getitem__(self, sid: str) -> Session:
+        return self._by_id[sid]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._by_id)
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def of(self, principal_id: str) -> list[Session]:
+        """The live sessions of ``principal_id``."""
+        return [s for s in self._by_id.values() if s.record.principal_id == principal_id]
+
+    def refusal(self, sid: str, principal_id: str, cap: int) -> str | None:
+        """Why a new session ``sid`` of ``principal_id`` may not join: ``duplicate_session``,
+        ``principal_limit`` (``cap`` sessions already), or None."""
+        if sid in self._by_id:
+            return "duplicate_session"
+        if len(self.of(principal_id)) >= cap:
+            return "principal_limit"
+        return None
+
+    def add(self, session: Session) -> None:
+        if session.id in self._by_id:
+            raise IllegalTransition(f"session {session.id}", "live", "added again")
+        self._by_id[session.id] = session
+
+    def remove(self, session: Session) -> None:
+        """Take ``session`` out (if it is the one under its id)."""
+        if self._by_id.get(session.id) is session:
+            del self._by_id[session.id]
+
+    def visible(self, sid: str, principal: str | None) -> Session | None:
+        """Session ``sid`` if the caller (``principal``; None: an admin) may see it."""
+        session = self._by_id.get(sid)
+        if session is not None and principal in (None, session.record.principal_id):
+            return session
+        return None
+
+    def visible_to(self, principal: str | None) -> list[Session]:
+        return [s for s in self._by_id.values() if principal in (None, s.record.principal_id)]

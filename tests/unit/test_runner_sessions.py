@@ -27,6 +27,7 @@ from capsules.runner.sessions import (
     Session,
     SessionRecord,
     SessionState,
+    SessionTable,
 )
 from sage.config import PrincipalConfig
 from sage.errors import SageError
@@ -245,7 +246,7 @@ async def test_a_failing_handler_is_answered_and_the_live_session_goes_on(
     runner = Runner(ctx)  # type: ignore[arg-type]
     live = session(SessionState.RUNNING)
     live.proc = proc = idle_process(tmp_path, runner)
-    runner.sessions["s1"] = live
+    runner.sessions.add(live)
     send, requests = anyio.create_memory_object_stream[Envelope](8)
     session_task_cancelled = False
 
@@ -386,3 +387,52 @@ def test_a_respawned_child_that_came_up_ends_the_session_in_the_ordinary_way() -
     assert s.after_child(EndReason.RESPAWN.value, 2) is AfterChild.RESPAWN
     s.ready()  # its init
     assert s.after_child(EndReason.CRASHED.value, 2) is AfterChild.END
+
+
+# -- the table ----------------------------------------------------------------------------------
+
+
+def made(sid: str, principal: str) -> Session:
+    record = SessionRecord(session_id=sid, principal_id=principal, claude_session="c")
+    return Session(record, PrincipalConfig(name=principal))
+
+
+def test_the_table_refuses_a_duplicate_and_a_principal_past_its_cap() -> None:
+    table = SessionTable()
+    assert table.refusal("s1", "alice", 2) is None
+    table.add(made("s1", "alice"))
+    assert table.refusal("s1", "bob", 2) == "duplicate_session"
+    assert table.refusal("s2", "alice", 2) is None
+    table.add(made("s2", "alice"))
+    assert table.refusal("s3", "alice", 2) == "principal_limit"
+    assert table.refusal("s3", "bob", 2) is None
+    with pytest.raises(IllegalTransition):
+        table.add(made("s1", "bob"))
+    assert [s.id for s in table.of("alice")] == ["s1", "s2"]
+    assert len(table) == 2
+
+
+def test_another_principals_session_is_invisible() -> None:
+    table = SessionTable()
+    alice, bob = made("s1", "alice"), made("s2", "bob")
+    table.add(alice)
+    table.add(bob)
+    assert table.visible("s1", "alice") is alice
+    assert table.visible("s1", "bob") is None
+    assert table.visible("s1", None) is alice  # an admin sees every session
+    assert table.visible("nope", None) is None
+    assert table.visible_to("bob") == [bob]
+    assert table.visible_to(None) == [alice, bob]
+
+
+def test_a_session_leaves_the_table_once_and_only_itself() -> None:
+    table = SessionTable()
+    old = made("s1", "alice")
+    table.add(old)
+    table.remove(old)
+    assert "s1" not in table
+    new = made("s1", "alice")  # a later spawn with the same id
+    table.add(new)
+    table.remove(old)  # the old one's late cleanup leaves the new one be
+    assert table["s1"] is new
+    assert list(table.values()) == [new]
