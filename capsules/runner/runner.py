@@ -878,7 +878,7 @@ class Runner:
     ) -> None:
         record = session.record
         record.pid = pid
-        record.state = RecordState.RUNNING
+        record.state = session.record_state()  # running, while a child serves it
         record.flags_hash = launch.flags_hash
         await self._save(record)
         try:
@@ -929,7 +929,7 @@ class Runner:
     async def _ended(self, session: Session, ending: Ending | None, reason: str) -> None:
         record = session.record
         session.move(SessionState.ENDED)
-        record.state = RecordState.ENDED
+        record.state = session.record_state()
         record.reason = str(reason)
         record.ended_at = time.time()
         record.turns = session.turns
