@@ -1137,7 +1137,7 @@ class Runner:
         who = {"principal_id": proc.principal_id, "session_id": proc.session_id}
         if name == "permission_denied":  # the CLI decided a tool call by itself
             self.audit("permission_denied", {**payload, **who})
-        elif name == "error" and payload.get("reason") == "permission_mode_mismatch":
+        elif name == "error" and payload.get("reason") == EndReason.PERMISSION_MODE_MISMATCH:
             self.audit(
                 "permission_mode_mismatch",
                 {

@@ -379,12 +379,12 @@ class ClaudeProcess:
         except SessionError as exc:
             if exc.code == "timeout":
                 log.warning("session.init_timeout", session_id=self.session_id)
-                self._error("init_timeout")
+                self._error(EndReason.INIT_TIMEOUT.value)
                 self.end(EndReason.INIT_TIMEOUT)
             elif exc.code == "control_failed" and self._channel.state is ChannelState.OPEN:
                 # an error answer from the CLI (not the child going away)
                 log.warning("session.init_failed", session_id=self.session_id, error=str(exc))
-                self._error("init_failed", message=str(exc))
+                self._error(EndReason.INIT_FAILED.value, message=str(exc))
                 self.end(EndReason.INIT_FAILED)
             return  # session_ended: the child is gone; its exit tells the rest
         fail = self.conversation.check_mode(_initialize_mode(outcome.response), "initialize")
