@@ -33,7 +33,7 @@ import os
 import signal
 import time
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterable, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +64,17 @@ from capsules.runner.messages import (
     ToolsChanged,
 )
 from capsules.runner.principals import SettingsError
-from capsules.runner.session import ClaudeProcess, Ending, SessionError
+from capsules.runner.session import ClaudeProcess, Ending, EndReason, SessionError
+from capsules.runner.sessions import (
+    LIVE,
+    AfterChild,
+    RecordState,
+    Session,
+    SessionRecord,
+    SessionState,
+    SessionTable,
+)
+from sage import replies
 from sage.claude.binary import (
     Support,
     Verdict,
@@ -88,49 +98,12 @@ __all__ = ("Runner", "SessionRecord", "run")
 
 log = structlog.get_logger("sage.runner")
 
-LIVE = ("running", "interrupted")
+Handler = Callable[[Envelope], Awaitable[dict[str, Any]]]
+"""A request handler: the envelope in, the reply out (it may raise; see ``_answer``)."""
 HOOKS = {
     name: [HookMatcher(None, [f"hook_{name}"])]
     for name in ("PreToolUse", "PostToolUse", "UserPromptSubmit", "Stop", "SubagentStop")
 }
-
-
-class SessionRecord(msgspec.Struct, kw_only=True):
-    """What the state store keeps of a session (namespace ``sessions``)."""
-
-    session_id: str
-    principal_id: str
-    claude_session: str
-    state: str = "running"  # running | interrupted | ended
-    pid: int | None = None
-    started_at: float = 0.0
-    ended_at: float | None = None
-    turns: int = 0
-    cost_usd: float = 0.0
-    flags_hash: str = ""
-    reason: str = ""
-    exit_code: int | None = None
-    signal: int | None = None
-
-
-@dataclass
-class _Session:
-    record: SessionRecord
-    principal: PrincipalConfig
-    proc: ClaudeProcess | None = None
-    respawn_reason: str | None = None
-    respawns: int = 0  # attempts since the last child that became ready
-    stopping: bool = False
-    turns: int = 0  # of earlier children
-    cost_usd: float = 0.0
-    token_hash: str = ""
-    key_source: str = "none"  # principal | operator | claude.env | none (spawn audit)
-    ending: Ending | None = None
-    done: anyio.Event = field(default_factory=anyio.Event)
-
-    @property
-    def id(self) -> str:
-        return self.record.session_id
 
 
 def _check_id(value: str) -> bool:
@@ -144,7 +117,7 @@ class Runner:
 
     def __init__(self, ctx: CapsuleContext) -> None:
         self.ctx = ctx
-        self.sessions: dict[str, _Session] = {}
+        self.sessions = SessionTable()
         self.mcp = McpServer(ctx)
         self.admin = Admin(
             ctx,
@@ -206,21 +179,33 @@ class Runner:
             tg.start_soon(self._identity_saved, identities)
             ctx.ready()
 
-    async def _serve(self, requests: Any, handler: Any) -> None:
+    async def _serve(self, requests: AsyncIterable[Envelope], handler: Handler) -> None:
         async for request in requests:
             # each request in its own task: a slow stop does not hold up a spawn
             assert self._tg is not None
             self._tg.start_soon(self._answer, request, handler)
 
-    async def _answer(self, request: Envelope, handler: Any) -> None:
+    async def _answer(self, request: Envelope, handler: Handler) -> None:
+        """Run one request's handler and reply: the one reply path of the runner.
+
+        Handlers share the task group of the sessions, so nothing a handler raises
+        may leave here: a bug is logged and answered ``internal_error``, and the
+        live sessions go on."""
         try:
             reply = await handler(request)
-        except SessionError as exc:
-            reply = {"ok": False, "error": exc.code, "message": str(exc)}
+        except SageError as exc:  # SessionError and its kin: the reason is their code
+            reply = replies.from_error(exc)
         except msgspec.ValidationError as exc:
-            reply = {"ok": False, "error": "bad_request", "message": str(exc)}
+            reply = replies.error("bad_request", str(exc))
         except msgspec.DecodeError as exc:
-            reply = {"ok": False, "error": "bad_request", "message": f"not JSON: {exc}"}
+            reply = replies.error("bad_request", f"not JSON: {exc}")
+        except Exception as exc:  # a handler bug must not take the sessions down
+            log.exception("runner.handler_failed", topic=request.topic)
+            reply = replies.error(
+                "internal_error",
+                f"the runner failed on {request.topic} ({type(exc).__name__});"
+                " see the supervisor's log",
+            )
         if request.reply_to:
             try:
                 self.ctx.reply(request, reply)
@@ -329,13 +314,13 @@ class Runner:
                 )
                 principal = None
             if self.config.sessions.resume and principal is not None and self.binary is not None:
-                session = _Session(record, principal)
-                self.sessions[record.session_id] = session
+                session = Session(record, principal)
+                self.sessions.add(session)
                 try:
                     await self._start(session, resume=True, initial=None)
                 except SessionError as exc:
-                    self.sessions.pop(record.session_id, None)
-                    await self._ended(session, None, f"resume_failed: {exc}")
+                    self.sessions.remove(session)
+                    await self._ended(session, None, f"{EndReason.RESUME_FAILED}: {exc}")
                     continue
                 self._event(
                     record.session_id,
@@ -343,8 +328,8 @@ class Runner:
                     {"principal_id": record.principal_id, "reason": "supervisor_restart"},
                 )
             else:
-                session = _Session(record, principal or PrincipalConfig(name=record.principal_id))
-                await self._ended(session, None, "supervisor_restart")
+                session = Session(record, principal or PrincipalConfig(name=record.principal_id))
+                await self._ended(session, None, EndReason.SUPERVISOR_RESTART)
 
     # -- spawn ----------------------------------------------------------------
 
@@ -389,12 +374,13 @@ class Runner:
                 " instead, or switch it with `astrid sage settings"
                 f" {pid_} --interaction-mode headless`",
             )
-        if sid in self.sessions:
+        cap = config.limits.max_sessions_per_principal
+        refusal = self.sessions.refusal(sid, pid_, cap)
+        if refusal == "duplicate_session":
             raise self._reject(
                 request, pid_, "duplicate_session", f"session {sid!r} exists", session_id=sid
             )
-        cap = config.limits.max_sessions_per_principal
-        if sum(1 for s in self.sessions.values() if s.record.principal_id == pid_) >= cap:
+        if refusal == "principal_limit":
             raise self._reject(
                 request, pid_, "principal_limit", f"principal {pid_!r} has {cap} sessions already"
             )
@@ -404,12 +390,12 @@ class Runner:
             claude_session=str(uuid.uuid4()),
             started_at=time.time(),
         )
-        session = _Session(record, principal)
-        self.sessions[sid] = session  # taken before the first await: no race past the cap
+        session = Session(record, principal)
+        self.sessions.add(session)  # taken before the first await: no race past the cap
         try:
             pid = await self._start(session, resume=False, initial=req.initial_message)
         except SessionError as exc:
-            self.sessions.pop(sid, None)
+            self.sessions.remove(session)
             self._publish(
                 "sage.v1.event.session_rejected",
                 {"principal_id": pid_, "reason": exc.code, "message": str(exc)},
@@ -417,7 +403,7 @@ class Runner:
             raise
         return {"ok": True, "session_id": sid, "pid": pid}
 
-    async def _start(self, session: _Session, *, resume: bool, initial: str | None) -> int:
+    async def _start(self, session: Session, *, resume: bool, initial: str | None) -> int:
         """Start the session's task; returns once its first child runs (its pid)."""
         assert self._tg is not None
         try:
@@ -428,7 +414,7 @@ class Runner:
             raise SessionError("spawn_failed", str(exc)) from None
         return pid
 
-    async def _launch(self, session: _Session, *, resume: bool) -> Launch:
+    async def _launch(self, session: Session, *, resume: bool) -> Launch:
         config = self.config
         if self.binary is None:
             raise SessionError("claude_missing", "no usable claude binary (see `astrid doctor`)")
@@ -539,7 +525,7 @@ class Runner:
 
     async def _run_session(
         self,
-        session: _Session,
+        session: Session,
         resume: bool,
         initial: str | None,
         *,
@@ -563,21 +549,19 @@ class Runner:
                         raise
                     log.warning("session.respawn_failed", session_id=session.id, error=str(exc))
                     ending = None
-                    failed = True
                 else:
                     ending = session.ending
                     assert ending is not None
                     session.turns += proc.turn.finished
                     session.cost_usd += proc.turn.cost_usd
-                    failed = ending.reason != "respawn" and session.respawn_reason is not None
                 first = False
-                if session.stopping or (ending is not None and ending.reason == "stopped"):
+                step = session.after_child(
+                    ending.reason if ending is not None else None,
+                    self.config.sessions.max_respawns,
+                )
+                if step is AfterChild.END:
                     break
-                if ending is not None and ending.reason != "respawn" and not failed:
-                    break  # an ordinary end
-                # a refresh was asked for, or a respawned child died before it was ready
-                session.respawns += 1
-                if session.respawns > self.config.sessions.max_respawns:
+                if step is AfterChild.ABANDON:
                     self.audit(
                         "respawn_abandoned",
                         {
@@ -587,25 +571,30 @@ class Runner:
                             "reason": session.respawn_reason or "",
                         },
                     )
-                    await self._ended(session, ending, "respawn_abandoned")
+                    await self._ended(session, ending, EndReason.RESPAWN_ABANDONED)
                     return
                 resume, initial = True, None
         except anyio.get_cancelled_exc_class():
+            if session.may(SessionState.INTERRUPTED):
+                session.move(SessionState.INTERRUPTED)
             with anyio.CancelScope(shield=True), anyio.move_on_after(2):
-                session.record.state = "interrupted"
-                session.record.reason = "supervisor_shutdown"
+                session.record.state = RecordState.INTERRUPTED
+                session.record.reason = EndReason.SUPERVISOR_SHUTDOWN.value
                 await self._save(session.record)
                 await self._scrub(session)
-            self.sessions.pop(session.id, None)
+            self.sessions.remove(session)
             session.done.set()
             raise
         except (SageError, OSError):
-            self.sessions.pop(session.id, None)
+            session.move(SessionState.ENDED)
+            self.sessions.remove(session)
             session.done.set()
             raise  # the first start failed: the spawn request says why
-        await self._ended(session, ending, ending.reason if ending is not None else "exited")
+        await self._ended(
+            session, ending, ending.reason if ending is not None else EndReason.EXITED
+        )
 
-    def _process(self, session: _Session, launch: Launch, initial: str | None) -> ClaudeProcess:
+    def _process(self, session: Session, launch: Launch, initial: str | None) -> ClaudeProcess:
         limits = self.config.limits
         return ClaudeProcess(
             session.id,
@@ -621,19 +610,21 @@ class Runner:
         )
 
     async def _incarnation(
-        self, session: _Session, proc: ClaudeProcess, *, task_status: anyio.abc.TaskStatus[int]
+        self, session: Session, proc: ClaudeProcess, *, task_status: anyio.abc.TaskStatus[int]
     ) -> None:
         session.proc = proc
+        if session.state is SessionState.STARTING:
+            session.move(SessionState.RUNNING)
         session.ending = await proc.run(task_status=task_status)
         with contextlib.suppress(OSError):
             proc.launch.identity_file.unlink(missing_ok=True)
 
     async def _spawned(
-        self, session: _Session, launch: Launch, pid: int, *, first: bool, resume: bool
+        self, session: Session, launch: Launch, pid: int, *, first: bool, resume: bool
     ) -> None:
         record = session.record
         record.pid = pid
-        record.state = "running"
+        record.state = session.record_state()  # running, while a child serves it
         record.flags_hash = launch.flags_hash
         await self._save(record)
         try:
@@ -681,10 +672,11 @@ class Runner:
             },
         )
 
-    async def _ended(self, session: _Session, ending: Ending | None, reason: str) -> None:
+    async def _ended(self, session: Session, ending: Ending | None, reason: str) -> None:
         record = session.record
-        record.state = "ended"
-        record.reason = reason
+        session.move(SessionState.ENDED)
+        record.state = session.record_state()
+        record.reason = str(reason)
         record.ended_at = time.time()
         record.turns = session.turns
         record.cost_usd = session.cost_usd
@@ -693,9 +685,9 @@ class Runner:
         payload: dict[str, Any] = (
             ending.payload() if ending is not None else {"exit_code": None, "signal": None}
         )
-        payload["reason"] = reason
+        payload["reason"] = record.reason
         payload["principal_id"] = record.principal_id
-        self.sessions.pop(session.id, None)
+        self.sessions.remove(session)
         with anyio.CancelScope(shield=True):
             await self._save(record)
             await self._scrub(session)
@@ -704,7 +696,7 @@ class Runner:
         self._event(session.id, "exited", payload)
         self.history.ended(session.id)
         session.done.set()
-        log.info("session.exited", session_id=session.id, reason=reason)
+        log.info("session.exited", session_id=session.id, reason=record.reason)
 
     async def _prune_history(self, principal: str) -> None:
         """Keep the newest ``[sessions] history`` ended records of ``principal``."""
@@ -739,7 +731,7 @@ class Runner:
             return None
         return record
 
-    async def _scrub(self, session: _Session) -> None:
+    async def _scrub(self, session: Session) -> None:
         try:
             await self.ctx.state.delete("hook_tokens", session.id)
         except SageError as exc:
@@ -751,18 +743,18 @@ class Runner:
 
     # -- per-session requests -------------------------------------------------------
 
-    async def _target(self, request: Envelope) -> _Session:
+    async def _target(self, request: Envelope) -> Session:
         sid = request.topic.rsplit(".", 1)[1]
-        session = self.sessions.get(sid)
         # a session of someone else looks the same as none at all
-        if session is not None and request.principal in (None, session.record.principal_id):
+        session = self.sessions.visible(sid, request.principal)
+        if session is not None:
             return session
         record = await self._visible_record(request, sid)
-        if record is not None and record.state == "ended":
+        if record is not None and record.state is RecordState.ENDED:
             raise SessionError("session_ended", f"session {sid!r} {_ended_text(record)}")
         raise SessionError("unknown_session", f"no session {sid!r}")
 
-    def _proc(self, session: _Session) -> ClaudeProcess:
+    def _proc(self, session: Session) -> ClaudeProcess:
         if session.proc is None:
             raise SessionError("not_ready", f"session {session.id!r} is starting")
         return session.proc
@@ -783,10 +775,9 @@ class Runner:
 
     async def _stop(self, request: Envelope) -> dict[str, Any]:
         session = await self._target(request)
-        session.stopping = True
-        session.respawn_reason = None
+        session.stop()
         if session.proc is not None:
-            await session.proc.stop("stopped")
+            await session.proc.stop(EndReason.STOPPED)
         with anyio.move_on_after(self.config.limits.stop_grace * 3 + 5):
             await session.done.wait()
         return {"ok": True, "session_id": session.id}
@@ -796,7 +787,7 @@ class Runner:
         result = await self._proc(session).interrupt()
         return {"ok": True, "session_id": session.id, **result}
 
-    def _live_row(self, session: _Session) -> dict[str, Any]:
+    def _live_row(self, session: Session) -> dict[str, Any]:
         row: dict[str, Any] = (
             session.proc.describe()
             if session.proc is not None
@@ -811,11 +802,7 @@ class Runner:
 
     async def _list(self, request: Envelope) -> dict[str, Any]:
         req = msgspec.json.decode(request.payload or b"{}", type=SessionsRequest)
-        rows = [
-            self._live_row(s)
-            for s in self.sessions.values()
-            if request.principal in (None, s.record.principal_id)
-        ]
+        rows = [self._live_row(s) for s in self.sessions.visible_to(request.principal)]
         if req.all:
             try:
                 stored = await self.ctx.state.items("sessions")
@@ -835,8 +822,8 @@ class Runner:
         """One session, live or ended, and its last events (``replay``) for watch."""
         sid = request.topic.rsplit(".", 1)[1]
         req = msgspec.json.decode(request.payload or b"{}", type=SessionRequest)
-        session = self.sessions.get(sid)
-        if session is not None and request.principal in (None, session.record.principal_id):
+        session = self.sessions.visible(sid, request.principal)
+        if session is not None:
             row = self._live_row(session)
         else:
             record = await self._visible_record(request, sid)
@@ -848,7 +835,7 @@ class Runner:
 
     # -- tools changed / identity refresh -------------------------------------------
 
-    async def _tools_changed(self, envelopes: Any) -> None:
+    async def _tools_changed(self, envelopes: AsyncIterable[Envelope]) -> None:
         async for envelope in envelopes:
             try:
                 msg = msgspec.json.decode(envelope.payload, type=ToolsChanged)
@@ -865,7 +852,7 @@ class Runner:
                     _quietly, lambda p=proc, server=msg.server: p.tools_changed(server)
                 )
 
-    async def _identity_saved(self, envelopes: Any) -> None:
+    async def _identity_saved(self, envelopes: AsyncIterable[Envelope]) -> None:
         async for envelope in envelopes:
             try:
                 msg = msgspec.json.decode(envelope.payload, type=IdentitySaved)
@@ -891,14 +878,12 @@ class Runner:
             payload["claude_code_version"] = self.version
             payload["tools"] = [f"mcp__sage__{tool.get('name', '')}" for tool in self.mcp.tools]
         if name == "init" and session is not None:
-            if session.respawn_reason is not None and session.respawns:
-                session.respawn_reason = None  # the respawned child is up
-            session.respawns = 0
+            session.ready()
         self._event(proc.session_id, name, payload, proc.principal_id)
         who = {"principal_id": proc.principal_id, "session_id": proc.session_id}
         if name == "permission_denied":  # the CLI decided a tool call by itself
             self.audit("permission_denied", {**payload, **who})
-        elif name == "error" and payload.get("reason") == "permission_mode_mismatch":
+        elif name == "error" and payload.get("reason") == EndReason.PERMISSION_MODE_MISMATCH:
             self.audit(
                 "permission_mode_mismatch",
                 {
@@ -926,10 +911,13 @@ class Runner:
     def _refresh_identity(self, principal: str) -> None:
         """Respawn ``principal``'s live sessions (``--resume``) with the identity now in force."""
         for session in list(self.sessions.values()):
-            if session.record.principal_id == principal and session.proc is not None:
-                session.respawn_reason = "identity_refresh"
+            if (
+                session.record.principal_id == principal
+                and session.proc is not None
+                and session.respawn("identity_refresh")
+            ):
                 assert self._tg is not None
-                self._tg.start_soon(session.proc.stop, "respawn")
+                self._tg.start_soon(session.proc.stop, EndReason.RESPAWN)
 
 
 def _ended_row(record: SessionRecord) -> dict[str, Any]:
@@ -956,7 +944,7 @@ def _ended_text(record: SessionRecord) -> str:
     return f"ended at {when} ({record.reason}{', ' + how if how else ''})"
 
 
-async def _quietly(func: Any) -> None:
+async def _quietly(func: Callable[[], Awaitable[None]]) -> None:
     with contextlib.suppress(SessionError):
         await func()
 

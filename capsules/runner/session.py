@@ -6,9 +6,11 @@ stderr, a single writer for its stdin and a :class:`~sage.claude.protocol.Contro
 All of its tasks live in one task group that :meth:`ClaudeProcess.run`
 opens and closes, so a cancel never leaves a reader behind.
 
-States: ``STARTING`` (spawned, ``initialize`` sent) -> ``READY`` (answered;
-idle) <-> ``BUSY`` (a turn is running) -> ``STOPPING`` -> ``EXITED``.  The
-first reason to end wins (:meth:`ClaudeProcess.end`): ``stopped``,
+It is the thin async shell around a
+:class:`~capsules.runner.conversation.Conversation`, the sans-IO core that
+turns what the child says into turns, events and the process state
+(``STARTING`` -> ``READY`` <-> ``BUSY`` -> ``STOPPING`` -> ``EXITED``) and
+keeps the first reason to end (:meth:`ClaudeProcess.end`): ``stopped``,
 ``auth_failed`` (``system/api_retry`` with 401/403, or a turn the API refused
 with 401/403, which the CLI does not retry), ``permission_mode_mismatch``
 (the ``initialize`` answer or ``system/init`` names another permission mode
@@ -28,7 +30,6 @@ written for it.
 from __future__ import annotations
 
 import contextlib
-import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,8 +41,16 @@ import msgspec
 import structlog
 
 from capsules.runner.command import Launch
+from capsules.runner.conversation import (
+    Conversation,
+    EndReason,
+    Output,
+    ProcessState,
+    Publish,
+    Turn,
+)
+from capsules.runner.errors import SessionError
 from sage.claude.protocol import (
-    AssistantMessage,
     CanUseToolRequest,
     ChannelState,
     ControlCancelRequest,
@@ -51,22 +60,11 @@ from sage.claude.protocol import (
     ControlResponse,
     Event,
     HookCallbackRequest,
-    InvalidLine,
     LineTooLong,
     McpMessageRequest,
     OutgoingState,
-    ResultMessage,
     StreamDecoder,
-    StreamEvent,
-    SystemApiRetry,
-    SystemInformational,
     SystemInit,
-    SystemPermissionDenied,
-    TextBlock,
-    ToolResultBlock,
-    ToolUseBlock,
-    UnknownMessage,
-    UserMessage,
     encode_control_error,
     encode_control_success,
     encode_hook_response,
@@ -81,34 +79,22 @@ from sage.claude.protocol import (
 from sage.errors import ProcessError, ProtocolError
 from sage.process import Child, ExitStatus, Ring, stop
 
-__all__ = ("ClaudeProcess", "Ending", "Host", "ProcessState", "SessionError", "Turn")
+__all__ = (
+    "ClaudeProcess",
+    "EndReason",
+    "Ending",
+    "Host",
+    "ProcessState",
+    "SessionError",
+    "Turn",
+)
 
 log = structlog.get_logger("sage.runner")
 
-AUTH_STATUSES = frozenset({401, 403})
-AUTH_ERROR = "authentication_failed"  # an assistant message's ``error`` for a 401/403
-TOOL_INPUT_SHOWN = 4096  # encoded bytes of a tool call's input a tool_use event carries whole
 STDERR_TAIL = 16 * 1024
 STDOUT_TAIL = 4 * 1024
 EVENT_TAIL = 4 * 1024  # bytes of each tail carried in the exited event
-GENTLE_REASONS = frozenset({"stopped", "respawn"})  # a running turn is interrupted first
 DRAIN_AFTER_EXIT = 1.0  # seconds to read what the child wrote before it exited
-
-
-class ProcessState(enum.Enum):
-    STARTING = "starting"
-    READY = "ready"
-    BUSY = "busy"
-    STOPPING = "stopping"
-    EXITED = "exited"
-
-
-class SessionError(Exception):
-    """A request the session cannot carry out; ``code`` is the reason on the wire."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 class Host(Protocol):
@@ -129,19 +115,6 @@ class Host(Protocol):
     ) -> dict[str, Any]: ...
 
 
-class _Delta(msgspec.Struct, frozen=True):
-    type: str = ""
-    text: str = ""
-
-
-class _StreamEventBody(msgspec.Struct, frozen=True):
-    type: str = ""
-    delta: _Delta | None = None
-
-
-_decode_stream_event = msgspec.json.Decoder(_StreamEventBody).decode
-
-
 class _InitializeAnswer(msgspec.Struct, frozen=True):
     current_permission_mode: str | None = None
 
@@ -152,16 +125,6 @@ def _initialize_mode(response: msgspec.Raw) -> str | None:
         return msgspec.json.decode(response, type=_InitializeAnswer).current_permission_mode
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
-
-
-@dataclass
-class Turn:
-    """Counters a session shows in its listing."""
-
-    started: int = 0
-    finished: int = 0
-    cost_usd: float = 0.0
-    last_result: ResultMessage | None = None
 
 
 @dataclass(frozen=True)
@@ -208,12 +171,9 @@ class ClaudeProcess:
         self.principal_id = principal_id
         self.launch = launch
         self.host = host
-        self.state = ProcessState.STARTING
-        self.turn = Turn()
-        self.init: SystemInit | None = None
+        self.conversation = Conversation(principal_id, session_id, launch.permission_mode)
         self.started_at = time.time()
         self.child: Child | None = None
-        self.reason: str | None = None
         self.stdin_quota = stdin_quota
         self._init_timeout = init_timeout
         self._stop_grace = stop_grace
@@ -230,13 +190,28 @@ class ClaudeProcess:
         self._ready = anyio.Event()
         self._ending = anyio.Event()
         self._stdout_done = anyio.Event()
-        self._deltas = 0  # text deltas since the last assistant message
-        self._busy_at_end = False
-        self._auth_refused = False  # the turn's assistant message said authentication_failed
-        self._tool_started: dict[str, tuple[str, float]] = {}  # tool_use_id -> (name, when)
-        self.unknown = 0
 
     # -- public -------------------------------------------------------------
+
+    @property
+    def state(self) -> ProcessState:
+        return self.conversation.state
+
+    @property
+    def turn(self) -> Turn:
+        return self.conversation.turn
+
+    @property
+    def reason(self) -> EndReason | None:
+        return self.conversation.reason
+
+    @property
+    def init(self) -> SystemInit | None:
+        return self.conversation.init
+
+    @property
+    def unknown(self) -> int:
+        return self.conversation.unknown
 
     @property
     def pid(self) -> int | None:
@@ -266,33 +241,26 @@ class ClaudeProcess:
         finally:
             with anyio.CancelScope(shield=True):
                 if child.running:  # cancelled from outside: the supervisor is stopping
-                    self.end("supervisor_shutdown")
+                    self.end(EndReason.SUPERVISOR_SHUTDOWN)
                     await stop(child, grace=min(self._stop_grace, 1.0))
                 child.close()
                 self._send.close()
                 self._outbox.close()
                 self._fail_pending("process exited")
-                self.state = ProcessState.EXITED
+                self.conversation.exited()
         assert child.status is not None
         status = child.status
-        reason = self.reason or ("exited" if status.exit_code == 0 else "crashed")
         return Ending(
             status=status,
-            reason=reason,
+            reason=self.conversation.outcome(status.exit_code).value,
             stdout_tail=self._stdout_tail.text(EVENT_TAIL),
             stderr_tail=self._stderr_tail.text(EVENT_TAIL),
         )
 
-    def end(self, reason: str) -> None:
+    def end(self, reason: EndReason) -> None:
         """Ask the process to end for ``reason`` (the first reason given is kept,
         except that an operator's ``stopped`` overrides a planned ``respawn``)."""
-        if self.reason is None or (self.reason == "respawn" and reason == "stopped"):
-            self.reason = reason
-        if self.state not in (ProcessState.STOPPING, ProcessState.EXITED):
-            self._busy_at_end = (
-                self.state is ProcessState.BUSY or self.turn.started > self.turn.finished
-            )
-            self.state = ProcessState.STOPPING
+        self.conversation.end(reason)
         self._ending.set()
 
     async def send(self, text: str) -> int:
@@ -301,7 +269,7 @@ class ClaudeProcess:
         A turn sent while the process starts waits until ``initialize`` is answered
         and its permission mode checked: no turn reaches a CLI that sage has not
         seen run in the mode it asked for."""
-        if self.state in (ProcessState.STOPPING, ProcessState.EXITED):
+        if self.conversation.ending:
             raise SessionError("session_ended", f"session {self.session_id} is ending")
         line = encode_user_turn(text)
         if len(line) > self.stdin_quota:
@@ -311,13 +279,10 @@ class ClaudeProcess:
             )
         if self.state is ProcessState.STARTING:
             await self._ready_or_ending()
-            if self.state in (ProcessState.STOPPING, ProcessState.EXITED):
+            if self.conversation.ending:
                 raise SessionError("session_ended", f"session {self.session_id} has ended")
         await self._write(line)
-        self.turn.started += 1
-        if self.state is ProcessState.READY:
-            self.state = ProcessState.BUSY
-        return self.turn.started
+        return self.conversation.sent()
 
     async def _ready_or_ending(self) -> None:
         async with anyio.create_task_group() as tg:
@@ -333,7 +298,7 @@ class ClaudeProcess:
         """Interrupt the running turn; the CLI's answer."""
         if self.state is ProcessState.STARTING:
             raise SessionError("not_ready", f"session {self.session_id} is still starting")
-        if self.state in (ProcessState.STOPPING, ProcessState.EXITED):
+        if self.conversation.ending:
             raise SessionError("session_ended", f"session {self.session_id} is ending")
         busy = self.state is ProcessState.BUSY
         outcome = await self.request("interrupt", encode_interrupt, within=within)
@@ -380,7 +345,7 @@ class ClaudeProcess:
             raise SessionError("control_failed", f"{subtype} failed: {outcome.error}")
         return outcome
 
-    async def stop(self, reason: str = "stopped") -> None:
+    async def stop(self, reason: EndReason = EndReason.STOPPED) -> None:
         """End the process for ``reason`` and wait until it is reaped."""
         self.end(reason)
         child = self.child
@@ -414,20 +379,19 @@ class ClaudeProcess:
         except SessionError as exc:
             if exc.code == "timeout":
                 log.warning("session.init_timeout", session_id=self.session_id)
-                self._error("init_timeout")
-                self.end("init_timeout")
+                self._error(EndReason.INIT_TIMEOUT.value)
+                self.end(EndReason.INIT_TIMEOUT)
             elif exc.code == "control_failed" and self._channel.state is ChannelState.OPEN:
                 # an error answer from the CLI (not the child going away)
                 log.warning("session.init_failed", session_id=self.session_id, error=str(exc))
-                self._error("init_failed", message=str(exc))
-                self.end("init_failed")
+                self._error(EndReason.INIT_FAILED.value, message=str(exc))
+                self.end(EndReason.INIT_FAILED)
             return  # session_ended: the child is gone; its exit tells the rest
-        if not self._mode_is_ours(_initialize_mode(outcome.response), "initialize"):
+        fail = self.conversation.check_mode(_initialize_mode(outcome.response), "initialize")
+        if fail is not None:
+            self._carry_out([fail])
             return
-        if self.state is ProcessState.STARTING:
-            # a turn sent while starting is already queued behind initialize
-            busy = self.turn.started > self.turn.finished
-            self.state = ProcessState.BUSY if busy else ProcessState.READY
+        self.conversation.initialized()
         self._ready.set()
         self.host.event(
             self,
@@ -447,23 +411,6 @@ class ClaudeProcess:
             except SessionError as exc:
                 self._error(exc.code)
 
-    def _mode_is_ours(self, mode: str | None, where: str) -> bool:
-        """Whether the CLI runs in the permission mode sage asked for; if not, the
-        session ends before a turn reaches it (or at once, mid-turn)."""
-        expected = self.launch.permission_mode
-        if mode == expected:
-            return True
-        log.warning(
-            "session.permission_mode_mismatch",
-            session_id=self.session_id,
-            expected=expected,
-            got=mode,
-            where=where,
-        )
-        self._error("permission_mode_mismatch", expected=expected, got=mode, where=where)
-        self.end("permission_mode_mismatch")
-        return False
-
     def launch_model(self) -> str:
         argv = self.launch.argv
         return argv[argv.index("--model") + 1] if "--model" in argv else ""
@@ -473,13 +420,13 @@ class ClaudeProcess:
         await self._ending.wait()
         if not child.running:
             return
-        if self.reason not in GENTLE_REASONS:
+        if self.reason is None or not self.reason.gentle:
             # a fail-fast ending has no turn worth finishing: stop at once
             await stop(child, grace=min(self._stop_grace, 1.0))
             return
 
         async def interrupt() -> None:
-            if self._busy_at_end and self._channel.state is ChannelState.OPEN:
+            if self.conversation.busy_at_end and self._channel.state is ChannelState.OPEN:
                 with contextlib.suppress(SessionError):
                     await self.request("interrupt", encode_interrupt, within=self._stop_grace)
 
@@ -527,13 +474,7 @@ class ClaudeProcess:
     # -- stdout ---------------------------------------------------------------
 
     def _dispatch(self, event: Event) -> None:
-        if isinstance(event, StreamEvent):
-            self._stream_event(event)
-        elif isinstance(event, AssistantMessage):
-            self._assistant(event)
-        elif isinstance(event, ResultMessage):
-            self._result(event)
-        elif isinstance(event, ControlRequest):
+        if isinstance(event, ControlRequest):
             self._control_request(event)
         elif isinstance(event, ControlResponse):
             self._control_response(event)
@@ -542,154 +483,18 @@ class ClaudeProcess:
                 scope = self._handlers.get(event.request_id)
                 if scope is not None:
                     scope.cancel()
-        elif isinstance(event, UserMessage):
-            self._tool_results(event)
-        elif isinstance(event, SystemApiRetry):
-            if event.error_status in AUTH_STATUSES and self.reason is None:
-                log.warning(
-                    "session.auth_failed", session_id=self.session_id, status=event.error_status
-                )
-                self._error("auth_failed", status=event.error_status)
-                self.end("auth_failed")
-            elif self.reason is None:
-                self.host.event(
-                    self,
-                    "retry",
-                    {
-                        "attempt": event.attempt,
-                        "max_retries": event.max_retries,
-                        "status": event.error_status,
-                        "error": event.error,
-                        "delay_ms": event.retry_delay_ms,
-                        "turn": self.turn.finished + 1,
-                    },
-                )
-        elif isinstance(event, SystemInit):
-            self.init = event
-            if self.state is not ProcessState.STOPPING:
-                self._mode_is_ours(event.permission_mode, "system/init")
-        elif isinstance(event, SystemPermissionDenied):
-            self.host.event(
-                self,
-                "permission_denied",
-                {
-                    "principal_id": self.principal_id,
-                    "session_id": self.session_id,
-                    "tool_name": event.tool_name,
-                    "tool_use_id": event.tool_use_id,
-                    "decision_reason_type": event.decision_reason_type,
-                    "decision_reason": event.decision_reason,
-                },
-            )
-        elif isinstance(event, SystemInformational):
-            self.host.event(self, "informational", {"content": event.content})
-        elif isinstance(event, LineTooLong):
-            log.warning("session.line_too_long", session_id=self.session_id, seen=event.seen)
-            self._error("line_too_long")
-            self.end("line_too_long")
-        elif isinstance(event, UnknownMessage | InvalidLine):
-            self.unknown += 1
+        else:
+            self._carry_out(self.conversation.receive(event, time.monotonic()))
 
-    def _stream_event(self, msg: StreamEvent) -> None:
-        try:
-            body = _decode_stream_event(msg.event)
-        except msgspec.DecodeError:
-            return
-        delta = body.delta
-        if body.type != "content_block_delta" or delta is None:
-            return
-        if delta.type == "text_delta" and delta.text:
-            self._deltas += 1
-            self.host.event(self, "text", {"delta": delta.text, "turn": self.turn.finished + 1})
-
-    def _assistant(self, msg: AssistantMessage) -> None:
-        if msg.error == AUTH_ERROR:
-            self._auth_refused = True
-        for block in msg.message.content:
-            if isinstance(block, ToolUseBlock):
-                self._tool_started[block.id] = (block.name, time.monotonic())
-                encoded = msgspec.json.encode(block.input)
-                shown: dict[str, Any] = (
-                    {"input": block.input}
-                    if len(encoded) <= TOOL_INPUT_SHOWN
-                    else {
-                        "input_preview": encoded[:TOOL_INPUT_SHOWN].decode(errors="replace"),
-                        "input_bytes": len(encoded),
-                    }
-                )
-                self.host.event(
-                    self,
-                    "tool_use",
-                    {
-                        "tool_use_id": block.id,
-                        "name": block.name,
-                        **shown,
-                        "parent_tool_use_id": msg.parent_tool_use_id,
-                        "turn": self.turn.finished + 1,
-                    },
-                )
-        if self._deltas == 0 and msg.parent_tool_use_id is None:
-            # not streamed (no partial messages for this one): send the text whole
-            for block in msg.message.content:
-                if isinstance(block, TextBlock) and block.text:
-                    self.host.event(
-                        self, "text", {"delta": block.text, "turn": self.turn.finished + 1}
-                    )
-        self._deltas = 0
-
-    def _tool_results(self, msg: UserMessage) -> None:
-        """The CLI's echo of a tool's result: its end, ok or not, and how long it took."""
-        if isinstance(msg.message.content, str):
-            return
-        for block in msg.message.content:
-            if not isinstance(block, ToolResultBlock):
-                continue
-            name, started = self._tool_started.pop(block.tool_use_id, ("", None))
-            self.host.event(
-                self,
-                "tool_result",
-                {
-                    "tool_use_id": block.tool_use_id,
-                    "name": name,
-                    "is_error": block.is_error,
-                    "duration_ms": (
-                        round((time.monotonic() - started) * 1000) if started is not None else None
-                    ),
-                    "turn": self.turn.finished + 1,
-                },
-            )
-
-    def _result(self, msg: ResultMessage) -> None:
-        self._tool_started.clear()  # a call the CLI never echoed ends with its turn
-        self.turn.finished += 1
-        self.turn.cost_usd = max(self.turn.cost_usd, msg.total_cost_usd)
-        self.turn.last_result = msg
-        if self.state is ProcessState.BUSY and self.turn.finished >= self.turn.started:
-            self.state = ProcessState.READY
-        self.host.event(
-            self,
-            "done",
-            {
-                "usage": msgspec.to_builtins(msg.usage) if msg.usage else {},
-                "is_error": msg.is_error,
-                "subtype": msg.subtype,
-                "permission_denials": [
-                    {"tool_name": d.tool_name, "tool_use_id": d.tool_use_id}
-                    for d in msg.permission_denials
-                ],
-                "total_cost_usd": msg.total_cost_usd,
-                "num_turns": msg.num_turns,
-                "turn": self.turn.finished,
-            },
-        )
-        status = msg.api_error_status
-        refused = status in AUTH_STATUSES or self._auth_refused
-        if msg.is_error and refused and self.reason is None:
-            # a 403 is not retried: the turn ends at once, and so does the session
-            log.warning("session.auth_failed", session_id=self.session_id, status=status)
-            self._error("auth_failed", status=status)
-            self.end("auth_failed")
-        self._auth_refused = False
+    def _carry_out(self, outputs: list[Output]) -> None:
+        """Do what the conversation asks, in order: publish events, report a failure."""
+        for output in outputs:
+            if isinstance(output, Publish):
+                self.host.event(self, output.name, output.payload)
+            else:
+                log.warning(f"session.{output.reason}", session_id=self.session_id, **output.logged)
+                self._error(output.reason.value, **output.details)
+                self._ending.set()
 
     # -- control protocol -------------------------------------------------------
 

@@ -1,0 +1,399 @@
+"""The conversation with one ``claude`` child, without I/O: turns, process state, the end.
+
+:class:`Conversation` is fed the messages a :class:`~sage.claude.protocol.StreamDecoder`
+decoded from the child's stdout (:meth:`Conversation.receive`) and told what the
+shell did (:meth:`~Conversation.sent`, :meth:`~Conversation.initialized`,
+:meth:`~Conversation.end`, :meth:`~Conversation.exited`).  It answers with
+outputs for the shell to carry out, in order: :class:`Publish` (an event for the
+session's listeners) and :class:`Fail` (the session must end at once: log it,
+publish an ``error`` event; the end itself is already recorded).  It reads no
+clock (``now`` is passed in), writes no pipe and starts no task, so it is tested
+with recorded transcripts alone.
+
+States (:class:`ProcessState`, the table is :data:`PROCESS_TRANSITIONS`):
+``STARTING`` (spawned, ``initialize`` sent) -> ``READY`` (answered; idle) <->
+``BUSY`` (a turn is running) -> ``STOPPING`` -> ``EXITED``.  The first reason
+to end wins (:meth:`Conversation.end`), except that an operator's ``stopped``
+overrides a planned ``respawn``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import msgspec
+
+from capsules.runner.errors import IllegalTransition
+from sage.claude.protocol import (
+    AssistantMessage,
+    Event,
+    InvalidLine,
+    LineTooLong,
+    ResultMessage,
+    StreamEvent,
+    SystemApiRetry,
+    SystemInformational,
+    SystemInit,
+    SystemPermissionDenied,
+    TextBlock,
+    ToolResultBlock,
+    ToolUseBlock,
+    UnknownMessage,
+    UserMessage,
+)
+
+__all__ = (
+    "PROCESS_TRANSITIONS",
+    "Conversation",
+    "EndReason",
+    "Fail",
+    "Output",
+    "ProcessState",
+    "Publish",
+    "Turn",
+)
+
+AUTH_STATUSES: Final = frozenset({401, 403})
+AUTH_ERROR: Final = "authentication_failed"  # an assistant message's ``error`` for a 401/403
+TOOL_INPUT_SHOWN: Final = (
+    4096  # encoded bytes of a tool call's input a tool_use event carries whole
+)
+
+
+class ProcessState(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    BUSY = "busy"
+    STOPPING = "stopping"
+    EXITED = "exited"
+
+
+PROCESS_TRANSITIONS: Final[dict[ProcessState, frozenset[ProcessState]]] = {
+    ProcessState.STARTING: frozenset(
+        {ProcessState.READY, ProcessState.BUSY, ProcessState.STOPPING, ProcessState.EXITED}
+    ),
+    ProcessState.READY: frozenset({ProcessState.BUSY, ProcessState.STOPPING, ProcessState.EXITED}),
+    ProcessState.BUSY: frozenset({ProcessState.READY, ProcessState.STOPPING, ProcessState.EXITED}),
+    ProcessState.STOPPING: frozenset({ProcessState.EXITED}),
+    ProcessState.EXITED: frozenset(),
+}
+
+
+class EndReason(enum.StrEnum):
+    """Why a child, or a whole session, ended: the ``reason`` of ``exited`` events and
+    of session records (docs/topics.md); the values are part of the interface."""
+
+    STOPPED = "stopped"  # sage.v1.request.stop.<sid>
+    RESPAWN = "respawn"  # stopped to run again (an identity refresh); never a session's end
+    EXITED = "exited"  # the child exited with code 0 on its own
+    CRASHED = "crashed"  # the child exited non-zero, or was killed, on its own
+    AUTH_FAILED = "auth_failed"
+    PERMISSION_MODE_MISMATCH = "permission_mode_mismatch"
+    INIT_TIMEOUT = "init_timeout"
+    INIT_FAILED = "init_failed"
+    LINE_TOO_LONG = "line_too_long"
+    SUPERVISOR_SHUTDOWN = "supervisor_shutdown"  # the supervisor stops (record: interrupted)
+    SUPERVISOR_RESTART = "supervisor_restart"  # the next supervisor did not resume it
+    RESUME_FAILED = "resume_failed"  # a prefix: "resume_failed: <message>"
+    RESPAWN_ABANDONED = "respawn_abandoned"
+
+    @property
+    def gentle(self) -> bool:
+        """Whether a running turn is interrupted first (else the child is stopped at once)."""
+        return self in (EndReason.STOPPED, EndReason.RESPAWN)
+
+
+@dataclass
+class Turn:
+    """Counters a session shows in its listing."""
+
+    started: int = 0
+    finished: int = 0
+    cost_usd: float = 0.0
+    last_result: ResultMessage | None = None
+
+
+@dataclass(frozen=True)
+class Publish:
+    """An event for the session's listeners: ``sage.v1.event.<sid>.<name>``."""
+
+    name: str
+    payload: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Fail:
+    """The session ends at once for ``reason`` (already recorded): the shell logs
+    ``session.<reason>`` with ``logged`` and publishes an ``error`` event with ``details``."""
+
+    reason: EndReason
+    details: dict[str, Any] = field(default_factory=dict)
+    logged: dict[str, Any] = field(default_factory=dict)
+
+
+Output = Publish | Fail
+
+
+class _Delta(msgspec.Struct, frozen=True):
+    type: str = ""
+    text: str = ""
+
+
+class _StreamEventBody(msgspec.Struct, frozen=True):
+    type: str = ""
+    delta: _Delta | None = None
+
+
+_decode_stream_event = msgspec.json.Decoder(_StreamEventBody).decode
+
+
+class Conversation:
+    """The sans-IO state of one child's conversation; see the module docstring."""
+
+    def __init__(self, principal_id: str, session_id: str, permission_mode: str) -> None:
+        self.principal_id = principal_id
+        self.session_id = session_id
+        self.permission_mode = permission_mode
+        self.state = ProcessState.STARTING
+        self.turn = Turn()
+        self.reason: EndReason | None = None
+        self.busy_at_end = False  # a turn ran when the end was asked for
+        self.init: SystemInit | None = None
+        self.unknown = 0  # lines of stdout sage does not know
+        self._deltas = 0  # text deltas since the last assistant message
+        self._auth_refused = False  # the turn's assistant message said authentication_failed
+        self._tool_started: dict[str, tuple[str, float]] = {}  # tool_use_id -> (name, when)
+
+    # -- state ----------------------------------------------------------------
+
+    def _move(self, new: ProcessState) -> None:
+        """The one place the state changes, along :data:`PROCESS_TRANSITIONS`."""
+        if new is self.state:
+            return
+        if new not in PROCESS_TRANSITIONS[self.state]:
+            raise IllegalTransition(f"process {self.session_id}", self.state.value, new.value)
+        self.state = new
+
+    @property
+    def ending(self) -> bool:
+        return self.state in (ProcessState.STOPPING, ProcessState.EXITED)
+
+    def end(self, reason: EndReason) -> None:
+        """Record a reason to end (the first is kept, but ``stopped`` overrides ``respawn``)."""
+        if self.reason is None or (
+            self.reason is EndReason.RESPAWN and reason is EndReason.STOPPED
+        ):
+            self.reason = reason
+        if not self.ending:
+            self.busy_at_end = (
+                self.state is ProcessState.BUSY or self.turn.started > self.turn.finished
+            )
+            self._move(ProcessState.STOPPING)
+
+    def sent(self) -> int:
+        """A user turn was written; its number."""
+        self.turn.started += 1
+        if self.state is ProcessState.READY:
+            self._move(ProcessState.BUSY)
+        return self.turn.started
+
+    def initialized(self) -> None:
+        """``initialize`` was answered in the right mode: the child takes turns."""
+        if self.state is ProcessState.STARTING:
+            # a turn sent while starting is already queued behind initialize
+            busy = self.turn.started > self.turn.finished
+            self._move(ProcessState.BUSY if busy else ProcessState.READY)
+
+    def exited(self) -> None:
+        self._move(ProcessState.EXITED)
+
+    def outcome(self, exit_code: int | None) -> EndReason:
+        """Why the child ended: the recorded reason, else how it exited."""
+        if self.reason is not None:
+            return self.reason
+        return EndReason.EXITED if exit_code == 0 else EndReason.CRASHED
+
+    def check_mode(self, mode: str | None, where: str) -> Fail | None:
+        """None when the CLI runs in the permission mode sage asked for; else the
+        session ends before a turn reaches it (or at once, mid-turn)."""
+        expected = self.permission_mode
+        if mode == expected:
+            return None
+        self.end(EndReason.PERMISSION_MODE_MISMATCH)
+        details = {"expected": expected, "got": mode, "where": where}
+        return Fail(EndReason.PERMISSION_MODE_MISMATCH, details, details)
+
+    # -- what the child says ------------------------------------------------------
+
+    def receive(self, event: Event, now: float) -> list[Output]:
+        """The outputs of one decoded stdout message (control messages are the shell's)."""
+        if isinstance(event, StreamEvent):
+            return self._stream_event(event)
+        if isinstance(event, AssistantMessage):
+            return self._assistant(event, now)
+        if isinstance(event, ResultMessage):
+            return self._result(event)
+        if isinstance(event, UserMessage):
+            return self._tool_results(event, now)
+        if isinstance(event, SystemApiRetry):
+            return self._api_retry(event)
+        if isinstance(event, SystemInit):
+            self.init = event
+            if self.state is not ProcessState.STOPPING:
+                fail = self.check_mode(event.permission_mode, "system/init")
+                return [fail] if fail is not None else []
+            return []
+        if isinstance(event, SystemPermissionDenied):
+            return [
+                Publish(
+                    "permission_denied",
+                    {
+                        "principal_id": self.principal_id,
+                        "session_id": self.session_id,
+                        "tool_name": event.tool_name,
+                        "tool_use_id": event.tool_use_id,
+                        "decision_reason_type": event.decision_reason_type,
+                        "decision_reason": event.decision_reason,
+                    },
+                )
+            ]
+        if isinstance(event, SystemInformational):
+            return [Publish("informational", {"content": event.content})]
+        if isinstance(event, LineTooLong):
+            self.end(EndReason.LINE_TOO_LONG)
+            return [Fail(EndReason.LINE_TOO_LONG, {}, {"seen": event.seen})]
+        if isinstance(event, UnknownMessage | InvalidLine):
+            self.unknown += 1
+        return []
+
+    def _api_retry(self, event: SystemApiRetry) -> list[Output]:
+        if self.reason is not None:
+            return []
+        if event.error_status in AUTH_STATUSES:
+            self.end(EndReason.AUTH_FAILED)
+            status = {"status": event.error_status}
+            return [Fail(EndReason.AUTH_FAILED, status, status)]
+        return [
+            Publish(
+                "retry",
+                {
+                    "attempt": event.attempt,
+                    "max_retries": event.max_retries,
+                    "status": event.error_status,
+                    "error": event.error,
+                    "delay_ms": event.retry_delay_ms,
+                    "turn": self.turn.finished + 1,
+                },
+            )
+        ]
+
+    def _stream_event(self, msg: StreamEvent) -> list[Output]:
+        try:
+            body = _decode_stream_event(msg.event)
+        except msgspec.DecodeError:
+            return []
+        delta = body.delta
+        if body.type != "content_block_delta" or delta is None:
+            return []
+        if delta.type == "text_delta" and delta.text:
+            self._deltas += 1
+            return [Publish("text", {"delta": delta.text, "turn": self.turn.finished + 1})]
+        return []
+
+    def _assistant(self, msg: AssistantMessage, now: float) -> list[Output]:
+        out: list[Output] = []
+        if msg.error == AUTH_ERROR:
+            self._auth_refused = True
+        for block in msg.message.content:
+            if isinstance(block, ToolUseBlock):
+                self._tool_started[block.id] = (block.name, now)
+                encoded = msgspec.json.encode(block.input)
+                shown: dict[str, Any] = (
+                    {"input": block.input}
+                    if len(encoded) <= TOOL_INPUT_SHOWN
+                    else {
+                        "input_preview": encoded[:TOOL_INPUT_SHOWN].decode(errors="replace"),
+                        "input_bytes": len(encoded),
+                    }
+                )
+                out.append(
+                    Publish(
+                        "tool_use",
+                        {
+                            "tool_use_id": block.id,
+                            "name": block.name,
+                            **shown,
+                            "parent_tool_use_id": msg.parent_tool_use_id,
+                            "turn": self.turn.finished + 1,
+                        },
+                    )
+                )
+        if self._deltas == 0 and msg.parent_tool_use_id is None:
+            # not streamed (no partial messages for this one): send the text whole
+            for block in msg.message.content:
+                if isinstance(block, TextBlock) and block.text:
+                    out.append(
+                        Publish("text", {"delta": block.text, "turn": self.turn.finished + 1})
+                    )
+        self._deltas = 0
+        return out
+
+    def _tool_results(self, msg: UserMessage, now: float) -> list[Output]:
+        """The CLI's echo of a tool's result: its end, ok or not, and how long it took."""
+        if isinstance(msg.message.content, str):
+            return []
+        out: list[Output] = []
+        for block in msg.message.content:
+            if not isinstance(block, ToolResultBlock):
+                continue
+            name, started = self._tool_started.pop(block.tool_use_id, ("", None))
+            out.append(
+                Publish(
+                    "tool_result",
+                    {
+                        "tool_use_id": block.tool_use_id,
+                        "name": name,
+                        "is_error": block.is_error,
+                        "duration_ms": (
+                            round((now - started) * 1000) if started is not None else None
+                        ),
+                        "turn": self.turn.finished + 1,
+                    },
+                )
+            )
+        return out
+
+    def _result(self, msg: ResultMessage) -> list[Output]:
+        self._tool_started.clear()  # a call the CLI never echoed ends with its turn
+        self.turn.finished += 1
+        self.turn.cost_usd = max(self.turn.cost_usd, msg.total_cost_usd)
+        self.turn.last_result = msg
+        if self.state is ProcessState.BUSY and self.turn.finished >= self.turn.started:
+            self._move(ProcessState.READY)
+        out: list[Output] = [
+            Publish(
+                "done",
+                {
+                    "usage": msgspec.to_builtins(msg.usage) if msg.usage else {},
+                    "is_error": msg.is_error,
+                    "subtype": msg.subtype,
+                    "permission_denials": [
+                        {"tool_name": d.tool_name, "tool_use_id": d.tool_use_id}
+                        for d in msg.permission_denials
+                    ],
+                    "total_cost_usd": msg.total_cost_usd,
+                    "num_turns": msg.num_turns,
+                    "turn": self.turn.finished,
+                },
+            )
+        ]
+        status = msg.api_error_status
+        refused = status in AUTH_STATUSES or self._auth_refused
+        if msg.is_error and refused and self.reason is None:
+            # a 403 is not retried: the turn ends at once, and so does the session
+            self.end(EndReason.AUTH_FAILED)
+            out.append(Fail(EndReason.AUTH_FAILED, {"status": status}, {"status": status}))
+        self._auth_refused = False
+        return out

@@ -1,0 +1,243 @@
+"""A session of the runner: its record, its state and the table of its changes.
+
+A session outlives its children: it runs one ``claude`` child, or several when
+it is respawned (an identity refresh), and it ends once.  Its state
+(:class:`SessionState`, the table is :data:`SESSION_TRANSITIONS`):
+
+- ``STARTING``: in the table, its first child not yet spawned;
+- ``RUNNING``: a child serves it;
+- ``RESPAWNING``: a new child was asked for (``respawn_reason``) and has not yet
+  answered ``initialize``; every child that dies meanwhile is retried, up to
+  ``[sessions] max_respawns`` attempts in a row;
+- ``STOPPING``: an operator stopped it; whatever the child does next, it ends;
+- ``ENDED``: its end is recorded (or its first start failed);
+- ``INTERRUPTED``: the supervisor stopped under it; the record says so and the
+  next supervisor resumes or ends it.
+
+What the state store keeps (:class:`SessionRecord`) has a coarser state
+(:class:`RecordState`): ``running``, ``interrupted`` or ``ended``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Final
+
+import anyio
+import msgspec
+
+from capsules.runner.conversation import EndReason
+from capsules.runner.errors import IllegalTransition
+from sage.config import PrincipalConfig
+
+if TYPE_CHECKING:
+    from capsules.runner.session import ClaudeProcess, Ending
+
+__all__ = (
+    "LIVE",
+    "SESSION_TRANSITIONS",
+    "AfterChild",
+    "RecordState",
+    "Session",
+    "SessionRecord",
+    "SessionState",
+    "SessionTable",
+)
+
+
+class SessionState(enum.Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    RESPAWNING = "respawning"
+    STOPPING = "stopping"
+    ENDED = "ended"
+    INTERRUPTED = "interrupted"
+
+
+_OVER = frozenset({SessionState.ENDED, SessionState.INTERRUPTED})
+
+SESSION_TRANSITIONS: Final[dict[SessionState, frozenset[SessionState]]] = {
+    SessionState.STARTING: frozenset(
+        {SessionState.RUNNING, SessionState.RESPAWNING, SessionState.STOPPING} | _OVER
+    ),
+    SessionState.RUNNING: frozenset({SessionState.RESPAWNING, SessionState.STOPPING} | _OVER),
+    SessionState.RESPAWNING: frozenset({SessionState.RUNNING, SessionState.STOPPING} | _OVER),
+    SessionState.STOPPING: _OVER,
+    SessionState.ENDED: frozenset(),
+    SessionState.INTERRUPTED: frozenset(),
+}
+
+
+class AfterChild(enum.Enum):
+    """What follows the end of a session's child (:meth:`Session.after_child`)."""
+
+    END = "end"  # the session ends, for the child's reason
+    RESPAWN = "respawn"  # another child, with --resume
+    ABANDON = "abandon"  # too many respawns in a row: the session ends respawn_abandoned
+
+
+class RecordState(enum.StrEnum):
+    """A session record's ``state`` in the state store."""
+
+    RUNNING = "running"
+    INTERRUPTED = "interrupted"
+    ENDED = "ended"
+
+
+LIVE: Final = frozenset({RecordState.RUNNING, RecordState.INTERRUPTED})
+"""Records a supervisor start finds live: resumed or ended (``supervisor_restart``)."""
+
+
+class SessionRecord(msgspec.Struct, kw_only=True):
+    """What the state store keeps of a session (namespace ``sessions``)."""
+
+    session_id: str
+    principal_id: str
+    claude_session: str
+    state: RecordState = RecordState.RUNNING
+    pid: int | None = None
+    started_at: float = 0.0
+    ended_at: float | None = None
+    turns: int = 0
+    cost_usd: float = 0.0
+    flags_hash: str = ""
+    reason: str = ""
+    exit_code: int | None = None
+    signal: int | None = None
+
+
+@dataclass
+class Session:
+    """A session in the runner's table; see the module docstring."""
+
+    record: SessionRecord
+    principal: PrincipalConfig
+    state: SessionState = SessionState.STARTING
+    proc: ClaudeProcess | None = None  # the child now (or last) serving it
+    respawn_reason: str | None = None  # why a new child is wanted (RESPAWNING)
+    respawns: int = 0  # attempts since the last child that became ready
+    turns: int = 0  # of earlier children
+    cost_usd: float = 0.0
+    token_hash: str = ""
+    key_source: str = "none"  # principal | operator | claude.env | none (spawn audit)
+    ending: Ending | None = None
+    done: anyio.Event = field(default_factory=anyio.Event)
+
+    @property
+    def id(self) -> str:
+        return self.record.session_id
+
+    def move(self, new: SessionState) -> None:
+        """The one place the state changes, along :data:`SESSION_TRANSITIONS`."""
+        if new is self.state:
+            return
+        if new not in SESSION_TRANSITIONS[self.state]:
+            raise IllegalTransition(f"session {self.id}", self.state.value, new.value)
+        self.state = new
+
+    def may(self, new: SessionState) -> bool:
+        """Whether the table allows a change to ``new`` now."""
+        return new is self.state or new in SESSION_TRANSITIONS[self.state]
+
+    def respawn(self, reason: str) -> bool:
+        """Ask for a new child for ``reason``; False when the session is stopping or over."""
+        if not self.may(SessionState.RESPAWNING):
+            return False
+        self.move(SessionState.RESPAWNING)
+        self.respawn_reason = reason
+        return True
+
+    def stop(self) -> None:
+        """An operator's stop: no respawn, the session ends with its child."""
+        if self.state in _OVER:
+            return  # it ended as the stop came
+        self.move(SessionState.STOPPING)
+        self.respawn_reason = None
+
+    def ready(self) -> None:
+        """A child answered ``initialize``: a respawn is over, its count starts again."""
+        if self.state is SessionState.RESPAWNING and self.respawns:
+            self.move(SessionState.RUNNING)  # the respawned child is up
+            self.respawn_reason = None
+        self.respawns = 0
+
+    def after_child(self, reason: str | None, max_respawns: int) -> AfterChild:
+        """What follows a child's end for ``reason`` (None: a new child could not be
+        launched); a respawn counts an attempt (``respawns``)."""
+        if self.state is SessionState.STOPPING or reason == EndReason.STOPPED:
+            return AfterChild.END
+        # a child that ended for anything but a respawn before the new one came up
+        failed = reason is None or (
+            reason != EndReason.RESPAWN and self.state is SessionState.RESPAWNING
+        )
+        if not failed and reason != EndReason.RESPAWN:
+            return AfterChild.END  # an ordinary end
+        # a refresh was asked for, or a respawned child died before it was ready
+        self.respawns += 1
+        if self.respawns > max_respawns:
+            return AfterChild.ABANDON
+        return AfterChild.RESPAWN
+
+    def record_state(self) -> RecordState:
+        """What the store says of the session now."""
+        if self.state is SessionState.ENDED:
+            return RecordState.ENDED
+        if self.state is SessionState.INTERRUPTED:
+            return RecordState.INTERRUPTED
+        return RecordState.RUNNING
+
+
+class SessionTable(Mapping[str, Session]):
+    """The runner's live sessions by id.
+
+    A spawn checks :meth:`refusal` and takes its place with :meth:`add` before
+    its first ``await``, so two spawns cannot both pass the per-principal cap; a
+    session leaves with :meth:`remove` when it ends.  Another principal's
+    session is invisible to a caller (:meth:`visible`)."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, Session] = {}
+
+    def __getitem__(self, sid: str) -> Session:
+        return self._by_id[sid]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._by_id)
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def of(self, principal_id: str) -> list[Session]:
+        """The live sessions of ``principal_id``."""
+        return [s for s in self._by_id.values() if s.record.principal_id == principal_id]
+
+    def refusal(self, sid: str, principal_id: str, cap: int) -> str | None:
+        """Why a new session ``sid`` of ``principal_id`` may not join: ``duplicate_session``,
+        ``principal_limit`` (``cap`` sessions already), or None."""
+        if sid in self._by_id:
+            return "duplicate_session"
+        if len(self.of(principal_id)) >= cap:
+            return "principal_limit"
+        return None
+
+    def add(self, session: Session) -> None:
+        if session.id in self._by_id:
+            raise IllegalTransition(f"session {session.id}", "live", "added again")
+        self._by_id[session.id] = session
+
+    def remove(self, session: Session) -> None:
+        """Take ``session`` out (if it is the one under its id)."""
+        if self._by_id.get(session.id) is session:
+            del self._by_id[session.id]
+
+    def visible(self, sid: str, principal: str | None) -> Session | None:
+        """Session ``sid`` if the caller (``principal``; None: an admin) may see it."""
+        session = self._by_id.get(sid)
+        if session is not None and principal in (None, session.record.principal_id):
+            return session
+        return None
+
+    def visible_to(self, principal: str | None) -> list[Session]:
+        return [s for s in self._by_id.values() if principal in (None, s.record.principal_id)]
