@@ -21,9 +21,19 @@ the broker-verified one, never a payload field):
   principal may name any principal (or none: all); one with a principal
   only itself (else ``acl_denied``).
 
+- ``sage.v1.request.forge.list`` ``{session_id?}`` and
+  ``sage.v1.request.forge.call`` ``{session_id?, tool_name, arguments}``: the
+  same as ``list`` and ``call``, for a user's connection acting for its
+  principal (``astrid mcp serve --server forge`` in a REPL session). The
+  caller must act for a principal, and a ``session_id`` must name one of that
+  principal's sessions (the runner's or a REPL's), else ``unknown_session``.
+
 Audit events go out on ``forge.v1.audit.<event>`` (the supervisor appends
 them to the one hash-chained log); after a forge / promote / rm,
-``sage.v1.tools.changed {session_id, names, server: "forge"}``.
+``sage.v1.tools.changed {session_id, names, server: "forge"}``, and for a
+session-scoped change ``sage.v1.event.<sid>.tools_changed {session_id, names,
+server: "forge"}`` to the session's principal only (what ``astrid mcp serve``
+turns into ``notifications/tools/list_changed``).
 Requests are served concurrently (one task each); at most
 :data:`CONCURRENT_CALLS` tool calls run at once.
 """
@@ -33,17 +43,21 @@ from __future__ import annotations
 from typing import Any
 
 import anyio
+import anyio.abc
 import msgspec
 
-from bus import BusError, Envelope
+from bus import BusError, Envelope, Subscription
 from sage import replies
+from sage.capsule.sessions import foreign_session, session_owner
 from sage.daemon.capsule_host import CapsuleContext
-from sage.errors import ForgeError
+from sage.errors import ForgeError, SageError
 from sage.forge.service import Caller, Forge, mcp_result
 
 __all__ = ("ForgeCapsule", "run")
 
 PREFIX = "forge.v1.request."
+USER_PREFIX = "sage.v1.request.forge."
+"""Requests from users' connections, in the request space users may publish to."""
 CONCURRENT_CALLS = 8
 """Tool calls run at once; more wait their turn (lists and forges do not wait)."""
 
@@ -53,6 +67,7 @@ class ForgeCapsule:
         self.ctx = ctx
         self.log = ctx.log
         self._store: Any = None
+        self._tg: anyio.abc.TaskGroup | None = None
         self.calls = anyio.CapacityLimiter(CONCURRENT_CALLS)
         self.forge = Forge(
             ctx.config,
@@ -69,13 +84,24 @@ class ForgeCapsule:
             self.log.error("forge.audit_failed", audit_event=event, error=str(exc))
 
     def _changed(self, session_id: str | None, names: list[str]) -> None:
+        payload = {"session_id": session_id, "names": names, "server": "forge"}
         try:
-            self.ctx.publish(
-                "sage.v1.tools.changed",
-                {"session_id": session_id, "names": names, "server": "forge"},
-            )
+            self.ctx.publish("sage.v1.tools.changed", payload)
         except BusError as exc:
             self.log.error("forge.changed_failed", error=str(exc))
+        if session_id is not None and self._tg is not None:
+            self._tg.start_soon(self._tell_session, session_id, payload)
+
+    async def _tell_session(self, session_id: str, payload: dict[str, Any]) -> None:
+        """``sage.v1.event.<sid>.tools_changed`` to the session's principal (REPL serve)."""
+        try:
+            owner = await session_owner(self.ctx.state, session_id)
+            if owner is not None:
+                self.ctx.publish(
+                    f"sage.v1.event.{session_id}.tools_changed", payload, on_behalf_of=owner
+                )
+        except (BusError, SageError) as exc:
+            self.log.warning("forge.session_event_failed", error=str(exc))
 
     def _secret(self, name: str) -> str | None:
         from sage.security.secrets import SecretStore
@@ -87,14 +113,22 @@ class ForgeCapsule:
 
     async def run(self) -> None:
         requests = self.ctx.subscribe(PREFIX + ">")
+        from_users = self.ctx.subscribe(USER_PREFIX + "*")
         self.ctx.ready()
         try:
             async with anyio.create_task_group() as tg:
-                async for envelope in requests:
-                    tg.start_soon(self.serve, envelope)
+                self._tg = tg
+                tg.start_soon(self._serve_all, from_users)
+                await self._serve_all(requests)
         finally:
+            self._tg = None
             with anyio.CancelScope(shield=True):
                 await self.forge.aclose()
+
+    async def _serve_all(self, requests: Subscription) -> None:
+        assert self._tg is not None
+        async for envelope in requests:
+            self._tg.start_soon(self.serve, envelope)
 
     async def serve(self, envelope: Envelope) -> None:
         try:
@@ -111,6 +145,8 @@ class ForgeCapsule:
                 self.log.error("forge.reply_failed", error=str(exc))
 
     async def handle(self, envelope: Envelope) -> dict[str, Any]:
+        if envelope.topic.startswith(USER_PREFIX):
+            return await self.handle_user(envelope)
         op = envelope.topic.removeprefix(PREFIX)
         try:
             data = msgspec.json.decode(envelope.payload) if envelope.payload else {}
@@ -143,6 +179,47 @@ class ForgeCapsule:
             except ForgeError as exc:
                 return replies.from_error(exc)
         return replies.error("bad_request", f"unknown forge request {op!r}")
+
+    async def handle_user(self, envelope: Envelope) -> dict[str, Any]:
+        """``sage.v1.request.forge.{list,call}``: a user's list or call, for its own
+        principal and one of that principal's sessions (or none)."""
+        op = envelope.topic.removeprefix(USER_PREFIX)
+        if op not in ("list", "call"):
+            return mcp_result(replies.error("bad_request", f"unknown forge request {op!r}"))
+        if envelope.principal is None:
+            return mcp_result(
+                replies.error("bad_request", "act for a principal (astrid mcp serve --principal)")
+            )
+        try:
+            data = msgspec.json.decode(envelope.payload) if envelope.payload else {}
+        except msgspec.DecodeError:
+            data = None
+        if not isinstance(data, dict):
+            return mcp_result(replies.error("bad_request", "the payload must be a JSON object"))
+        sid = data.get("session_id")
+        if sid is not None and not isinstance(sid, str):
+            return mcp_result(replies.error("bad_request", "session_id must be a string"))
+        try:
+            refusal = await foreign_session(self.ctx.state, sid, envelope.principal)
+        except SageError as exc:
+            refusal = f"unknown_session: session {sid!r} could not be checked: {exc}"
+        if refusal is not None:
+            self._audit(
+                "session_refused",
+                {"principal": envelope.principal, "session_id": None, "request": op},
+            )
+            return mcp_result(
+                replies.error("unknown_session", refusal.removeprefix("unknown_session: "))
+            )
+        caller = Caller(envelope.principal, sid)
+        if op == "list":
+            return {"tools": self.forge.descriptors(caller)}
+        name = data.get("tool_name")
+        if not isinstance(name, str):
+            return mcp_result(replies.error("bad_request", "tool_name must be a string"))
+        async with self.calls:
+            answer = await self.forge.dispatch(caller, name, data.get("arguments", {}))
+        return mcp_result(answer)
 
     def runs(self, op: str, principal: str | None, data: dict[str, Any]) -> dict[str, Any]:
         caller = Caller(principal, None)

@@ -99,16 +99,19 @@ def settings_local(config: dict[str, Any], emit: str, claude_version: str) -> by
 
 
 def mcp_json(principal: str, astrid: str, socket: str) -> bytes:
-    """``.mcp.json``: the ``sage`` MCP server for sessions sage does not run (REPL):
-    ``astrid mcp serve`` proxies the principal's tools from the supervisor.  Headless
-    sessions ignore it (the runner passes ``--strict-mcp-config``)."""
-    server = {
-        "type": "stdio",
-        "command": astrid,
-        "args": ["mcp", "serve", "--principal", principal],
-        "env": {"ASTRID_SOCKET": socket},
-    }
-    return _json({"mcpServers": {"sage": server}})
+    """``.mcp.json``: the ``sage`` and ``forge`` MCP servers for sessions sage does not
+    run (REPL): ``astrid mcp serve`` proxies the principal's tools from the supervisor.
+    Headless sessions ignore it (the runner passes ``--strict-mcp-config``)."""
+
+    def server(*which: str) -> dict[str, Any]:
+        return {
+            "type": "stdio",
+            "command": astrid,
+            "args": ["mcp", "serve", *which, "--principal", principal],
+            "env": {"ASTRID_SOCKET": socket},
+        }
+
+    return _json({"mcpServers": {"sage": server(), "forge": server("--server", "forge")}})
 
 
 def claude_md(principal: str, config: dict[str, Any]) -> bytes:

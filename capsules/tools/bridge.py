@@ -53,6 +53,7 @@ from capsules.tools.catalogue import PREFIX, Catalogue, Change, Rejection, Tool
 from capsules.tools.policy import PolicyFile
 from sage import replies
 from sage.capsule.sdk import follow
+from sage.capsule.sessions import foreign_session
 from sage.daemon.capsule_host import CapsuleContext
 from sage.errors import SageError
 
@@ -233,23 +234,11 @@ class ToolBridge:
         only if the runner's record (``sessions``) or the REPL token record
         (``hook_tokens``) of that id belongs to the call's principal.  The
         answer is the same for another principal's session and for none."""
-        sid = call.session_id
-        if sid is None:
-            return None
-        owner: object = None
         try:
-            for namespace in ("sessions", "hook_tokens"):
-                record = await self.ctx.state.get(namespace, sid)
-                if isinstance(record, dict):
-                    owner = record.get("principal_id")
-                    break
+            return await foreign_session(self.ctx.state, call.session_id, principal)
         except SageError as exc:
             self.log.error("tools.session_check_failed", error=str(exc))
-            return f"unknown_session: session {sid!r} could not be checked: {exc}"
-        if owner is None or owner != principal:
-            who = f"principal {principal!r}" if principal is not None else "a caller without one"
-            return f"unknown_session: {sid!r} is not a session of {who}"
-        return None
+            return f"unknown_session: session {call.session_id!r} could not be checked: {exc}"
 
     # -- the catalogue ----------------------------------------------------
 

@@ -29,9 +29,18 @@ def register(sub: Any) -> None:
             " a principal's .mcp.json. The socket is $ASTRID_SOCKET, else the config's."
         ),
         epilog='example .mcp.json: {"mcpServers": {"sage": {"type": "stdio",'
-        ' "command": "astrid", "args": ["mcp", "serve", "--principal", "alice"]}}}',
+        ' "command": "astrid", "args": ["mcp", "serve", "--principal", "alice"]},'
+        ' "forge": {"type": "stdio", "command": "astrid",'
+        ' "args": ["mcp", "serve", "--server", "forge", "--principal", "alice"]}}}',
     )
     serve.add_argument("--principal", required=True, help="the principal whose tools to offer")
+    serve.add_argument(
+        "--server",
+        choices=("sage", "forge"),
+        default="sage",
+        help="sage: the capsules' tools (default); forge: the forge's meta-tools and the"
+        " principal's forged tools, with list changes forwarded",
+    )
     add_common(serve, json_output=False)
     serve.set_defaults(handler=_serve)
 
@@ -44,5 +53,5 @@ async def _serve(args: argparse.Namespace) -> int:
 
     if not re.match(NAME_PATTERN, args.principal):
         raise SageError(f"principal {args.principal!r} is not [A-Za-z0-9_-]{{1,64}}")
-    await serve(config_of(args), args.principal)
+    await serve(config_of(args), args.principal, server=args.server)
     return 0

@@ -17,9 +17,11 @@ import json
 import sqlite3
 from pathlib import Path
 
+import anyio
 import msgspec
 import pytest
 
+from tests.support.host import claude_env
 from tests.support.sage_harness import running_sage, sage_config
 from tests.support.standin import Standin, Text, ToolUse
 
@@ -171,3 +173,73 @@ async def test_claude_pages_back_the_output_a_tool_spilled(
         (tricked,) = standin.messages[-1].tool_results()
         assert tricked.get("is_error") is True
         assert _envelope(tricked)["error"] == "bad_arguments"
+
+
+async def test_a_repl_session_forges_and_calls_through_astrid_mcp_serve(
+    claude_bin: Path, standin: Standin
+) -> None:
+    """A session sage does not run (REPL): the real CLI, started on the installed
+    ``.mcp.json``, forges ``fib`` through ``astrid mcp serve --server forge``, hears of the
+    new tool (``notifications/tools/list_changed``), lists again and calls it."""
+    config = sage_config(
+        claude_bin,
+        standin.offline_env(),
+        capsules='["runner", "tools", "installer", "hooks", "forge"]',
+        extra="[limits]\nstop_grace = 2.0\n",
+    )
+    async with running_sage(config) as sage:
+        installed = await sage.request(
+            "sage.v1.request.install", {"principal_id": "alice", "interaction_mode": "repl"}
+        )
+        assert installed["ok"], installed
+        opened = await sage.request("sage.v1.request.repl.open", {"principal_id": "alice"})
+        home = Path(installed["home_path"])
+        standin.push(
+            ToolUse("mcp__forge__forge_tool", FORGE_FIB),
+            ToolUse("mcp__forge__fib", {"n": 30}),
+            Text("fib(30) is 832040"),
+        )
+        env = {**claude_env(home, standin.url), "ASTRID_SESSION_ID": opened["session_id"]}
+        argv = [
+            str(claude_bin),
+            "-p",
+            "--output-format",
+            "stream-json",
+            "--verbose",
+            "--mcp-config",
+            str(home / ".mcp.json"),
+            "--strict-mcp-config",
+            "--allowedTools=mcp__forge__forge_tool,mcp__forge__fib",
+            "forge fib, then compute fib(30)",
+        ]
+        with anyio.fail_after(120):
+            done = await anyio.run_process(argv, env=env, cwd=home, check=False)
+        lines = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+        inits = [m for m in lines if m.get("subtype") == "init"]
+        assert inits, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
+        servers = {m["name"]: m["status"] for m in inits[0]["mcp_servers"]}
+        assert servers == {"sage": "connected", "forge": "connected"}, inits[0]
+        assert lines[-1]["result"] == "fib(30) is 832040", lines[-1]
+        # a REPL keeps its built-in tools, so the CLI defers MCP tools (ToolSearch): the
+        # model request names none of them, and a tool only counts once it is listed
+        assert {"mcp__forge__forge_tool", "mcp__forge__forge_list"} <= set(inits[0]["tools"])
+        assert "mcp__forge__fib" not in inits[0]["tools"]
+        forge_call, fib_call = standin.messages[-2:]
+        (forged,) = forge_call.tool_results()
+        assert not forged.get("is_error"), forged
+        # fib was unknown at the start; the call reaching it shows the CLI listed again
+        (called,) = fib_call.tool_results()
+        assert not called.get("is_error"), called
+        content = called["content"]
+        envelope = json.loads(content if isinstance(content, str) else content[0]["text"])
+        assert envelope["data"] == {"value": 832040}
+        # the forge audited it as the principal's, in the REPL session
+        code, out, err = await sage.astrid("audit", "verify")
+        assert code == 0, out + err
+        db = sqlite3.connect(f"file:{sage.daemon.root / 'state' / 'audit.db'}?mode=ro", uri=True)
+        rows = db.execute(
+            "SELECT payload FROM entries WHERE kind = 'forge.v1.audit.created'"
+        ).fetchall()
+        db.close()
+        created = msgspec.json.decode(rows[-1][0])["payload"]
+        assert (created["principal"], created["session_id"]) == ("alice", opened["session_id"])

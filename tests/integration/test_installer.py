@@ -100,9 +100,18 @@ async def test_install_writes_the_home_stores_the_key_and_is_idempotent() -> Non
             owners = {(home / name).stat().st_uid for name in (".", *written)}
             assert len(owners) == 1
             assert 0 not in owners
-        mcp = msgspec.json.decode((home / ".mcp.json").read_bytes())["mcpServers"]["sage"]
-        assert mcp["args"] == ["mcp", "serve", "--principal", "alice"]
-        assert mcp["env"]["ASTRID_SOCKET"] == str(sage.daemon.socket)
+        servers = msgspec.json.decode((home / ".mcp.json").read_bytes())["mcpServers"]
+        assert servers["sage"]["args"] == ["mcp", "serve", "--principal", "alice"]
+        assert servers["forge"]["args"] == [
+            "mcp",
+            "serve",
+            "--server",
+            "forge",
+            "--principal",
+            "alice",
+        ]
+        for mcp in servers.values():
+            assert mcp["env"]["ASTRID_SOCKET"] == str(sage.daemon.socket)
         await anyio.sleep(0.2)
         seen = 1
         while True:

@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.abc
+import anyio.streams.text
 import pytest
 
 from tests.support import FAKE_CLAUDE
@@ -21,13 +23,13 @@ FAKE = FAKE_CLAUDE
 
 
 async def _session(
-    lines: list[dict[str, Any] | bytes], env: dict[str, str]
+    lines: list[dict[str, Any] | bytes], env: dict[str, str], *server: str
 ) -> list[dict[str, Any]]:
     data = b"".join(
         (line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n" for line in lines
     )
     result = await anyio.run_process(
-        [str(ASTRID), "mcp", "serve", "--principal", "alice"],
+        [str(ASTRID), "mcp", "serve", *server, "--principal", "alice"],
         input=data,
         env={**os.environ, **env},
         check=False,
@@ -96,3 +98,159 @@ async def test_a_supervisor_that_is_down_does_not_hang_claude(tmp_path: Path) ->
     assert by_id[1]["result"]["tools"] == []
     assert by_id[2]["result"]["isError"] is True
     assert "not reachable" in json.dumps(by_id[2]["result"])
+
+
+# -- the forge server (--server forge) ---------------------------------------------------
+
+FIB = (
+    "import sys, json\n"
+    "n = json.loads(sys.stdin.read())['n']\n"
+    "a, b = 0, 1\n"
+    "for _ in range(n):\n"
+    "    a, b = b, a + b\n"
+    "print(json.dumps({'ok': True, 'data': {'value': a}}))\n"
+)
+
+
+def _forge(name: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "description": "The nth Fibonacci number.",
+        "input_schema": {
+            "type": "object",
+            "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 90}},
+            "required": ["n"],
+        },
+        "impl": FIB,
+        "runtime": "python",
+    }
+
+
+def _call(id_: int, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "jsonrpc": "2.0",
+        "id": id_,
+        "method": "tools/call",
+        "params": {"name": name, "arguments": arguments},
+    }
+
+
+class _Serve:
+    """One long-lived ``astrid mcp serve --server forge``: lines in, messages out."""
+
+    def __init__(self, process: anyio.abc.Process) -> None:
+        self.process = process
+        assert process.stdout is not None
+        self.lines = anyio.streams.text.TextReceiveStream(process.stdout)
+        self.buffer = ""
+        self.changes = 0
+
+    async def send(self, message: dict[str, Any]) -> None:
+        assert self.process.stdin is not None
+        await self.process.stdin.send(json.dumps(message).encode() + b"\n")
+
+    async def next(self, within: float = 30.0) -> dict[str, Any]:
+        with anyio.fail_after(within):
+            while "\n" not in self.buffer:
+                self.buffer += await self.lines.receive()
+        line, _, self.buffer = self.buffer.partition("\n")
+        message: dict[str, Any] = json.loads(line)
+        return message
+
+    async def reply(self, id_: int, within: float = 30.0) -> dict[str, Any]:
+        """The answer to request ``id_``; notifications before it are counted."""
+        while True:
+            message = await self.next(within)
+            if message.get("method") == "notifications/tools/list_changed":
+                self.changes += 1
+                continue
+            assert message.get("id") == id_, message
+            return message
+
+
+async def test_the_forge_server_forges_calls_and_forwards_list_changes() -> None:
+    """A REPL session's forge: meta-tools, forge then call, and a change made by another
+    process of the same session announced as notifications/tools/list_changed."""
+    config = sage_config(FAKE, {}, capsules='["tools", "hooks", "forge"]')
+    async with running_sage(config) as sage:
+        opened = await sage.request("sage.v1.request.repl.open", {"principal_id": "alice"})
+        env = {
+            **os.environ,
+            "ASTRID_SOCKET": str(sage.daemon.socket),
+            "ASTRID_SESSION_ID": opened["session_id"],
+        }
+        argv = [str(ASTRID), "mcp", "serve", "--server", "forge", "--principal", "alice"]
+        async with await anyio.open_process(argv, env=env) as process:
+            serve = _Serve(process)
+            await serve.send(
+                {
+                    "jsonrpc": "2.0",
+                    "id": 1,
+                    "method": "initialize",
+                    "params": {"protocolVersion": "2025-06-18"},
+                }
+            )
+            init = (await serve.next())["result"]
+            assert init["serverInfo"]["name"] == "forge"
+            assert init["capabilities"]["tools"]["listChanged"] is True
+            await serve.send({"jsonrpc": "2.0", "id": 2, "method": "tools/list"})
+            names = {t["name"] for t in (await serve.next())["result"]["tools"]}
+            assert {"forge_tool", "forge_list", "forge_promote"} <= names
+            assert "fib" not in names
+            # forge: the list change is announced before the result
+            await serve.send(_call(3, "forge_tool", _forge("fib")))
+            assert (await serve.next()) == {
+                "jsonrpc": "2.0",
+                "method": "notifications/tools/list_changed",
+            }
+            forged = await serve.next()
+            assert forged["id"] == 3, forged
+            assert forged["result"]["isError"] is False, forged
+            await serve.send({"jsonrpc": "2.0", "id": 4, "method": "tools/list"})
+            assert "fib" in {t["name"] for t in (await serve.reply(4))["result"]["tools"]}
+            await serve.send(_call(5, "mcp__forge__fib", {"n": 10}))
+            called = await serve.reply(5, within=60)
+            assert called["result"]["isError"] is False, called
+            envelope = json.loads(called["result"]["content"][0]["text"])
+            assert envelope["data"] == {"value": 55}, called
+            # another process of the same session forges: this one hears of it
+            other = await _session(
+                [_call(1, "forge_tool", _forge("fib2"))],
+                {"ASTRID_SOCKET": env["ASTRID_SOCKET"], "ASTRID_SESSION_ID": opened["session_id"]},
+                "--server",
+                "forge",
+            )
+            assert other[-1]["result"]["isError"] is False, other
+            seen = serve.changes
+            await serve.send({"jsonrpc": "2.0", "id": 6, "method": "ping"})
+            await serve.reply(6)
+            if serve.changes == seen:  # not yet: the forge's event is on its way
+                assert (await serve.next()) == {
+                    "jsonrpc": "2.0",
+                    "method": "notifications/tools/list_changed",
+                }
+            assert process.stdin is not None
+            await process.stdin.aclose()
+            with anyio.fail_after(10):
+                assert await process.wait() == 0
+
+
+async def test_the_forge_server_refuses_a_session_that_is_not_the_principals() -> None:
+    config = sage_config(FAKE, {}, capsules='["tools", "hooks", "forge"]')
+    async with running_sage(config) as sage:
+        socket = str(sage.daemon.socket)
+        for sid in ("00000000-0000-4000-8000-000000000000", "not a session"):
+            answers = await _session(
+                [_call(1, "forge_list", {})],
+                {"ASTRID_SOCKET": socket, "ASTRID_SESSION_ID": sid},
+                "--server",
+                "forge",
+            )
+            (answer,) = answers
+            assert answer["result"]["isError"] is True
+            assert "unknown_session" in json.dumps(answer["result"]), answer
+        # the request behind it: an admin (no principal) is refused too, a user's session
+        # must be the user's
+        refused = await sage.request("sage.v1.request.forge.list", {})
+        assert refused.get("isError") is True
+        assert "act for a principal" in json.dumps(refused)
