@@ -446,6 +446,8 @@ class Runner:
                 },
             )
             raise SessionError("claude_unsupported", message)
+        if not resume:  # a first start: never without the install's deny rules and hooks
+            await self.admin.install_on_first_spawn(session.principal.name, session.id)
         try:
             principal = self.principal(session.principal.name) or session.principal
         except SettingsError as exc:
