@@ -352,6 +352,11 @@ class PrincipalConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields
     (``claude.api_key_file``, ``$CREDENTIALS_DIRECTORY`` or the supervisor's
     ``ANTHROPIC_API_KEY``), sharing its account and bill. Off: such a spawn is refused
     (``api_key_missing``), so no principal shares the operator's key unless said here."""
+    work_roots: list[str] = []
+    """Folders (absolute) a spawn may name as its working folder with ``astrid sage spawn
+    --cwd``, with everything below them; the home is always allowed."""
+    models: list[str] = []
+    """Models a spawn may pick with ``astrid sage spawn --model``, besides ``model``."""
     run_as: str | Annotated[int, msgspec.Meta(ge=1, le=2**32 - 2)] = ""
     """Supervisor root only: the user (name or uid) the principal's ``claude`` children
     run as; empty: a uid of sage's own from ``[sessions] uid_base`` (sage/security/runas.py)."""
@@ -360,6 +365,12 @@ class PrincipalConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields
         for name in self.allowed_tools:
             if not re.match(r"^[A-Za-z0-9_*:-]{1,128}\Z", name):
                 raise ValueError(f"allowed_tools: {name!r} is not a tool name")
+        for root in self.work_roots:
+            if not root.startswith("/") or "\0" in root:
+                raise ValueError(f"work_roots: {root!r} is not an absolute path")
+        for model in self.models:
+            if not re.match(r"^[A-Za-z0-9][A-Za-z0-9._:\[\]-]{0,99}\Z", model):
+                raise ValueError(f"models: {model!r} is not a model name")
         if isinstance(self.run_as, str) and self.run_as:
             import pwd
 

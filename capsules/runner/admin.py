@@ -307,6 +307,48 @@ class Admin:
             "key_stored": key_stored,
         }
 
+    async def install_on_first_spawn(self, name: str, session_id: str) -> bool:
+        """Have the installer write ``name``'s home when it never did (no install marker):
+        a session must not run without the deny rules and hooks the install writes.
+
+        True when it installed now.  Nothing to do (False) when the home is installed,
+        or when no installer capsule runs: then the operator keeps homes themselves."""
+        base = self.config.principal(name)
+        if base is None:
+            return False
+        async with self.lock(name):
+            if await anyio.Path(self.config.home_of(base) / INSTALL_MARKER).is_file():
+                return False
+            try:
+                stored = principals.load(self.config.state_dir, name)
+            except SettingsError as exc:
+                raise SessionError(exc.code, str(exc)) from None
+            settings = principals.of(principals.apply(base, stored), stored)
+            done = await self._installer("sage.v1.install.run", name, settings)
+            if done is None:
+                return False
+            if not done.success:
+                raise SessionError(
+                    "install_failed",
+                    f"principal {name!r} was never installed and installing it failed:"
+                    f" {done.error or 'the installer failed'} (try `astrid sage install {name}`)",
+                )
+            try:
+                principals.save(self.config.state_dir, settings)
+            except OSError as exc:
+                raise SessionError("state_error", f"the settings were not saved: {exc}") from None
+        self.audit(
+            "principal_installed",
+            {
+                "principal_id": name,
+                "session_id": session_id,
+                "home_path": done.home_path,
+                "changed": done.changed,
+                "source": "first_spawn",
+            },
+        )
+        return True
+
     async def list_principals(self, request: Envelope) -> dict[str, Any]:
         """``sage.v1.request.principals``: the principals the caller may see, each with
         its settings, install marker, key and sessions."""

@@ -90,6 +90,8 @@ def build_launch(
     identity: str | None,
     resume: bool = False,
     run_as: RunAs | None = None,
+    cwd: Path | None = None,
+    model: str = "",
 ) -> Launch:
     """Decide argv and environment, make the home, write the identity file.
 
@@ -139,8 +141,8 @@ def build_launch(
     ]
     if principal.allowed_tools:
         argv += ["--allowedTools", ",".join(principal.allowed_tools)]
-    if principal.model:
-        argv += ["--model", principal.model]
+    if model or principal.model:
+        argv += ["--model", model or principal.model]
     if principal.max_turns:
         argv += ["--max-turns", str(principal.max_turns)]
     # one token each, so an id can never be read as a flag
@@ -163,7 +165,7 @@ def build_launch(
     return Launch(
         argv=argv,
         env=env,
-        cwd=home,
+        cwd=cwd or home,
         identity_file=identity_file,
         claude_session=claude_session,
         flags_hash=flags_hash(argv),

@@ -27,6 +27,10 @@ class SpawnRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     principal_id: str
     session_id: str | None = None
     initial_message: str | None = None
+    cwd: str | None = None
+    """Working folder (absolute), inside the principal's home or ``work_roots``."""
+    model: str | None = None
+    """``--model``: the principal's ``model`` or one of its ``models``."""
 
 
 class SessionsRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -74,6 +74,7 @@ from capsules.runner.sessions import (
     SessionState,
     SessionTable,
 )
+from capsules.runner.workplace import chosen_model, work_folder
 from sage import replies
 from sage.claude.binary import (
     Support,
@@ -374,6 +375,11 @@ class Runner:
                 " instead, or switch it with `astrid sage settings"
                 f" {pid_} --interaction-mode headless`",
             )
+        try:
+            cwd = work_folder(principal, config.home_of(principal), req.cwd)
+            model = chosen_model(principal, req.model)
+        except SessionError as exc:
+            raise self._reject(request, pid_, exc.code, str(exc)) from None
         cap = config.limits.max_sessions_per_principal
         refusal = self.sessions.refusal(sid, pid_, cap)
         if refusal == "duplicate_session":
@@ -389,6 +395,8 @@ class Runner:
             principal_id=pid_,
             claude_session=str(uuid.uuid4()),
             started_at=time.time(),
+            cwd=cwd,
+            model=model,
         )
         session = Session(record, principal)
         self.sessions.add(session)  # taken before the first await: no race past the cap
@@ -438,6 +446,8 @@ class Runner:
                 },
             )
             raise SessionError("claude_unsupported", message)
+        if not resume:  # a first start: never without the install's deny rules and hooks
+            await self.admin.install_on_first_spawn(session.principal.name, session.id)
         try:
             principal = self.principal(session.principal.name) or session.principal
         except SettingsError as exc:
@@ -510,12 +520,14 @@ class Runner:
                 identity=identity,
                 resume=resume,
                 run_as=run_as,
+                cwd=Path(session.record.cwd) if session.record.cwd else None,
+                model=session.record.model,
             )
         except (OSError, SageError) as exc:
             raise SessionError("spawn_failed", f"cannot prepare the session: {exc}") from None
         if run_as is not None:  # the child must reach its home and the socket by their paths
             groups = {run_as.gid, *run_as.groups}
-            for path in (home, config.socket_path):
+            for path in (home, launch.cwd, config.socket_path):
                 far = unreachable(path, run_as.uid, groups)
                 if far is not None:
                     launch.identity_file.unlink(missing_ok=True)
@@ -798,6 +810,8 @@ class Runner:
             }
         )
         row["started_at"] = session.record.started_at
+        row["cwd"] = session.record.cwd
+        row["model"] = session.record.model
         return row
 
     async def _list(self, request: Envelope) -> dict[str, Any]:
@@ -933,6 +947,8 @@ def _ended_row(record: SessionRecord) -> dict[str, Any]:
         "started_at": record.started_at,
         "ended_at": record.ended_at,
         "pid": None,
+        "cwd": record.cwd,
+        "model": record.model,
     }
 
 

@@ -106,6 +106,10 @@ class SessionRecord(msgspec.Struct, kw_only=True):
     reason: str = ""
     exit_code: int | None = None
     signal: int | None = None
+    cwd: str = ""
+    """The working folder the spawn chose (resolved); empty: the principal's home."""
+    model: str = ""
+    """The model the spawn chose; empty: the principal's configured one."""
 
 
 @dataclass

@@ -45,6 +45,18 @@ def register(sub: Any) -> None:
     spawn.add_argument("principal_id", metavar="PRINCIPAL", help="a principal from the config")
     spawn.add_argument("--session", metavar="ID", help="choose the id ([A-Za-z0-9_-]{1,64})")
     spawn.add_argument("--message", metavar="TEXT", help="a first user turn, sent once ready")
+    spawn.add_argument(
+        "--cwd",
+        metavar="DIR",
+        help="the session's working folder: inside the principal's home or one of its"
+        " [[principals]] work_roots (default: the home)",
+    )
+    spawn.add_argument(
+        "--model",
+        metavar="NAME",
+        help="the model: the principal's model or one of its [[principals]] models"
+        " (default: its model)",
+    )
     _common(spawn, add_common)
     spawn.set_defaults(handler=_spawn)
 
@@ -191,6 +203,10 @@ async def _spawn(args: argparse.Namespace) -> int:
         payload["session_id"] = args.session
     if args.message:
         payload["initial_message"] = args.message
+    if args.cwd is not None:
+        payload["cwd"] = str(await anyio.Path(args.cwd).absolute())  # from where astrid runs
+    if args.model is not None:
+        payload["model"] = args.model
     async with connect(args) as client:
         data = await call_runner(client, "sage.v1.request.spawn", payload, SPAWN_TIMEOUT)
     if args.json:

@@ -450,3 +450,31 @@ async def test_transient_api_errors_are_retried_not_fatal(
     (retry,) = [d for n, d in events.seen if n == "retry"]  # visible, not silent
     assert (retry["attempt"], retry["status"], retry["turn"]) == (1, status, 1)
     assert retry["max_retries"] > 0
+
+
+async def test_spawn_with_a_working_folder_and_a_model(
+    claude_bin: Path, standin: Standin, tmp_path: Path
+) -> None:
+    """`--cwd` and `--model` reach the real CLI: its init reports them and the model
+    request carries the chosen model."""
+    root = tmp_path / "projects"
+    (root / "app").mkdir(parents=True)
+    for folder in (tmp_path, root, root / "app"):
+        os.chmod(folder, 0o755)  # a root supervisor's child runs as alice's own uid
+    extra = f'work_roots = ["{root}"]\nmodels = ["claude-haiku-4-5"]\n'
+    config = sage_config(
+        claude_bin,
+        standin.offline_env(),
+        extra="[limits]\nstop_grace = 2.0\n",
+        principal_extra=extra,
+    )
+    async with running_sage(config, env={"ANTHROPIC_API_KEY": "sk-test"}) as sage:
+        events = await sage.ready("m1", cwd=str(root / "app"), model="claude-haiku-4-5")
+        init = dict(events.seen)["init"]
+        assert init["cwd"] == str(root / "app")
+        assert init["model"] == "claude-haiku-4-5"
+        standin.push(Text("from the app folder"))
+        await sage.send("m1", "where are you?")
+        text, _ = await events.text_until_done(within=60.0)
+        assert text == "from the app folder"
+        assert standin.messages[-1].body["model"] == "claude-haiku-4-5"
