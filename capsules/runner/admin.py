@@ -34,6 +34,7 @@ import structlog
 from bus import Envelope
 from capsules.runner import principals
 from capsules.runner.approvals import valid_rule
+from capsules.runner.claude_process import SessionError
 from capsules.runner.messages import (
     InstallComplete,
     InstallRequest,
@@ -42,7 +43,6 @@ from capsules.runner.messages import (
 )
 from capsules.runner.outbox import Audit, Publish
 from capsules.runner.principals import PrincipalSettings, SettingsError
-from capsules.runner.session import SessionError
 from sage.config import NAME_PATTERN, Config, PrincipalConfig
 from sage.daemon.capsule_host import CapsuleContext
 from sage.errors import SageError

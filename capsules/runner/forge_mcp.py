@@ -22,7 +22,7 @@ from sage.daemon.capsule_host import CapsuleContext
 from sage.mcp.protocol import NeedCall, Server
 
 if TYPE_CHECKING:
-    from capsules.runner.session import ClaudeProcess
+    from capsules.runner.claude_process import ClaudeProcess
 
 __all__ = ("FORGE", "SERVER", "ForgeMcpServer")
 

@@ -23,9 +23,9 @@ from typing import Any, Final, Protocol
 import msgspec
 
 from bus import BusError, Envelope
+from capsules.runner.claude_process import ClaudeProcess, SessionError
 from capsules.runner.forge_mcp import ForgeMcpServer
 from capsules.runner.messages import ToolResult, ToolsList
-from capsules.runner.session import ClaudeProcess, SessionError
 from sage.claude.protocol import McpMessageRequest
 from sage.daemon.capsule_host import CapsuleContext
 from sage.mcp.protocol import (

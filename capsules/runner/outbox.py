@@ -3,7 +3,7 @@
 :class:`~capsules.runner.runner.Runner` owns publishing (whose envelope it
 is, what a failed publish logs) and the per-session event history; the
 administration (:mod:`capsules.runner.admin`) and the approval desk
-(:mod:`capsules.runner.approving`) get these as plain callables, so a test
+(:mod:`capsules.runner.approval_desk`) get these as plain callables, so a test
 hands them a list that records what was said.
 """
 

@@ -10,7 +10,7 @@ Requests (each answered with ``{"ok": true, ...}`` or ``{"ok": false,
 
 The principals' administration (settings, install, the principals listing)
 is :mod:`capsules.runner.admin`; tool-call approvals and hook callbacks are
-:mod:`capsules.runner.approving`.  The runner subscribes for them and routes
+:mod:`capsules.runner.approval_desk`.  The runner subscribes for them and routes
 their requests there.
 
 Who may do what: a request carries the principal the bus verified for the
@@ -44,7 +44,8 @@ import structlog
 
 from bus import BusError, Envelope
 from capsules.runner.admin import Admin
-from capsules.runner.approving import ApprovalDesk
+from capsules.runner.approval_desk import ApprovalDesk
+from capsules.runner.claude_process import ClaudeProcess, Ending, EndReason, SessionError
 from capsules.runner.command import (
     Launch,
     build_launch,
@@ -64,7 +65,6 @@ from capsules.runner.messages import (
     ToolsChanged,
 )
 from capsules.runner.principals import SettingsError
-from capsules.runner.session import ClaudeProcess, Ending, EndReason, SessionError
 from capsules.runner.sessions import (
     LIVE,
     AfterChild,

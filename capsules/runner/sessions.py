@@ -33,7 +33,7 @@ from capsules.runner.errors import IllegalTransition
 from sage.config import PrincipalConfig
 
 if TYPE_CHECKING:
-    from capsules.runner.session import ClaudeProcess, Ending
+    from capsules.runner.claude_process import ClaudeProcess, Ending
 
 __all__ = (
     "LIVE",

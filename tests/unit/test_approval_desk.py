@@ -12,8 +12,8 @@ import msgspec
 import pytest
 
 from bus import Bus, Envelope, Identity
-from capsules.runner.approving import ApprovalDesk
-from capsules.runner.session import SessionError
+from capsules.runner.approval_desk import ApprovalDesk
+from capsules.runner.claude_process import SessionError
 from sage.claude.protocol import CanUseToolRequest, HookCallbackRequest
 from sage.config import Config, LimitsConfig, PrincipalConfig
 from sage.daemon.capsule_host import CapsuleContext, load_manifest

@@ -14,8 +14,8 @@ import pytest
 from bus import Bus, Envelope, Identity
 from capsules.runner import principals
 from capsules.runner.admin import Admin
+from capsules.runner.claude_process import SessionError
 from capsules.runner.principals import PrincipalSettings
-from capsules.runner.session import SessionError
 from sage.config import Config, PrincipalConfig, SupervisorConfig
 from sage.daemon.capsule_host import CapsuleContext, load_manifest
 from sage.daemon.state import StateStore

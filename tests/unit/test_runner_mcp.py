@@ -11,8 +11,8 @@ import msgspec
 import pytest
 
 from bus import Bus, Identity
+from capsules.runner.claude_process import SessionError
 from capsules.runner.mcp import McpServer
-from capsules.runner.session import SessionError
 from sage.claude.protocol import McpMessageRequest
 from sage.daemon.capsule_host import CapsuleContext, CapsuleManifest
 

@@ -15,10 +15,10 @@ import msgspec
 import pytest
 
 from bus import Envelope
+from capsules.runner.claude_process import ClaudeProcess, EndReason
 from capsules.runner.command import Launch
 from capsules.runner.errors import IllegalTransition, SessionError
 from capsules.runner.runner import Runner
-from capsules.runner.session import ClaudeProcess, EndReason
 from capsules.runner.sessions import (
     LIVE,
     SESSION_TRANSITIONS,

@@ -36,9 +36,9 @@ from capsules.runner.approvals import (
     matches,
     valid_rule,
 )
+from capsules.runner.claude_process import SessionError
 from capsules.runner.messages import ApprovalResponse, ApprovalsRequest, ApproveRequest
 from capsules.runner.outbox import Audit, Event, Publish
-from capsules.runner.session import SessionError
 from sage.claude.protocol import CanUseToolRequest, HookCallbackRequest
 from sage.config import NAME_PATTERN
 from sage.daemon.capsule_host import CapsuleContext
@@ -64,7 +64,7 @@ class Turns(Protocol):
 
 
 class Asker(Protocol):
-    """The session whose CLI asks (a :class:`~capsules.runner.session.ClaudeProcess`)."""
+    """The session whose CLI asks (a :class:`~capsules.runner.claude_process.ClaudeProcess`)."""
 
     @property
     def session_id(self) -> str: ...
