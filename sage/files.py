@@ -32,6 +32,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from bus import BusError, unix
 from sage.errors import SageError
 
 __all__ = (
@@ -79,33 +80,13 @@ def private_dir(directory: Path) -> Path:
 def ensure_private_dir(
     directory: Path, *, error: Callable[[str], SageError], group: int | None = None
 ) -> None:
-    """Make ``directory`` ours and private: created 0700 (0750 with a group).
-
-    A folder this call creates gets exactly that mode.  One that already
-    exists is tightened only if it is ours and nobody else can write to it;
-    a folder others can write to (``/tmp``, say) is refused, never chmod'ed.
-    """
-    existed = directory.exists()
-    old = os.umask(0o077)
+    """Make ``directory`` ours and private (created 0700, 0750 with a group; an existing
+    one others can write to is refused): :func:`bus.unix.ensure_private_dir`, the one
+    implementation, with its refusal raised as ``error``."""
     try:
-        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    except OSError as exc:
-        raise error(f"cannot create {directory}: {exc.strerror}") from exc
-    finally:
-        os.umask(old)
-    info = directory.lstat()
-    if not stat.S_ISDIR(info.st_mode):
-        raise error(f"{directory} is not a directory")
-    if info.st_uid != os.getuid():
-        raise error(f"{directory} belongs to uid {info.st_uid}, not to us")
-    mode = stat.S_IMODE(info.st_mode)
-    if existed and mode & 0o022:
-        raise error(f"{directory} is writable by others (mode {mode:04o}); use a private folder")
-    want = 0o750 if group is not None else 0o700
-    if mode != want:
-        os.chmod(directory, want)
-    if group is not None:
-        os.chown(directory, -1, group)
+        unix.ensure_private_dir(directory, group=group)
+    except BusError as exc:
+        raise error(str(exc)) from exc.__cause__
 
 
 def _temp_name(name: str) -> str:
