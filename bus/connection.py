@@ -31,6 +31,7 @@ from bus.errors import ConnectionStateError, FrameError
 from bus.wire import PROTOCOL_VERSION, ClientFrame, Err, Hello, Ping, Pub, Reply, Req, Sub, Unsub
 
 __all__ = (
+    "ACTS",
     "Act",
     "Answer",
     "Authorize",
@@ -97,6 +98,9 @@ class Act:
 
 Step = Refuse | Answer | Authorize | WelcomeAdopted | Act
 
+ACTS: Final = frozenset({Pub, Sub, Unsub, Req, Reply, Ping})
+"""Frame types that, while ``OPEN``, always mean :class:`Act` (see :attr:`Connection.acts_as`)."""
+
 
 class Connection:
     """The state of one connection and the meaning of each frame in it.
@@ -107,6 +111,7 @@ class Connection:
     """
 
     __slots__ = (
+        "acts_as",
         "adopted",
         "hello",
         "hello_by",
@@ -132,6 +137,10 @@ class Connection:
         self.live = True
         """Frames may still be received and queued (HELLO or OPEN); a plain attribute,
         as the server asks it for every frame it queues."""
+        self.acts_as: Identity | None = identity
+        """The identity frames act as, set only while ``OPEN``: then a frame whose type is
+        in :data:`ACTS` means ``Act(frame, acts_as)``, exactly what :meth:`receive` would
+        return, so the server's hot path need not build the step (one per message)."""
         self.hello: Hello | None = None
         """The hello an identity was authorized from; None while in HELLO and when adopted."""
         self.welcomed = False
@@ -144,6 +153,7 @@ class Connection:
             raise ConnectionStateError(f"connection: {self.state.value} -> {to.value}")
         self.state = to
         self.live = to in _LIVE
+        self.acts_as = self.identity if to is ConnectionState.OPEN else None
 
     # -- transitions ------------------------------------------------------
 
@@ -151,7 +161,7 @@ class Connection:
         """HELLO -> OPEN: ``hello`` was authorized as ``identity``."""
         self._move(ConnectionState.OPEN)
         self.hello = hello
-        self.identity = identity
+        self.identity = self.acts_as = identity
 
     def close(self) -> None:
         """HELLO or OPEN -> CLOSING: ended, refused or cut off."""

@@ -31,7 +31,7 @@ import structlog
 
 from bus.acl import Identity
 from bus.broker import Bus
-from bus.connection import Act, Answer, Connection, Refuse, WelcomeAdopted
+from bus.connection import ACTS, Act, Answer, Connection, Refuse, WelcomeAdopted
 from bus.envelope import Envelope
 from bus.errors import BusError, FrameError, NotAuthorized, SlowConsumer
 from bus.stream import UnixStream, accept
@@ -285,7 +285,12 @@ class _Connection:
             frame = decode_client_frame(body)
         except FrameError as exc:
             frame = exc
-        step = self.protocol.receive(frame)
+        protocol = self.protocol
+        identity = protocol.acts_as
+        if identity is not None and type(frame) in ACTS:  # the hot path: no step built
+            self._act(frame, identity)  # type: ignore[arg-type]
+            return True
+        step = protocol.receive(frame)
         if isinstance(step, Act):
             self._act(step.frame, step.identity)
             return True

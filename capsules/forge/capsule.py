@@ -148,24 +148,13 @@ class ForgeCapsule:
         if envelope.topic.startswith(USER_PREFIX):
             return await self.handle_user(envelope)
         op = envelope.topic.removeprefix(PREFIX)
-        try:
-            data = msgspec.json.decode(envelope.payload) if envelope.payload else {}
-        except msgspec.DecodeError:
-            data = None
-        if not isinstance(data, dict):
+        data = _object(envelope.payload)
+        if data is None:
             return mcp_result(replies.error("bad_request", "the payload must be a JSON object"))
         sid = data.get("session_id")
         sid = sid if isinstance(sid, str) else None
-        caller = Caller(envelope.principal, sid)
-        if op == "list":
-            return {"tools": self.forge.descriptors(caller)}
-        if op == "call":
-            name = data.get("tool_name")
-            if not isinstance(name, str):
-                return mcp_result(replies.error("bad_request", "tool_name must be a string"))
-            async with self.calls:
-                answer = await self.forge.dispatch(caller, name, data.get("arguments", {}))
-            return mcp_result(answer)
+        if op in ("list", "call"):
+            return await self.list_or_call(op, Caller(envelope.principal, sid), data)
         if op in ("runs.list", "runs.prune"):
             try:
                 return self.runs(op.removeprefix("runs."), envelope.principal, data)
@@ -190,11 +179,8 @@ class ForgeCapsule:
             return mcp_result(
                 replies.error("bad_request", "act for a principal (astrid mcp serve --principal)")
             )
-        try:
-            data = msgspec.json.decode(envelope.payload) if envelope.payload else {}
-        except msgspec.DecodeError:
-            data = None
-        if not isinstance(data, dict):
+        data = _object(envelope.payload)
+        if data is None:
             return mcp_result(replies.error("bad_request", "the payload must be a JSON object"))
         sid = data.get("session_id")
         if sid is not None and not isinstance(sid, str):
@@ -211,7 +197,10 @@ class ForgeCapsule:
             return mcp_result(
                 replies.error("unknown_session", refusal.removeprefix("unknown_session: "))
             )
-        caller = Caller(envelope.principal, sid)
+        return await self.list_or_call(op, Caller(envelope.principal, sid), data)
+
+    async def list_or_call(self, op: str, caller: Caller, data: dict[str, Any]) -> dict[str, Any]:
+        """The session's tools (``list``), or one tool call (``call``) as an MCP result."""
         if op == "list":
             return {"tools": self.forge.descriptors(caller)}
         name = data.get("tool_name")
@@ -294,6 +283,15 @@ class ForgeCapsule:
             await self.forge.remove(caller, str(data.get("scope")), name)
             return {"ok": True, "name": name}
         raise ForgeError("bad_request", f"unknown admin request {op!r}")
+
+
+def _object(payload: bytes) -> dict[str, Any] | None:
+    """The payload as a JSON object (none: ``{}``); None when it is anything else."""
+    try:
+        data = msgspec.json.decode(payload) if payload else {}
+    except msgspec.DecodeError:
+        return None
+    return data if isinstance(data, dict) else None
 
 
 async def run(ctx: CapsuleContext) -> None:

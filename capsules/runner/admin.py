@@ -236,10 +236,7 @@ class Admin:
             done = await self._installer("sage.v1.install.relink", name, new)
             if done is not None and not done.success:
                 raise SessionError("relink_failed", done.error or "the installer failed")
-            try:
-                principals.save(self.config.state_dir, new)
-            except OSError as exc:
-                raise SessionError("state_error", f"the settings were not saved: {exc}") from None
+            self._save(new, "settings")
             after = principals.apply(base, new)
             self._changed(name, before, after)
         rules = await self.change_rules(name, add=add, remove=remove)
@@ -292,10 +289,7 @@ class Admin:
                 key_stored = await anyio.to_thread.run_sync(store.has, namespace, API_KEY)
             except SecretError as exc:
                 raise SessionError("secret_store_failed", str(exc)) from None
-            try:
-                principals.save(self.config.state_dir, new)
-            except OSError as exc:
-                raise SessionError("state_error", f"the settings were not saved: {exc}") from None
+            self._save(new, "settings")
             after = principals.apply(base, new)
             self._changed(name, before, after)
         return {
@@ -306,6 +300,13 @@ class Admin:
             "changed": done.changed,
             "key_stored": key_stored,
         }
+
+    def _save(self, settings: PrincipalSettings, what: str) -> None:
+        """Keep ``settings`` (the principal's file); ``state_error`` if it cannot be written."""
+        try:
+            principals.save(self.config.state_dir, settings)
+        except OSError as exc:
+            raise SessionError("state_error", f"the {what} were not saved: {exc}") from None
 
     async def install_on_first_spawn(self, name: str, session_id: str) -> bool:
         """Have the installer write ``name``'s home when it never did (no install marker):
@@ -333,10 +334,7 @@ class Admin:
                     f"principal {name!r} was never installed and installing it failed:"
                     f" {done.error or 'the installer failed'} (try `astrid sage install {name}`)",
                 )
-            try:
-                principals.save(self.config.state_dir, settings)
-            except OSError as exc:
-                raise SessionError("state_error", f"the settings were not saved: {exc}") from None
+            self._save(settings, "settings")
         self.audit(
             "principal_installed",
             {
@@ -421,10 +419,7 @@ class Admin:
                 new = principals.with_rules(current, add, remove)
             except SettingsError as exc:
                 raise SessionError(exc.code, str(exc)) from None
-            try:
-                principals.save(self.config.state_dir, new)
-            except OSError as exc:
-                raise SessionError("state_error", f"the rules were not saved: {exc}") from None
+            self._save(new, "rules")
             self.audit(
                 "allow_rules_changed",
                 {

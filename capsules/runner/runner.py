@@ -34,7 +34,6 @@ import signal
 import time
 import uuid
 from collections.abc import AsyncIterable, Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -48,13 +47,9 @@ from capsules.runner.approval_desk import ApprovalDesk
 from capsules.runner.claude_process import ClaudeProcess, Ending, EndReason, SessionError
 from capsules.runner.command import (
     Launch,
-    build_launch,
-    hash_token,
-    mint_token,
-    read_api_key,
-    unsafe_home,
 )
 from capsules.runner.history import EventHistory
+from capsules.runner.launcher import Launcher
 from capsules.runner.mcp import McpServer
 from capsules.runner.messages import (
     IdentitySaved,
@@ -76,14 +71,6 @@ from capsules.runner.sessions import (
 )
 from capsules.runner.workplace import chosen_model, work_folder
 from sage import replies
-from sage.claude.binary import (
-    Support,
-    Verdict,
-    read_claude_version,
-    resolve_claude_binary,
-    support,
-)
-from sage.claude.homes import unreachable
 from sage.claude.protocol import (
     CanUseToolRequest,
     HookCallbackRequest,
@@ -92,8 +79,7 @@ from sage.claude.protocol import (
 )
 from sage.config import NAME_PATTERN, Config, PrincipalConfig
 from sage.daemon.capsule_host import CapsuleContext
-from sage.errors import ConfigError, SageError
-from sage.security.runas import SessionUids
+from sage.errors import SageError
 
 __all__ = ("Runner", "SessionRecord", "run")
 
@@ -132,11 +118,8 @@ class Runner:
         self.desk = ApprovalDesk(
             ctx, rules=self.admin, publish=self._publish, event=self._event, audit=self.audit
         )
-        self.binary: Path | None = None
-        self.version = ""
-        self.verdict: Verdict | None = None  # None: the version could not be read
+        self.launcher = Launcher(ctx, self.admin, audit=self.audit, event=self._event)
         self.history = EventHistory()
-        self._version_checked = anyio.Event()
         self._tg: anyio.abc.TaskGroup | None = None
 
     @property
@@ -160,7 +143,7 @@ class Runner:
             "sage.v1.request.install": self.admin.install,
             "sage.v1.request.principals": self.admin.list_principals,
         }
-        self._resolve_binary()
+        self.launcher.resolve_binary()
         # subscribed before anything else: requests that come during the
         # reconciliation wait in their queues instead of finding no responder
         subscribed = {pattern: ctx.subscribe(pattern) for pattern in subscriptions}
@@ -172,7 +155,7 @@ class Runner:
         async with anyio.create_task_group() as tg:
             self._tg = tg
             tg.start_soon(self.mcp.follow, catalogue)
-            tg.start_soon(self._check_version)  # spawns (reconcile's too) wait for it
+            tg.start_soon(self.launcher.check_version)  # spawns (reconcile's too) wait
             await self._reconcile()
             for pattern, handler in subscriptions.items():
                 tg.start_soon(self._serve, subscribed[pattern], handler)
@@ -230,48 +213,6 @@ class Runner:
     def audit(self, kind: str, payload: dict[str, Any]) -> None:
         self._publish(f"sage.v1.audit.{kind}", payload)
 
-    def _resolve_binary(self) -> None:
-        try:
-            self.binary = resolve_claude_binary(self.config)
-        except SageError as exc:
-            log.error("runner.claude_missing", error=str(exc))
-
-    async def _check_version(self) -> None:
-        """Read the binary's version once and judge it against the built-in range;
-        audit a release newer than any tested (sessions run) or unsupported (refused)."""
-        try:
-            if self.binary is None:
-                return
-            try:
-                self.version = await read_claude_version(self.binary)
-            except SageError as exc:
-                log.error("runner.claude_unusable", binary=str(self.binary), error=str(exc))
-                return
-            try:
-                self.verdict = verdict = support(self.version)
-            except ValueError as exc:
-                log.error("runner.claude_unusable", binary=str(self.binary), error=str(exc))
-                return
-            log.info(
-                "runner.claude",
-                binary=str(self.binary),
-                version=self.version,
-                support=verdict.support.value,
-            )
-            if verdict.support is Support.UNTESTED:
-                self.audit(
-                    "claude_version_drift",
-                    {
-                        "binary": str(self.binary),
-                        "version": self.version,
-                        "message": verdict.message,
-                    },
-                )
-            elif not verdict.support.allowed:
-                log.error("runner.claude_unsupported", message=verdict.message)
-        finally:
-            self._version_checked.set()
-
     # -- records --------------------------------------------------------------
 
     async def _save(self, record: SessionRecord) -> None:
@@ -314,7 +255,11 @@ class Runner:
                     "runner.settings_unusable", principal_id=record.principal_id, error=str(exc)
                 )
                 principal = None
-            if self.config.sessions.resume and principal is not None and self.binary is not None:
+            if (
+                self.config.sessions.resume
+                and principal is not None
+                and self.launcher.binary is not None
+            ):
                 session = Session(record, principal)
                 self.sessions.add(session)
                 try:
@@ -422,119 +367,6 @@ class Runner:
             raise SessionError("spawn_failed", str(exc)) from None
         return pid
 
-    async def _launch(self, session: Session, *, resume: bool) -> Launch:
-        config = self.config
-        if self.binary is None:
-            raise SessionError("claude_missing", "no usable claude binary (see `astrid doctor`)")
-        await self._version_checked.wait()
-        verdict = self.verdict
-        if verdict is None or not verdict.support.allowed:
-            message = (
-                f"claude {verdict.message}"
-                if verdict is not None
-                else f"the version of {self.binary} could not be read (see `astrid doctor`)"
-            )
-            self.audit(
-                "claude_unsupported",
-                {
-                    "principal_id": session.principal.name,
-                    "session_id": session.id,
-                    "binary": str(self.binary),
-                    "version": self.version,
-                    "support": verdict.support.value if verdict is not None else "unknown",
-                    "message": message,
-                },
-            )
-            raise SessionError("claude_unsupported", message)
-        if not resume:  # a first start: never without the install's deny rules and hooks
-            await self.admin.install_on_first_spawn(session.principal.name, session.id)
-        try:
-            principal = self.principal(session.principal.name) or session.principal
-        except SettingsError as exc:
-            raise SessionError(exc.code, str(exc)) from None
-        api_key = None
-        session.key_source = "none" if principal.auth_mode == "api_key" else "subscription"
-        if principal.auth_mode == "api_key":
-            # the principal's own key (astrid sage install); the operator's only when
-            # the config says this principal may share it (operator_key = true)
-            api_key = await self._principal_key(principal.name)
-            session.key_source = "principal" if api_key else "none"
-            if api_key is None and principal.operator_key:
-                try:
-                    api_key = read_api_key(config)
-                except ConfigError as exc:
-                    raise SessionError("api_key_unreadable", str(exc)) from None
-                session.key_source = "operator" if api_key else "none"
-            if api_key is None and "ANTHROPIC_API_KEY" in config.claude.env:
-                session.key_source = "claude.env"  # set by the operator for every child
-            if session.key_source == "none":
-                self._event(
-                    session.id,
-                    "error",
-                    {
-                        "principal_id": principal.name,
-                        "session_id": session.id,
-                        "reason": "api_key_missing",
-                    },
-                )
-                if principal.operator_key:
-                    message = (
-                        f"principal {principal.name!r} uses auth_mode api_key but no API key"
-                        f" is stored for it (astrid sage install {principal.name}) nor"
-                        " configured (claude.api_key_file, $CREDENTIALS_DIRECTORY or"
-                        " $ANTHROPIC_API_KEY)"
-                    )
-                else:
-                    message = (
-                        f"principal {principal.name!r} uses auth_mode api_key but no API key"
-                        f" is stored for it (astrid sage install {principal.name}); the"
-                        " operator's key is used only with operator_key = true in its"
-                        " [[principals]] entry"
-                    )
-                raise SessionError("api_key_missing", message)
-        try:
-            run_as = SessionUids(config).run_as(principal)
-        except SageError as exc:
-            raise SessionError("session_uid_unavailable", str(exc)) from None
-        home = config.home_of(principal)
-        problem = unsafe_home(home, None if run_as is None else run_as.uid)
-        if problem is not None:
-            raise SessionError("unsafe_home", problem)
-        identity = principal.identity or None
-        try:  # a saved identity (save_identity) wins over the config's
-            saved = await self.ctx.state.get("identities", principal.name)
-        except SageError:
-            saved = None
-        if isinstance(saved, str) and saved.strip():
-            identity = saved
-        token = mint_token()
-        try:
-            launch = build_launch(
-                config,
-                principal,
-                session_id=session.id,
-                claude_session=session.record.claude_session,
-                binary=self.binary,
-                token=token,
-                api_key=api_key,
-                identity=identity,
-                resume=resume,
-                run_as=run_as,
-                cwd=Path(session.record.cwd) if session.record.cwd else None,
-                model=session.record.model,
-            )
-        except (OSError, SageError) as exc:
-            raise SessionError("spawn_failed", f"cannot prepare the session: {exc}") from None
-        if run_as is not None:  # the child must reach its home and the socket by their paths
-            groups = {run_as.gid, *run_as.groups}
-            for path in (home, launch.cwd, config.socket_path):
-                far = unreachable(path, run_as.uid, groups)
-                if far is not None:
-                    launch.identity_file.unlink(missing_ok=True)
-                    raise SessionError("home_unreachable", f"{path}: {far}")
-        session.token_hash = hash_token(token)
-        return launch
-
     async def _run_session(
         self,
         session: Session,
@@ -549,7 +381,7 @@ class Runner:
         try:
             while True:
                 try:
-                    launch = await self._launch(session, resume=resume)
+                    launch = await self.launcher.prepare(session, resume=resume)
                     proc = self._process(session, launch, initial)
                     async with anyio.create_task_group() as tg:
                         pid: int = await tg.start(self._incarnation, session, proc)
@@ -889,7 +721,7 @@ class Runner:
     def event(self, proc: ClaudeProcess, name: str, payload: dict[str, Any]) -> None:
         session = self.sessions.get(proc.session_id)
         if name == "init":
-            payload["claude_code_version"] = self.version
+            payload["claude_code_version"] = self.launcher.version
             payload["tools"] = [f"mcp__sage__{tool.get('name', '')}" for tool in self.mcp.tools]
         if name == "init" and session is not None:
             session.ready()
@@ -905,7 +737,7 @@ class Runner:
                     "expected": payload.get("expected"),
                     "got": payload.get("got"),
                     "where": payload.get("where"),
-                    "claude_code_version": self.version,
+                    "claude_code_version": self.launcher.version,
                 },
             )
 

@@ -11,6 +11,7 @@ from bus import ConnectionState, ConnectionStateError, FrameError
 from bus.acl import Acl, Identity
 from bus.connection import (
     _TRANSITIONS,
+    ACTS,
     Act,
     Answer,
     Authorize,
@@ -164,6 +165,33 @@ def test_a_hello_of_another_version_is_refused(adopted: bool) -> None:
 def test_open_acts_on_every_operation_as_its_identity(frame: ClientFrame) -> None:
     """Once OPEN, each operation frame is carried out as the authorized identity."""
     assert _in(OPEN).receive(frame) == Act(frame, ALICE)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("state", "adopted"),
+    [(HELLO, False), (OPEN, False), (CLOSING, False), (CLOSED, False)]
+    + [(OPEN, True), (CLOSING, True), (CLOSED, True)],  # an adopted one starts OPEN
+)
+def test_the_hot_path_means_what_receive_says(state: ConnectionState, adopted: bool) -> None:
+    """``acts_as`` and ``ACTS`` (the server's per-message shortcut) claim an Act exactly
+    when :meth:`receive` would return that Act, in every state, for every frame."""
+    if adopted:
+        conn = _new(WORKER)
+        if state in (CLOSING, CLOSED):
+            conn.close()
+        if state is CLOSED:
+            conn.finish()
+    else:
+        conn = _in(state)
+    assert (conn.acts_as is not None) == (state is OPEN)
+    frames: list[ClientFrame | FrameError] = [*OPS, Hello(role="cli"), FrameError("x")]
+    for frame in frames:
+        shortcut = conn.acts_as is not None and type(frame) in ACTS
+        if conn.live:
+            step = conn.receive(frame)
+            assert (step == Act(frame, conn.acts_as)) == shortcut, (frame, step)  # type: ignore[arg-type]
+        else:
+            assert not shortcut
 
 
 def test_open_answers_a_bad_frame_and_goes_on() -> None:
