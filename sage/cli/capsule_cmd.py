@@ -218,7 +218,7 @@ async def _list(args: argparse.Namespace) -> int:
         except NoResponders:
             raise SageError("the supervisor did not answer the status request") from None
         clashes = await _clashes(client)
-    capsules: list[dict[str, Any]] = msgspec.json.decode(reply.payload).get("capsules", [])
+    capsules: list[dict[str, Any]] = replies.parse(reply.payload).get("capsules", [])
     for row in capsules:
         row["tool_clashes"] = [c for c in clashes if c.get("capsule") == row.get("name")]
     if args.json:

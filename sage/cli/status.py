@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from sage import replies
 from sage.cli._common import add_common
 from sage.cli._connect import connect, print_json
 
@@ -22,7 +23,7 @@ def register(sub: Any) -> None:
 async def _status(args: argparse.Namespace) -> int:
     async with connect(args) as client:
         reply = await client.request("sage.v1.request.status", {}, deadline=5.0)
-    data = reply.data()
+    data = replies.parse(reply.payload)
     if args.json:
         print_json(data)
         return 0

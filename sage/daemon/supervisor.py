@@ -36,6 +36,7 @@ from bus import (
 )
 from bus.unix import ensure_private_dir
 from bus.wire import Hello
+from sage import replies
 from sage.audit import AuditLog, AuditReceipt, load_signing_key
 from sage.capsule.install import installed_folders, worker_manifest
 from sage.config import Config, load_config
@@ -634,7 +635,7 @@ class Supervisor:
     async def _answer_status(self, requests: Any) -> None:
         async for request in requests:
             if request.reply_to:
-                self.bus.reply(self.identity, request.reply_to, self.status())
+                self.bus.reply(self.identity, request.reply_to, replies.ok(**self.status()))
 
 
 def _raise_open_file_limit() -> None:
