@@ -149,7 +149,7 @@ async def test_a_real_claude_uses_the_installed_mcp_json(
         assert inits, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
         init = inits[0]
         servers = {m["name"]: m["status"] for m in init["mcp_servers"]}
-        assert servers == {"sage": "connected"}, init
+        assert servers == {"sage": "connected", "forge": "connected"}, init
         assert "mcp__sage__greet" in init["tools"]
         result = lines[-1]
         assert result["type"] == "result"
