@@ -169,8 +169,15 @@ def test_open_acts_on_every_operation_as_its_identity(frame: ClientFrame) -> Non
 
 @pytest.mark.parametrize(
     ("state", "adopted"),
-    [(HELLO, False), (OPEN, False), (CLOSING, False), (CLOSED, False)]
-    + [(OPEN, True), (CLOSING, True), (CLOSED, True)],  # an adopted one starts OPEN
+    [
+        (HELLO, False),
+        (OPEN, False),
+        (CLOSING, False),
+        (CLOSED, False),
+        (OPEN, True),  # an adopted connection starts OPEN
+        (CLOSING, True),
+        (CLOSED, True),
+    ],
 )
 def test_the_hot_path_means_what_receive_says(state: ConnectionState, adopted: bool) -> None:
     """``acts_as`` and ``ACTS`` (the server's per-message shortcut) claim an Act exactly
