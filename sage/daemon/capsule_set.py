@@ -158,6 +158,11 @@ class CapsuleSet:
             raise CapsuleRequestError(f"unknown capsule request {verb!r}", code="unknown_request")
         except SageError as exc:
             return replies.from_error(exc)
+        except Exception as exc:  # a bug here must not end the supervisor's responder
+            log.exception("capsule_set.request_failed", topic=request.topic)
+            return replies.error(
+                "internal_error", f"the capsule {verb} failed ({type(exc).__name__}); see the log"
+            )
 
     async def _load(self, name: str, replace: bool, source: str) -> dict[str, Any]:
         entry = self._entries.get(name)
@@ -213,7 +218,13 @@ class CapsuleSet:
             )
         await self._stop(entry)
         del self._entries[name]
-        folder = uninstall(self._state_dir(), name)
+        try:
+            folder = uninstall(self._state_dir(), name)
+        except OSError as exc:
+            raise CapsuleRequestError(
+                f"capsule {name!r} is stopped but its copy could not be deleted: {exc}",
+                code="remove_failed",
+            ) from None
         self._audit(
             "sage.v1.audit.capsule_removed",
             {"capsule": name, "version": entry.runner.manifest.package.version, "source": source},
