@@ -181,6 +181,10 @@ class Launcher:
         problem = unsafe_home(home, None if run_as is None else run_as.uid)
         if problem is not None:
             raise SessionError("unsafe_home", problem)
+        if session.record.cwd:  # the CLI reads .claude/ settings (hooks!) there too
+            problem = unsafe_home(Path(session.record.cwd), None if run_as is None else run_as.uid)
+            if problem is not None:
+                raise SessionError("unsafe_cwd", problem)
         identity = principal.identity or None
         try:  # a saved identity (save_identity) wins over the config's
             saved = await self.ctx.state.get("identities", principal.name)

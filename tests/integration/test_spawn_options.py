@@ -75,6 +75,19 @@ async def test_what_the_config_does_not_allow_is_refused(tmp_path: Path) -> None
             code, out, err = await sage.astrid("sage", "spawn", "alice", *args)
             assert code == 1, (args, out, err)
             assert f"astrid: {reason}: " in err, (args, err)
+        # a folder others may write, or whose .claude/ they may write: their settings'
+        # hooks would run as the child's uid
+        (root / "shared").mkdir()
+        (root / "shared").chmod(0o777)
+        (root / "project" / ".claude").mkdir(parents=True)
+        (root / "project" / ".claude").chmod(0o777)
+        for folder in ("shared", "project"):
+            code, out, err = await sage.astrid(
+                "sage", "spawn", "alice", "--cwd", str(root / folder)
+            )
+            assert code == 1, (folder, out, err)
+            assert "astrid: unsafe_cwd: " in err, err
+            assert "writable by group or others" in err
         listed = await sage.request("sage.v1.request.sessions", {})
         assert listed["sessions"] == []
         # a relative --cwd is taken from where astrid runs
