@@ -87,19 +87,24 @@ def ensure_private_dir(directory: Path, *, group: int | None = None) -> None:
         raise BusError(f"cannot create {directory}: {exc.strerror}") from exc
     finally:
         os.umask(old)
-    info = directory.lstat()
-    if not stat.S_ISDIR(info.st_mode):
-        raise BusError(f"{directory} is not a directory")
-    if info.st_uid != os.getuid():
-        raise BusError(f"{directory} belongs to uid {info.st_uid}, not to us")
-    mode = stat.S_IMODE(info.st_mode)
-    if existed and mode & 0o022:
-        raise BusError(f"{directory} is writable by others (mode {mode:04o}); use a private folder")
-    want = 0o750 if group is not None else 0o700
-    if mode != want:
-        os.chmod(directory, want)
-    if group is not None:
-        os.chown(directory, -1, group)
+    try:
+        info = directory.lstat()
+        if not stat.S_ISDIR(info.st_mode):
+            raise BusError(f"{directory} is not a directory")
+        if info.st_uid != os.getuid():
+            raise BusError(f"{directory} belongs to uid {info.st_uid}, not to us")
+        mode = stat.S_IMODE(info.st_mode)
+        if existed and mode & 0o022:
+            raise BusError(
+                f"{directory} is writable by others (mode {mode:04o}); use a private folder"
+            )
+        want = 0o750 if group is not None else 0o700
+        if mode != want:
+            os.chmod(directory, want)
+        if group is not None:
+            os.chown(directory, -1, group)
+    except OSError as exc:  # e.g. EPERM giving the folder a group: one clear error
+        raise BusError(f"cannot make {directory} private: {exc.strerror or exc}") from exc
 
 
 def prepare_socket_dir(path: Path, group: int | None) -> None:

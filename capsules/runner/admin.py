@@ -301,6 +301,10 @@ class Admin:
             "key_stored": key_stored,
         }
 
+    def _installer_configured(self) -> bool:
+        """Whether the config runs the built-in installer capsule."""
+        return any(Path(entry).name == "installer" for entry in self.config.supervisor.capsules)
+
     def _save(self, settings: PrincipalSettings, what: str) -> None:
         """Keep ``settings`` (the principal's file); ``state_error`` if it cannot be written."""
         try:
@@ -327,8 +331,25 @@ class Admin:
             settings = principals.of(principals.apply(base, stored), stored)
             done = await self._installer("sage.v1.install.run", name, settings)
             if done is None:
-                return False
+                if not self._installer_configured():
+                    return False  # the operator keeps homes: nothing of ours to write them
+                # configured but not serving (crashed, restarting, not up yet): refuse
+                # rather than run a session without the install's deny rules and hooks
+                self.audit(
+                    "principal_install_unavailable",
+                    {"principal_id": name, "session_id": session_id},
+                )
+                raise SessionError(
+                    "installer_unavailable",
+                    f"principal {name!r} was never installed and the installer capsule is"
+                    " not serving now (see `astrid capsule list`); try again, or run"
+                    f" `astrid sage install {name}`",
+                )
             if not done.success:
+                self.audit(
+                    "principal_install_failed",
+                    {"principal_id": name, "session_id": session_id, "error": done.error},
+                )
                 raise SessionError(
                     "install_failed",
                     f"principal {name!r} was never installed and installing it failed:"

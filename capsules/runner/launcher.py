@@ -29,8 +29,9 @@ from capsules.runner.errors import SessionError
 from capsules.runner.outbox import Audit, Event
 from capsules.runner.principals import SettingsError
 from capsules.runner.sessions import Session
+from capsules.runner.workplace import chosen_model, work_folder
 from sage.claude.binary import Support, Verdict, read_claude_version, resolve_claude_binary, support
-from sage.claude.homes import unreachable
+from sage.claude.homes import unreachable, unsafe_ancestors
 from sage.config import Config
 from sage.daemon.capsule_host import CapsuleContext
 from sage.errors import ConfigError, SageError
@@ -181,8 +182,13 @@ class Launcher:
         problem = unsafe_home(home, None if run_as is None else run_as.uid)
         if problem is not None:
             raise SessionError("unsafe_home", problem)
+        # what the spawn chose is checked again against the config in force: a respawn
+        # or a resume after a reload that narrowed work_roots or models is refused
+        work_folder(principal, home, session.record.cwd or None)
+        chosen_model(principal, session.record.model or None)
         if session.record.cwd:  # the CLI reads .claude/ settings (hooks!) there too
-            problem = unsafe_home(Path(session.record.cwd), None if run_as is None else run_as.uid)
+            cwd, child = Path(session.record.cwd), None if run_as is None else run_as.uid
+            problem = unsafe_home(cwd, child) or unsafe_ancestors(cwd, child)
             if problem is not None:
                 raise SessionError("unsafe_cwd", problem)
         identity = principal.identity or None

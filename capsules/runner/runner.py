@@ -18,8 +18,8 @@ caller's connection (``None`` for an admin uid or an in-process capsule).
 A caller acts only for its own principal; an admin for any.
 
 Every check of a spawn (id, principal, mode, duplicate, per-principal cap)
-happens before the first ``await``, and the new session takes its place in
-the table at once, so two spawns cannot both pass the cap.  Each session
+happens with no ``await`` between the cap check and the new session taking
+its place in the table, so two spawns cannot both pass the cap.  Each session
 runs as a task of the runner; its ``exited`` event is published exactly
 once, after the child is reaped.  Records in the state store outlive the
 supervisor: on start, sessions that were live are resumed (``[sessions]
@@ -71,6 +71,7 @@ from capsules.runner.sessions import (
 )
 from capsules.runner.workplace import chosen_model, work_folder
 from sage import replies
+from sage.capsule.sessions import session_owner
 from sage.claude.protocol import (
     CanUseToolRequest,
     HookCallbackRequest,
@@ -240,9 +241,11 @@ class Runner:
         records = [
             msgspec.convert(value, SessionRecord) for _, value in await store.items("sessions")
         ]
-        # nothing runs yet: every token left is from a child that is gone
-        for key, _ in await store.items("hook_tokens"):
-            await store.delete("hook_tokens", key)
+        # nothing of ours runs yet: every token left from a child is stale; a REPL's
+        # (minted by the hooks capsule for a terminal outside us) is its own, and expires
+        for key, value in await store.items("hook_tokens"):
+            if not (isinstance(value, dict) and value.get("kind") == "repl"):
+                await store.delete("hook_tokens", key)
         for record in records:
             if record.state not in LIVE or record.session_id in self.sessions:
                 continue
@@ -278,6 +281,15 @@ class Runner:
                 await self._ended(session, None, EndReason.SUPERVISOR_RESTART)
 
     # -- spawn ----------------------------------------------------------------
+
+    async def _taken_by_another(self, sid: str, principal: str) -> bool:
+        """Whether a stored session (the runner's or a REPL's) of that id is another's."""
+        try:
+            owner = await session_owner(self.ctx.state, sid)
+        except SageError as exc:
+            log.error("runner.session_check_failed", session_id=sid, error=str(exc))
+            return True  # unknown: refuse rather than hand over someone's id
+        return owner is not None and owner != principal
 
     def _reject(
         self, request: Envelope, principal_id: str, reason: str, message: str, **extra: Any
@@ -325,6 +337,12 @@ class Runner:
             model = chosen_model(principal, req.model)
         except SessionError as exc:
             raise self._reject(request, pid_, exc.code, str(exc)) from None
+        if sid.startswith("repl-") or await self._taken_by_another(sid, pid_):
+            # an ended session's id stays its principal's: its record, history and
+            # session-scoped tools must not pass to someone else
+            raise self._reject(
+                request, pid_, "duplicate_session", f"session {sid!r} exists", session_id=sid
+            )
         cap = config.limits.max_sessions_per_principal
         refusal = self.sessions.refusal(sid, pid_, cap)
         if refusal == "duplicate_session":

@@ -206,7 +206,10 @@ def installed_folders(state_dir: Path) -> list[Path]:
     root = state_dir / "capsules"
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if (p / "Capsule.toml").is_file())
+    # .<package>.new / .<package>.old are an install's staging, never a capsule
+    return sorted(
+        p for p in root.iterdir() if not p.name.startswith(".") and (p / "Capsule.toml").is_file()
+    )
 
 
 def worker_manifest(manifest: CapsuleManifest, folder: Path) -> CapsuleManifest:
@@ -263,13 +266,17 @@ def _copy(source: Path, manifest: CapsuleManifest, root: Path, force: bool) -> P
     return target
 
 
-def uninstall(state_dir: Path, name: str) -> Path | None:
-    """Delete the installed capsule named ``name``; its folder, or None if none was installed."""
-    for folder in installed_folders(state_dir):
-        if _name_of(folder) == name:
-            shutil.rmtree(folder)
-            return folder
-    return None
+def uninstall(state_dir: Path, name: str, running: Path | None = None) -> Path | None:
+    """Delete the installed capsule named ``name`` (``running``, the folder it ran from,
+    first) and any other installed folder of that name; the first folder deleted, or
+    None if none was installed."""
+    root = state_dir / "capsules"
+    folders = [f for f in installed_folders(state_dir) if _name_of(f) == name]
+    if running is not None and running.parent == root and running.is_dir():
+        folders = [running, *(f for f in folders if f != running)]
+    for folder in folders:
+        shutil.rmtree(folder)
+    return folders[0] if folders else None
 
 
 def _readable(folder: Path) -> None:

@@ -79,6 +79,42 @@ def unsafe_home(home: Path, owner: int | None = None) -> str | None:
     return None
 
 
+def unsafe_ancestors(path: Path, owner: int | None = None) -> str | None:
+    """Why a folder above ``path`` lets someone else swap ``path`` for another, or None.
+
+    Each folder from ``/`` down to ``path``'s parent must be owned by root, the
+    supervisor or ``owner`` (the child's uid), and writable by no one else; a
+    sticky folder others may write (``/tmp``) is fine when the next folder down
+    is one of ours (the sticky bit stops others renaming it).  Else whoever may
+    write there could rename a folder of theirs into place between the check
+    and the child's ``chdir``, with their ``.claude/`` settings in it.
+    """
+    allowed = {0, os.getuid()} | ({owner} if owner is not None else set())
+    parts = Path(os.path.abspath(path)).parts
+    for depth in range(1, len(parts)):
+        here = Path(*parts[:depth])
+        below = Path(*parts[: depth + 1])
+        try:
+            st = here.lstat()
+        except OSError as exc:
+            return f"cannot inspect {here}: {exc.strerror}"
+        if stat.S_ISLNK(st.st_mode):
+            return f"{here} is a symbolic link"
+        if st.st_uid not in allowed:
+            return f"{here} is owned by uid {st.st_uid}, who could swap {below} for another"
+        if st.st_mode & 0o022:
+            try:
+                ours = below.lstat().st_uid in allowed
+            except OSError as exc:
+                return f"cannot inspect {below}: {exc.strerror}"
+            if not (st.st_mode & stat.S_ISVTX and ours):
+                return (
+                    f"{here} is writable by group or others (mode {st.st_mode & 0o7777:o}):"
+                    f" they could swap {below} for another"
+                )
+    return None
+
+
 def own_home(home: Path, uid: int, gid: int, *, homes_dir: Path | None = None) -> None:
     """Make ``home`` the child's: owned by ``uid:gid``, mode 0700 (supervisor root).
 

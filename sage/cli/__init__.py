@@ -18,6 +18,7 @@ from typing import Any
 import anyio
 
 from bus import BusError, sole_error
+from sage.cli._common import printable
 from sage.errors import SageError
 
 __all__ = ("build_parser", "main")
@@ -106,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except BaseExceptionGroup as group:
             raise sole_error(group) from None
     except (SageError, BusError) as exc:
-        print(f"astrid: {exc}", file=sys.stderr)
+        print(f"astrid: {printable(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

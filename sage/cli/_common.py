@@ -7,13 +7,26 @@ command module can import it without a cycle.
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Any
 
 from bus import NoResponders
 from sage import replies
 from sage.errors import SageError
 
-__all__ = ("add_common", "call_runner")
+__all__ = ("add_common", "call_runner", "printable")
+
+_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_CONTROLS_AND_LINES = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(text: object, *, lines: bool = False) -> str:
+    """``text`` safe for a terminal: control characters (escape sequences, carriage
+    returns...) shown as ``\\xNN``, so what a capsule, a tool or Claude wrote cannot
+    move the cursor, rewrite what is shown or retitle the window.  ``lines`` keeps
+    newlines and tabs (a tool's source)."""
+    pattern = _CONTROLS if lines else _CONTROLS_AND_LINES
+    return pattern.sub(lambda m: f"\\x{ord(m.group()):02x}", str(text))
 
 
 def add_common(parser: argparse.ArgumentParser, *, json_output: bool = True) -> None:

@@ -10,7 +10,7 @@ import msgspec
 
 from bus import NoResponders
 from sage import replies
-from sage.cli._common import add_common
+from sage.cli._common import add_common, printable
 from sage.cli._connect import connect, print_json
 from sage.errors import SageError
 from sage.replies import ReplyError
@@ -227,8 +227,9 @@ async def _list(args: argparse.Namespace) -> int:
     print(f"{'CAPSULE':<16} {'VERSION':<9} {'STATE':<9} {'RESTARTS':>8}  LAST ERROR")
     for row in capsules:
         print(
-            f"{row.get('name', ''):<16} {row.get('version', ''):<9} {row.get('state', ''):<9}"
-            f" {row.get('restarts', 0):>8}  {row.get('last_error', '')}"
+            f"{printable(row.get('name', '')):<16} {printable(row.get('version', '')):<9}"
+            f" {row.get('state', ''):<9} {row.get('restarts', 0):>8}"
+            f"  {printable(row.get('last_error', ''))}"
         )
     _print_clashes(clashes)
     return 0
@@ -247,8 +248,10 @@ async def _clashes(client: Any) -> list[dict[str, str]]:
 def _print_clashes(clashes: list[dict[str, str]]) -> None:
     for clash in clashes:
         print(
-            f"clash: tool {clash.get('name')!r} of capsule {clash.get('capsule')} is not offered:"
-            f" capsule {clash.get('owner')} has that name"
+            printable(
+                f"clash: tool {clash.get('name')!r} of capsule {clash.get('capsule')} is not"
+                f" offered: capsule {clash.get('owner')} has that name"
+            )
         )
 
 
@@ -272,6 +275,9 @@ async def _tools(args: argparse.Namespace) -> int:
         width = max(len(t["name"]) for t in tools)
         for tool in tools:
             summary = (tool.get("description") or "").splitlines()[0:1]
-            print(f"{tool['name']:<{width}}  {tool.get('capsule', ''):<12} {''.join(summary)}")
+            print(
+                f"{printable(tool['name']):<{width}}  {printable(tool.get('capsule', '')):<12}"
+                f" {printable(''.join(summary))}"
+            )
     _print_clashes(clashes)
     return 0

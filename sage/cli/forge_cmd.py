@@ -32,7 +32,7 @@ import msgspec
 
 from bus import NoResponders
 from sage import replies
-from sage.cli._common import add_common
+from sage.cli._common import add_common, printable
 from sage.cli._connect import config_of, connect, print_json
 from sage.errors import SageError
 
@@ -246,7 +246,7 @@ async def _admin(args: argparse.Namespace) -> int:
             if key != "impl":
                 print(f"{key:<14} {msgspec.json.encode(value).decode()}")
         print("impl:")
-        print(record.get("impl", ""))
+        print(printable(record.get("impl", ""), lines=True))
     else:
         print(f"{args.op}: {data.get('name', args.name)}")
     return 0

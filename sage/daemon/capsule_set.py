@@ -17,6 +17,10 @@ answered with the one reply shape (:mod:`sage.replies`):
 - ``sage.v1.request.capsule.remove {name}``: stop an installed capsule and
   delete its folder; a built-in one is refused (it comes from the config).
 
+Only an admin's own connection (source ``cli:<uid>``, no principal) is
+answered: not a user (who always acts for a principal), not a capsule
+(whatever its manifest lets it publish).
+
 Each is audited (``sage.v1.audit.capsule_loaded`` / ``capsule_restarted`` /
 ``capsule_removed``, with the requester's ``source``).
 """
@@ -47,6 +51,8 @@ CAPSULE_REQUESTS = "sage.v1.request.capsule.*"
 """The admin requests this module answers: load, restart, remove."""
 STOP_WITHIN = 10.0
 """Seconds a stopping capsule has to end (a worker is killed before that)."""
+READY_WITHIN = 10.0
+"""Seconds a load or restart waits for the new capsule to say it serves (``ctx.ready()``)."""
 
 
 class CapsuleRequestError(SageError):
@@ -129,14 +135,26 @@ class CapsuleSet:
             entry.done.set()
 
     async def _stop(self, entry: _Running) -> None:
+        """Cancel its scope and wait for its end; one that will not end is left as it is."""
         entry.scope.cancel()
         with anyio.move_on_after(STOP_WITHIN):
             await entry.done.wait()
+        if not entry.done.is_set():
+            raise CapsuleRequestError(
+                f"capsule {entry.runner.manifest.name!r} did not stop within {STOP_WITHIN:g} s;"
+                " nothing was replaced or removed",
+                code="stop_timeout",
+            )
 
-    def _start(self, entry: _Running) -> None:
+    async def _start(self, entry: _Running) -> bool:
+        """Start it; True once it serves (its ``ctx.ready()``, or its first run ended),
+        False when it did not say so within :data:`READY_WITHIN`."""
         assert self._tg is not None, "start_all first"
         self._entries[entry.runner.manifest.name] = entry
         self._tg.start_soon(self._run, entry)
+        with anyio.move_on_after(READY_WITHIN):
+            await entry.runner.ready.wait()
+        return entry.runner.ready.is_set()
 
     # -- requests ---------------------------------------------------------
 
@@ -144,7 +162,9 @@ class CapsuleSet:
         """The reply to one capsule request; a refusal never raises."""
         verb = request.topic.rpartition(".")[2]
         try:
-            if request.principal is not None:  # users act for a principal; admins need not
+            # an admin's own connection only: users act for a principal, and a capsule
+            # (principal-less, its ACL whatever its manifest declared) is no operator
+            if request.principal is not None or not request.source.startswith("cli:"):
                 raise CapsuleRequestError(
                     f"only an admin may {verb} capsules", code="not_authorized"
                 )
@@ -183,7 +203,7 @@ class CapsuleSet:
         fresh = self._fresh(Source(str(folder), installed=True))
         if entry is not None:
             await self._stop(entry)
-        self._start(fresh)
+        ready = await self._start(fresh)
         manifest = fresh.runner.manifest
         self._audit(
             "sage.v1.audit.capsule_loaded",
@@ -195,19 +215,19 @@ class CapsuleSet:
             },
         )
         log.info("capsule.loaded", capsule=name, replaced=entry is not None)
-        return replies.ok(capsule=manifest.name, replaced=entry is not None)
+        return replies.ok(capsule=manifest.name, replaced=entry is not None, ready=ready)
 
     async def _restart(self, name: str, source: str) -> dict[str, Any]:
         entry = self._known(name)
         fresh = self._fresh(entry.source)  # built first: a broken source leaves the old running
         await self._stop(entry)
-        self._start(fresh)
+        ready = await self._start(fresh)
         self._audit(
             "sage.v1.audit.capsule_restarted",
             {"capsule": name, "version": fresh.runner.manifest.package.version, "source": source},
         )
-        log.info("capsule.restarted", capsule=name)
-        return replies.ok(capsule=name)
+        log.info("capsule.restarted", capsule=name, ready=ready)
+        return replies.ok(capsule=name, ready=ready)
 
     async def _remove(self, name: str, source: str) -> dict[str, Any]:
         entry = self._known(name)
@@ -219,7 +239,7 @@ class CapsuleSet:
         await self._stop(entry)
         del self._entries[name]
         try:
-            folder = uninstall(self._state_dir(), name)
+            folder = uninstall(self._state_dir(), name, Path(entry.source.entry))
         except OSError as exc:
             raise CapsuleRequestError(
                 f"capsule {name!r} is stopped but its copy could not be deleted: {exc}",

@@ -254,3 +254,18 @@ async def test_the_forge_server_refuses_a_session_that_is_not_the_principals() -
         refused = await sage.request("sage.v1.request.forge.list", {})
         assert refused.get("isError") is True
         assert "act for a principal" in json.dumps(refused)
+
+
+async def test_a_repl_session_outlives_a_restart_of_the_runner() -> None:
+    """The runner's start clears its own children's hook tokens, never a REPL's: the
+    terminal's session goes on being its principal's after `capsule restart runner`."""
+    config = sage_config(FAKE, {}, capsules='["runner", "tools", "hooks", "forge"]')
+    async with running_sage(config) as sage:
+        opened = await sage.request("sage.v1.request.repl.open", {"principal_id": "alice"})
+        env = {"ASTRID_SOCKET": str(sage.daemon.socket), "ASTRID_SESSION_ID": opened["session_id"]}
+        code, _, err = await sage.astrid("capsule", "restart", "runner")
+        assert code == 0, err
+        # the new runner cleared its own tokens at its start (the restart waits for that)
+        assert (await sage.request("sage.v1.request.sessions", {}))["ok"]
+        (answer,) = await _session([_call(1, "forge_list", {})], env, "--server", "forge")
+        assert answer["result"]["isError"] is False, answer

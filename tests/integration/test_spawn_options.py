@@ -112,3 +112,25 @@ async def test_what_the_config_does_not_allow_is_refused(tmp_path: Path) -> None
         listed = await sage.request("sage.v1.request.sessions", {})
         (row,) = [r for r in listed["sessions"] if r["session_id"] == sid]
         assert row["cwd"] == str(root)
+
+
+async def test_an_ended_sessions_id_stays_its_principals() -> None:
+    """Another principal may not take an ended session's id (its record, its history,
+    its session-scoped tools); the same principal may; a repl- id is never a spawn's."""
+    bob = '\n[[principals]]\nname = "bob"\nuids = [4242]\noperator_key = true\n'
+    async with running_sage(
+        sage_config(FAKE_CLAUDE, {}, principal_extra=bob), env={"ANTHROPIC_API_KEY": "sk-test"}
+    ) as sage:
+        events = await sage.ready("kept")
+        await sage.request("sage.v1.request.stop.kept", {})
+        await events.until("exited")
+        taken = await sage.request(
+            "sage.v1.request.spawn", {"principal_id": "bob", "session_id": "kept"}
+        )
+        assert (taken["ok"], taken["error"]) == (False, "duplicate_session"), taken
+        repl = await sage.request(
+            "sage.v1.request.spawn", {"principal_id": "alice", "session_id": "repl-0123"}
+        )
+        assert repl["error"] == "duplicate_session"
+        again = await sage.ready("kept")  # alice's own id, again
+        assert again.seen

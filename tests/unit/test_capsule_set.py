@@ -40,10 +40,12 @@ class _Runner:
         self.manifest = _Manifest(name)
         self.state = _State()
         self.started = anyio.Event()
+        self.ready = anyio.Event()
         self.stopped = False
 
     async def run(self) -> None:
         self.started.set()
+        self.ready.set()
         try:
             await anyio.sleep_forever()
         finally:
@@ -73,12 +75,14 @@ class _World:
         self.audits.append((topic, payload))
 
 
-def _request(verb: str, payload: object, principal: str | None = None) -> Envelope:
+def _request(
+    verb: str, payload: object, principal: str | None = None, source: str = "cli:0"
+) -> Envelope:
     return Envelope(
         id=1,
         topic=f"sage.v1.request.capsule.{verb}",
         payload=json.dumps(payload).encode(),
-        source="cli:0",
+        source=source,
         principal=principal,
     )
 
@@ -94,7 +98,7 @@ async def test_restart_builds_first_then_swaps_and_a_broken_source_keeps_the_old
         first = world.built[0]
         await first.started.wait()
         reply = await capsules.answer(_request("restart", {"name": "echo"}))
-        assert reply == {"ok": True, "capsule": "echo"}
+        assert reply == {"ok": True, "capsule": "echo", "ready": True}
         second = world.built[1]
         await second.started.wait()
         assert first.stopped
@@ -140,6 +144,54 @@ async def test_refusals_say_why(
     assert world.audits == []
 
 
+@pytest.mark.parametrize("verb", ["load", "restart", "remove"])
+async def test_a_capsule_is_no_admin_whatever_its_acl(tmp_path: Path, verb: str) -> None:
+    """Principal-less, but not an operator's connection: refused (a manifest may declare
+    ``sage.v1.request.>``; the bus would deliver it)."""
+    world = _World(tmp_path)
+    capsules = CapsuleSet(world.build, world.audit, lambda: world.state_dir)
+    capsules.add(Source("echo"))
+    async with anyio.create_task_group() as tg:
+        capsules.start_all(tg)
+        reply = await capsules.answer(_request(verb, {"name": "echo"}, source="capsule:evil"))
+        assert reply["error"] == "not_authorized"
+        assert not world.built[0].stopped
+        tg.cancel_scope.cancel()
+
+
+class _Stubborn(_Runner):
+    async def run(self) -> None:
+        self.started.set()
+        with anyio.CancelScope(shield=True):
+            await anyio.sleep(1.0)  # ignores the stop for a while
+
+
+async def test_one_that_will_not_stop_is_left_as_it_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("sage.daemon.capsule_set.STOP_WITHIN", 0.1)
+    world = _World(tmp_path)
+
+    def build(source: Source) -> Any:
+        runner = _Stubborn(Path(source.entry).name)
+        world.built.append(runner)
+        return runner
+
+    capsules = CapsuleSet(build, world.audit, lambda: world.state_dir)
+    capsules.add(Source("echo"))
+    async with anyio.create_task_group() as tg:
+        capsules.start_all(tg)
+        await world.built[0].started.wait()
+        reply = await capsules.answer(_request("restart", {"name": "echo"}))
+        assert reply["error"] == "stop_timeout"
+        (only,) = capsules.runners
+        assert only is world.built[0]  # type: ignore[comparison-overlap]
+        assert len(world.built) == 2  # built, never started
+        assert not world.built[1].started.is_set()
+        tg.cancel_scope.cancel()
+    assert world.audits == []
+
+
 async def test_a_bug_is_answered_not_raised(tmp_path: Path) -> None:
     world = _World(tmp_path)
 
@@ -158,3 +210,30 @@ async def test_a_name_twice_is_refused(tmp_path: Path) -> None:
     capsules.add(Source("echo"))
     with pytest.raises(ConfigError, match="named twice"):
         capsules.add(Source("other/echo"))
+
+
+def _installed(root: Path, folder: str, name: str) -> Path:
+    path = root / "capsules" / folder
+    path.mkdir(parents=True)
+    (path / "Capsule.toml").write_text(
+        f'[package]\nname = "{name}"\nversion = "1"\nentry = "{folder}"\n'
+    )
+    return path
+
+
+async def test_uninstall_deletes_every_copy_of_the_name_and_staging_is_no_capsule(
+    tmp_path: Path,
+) -> None:
+    from sage.capsule.install import installed_folders, uninstall
+
+    running = _installed(tmp_path, "mine_v2", "mine")
+    older = _installed(tmp_path, "mine_v1", "mine")
+    staging = _installed(tmp_path, ".mine_v2.new", "mine")
+    other = _installed(tmp_path, "other", "other")
+    assert installed_folders(tmp_path) == [older, running, other]
+    assert uninstall(tmp_path, "mine", running) == running
+    assert not running.exists()
+    assert not older.exists()
+    assert staging.exists()  # not a capsule: an interrupted install's, left to the next
+    assert installed_folders(tmp_path) == [other]
+    assert uninstall(tmp_path, "mine") is None

@@ -227,3 +227,50 @@ def test_a_folder_on_the_way_without_search_rights_is_named(tmp_path: Path) -> N
     tool.write_text("#!/bin/sh\n")
     tool.chmod(0o755)
     assert not can_run(tool, OTHER, {OTHER})  # its own bits allow it; the way does not
+
+
+# -- the folders above a working folder -----------------------------------------------
+
+
+def test_ancestors_of_ours_are_fine_and_a_sticky_tmp_too(tmp_path: Path) -> None:
+    from sage.claude.homes import unsafe_ancestors
+
+    work = tmp_path / "projects" / "app"
+    work.mkdir(parents=True)
+    assert unsafe_ancestors(work) is None  # /tmp is 1777, but what is below it is ours
+
+
+def test_an_ancestor_others_may_write_lets_them_swap_the_folder(tmp_path: Path) -> None:
+    from sage.claude.homes import unsafe_ancestors
+
+    shared = tmp_path / "shared"
+    (shared / "app").mkdir(parents=True)
+    shared.chmod(0o777)  # not sticky: anyone may rename app away and put theirs there
+    problem = unsafe_ancestors(shared / "app")
+    assert problem is not None
+    assert "could swap" in problem
+    shared.chmod(0o1777)  # sticky: only app's owner (us) may rename it
+    assert unsafe_ancestors(shared / "app") is None
+
+
+@ROOT_ONLY
+def test_an_ancestor_owned_by_someone_else_is_refused(tmp_path: Path) -> None:
+    from sage.claude.homes import unsafe_ancestors
+
+    theirs = tmp_path / "theirs"
+    (theirs / "app").mkdir(parents=True)
+    os.chown(theirs, 4242, 4242)
+    problem = unsafe_ancestors(theirs / "app")
+    assert problem is not None
+    assert "owned by uid 4242" in problem
+    assert unsafe_ancestors(theirs / "app", owner=4242) is None  # the child's own
+
+
+def test_a_linked_ancestor_is_refused(tmp_path: Path) -> None:
+    from sage.claude.homes import unsafe_ancestors
+
+    (tmp_path / "real" / "app").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    problem = unsafe_ancestors(tmp_path / "link" / "app")
+    assert problem is not None
+    assert "symbolic link" in problem
