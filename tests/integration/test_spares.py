@@ -1,0 +1,267 @@
+"""Warm spares against the CLI test double: taken, replaced, discarded, never outliving.
+
+With ``[sessions] spares = 1`` the runner keeps one initialized ``claude``
+child for alice.  A spawn that names no session id takes it (the reply comes
+at once, the session answers a turn), and the next spare starts; a spawn
+whose launch would differ (settings changed) or that names its own id
+starts cold; hooks from an untaken spare are refused; no spare outlives the
+supervisor.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+
+from bus.client import RemoteSubscription
+from sage.claude.hooks import mint_token
+from tests.support import FAKE_CLAUDE
+from tests.support.daemon import descendants
+from tests.support.sage_harness import Sage, running_sage, sage_config
+
+pytestmark = pytest.mark.anyio
+
+ENV = {"ANTHROPIC_API_KEY": "sk-double"}
+EMIT = Path(sys.executable).parent / "astrid-emit"
+
+
+def _config(*, spares: int = 1, capsules: str = '["runner"]') -> str:
+    extra = (
+        "[limits]\nstop_grace = 0.5\ninit_timeout = 5.0\n"
+        f"[sessions]\nspares = {spares}\nspare_max_age = 600.0\n"
+    )
+    return sage_config(FAKE_CLAUDE, {"FAKE_CLAUDE_MODE": ""}, extra=extra, capsules=capsules)
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    pairs = (item.decode().split("=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return dict(pairs)
+
+
+def _claude_children(sage: Sage) -> dict[str, int]:
+    """The supervisor's ``claude`` children by their session id."""
+    assert sage.daemon.proc is not None
+    out: dict[str, int] = {}
+    for pid in descendants(sage.daemon.proc.pid):
+        env = _environ(pid)
+        if "ASTRID_SESSION_ID" in env:
+            out[env["ASTRID_SESSION_ID"]] = pid
+    return out
+
+
+async def _spares(sage: Sage, count: int = 1, within: float = 15.0) -> dict[str, int]:
+    """Wait until ``count`` children run that are no listed session: the spares."""
+    with anyio.fail_after(within):
+        while True:
+            listed = {row["session_id"] for row in await _listing(sage)}
+            spare = {s: p for s, p in _claude_children(sage).items() if s not in listed}
+            if len(spare) >= count and _log_ready(sage, spare):
+                return spare
+            await anyio.sleep(0.05)
+
+
+def _log_ready(sage: Sage, spares: dict[str, int]) -> bool:
+    """Every spare in ``spares`` logged ``spare.ready`` (it answered ``initialize``)."""
+    log = sage.daemon.log()
+    return all(f'"session_id": "{sid}"' in _ready_lines(log) for sid in spares)
+
+
+def _ready_lines(log: str) -> str:
+    return "\n".join(line for line in log.splitlines() if "spare.ready" in line)
+
+
+async def _listing(sage: Sage) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = (await sage.request("sage.v1.request.sessions", {}))["sessions"]
+    return rows
+
+
+async def _spawn_audit(audits: RemoteSubscription, sid: str) -> dict[str, Any]:
+    """The ``spawn`` audit of session ``sid``."""
+    with anyio.fail_after(10):
+        while True:
+            data: dict[str, Any] = msgspec.json.decode((await audits.get()).payload)
+            if data["session_id"] == sid:
+                return data
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def _gone(pid: int, within: float = 10.0) -> None:
+    with anyio.fail_after(within):
+        while _alive(pid):
+            await anyio.sleep(0.05)
+
+
+async def test_a_spawn_takes_the_spare_and_the_next_one_starts() -> None:
+    """No session id: the spawn takes the waiting spare (its ids, its pid), is
+    answered at once, the session answers a turn, and a new spare starts."""
+    async with running_sage(_config(), env=ENV) as sage:
+        (sid, pid), *_ = (await _spares(sage)).items()
+        events = await sage.client.subscribe(f"sage.v1.event.{sid}.>")
+        audits = await sage.client.subscribe("sage.v1.audit.spawn")
+        started = time.monotonic()
+        reply = await sage.request("sage.v1.request.spawn", {"principal_id": "alice"})
+        took = time.monotonic() - started
+        assert reply == {"ok": True, "session_id": sid, "pid": pid}, reply
+        assert took < 1.0, took  # no cold start (the double takes about 50 ms for one)
+        names = []
+        with anyio.fail_after(10):
+            while "init" not in names:
+                names.append((await events.get()).topic.rsplit(".", 1)[1])
+        assert names == ["spawned", "init"], names  # nothing from before it was taken
+        assert [row["session_id"] for row in await _listing(sage)] == [sid]
+        assert (await sage.send(sid, "hello"))["ok"]
+        text = ""
+        with anyio.fail_after(10):
+            while True:
+                envelope = await events.get()
+                name = envelope.topic.rsplit(".", 1)[1]
+                data = msgspec.json.decode(envelope.payload)
+                if name == "text":
+                    text += data["delta"]
+                if name == "done":
+                    break
+        assert text == "echo: hello"
+        spawn = await _spawn_audit(audits, sid)
+        assert spawn["spare"] is True
+        assert spawn["pid"] == pid
+
+        # the next spare starts in the background; it is no listed session
+        nxt = await _spares(sage)
+        assert sid not in nxt
+        assert [row["session_id"] for row in await _listing(sage)] == [sid]
+
+
+async def test_spares_count_against_no_cap_and_no_listing() -> None:
+    """A spare is not listed and leaves the per-principal cap to the user's sessions."""
+    config = _config().replace("[limits]\n", "[limits]\nmax_sessions_per_principal = 1\n")
+    async with running_sage(config, env=ENV) as sage:
+        await _spares(sage)
+        assert await _listing(sage) == []
+        reply = await sage.request("sage.v1.request.spawn", {"principal_id": "alice"})
+        assert reply["ok"], reply
+        refused = await sage.request("sage.v1.request.spawn", {"principal_id": "alice"})
+        assert refused["error"] == "principal_limit", refused
+
+
+async def test_a_named_session_id_starts_cold() -> None:
+    """A spawn that names its own session id cannot take a spare: it starts cold,
+    the spare stays."""
+    async with running_sage(_config(), env=ENV) as sage:
+        spares = await _spares(sage)
+        audits = await sage.client.subscribe("sage.v1.audit.spawn")
+        events, reply = await sage.spawn("mine")
+        assert reply["ok"], reply
+        assert reply["pid"] not in spares.values()
+        await events.until("init")
+        assert (await _spawn_audit(audits, "mine"))["spare"] is False
+        assert all(_alive(pid) for pid in spares.values())
+        assert set(await _spares(sage)) == set(spares)
+
+
+async def test_a_stale_spare_is_discarded_and_the_spawn_goes_cold() -> None:
+    """Settings changed after the spare started: the spawn's launch differs, so the
+    spare is stopped, never handed out, and the session starts cold."""
+    async with running_sage(_config(), env=ENV) as sage:
+        (sid, pid), *_ = (await _spares(sage)).items()
+        changed = await sage.request(
+            "sage.v1.request.settings.set",
+            {"principal_id": "alice", "max_turns": 7},
+        )
+        assert changed["ok"], changed
+        audits = await sage.client.subscribe("sage.v1.audit.spawn")
+        reply = await sage.request("sage.v1.request.spawn", {"principal_id": "alice"})
+        assert reply["ok"], reply
+        assert reply["pid"] != pid
+        await _gone(pid)
+        spawn = await _spawn_audit(audits, reply["session_id"])
+        assert spawn["spare"] is False
+        events = await sage.events(reply["session_id"])
+        assert (await sage.send(reply["session_id"], "hi"))["ok"]
+        text, _ = await events.text_until_done()
+        assert text == "echo: hi"
+        # the next spare is started with the new settings, and is taken
+        (nsid, npid), *_ = (await _spares(sage)).items()
+        again = await sage.request("sage.v1.request.spawn", {"principal_id": "alice"})
+        assert again == {"ok": True, "session_id": nsid, "pid": npid}, again
+
+
+async def test_no_spare_outlives_the_supervisor() -> None:
+    """The supervisor's stop stops its spares (and a taken one) too."""
+    async with running_sage(_config(spares=2), env=ENV) as sage:
+        spares = await _spares(sage, 2)
+        reply = await sage.request("sage.v1.request.spawn", {"principal_id": "alice"})
+        assert reply["ok"], reply
+        pids = [*spares.values(), *(await _spares(sage, 2)).values()]
+    for pid in pids:
+        await _gone(pid, within=5)
+
+
+async def test_spares_off_start_nothing() -> None:
+    """``spares = 0``: no child runs before a spawn."""
+    async with running_sage(_config(spares=0), env=ENV) as sage:
+        await anyio.sleep(0.5)
+        assert _claude_children(sage) == {}
+
+
+@pytest.mark.skipif(not EMIT.exists(), reason="astrid-emit is not installed in this venv")
+async def test_a_hook_from_an_untaken_spare_is_refused() -> None:
+    """An untaken spare's token is not stored: its hooks are refused as from no session;
+    once taken, the same token is accepted."""
+    async with running_sage(_config(capsules='["runner", "hooks"]'), env=ENV) as sage:
+        (sid, pid), *_ = (await _spares(sage)).items()
+        child = _environ(pid)
+        spoofs = await sage.client.subscribe("sage.v1.audit.hook_spoof_attempt")
+        hooks = await sage.client.subscribe("hook.v1.event.>")
+        env = {
+            key: child[key] for key in ("ASTRID_PRINCIPAL_ID", "ASTRID_SESSION_ID", "ASTRID_SOCKET")
+        }
+        hook_input = {"session_id": "x", "hook_event_name": "SessionStart", "source": "startup"}
+        code, err = await _emit(
+            {**env, "ASTRID_HOOK_TOKEN": child["ASTRID_HOOK_TOKEN"]}, hook_input
+        )
+        assert code == 0, err
+        with anyio.fail_after(10):
+            report = msgspec.json.decode((await spoofs.get()).payload)
+        assert report["reason"] == "unknown_or_ended_session"
+        assert report["claimed_session"] == sid
+
+        reply = await sage.request("sage.v1.request.spawn", {"principal_id": "alice"})
+        assert reply["session_id"] == sid, reply
+        code, err = await _emit(
+            {**env, "ASTRID_HOOK_TOKEN": child["ASTRID_HOOK_TOKEN"]}, hook_input
+        )
+        assert code == 0, err
+        with anyio.fail_after(10):
+            event = await hooks.get()
+        assert msgspec.json.decode(event.payload)["session_id"] == sid
+        # and a made-up token for the taken session is still refused
+        code, err = await _emit({**env, "ASTRID_HOOK_TOKEN": mint_token()}, hook_input)
+        with anyio.fail_after(10):
+            report = msgspec.json.decode((await spoofs.get()).payload)
+        assert report["reason"] == "bad_token"
+
+
+async def _emit(env: dict[str, str], payload: dict[str, Any]) -> tuple[int, str]:
+    full = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **env}
+    result = await anyio.run_process(
+        [str(EMIT)], input=msgspec.json.encode(payload), env=full, check=False
+    )
+    return result.returncode, result.stderr.decode()
