@@ -116,8 +116,8 @@ class SpareKeeper:
         self.launcher = launcher
         self.mcp = mcp
         self.hooks = hooks
-        sessions = ctx.config.sessions
-        self.pool: SparePool[Warm] = SparePool(sessions.spares, sessions.spare_max_age, clock)
+        # sized from the config in force at each look (_tend): a reload applies
+        self.pool: SparePool[Warm] = SparePool(0, 600.0, clock)
         self.clock = clock
         self._tg: anyio.abc.TaskGroup | None = None
         self._wake = anyio.Event()

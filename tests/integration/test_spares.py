@@ -104,9 +104,11 @@ def _alive(pid: int) -> bool:
 
 
 async def _gone(pid: int, within: float = 10.0) -> None:
-    with anyio.fail_after(within):
-        while _alive(pid):
-            await anyio.sleep(0.05)
+    for _ in range(int(within / 0.05)):
+        if not _alive(pid):
+            return
+        await anyio.sleep(0.05)
+    raise AssertionError(f"process {pid} still runs")
 
 
 async def test_a_spawn_takes_the_spare_and_the_next_one_starts() -> None:
@@ -190,7 +192,9 @@ async def test_a_stale_spare_is_discarded_and_the_spawn_goes_cold() -> None:
         reply = await sage.request("sage.v1.request.spawn", {"principal_id": "alice"})
         assert reply["ok"], reply
         assert reply["pid"] != pid
+        assert reply["session_id"] == sid  # the id was chosen; the child is a new one
         await _gone(pid)
+        assert '"reason": "stale"' in sage.daemon.log()
         spawn = await _spawn_audit(audits, reply["session_id"])
         assert spawn["spare"] is False
         events = await sage.events(reply["session_id"])
