@@ -23,8 +23,8 @@ import pytest
 from bus.client import RemoteSubscription
 from sage.claude.hooks import mint_token
 from tests.support import FAKE_CLAUDE
-from tests.support.daemon import descendants
-from tests.support.sage_harness import Sage, running_sage, sage_config
+from tests.support.sage_harness import running_sage, sage_config
+from tests.support.spares import claude_children, environ, listed, ready_spares
 
 pytestmark = pytest.mark.anyio
 
@@ -38,52 +38,6 @@ def _config(*, spares: int = 1, capsules: str = '["runner"]') -> str:
         f"[sessions]\nspares = {spares}\nspare_max_age = 600.0\n"
     )
     return sage_config(FAKE_CLAUDE, {"FAKE_CLAUDE_MODE": ""}, extra=extra, capsules=capsules)
-
-
-def _environ(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    pairs = (item.decode().split("=", 1) for item in raw.split(b"\0") if b"=" in item)
-    return dict(pairs)
-
-
-def _claude_children(sage: Sage) -> dict[str, int]:
-    """The supervisor's ``claude`` children by their session id."""
-    assert sage.daemon.proc is not None
-    out: dict[str, int] = {}
-    for pid in descendants(sage.daemon.proc.pid):
-        env = _environ(pid)
-        if "ASTRID_SESSION_ID" in env:
-            out[env["ASTRID_SESSION_ID"]] = pid
-    return out
-
-
-async def _spares(sage: Sage, count: int = 1, within: float = 15.0) -> dict[str, int]:
-    """Wait until ``count`` children run that are no listed session: the spares."""
-    with anyio.fail_after(within):
-        while True:
-            listed = {row["session_id"] for row in await _listing(sage)}
-            spare = {s: p for s, p in _claude_children(sage).items() if s not in listed}
-            if len(spare) >= count and _log_ready(sage, spare):
-                return spare
-            await anyio.sleep(0.05)
-
-
-def _log_ready(sage: Sage, spares: dict[str, int]) -> bool:
-    """Every spare in ``spares`` logged ``spare.ready`` (it answered ``initialize``)."""
-    log = sage.daemon.log()
-    return all(f'"session_id": "{sid}"' in _ready_lines(log) for sid in spares)
-
-
-def _ready_lines(log: str) -> str:
-    return "\n".join(line for line in log.splitlines() if "spare.ready" in line)
-
-
-async def _listing(sage: Sage) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = (await sage.request("sage.v1.request.sessions", {}))["sessions"]
-    return rows
 
 
 async def _spawn_audit(audits: RemoteSubscription, sid: str) -> dict[str, Any]:
@@ -115,7 +69,7 @@ async def test_a_spawn_takes_the_spare_and_the_next_one_starts() -> None:
     """No session id: the spawn takes the waiting spare (its ids, its pid), is
     answered at once, the session answers a turn, and a new spare starts."""
     async with running_sage(_config(), env=ENV) as sage:
-        (sid, pid), *_ = (await _spares(sage)).items()
+        (sid, pid), *_ = (await ready_spares(sage)).items()
         events = await sage.client.subscribe(f"sage.v1.event.{sid}.>")
         audits = await sage.client.subscribe("sage.v1.audit.spawn")
         started = time.monotonic()
@@ -128,7 +82,7 @@ async def test_a_spawn_takes_the_spare_and_the_next_one_starts() -> None:
             while "init" not in names:
                 names.append((await events.get()).topic.rsplit(".", 1)[1])
         assert names == ["spawned", "init"], names  # nothing from before it was taken
-        assert [row["session_id"] for row in await _listing(sage)] == [sid]
+        assert [row["session_id"] for row in await listed(sage)] == [sid]
         assert (await sage.send(sid, "hello"))["ok"]
         text = ""
         with anyio.fail_after(10):
@@ -146,17 +100,17 @@ async def test_a_spawn_takes_the_spare_and_the_next_one_starts() -> None:
         assert spawn["pid"] == pid
 
         # the next spare starts in the background; it is no listed session
-        nxt = await _spares(sage)
+        nxt = await ready_spares(sage)
         assert sid not in nxt
-        assert [row["session_id"] for row in await _listing(sage)] == [sid]
+        assert [row["session_id"] for row in await listed(sage)] == [sid]
 
 
 async def test_spares_count_against_no_cap_and_no_listing() -> None:
     """A spare is not listed and leaves the per-principal cap to the user's sessions."""
     config = _config().replace("[limits]\n", "[limits]\nmax_sessions_per_principal = 1\n")
     async with running_sage(config, env=ENV) as sage:
-        await _spares(sage)
-        assert await _listing(sage) == []
+        await ready_spares(sage)
+        assert await listed(sage) == []
         reply = await sage.request("sage.v1.request.spawn", {"principal_id": "alice"})
         assert reply["ok"], reply
         refused = await sage.request("sage.v1.request.spawn", {"principal_id": "alice"})
@@ -167,7 +121,7 @@ async def test_a_named_session_id_starts_cold() -> None:
     """A spawn that names its own session id cannot take a spare: it starts cold,
     the spare stays."""
     async with running_sage(_config(), env=ENV) as sage:
-        spares = await _spares(sage)
+        spares = await ready_spares(sage)
         audits = await sage.client.subscribe("sage.v1.audit.spawn")
         events, reply = await sage.spawn("mine")
         assert reply["ok"], reply
@@ -175,14 +129,14 @@ async def test_a_named_session_id_starts_cold() -> None:
         await events.until("init")
         assert (await _spawn_audit(audits, "mine"))["spare"] is False
         assert all(_alive(pid) for pid in spares.values())
-        assert set(await _spares(sage)) == set(spares)
+        assert set(await ready_spares(sage)) == set(spares)
 
 
 async def test_a_stale_spare_is_discarded_and_the_spawn_goes_cold() -> None:
     """Settings changed after the spare started: the spawn's launch differs, so the
     spare is stopped, never handed out, and the session starts cold."""
     async with running_sage(_config(), env=ENV) as sage:
-        (sid, pid), *_ = (await _spares(sage)).items()
+        (sid, pid), *_ = (await ready_spares(sage)).items()
         changed = await sage.request(
             "sage.v1.request.settings.set",
             {"principal_id": "alice", "max_turns": 7},
@@ -202,7 +156,7 @@ async def test_a_stale_spare_is_discarded_and_the_spawn_goes_cold() -> None:
         text, _ = await events.text_until_done()
         assert text == "echo: hi"
         # the next spare is started with the new settings, and is taken
-        (nsid, npid), *_ = (await _spares(sage)).items()
+        (nsid, npid), *_ = (await ready_spares(sage)).items()
         again = await sage.request("sage.v1.request.spawn", {"principal_id": "alice"})
         assert again == {"ok": True, "session_id": nsid, "pid": npid}, again
 
@@ -210,10 +164,10 @@ async def test_a_stale_spare_is_discarded_and_the_spawn_goes_cold() -> None:
 async def test_no_spare_outlives_the_supervisor() -> None:
     """The supervisor's stop stops its spares (and a taken one) too."""
     async with running_sage(_config(spares=2), env=ENV) as sage:
-        spares = await _spares(sage, 2)
+        spares = await ready_spares(sage, 2)
         reply = await sage.request("sage.v1.request.spawn", {"principal_id": "alice"})
         assert reply["ok"], reply
-        pids = [*spares.values(), *(await _spares(sage, 2)).values()]
+        pids = [*spares.values(), *(await ready_spares(sage, 2)).values()]
     for pid in pids:
         await _gone(pid, within=5)
 
@@ -222,7 +176,7 @@ async def test_spares_off_start_nothing() -> None:
     """``spares = 0``: no child runs before a spawn."""
     async with running_sage(_config(spares=0), env=ENV) as sage:
         await anyio.sleep(0.5)
-        assert _claude_children(sage) == {}
+        assert claude_children(sage) == {}
 
 
 @pytest.mark.skipif(not EMIT.exists(), reason="astrid-emit is not installed in this venv")
@@ -230,8 +184,8 @@ async def test_a_hook_from_an_untaken_spare_is_refused() -> None:
     """An untaken spare's token is not stored: its hooks are refused as from no session;
     once taken, the same token is accepted."""
     async with running_sage(_config(capsules='["runner", "hooks"]'), env=ENV) as sage:
-        (sid, pid), *_ = (await _spares(sage)).items()
-        child = _environ(pid)
+        (sid, pid), *_ = (await ready_spares(sage)).items()
+        child = environ(pid)
         spoofs = await sage.client.subscribe("sage.v1.audit.hook_spoof_attempt")
         hooks = await sage.client.subscribe("hook.v1.event.>")
         env = {
