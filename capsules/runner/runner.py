@@ -509,6 +509,7 @@ class Runner:
             if initial:
                 tg.start_soon(_quietly, lambda: _send(warm.proc, initial))
             task_status.started(pid)
+            self.spares.wake()  # the next spare starts now, in the background
         return True
 
     async def _adopt(

@@ -304,11 +304,10 @@ class SpareKeeper:
 
     def claim(self, principal_id: str, cwd: str, model: str) -> Spare[Warm] | None:
         """A ready spare for a spawn of ``principal_id`` in ``cwd`` with ``model``; it
-        leaves the pool now (the keeper starts the next one)."""
-        spare = self.pool.claim(principal_id, cwd, model)
-        if spare is not None:
-            self.wake()
-        return spare
+        leaves the pool now.  The keeper starts the next one when the spawn wakes it
+        (:meth:`wake`, once the session has its child): a CLI starting meanwhile would
+        compete with the hand-over for the CPU."""
+        return self.pool.claim(principal_id, cwd, model)
 
     def check(self, spare: Spare[Warm], launch: Launch) -> bool:
         """Whether ``launch`` (a spawn's, for the spare's ids) matches what the spare
