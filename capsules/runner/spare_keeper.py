@@ -26,6 +26,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -70,7 +71,7 @@ class SpareHost:
             self.init = payload
             self._ready()
         else:  # an untaken spare tells users nothing
-            log.info("spare.event_dropped", session_id=proc.session_id, event=name)
+            log.info("spare.event_dropped", session_id=proc.session_id, name=name)
 
     async def mcp_message(self, proc: ClaudeProcess, request: McpMessageRequest) -> Any:
         return await self.mcp.handle(proc, request)
@@ -174,11 +175,13 @@ class SpareKeeper:
         return max(0.01, min(moments) - now)
 
     def eligible(self) -> dict[str, PrincipalConfig]:
-        """The principals that get spares: headless, installed (or no installer runs:
-        the operator keeps homes), settings readable; none without a binary."""
+        """The principals that get spares: headless, installed (or no ``installer``
+        capsule is configured: the operator keeps homes), settings readable; none
+        without a binary."""
         if self.pool.per_principal == 0 or self.launcher.binary is None:
             return {}
-        installer = self.ctx.bus.has_subscribers("sage.v1.install.run")
+        # from the config, not the bus: any wildcard subscriber looks like an installer there
+        installer = any(Path(name).name == "installer" for name in self.config.supervisor.capsules)
         out: dict[str, PrincipalConfig] = {}
         for base in self.config.principals:
             try:
@@ -266,6 +269,11 @@ class SpareKeeper:
             except (SageError, OSError) as exc:
                 if self.pool.discard(spare, "start_failed"):
                     self._failed(spare.principal_id, str(exc))
+                return
+            except Exception as exc:  # a bug must not take the runner and its sessions down
+                log.exception("spare.failed", session_id=spare.session_id)
+                if self.pool.discard(spare, "failed"):
+                    self._failed(spare.principal_id, type(exc).__name__)
                 return
             if self.pool.discard(spare, "died"):
                 log.warning(

@@ -32,12 +32,12 @@ ENV = {"ANTHROPIC_API_KEY": "sk-double"}
 EMIT = Path(sys.executable).parent / "astrid-emit"
 
 
-def _config(*, spares: int = 1, capsules: str = '["runner"]') -> str:
+def _config(*, spares: int = 1, capsules: str = '["runner"]', mode: str = "") -> str:
     extra = (
         "[limits]\nstop_grace = 0.5\ninit_timeout = 5.0\n"
         f"[sessions]\nspares = {spares}\nspare_max_age = 600.0\n"
     )
-    return sage_config(FAKE_CLAUDE, {"FAKE_CLAUDE_MODE": ""}, extra=extra, capsules=capsules)
+    return sage_config(FAKE_CLAUDE, {"FAKE_CLAUDE_MODE": mode}, extra=extra, capsules=capsules)
 
 
 async def _spawn_audit(audits: RemoteSubscription, sid: str) -> dict[str, Any]:
@@ -223,3 +223,58 @@ async def _emit(env: dict[str, str], payload: dict[str, Any]) -> tuple[int, str]
         [str(EMIT)], input=msgspec.json.encode(payload), env=full, check=False
     )
     return result.returncode, result.stderr.decode()
+
+
+async def test_an_identity_change_replaces_the_spares_at_once() -> None:
+    """A new identity: the spare started with the old one is stopped without waiting for
+    a spawn; the next one has the new identity, and is the one taken."""
+    async with running_sage(_config(), env=ENV) as sage:
+        (sid, pid), *_ = (await ready_spares(sage)).items()
+        changed = await sage.request(
+            "sage.v1.request.settings.set", {"principal_id": "alice", "identity": "You are Ada."}
+        )
+        assert changed["ok"], changed
+        await _gone(pid)
+        (nsid, npid), *_ = (await ready_spares(sage)).items()
+        assert nsid != sid
+        identity = sage.daemon.root / "state" / "sessions" / nsid / "identity.md"
+        assert identity.read_text() == "You are Ada."
+        assert not (sage.daemon.root / "state" / "sessions" / sid).exists()  # scrubbed
+        reply = await sage.request("sage.v1.request.spawn", {"principal_id": "alice"})
+        assert reply == {"ok": True, "session_id": nsid, "pid": npid}, reply
+
+
+async def test_a_spare_past_its_max_age_is_replaced() -> None:
+    """Older than ``spare_max_age``: stopped and replaced, never handed out."""
+    config = _config().replace("spare_max_age = 600.0", "spare_max_age = 1.0")
+    async with running_sage(config, env=ENV) as sage:
+        (sid, pid), *_ = (await ready_spares(sage)).items()
+        await _gone(pid, within=10)
+        (nsid, _), *_ = (await ready_spares(sage)).items()
+        assert nsid != sid
+        assert '"reason": "too_old"' in sage.daemon.log()
+
+
+async def test_a_spare_in_another_permission_mode_is_never_handed_out() -> None:
+    """A CLI that answers ``initialize`` in another mode ends before it is ready; nothing
+    is published for it, its start is retried after a pause, and a spawn starts cold."""
+    async with running_sage(_config(mode="permission_mode=auto"), env=ENV) as sage:
+        events = await sage.client.subscribe("sage.v1.event.>")
+        audits = await sage.client.subscribe("sage.v1.audit.>")
+        for _ in range(100):  # the first failure, then the retry after 1 s
+            if sage.daemon.log().count("spare.start_failed") >= 2:
+                break
+            await anyio.sleep(0.05)
+        log = sage.daemon.log()
+        assert log.count("spare.start_failed") >= 2, log
+        assert "spare.ready" not in log
+        for published in (events, audits):
+            with anyio.move_on_after(0.1):
+                envelope = await published.get()
+                raise AssertionError(f"published for a spare: {envelope.topic}")
+        await events.close()
+        await audits.close()
+        audits = await sage.client.subscribe("sage.v1.audit.spawn")
+        reply = await sage.request("sage.v1.request.spawn", {"principal_id": "alice"})
+        assert reply["ok"], reply
+        assert (await _spawn_audit(audits, reply["session_id"]))["spare"] is False
