@@ -142,8 +142,9 @@ class Runner:
             "sage.v1.request.session.*": self._session,
             "sage.v1.request.approvals": self.desk.listing,
             "sage.v1.request.approve.*": self.desk.approve,
-            "sage.v1.request.settings.set": self.admin.set_settings,
-            "sage.v1.request.install": self.admin.install,
+            # either may make a principal eligible for spares, or no longer
+            "sage.v1.request.settings.set": self._then_spares(self.admin.set_settings),
+            "sage.v1.request.install": self._then_spares(self.admin.install),
             "sage.v1.request.principals": self.admin.list_principals,
         }
         self.launcher.resolve_binary()
@@ -166,6 +167,17 @@ class Runner:
             tg.start_soon(self._identity_saved, identities)
             tg.start_soon(self.spares.run, tg)
             ctx.ready()
+
+    def _then_spares(self, handler: Handler) -> Handler:
+        """``handler``, then a look at the spares (the keeper looks at most 30 s apart)."""
+
+        async def handle(request: Envelope) -> dict[str, Any]:
+            try:
+                return await handler(request)
+            finally:
+                self.spares.wake()
+
+        return handle
 
     async def _serve(self, requests: AsyncIterable[Envelope], handler: Handler) -> None:
         async for request in requests:

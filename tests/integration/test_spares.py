@@ -278,3 +278,32 @@ async def test_a_spare_in_another_permission_mode_is_never_handed_out() -> None:
         reply = await sage.request("sage.v1.request.spawn", {"principal_id": "alice"})
         assert reply["ok"], reply
         assert (await _spawn_audit(audits, reply["session_id"]))["spare"] is False
+
+
+async def test_with_an_installer_only_installed_principals_get_spares() -> None:
+    """An ``installer`` capsule is configured: alice gets a spare once installed, not
+    before (a spare never installs: its first spawn would)."""
+    config = _config(capsules='["runner", "installer"]')
+    async with running_sage(config, env=ENV) as sage:
+        await anyio.sleep(1.0)  # the keeper has looked (the binary's version is read)
+        assert claude_children(sage) == {}
+        assert "spare." not in sage.daemon.log()
+        reply = await sage.request("sage.v1.request.install", {"principal_id": "alice"})
+        assert reply["ok"], reply
+        (sid, pid), *_ = (await ready_spares(sage, within=10)).items()
+        spawned = await sage.request("sage.v1.request.spawn", {"principal_id": "alice"})
+        assert spawned == {"ok": True, "session_id": sid, "pid": pid}, spawned
+
+
+async def test_an_initial_message_is_sent_to_a_taken_spare() -> None:
+    """``initial_message`` reaches the spare's child as its first turn."""
+    async with running_sage(_config(), env=ENV) as sage:
+        (sid, _), *_ = (await ready_spares(sage)).items()
+        events = await sage.events(sid)
+        reply = await sage.request(
+            "sage.v1.request.spawn", {"principal_id": "alice", "initial_message": "first"}
+        )
+        assert reply["session_id"] == sid, reply
+        text, done = await events.text_until_done()
+        assert text == "echo: first"
+        assert done["turn"] == 1
