@@ -532,7 +532,8 @@ class Runner:
         assert proc is not None
         assert proc.pid is not None
         session.proc = proc
-        session.move(SessionState.RUNNING)
+        if session.state is SessionState.STARTING:  # (a stop may have come first)
+            session.move(SessionState.RUNNING)
         task_status.started(proc.pid)
         await warm.ended.wait()
         if warm.ending is None:  # the spare's task was cancelled: the runner is stopping

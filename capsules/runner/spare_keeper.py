@@ -343,6 +343,7 @@ class SpareKeeper:
         assert warm.host is not None
         assert warm.host.init is not None
         warm.proc.host = host
+        warm.proc.started_at = time.time()  # the session's age, not the spare's
         return dict(warm.host.init)
 
     def stale(self, principal_id: str) -> None:
