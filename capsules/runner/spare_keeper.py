@@ -52,8 +52,6 @@ __all__ = ("SpareHost", "SpareKeeper", "Warm")
 
 log = structlog.get_logger("sage.runner")
 
-RETRY_FIRST = 1.0
-RETRY_MAX = 60.0
 IDLE_WAKE = 30.0
 """Seconds the keeper sleeps at most between two looks at the pool."""
 
@@ -122,7 +120,6 @@ class SpareKeeper:
         self.clock = clock
         self._tg: anyio.abc.TaskGroup | None = None
         self._wake = anyio.Event()
-        self._retry: dict[str, tuple[float, float]] = {}  # principal: (not before, pause)
 
     @property
     def config(self) -> Config:
@@ -154,25 +151,15 @@ class SpareKeeper:
         for spare in pool.expired():
             self._stop(spare)
         eligible = self.eligible()
-        for spare in pool.spares():
-            if spare.principal_id not in eligible or len(pool.of(spare.principal_id)) > (
-                pool.per_principal
-            ):
-                pool.discard(spare, "not_wanted")
-                self._stop(spare)
-        now = self.clock()
+        for spare in pool.surplus(eligible):
+            self._stop(spare)
         for name in pool.wanted(eligible):
-            if self._retry.get(name, (0.0, 0.0))[0] <= now:
-                self._start(eligible[name])
+            self._start(eligible[name])
 
     def _pause(self) -> float:
         now = self.clock()
-        moments = [now + IDLE_WAKE]
-        expiry = self.pool.next_expiry()
-        if expiry is not None:
-            moments.append(expiry)
-        moments += [when for when, _ in self._retry.values() if when > now]
-        return max(0.01, min(moments) - now)
+        due = self.pool.next_look()
+        return max(0.01, min(now + IDLE_WAKE, due if due is not None else now + IDLE_WAKE) - now)
 
     def eligible(self) -> dict[str, PrincipalConfig]:
         """The principals that get spares: headless, installed (or no ``installer``
@@ -244,7 +231,6 @@ class SpareKeeper:
 
             def ready() -> None:
                 if self.pool.ready(spare, inputs_of(launch, binary)):
-                    self._retry.pop(spare.principal_id, None)
                     log.info(
                         "spare.ready", session_id=spare.session_id, principal_id=spare.principal_id
                     )
@@ -290,8 +276,7 @@ class SpareKeeper:
             self.wake()
 
     def _failed(self, principal: str, error: str) -> None:
-        pause = min(RETRY_MAX, self._retry.get(principal, (0.0, RETRY_FIRST / 2))[1] * 2)
-        self._retry[principal] = (self.clock() + pause, pause)
+        pause = self.pool.failed(principal)
         log.warning("spare.start_failed", principal_id=principal, error=error, retry_in=pause)
 
     def _stop(self, spare: Spare[Warm]) -> None:

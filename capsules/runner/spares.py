@@ -24,8 +24,10 @@ What a spare is:
 - **Used once.**  A claimed spare leaves the pool for good; the keeper starts
   the next one.
 - **Bounded.**  At most ``per_principal`` spares (starting or ready) per
-  eligible principal; one older than ``max_age`` seconds is discarded, never
-  handed out (:meth:`SparePool.expired`).
+  eligible principal (:meth:`SparePool.surplus` drops the rest); one older
+  than ``max_age`` seconds is discarded, never handed out
+  (:meth:`SparePool.expired`); after a failed start the principal's next
+  spare waits, 1 s doubling to a minute (:meth:`SparePool.failed`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from capsules.runner.command import Launch
 from capsules.runner.errors import IllegalTransition
 
 __all__ = (
+    "RETRY_FIRST",
+    "RETRY_MAX",
     "SPARE_TRANSITIONS",
     "Spare",
     "SpareInputs",
@@ -51,6 +55,10 @@ __all__ = (
     "env_digest",
     "inputs_of",
 )
+
+RETRY_FIRST = 1.0
+"""Seconds before a principal's next spare after one failed; doubled per failure in a row."""
+RETRY_MAX = 60.0
 
 H = TypeVar("H")
 """What the shell keeps with a spare (its process); opaque to the pool."""
@@ -146,6 +154,8 @@ class SparePool(Generic[H]):
     max_age: float
     clock: Callable[[], float]
     _spares: dict[str, Spare[H]] = field(default_factory=dict)
+    _retry: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Per principal whose last spare failed: (not before, the pause that led there)."""
 
     def __len__(self) -> int:
         return len(self._spares)
@@ -161,11 +171,36 @@ class SparePool(Generic[H]):
 
     def wanted(self, principals: Iterable[str]) -> list[str]:
         """One entry per spare to start now: the eligible principals short of
-        ``per_principal`` spares (starting ones count), once per missing spare."""
+        ``per_principal`` spares (starting ones count), once per missing spare;
+        none for a principal whose last spare failed less than its pause ago."""
+        now = self.clock()
         out: list[str] = []
         for name in principals:
+            if self._retry.get(name, (0.0, 0.0))[0] > now:
+                continue
             out += [name] * max(0, self.per_principal - len(self.of(name)))
         return out
+
+    def failed(self, principal_id: str) -> float:
+        """A spare of ``principal_id`` could not start or died unused: the next one waits
+        :data:`RETRY_FIRST` seconds, doubling with each failure in a row up to
+        :data:`RETRY_MAX`.  Returns the pause."""
+        pause = min(RETRY_MAX, self._retry.get(principal_id, (0.0, RETRY_FIRST / 2))[1] * 2)
+        self._retry[principal_id] = (self.clock() + pause, pause)
+        return pause
+
+    def surplus(self, principals: Iterable[str]) -> list[Spare[H]]:
+        """Discard and return the spares nobody should have now: of a principal no
+        longer eligible, or past ``per_principal`` (the newest go first)."""
+        eligible = set(principals)
+        gone: list[Spare[H]] = []
+        for name in {s.principal_id for s in self._spares.values()}:
+            mine = sorted(self.of(name), key=lambda s: s.born)
+            keep = self.per_principal if name in eligible else 0
+            gone += mine[keep:]
+        for spare in gone:
+            self.discard(spare, "not_wanted")
+        return gone
 
     def add(self, spare: Spare[H]) -> None:
         if spare.session_id in self._spares or spare.state is not SpareState.STARTING:
@@ -178,6 +213,7 @@ class SparePool(Generic[H]):
             return False
         spare.inputs = inputs
         spare.move(SpareState.READY)
+        self._retry.pop(spare.principal_id, None)  # it starts: no more pause
         return True
 
     def claim(self, principal_id: str, cwd: str, model: str) -> Spare[H] | None:
@@ -233,8 +269,10 @@ class SparePool(Generic[H]):
             self.discard(spare, "closing")
         return gone
 
-    def next_expiry(self) -> float | None:
-        """When the oldest spare passes ``max_age`` (clock time); None with no spare."""
-        if not self._spares:
-            return None
-        return min(s.born for s in self._spares.values()) + self.max_age
+    def next_look(self) -> float | None:
+        """When the pool next needs a look (clock time): the oldest spare passes
+        ``max_age``, or a pause after a failure ends; None: nothing is due."""
+        now = self.clock()
+        moments = [s.born + self.max_age for s in self._spares.values()]
+        moments += [when for when, _ in self._retry.values() if when > now]
+        return min(moments, default=None)

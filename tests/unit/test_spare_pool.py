@@ -11,6 +11,7 @@ import pytest
 from capsules.runner.command import Launch
 from capsules.runner.errors import IllegalTransition
 from capsules.runner.spares import (
+    RETRY_MAX,
     Spare,
     SpareInputs,
     SparePool,
@@ -121,14 +122,14 @@ def test_a_spare_past_max_age_is_not_claimed_and_expires() -> None:
     pool, clock = _pool(max_age=60.0)
     spare = _spare(pool)
     pool.ready(spare, INPUTS)
-    assert pool.next_expiry() == 1060.0
+    assert pool.next_look() == 1060.0
     clock.now += 60.5
     assert pool.claim("alice", "/home/alice", "") is None
     assert pool.expired() == [spare]
     assert spare.state is SpareState.DISCARDED
     assert spare.reason == "too_old"
     assert pool.expired() == []
-    assert pool.next_expiry() is None
+    assert pool.next_look() is None
 
 
 def test_a_young_spare_does_not_expire() -> None:
@@ -245,3 +246,35 @@ def test_inputs_of_a_launch(tmp_path: Path) -> None:
     assert inputs == SpareInputs(
         "sha256:f", "sha256:i", env_digest({"HOME": "/h"}), binary_identity(binary), ("setpriv",)
     )
+
+
+def test_a_failed_start_pauses_that_principal_only() -> None:
+    """After a failure the principal's next spare waits 1 s, doubling per failure in a
+    row up to a minute; other principals are not held up; a ready spare ends it."""
+    pool, clock = _pool()
+    assert pool.failed("alice") == 1.0
+    assert pool.wanted(["alice", "bob"]) == ["bob"]
+    assert pool.next_look() == 1001.0
+    clock.now += 1.0
+    assert pool.wanted(["alice"]) == ["alice"]
+    assert [pool.failed("alice") for _ in range(8)] == [2, 4, 8, 16, 32, 60, 60, 60]
+    assert RETRY_MAX == 60
+    clock.now += 60.0
+    spare = _spare(pool)
+    assert pool.ready(spare, INPUTS)
+    assert pool.failed("alice") == 1.0  # counted afresh after a spare came up
+
+
+def test_surplus_drops_spares_nobody_should_have() -> None:
+    """A principal no longer eligible loses its spares; a lower ``per_principal`` drops
+    the newest first."""
+    pool, clock = _pool(per_principal=3)
+    old = _spare(pool, "a1")
+    clock.now += 1
+    newer = [_spare(pool, "a2"), _spare(pool, "a3")]
+    bob = _spare(pool, "b1", "bob")
+    assert pool.surplus(["alice", "bob"]) == []
+    pool.per_principal = 1
+    assert set(pool.surplus(["alice"])) == {*newer, bob}
+    assert pool.spares() == [old]
+    assert bob.reason == "not_wanted"
