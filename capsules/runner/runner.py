@@ -161,6 +161,7 @@ class Runner:
             tg.start_soon(self.mcp.follow, catalogue)
             tg.start_soon(self.launcher.check_version)  # spawns (reconcile's too) wait
             await self._reconcile()
+            self._sweep_folders()
             for pattern, handler in subscriptions.items():
                 tg.start_soon(self._serve, subscribed[pattern], handler)
             tg.start_soon(self._tools_changed, changed)
@@ -292,6 +293,22 @@ class Runner:
             else:
                 session = Session(record, principal or PrincipalConfig(name=record.principal_id))
                 await self._ended(session, None, EndReason.SUPERVISOR_RESTART)
+
+    def _sweep_folders(self) -> None:
+        """Identity folders no live session owns: a spare's, left by a supervisor that
+        died (a spare has no record, so no reconciliation ends it)."""
+        folder = self.config.state_dir / "sessions"
+        try:
+            names = [entry.name for entry in os.scandir(folder) if entry.is_dir()]
+        except OSError:
+            return
+        for name in names:
+            if name in self.sessions:
+                continue
+            with contextlib.suppress(OSError):
+                (folder / name / "identity.md").unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                (folder / name).rmdir()
 
     # -- spawn ----------------------------------------------------------------
 

@@ -11,6 +11,8 @@ supervisor.
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -23,6 +25,7 @@ import pytest
 from bus.client import RemoteSubscription
 from sage.claude.hooks import mint_token
 from tests.support import FAKE_CLAUDE
+from tests.support.daemon import short_dir
 from tests.support.sage_harness import running_sage, sage_config
 from tests.support.spares import claude_children, environ, listed, ready_spares
 
@@ -307,3 +310,22 @@ async def test_an_initial_message_is_sent_to_a_taken_spare() -> None:
         text, done = await events.text_until_done()
         assert text == "echo: first"
         assert done["turn"] == 1
+
+
+async def test_a_spare_left_by_a_dead_supervisor_leaves_no_files() -> None:
+    """SIGKILL to the supervisor: its spare dies with it (death signal), and the next
+    supervisor removes the identity folder nobody owns."""
+    root = short_dir()
+    try:
+        async with running_sage(_config(), env=ENV, root=root) as sage:
+            (sid, pid), *_ = (await ready_spares(sage)).items()
+            folder = root / "state" / "sessions" / sid
+            assert (folder / "identity.md").is_file()
+            sage.daemon.signal(signal.SIGKILL)
+            await _gone(pid)
+        assert folder.exists()
+        async with running_sage(_config(spares=0), env=ENV, root=root) as sage:
+            assert not folder.exists()
+            assert await listed(sage) == []
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
