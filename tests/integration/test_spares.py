@@ -10,6 +10,7 @@ supervisor.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -329,3 +330,23 @@ async def test_a_spare_left_by_a_dead_supervisor_leaves_no_files() -> None:
             assert await listed(sage) == []
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+async def test_a_spare_of_a_replaced_binary_is_discarded(tmp_path: Path) -> None:
+    """The binary was replaced (an upgrade renames a new file over it): the spare runs
+    the old one, so the spawn stops it and starts cold."""
+    binary = tmp_path / "claude"
+    shutil.copy2(FAKE_CLAUDE, binary)
+    config = _config().replace(json.dumps(str(FAKE_CLAUDE)), json.dumps(str(binary)))
+    assert str(binary) in config
+    async with running_sage(config, env=ENV) as sage:
+        (sid, pid), *_ = (await ready_spares(sage)).items()
+        fresh = tmp_path / "claude.new"
+        shutil.copy2(FAKE_CLAUDE, fresh)
+        fresh.replace(binary)
+        reply = await sage.request("sage.v1.request.spawn", {"principal_id": "alice"})
+        assert reply["ok"], reply
+        assert reply["session_id"] == sid
+        assert reply["pid"] != pid
+        await _gone(pid)
+        assert '"reason": "stale"' in sage.daemon.log()
