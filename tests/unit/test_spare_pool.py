@@ -5,11 +5,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 import pytest
 
+from capsules.runner.claude_process import ClaudeProcess
 from capsules.runner.command import Launch
-from capsules.runner.errors import IllegalTransition
+from capsules.runner.errors import IllegalTransition, SessionError
+from capsules.runner.mcp import McpServer
+from capsules.runner.spare_keeper import SpareHost
 from capsules.runner.spares import (
     RETRY_MAX,
     Spare,
@@ -20,6 +24,7 @@ from capsules.runner.spares import (
     env_digest,
     inputs_of,
 )
+from sage.claude.protocol import CanUseToolRequest, HookCallbackRequest
 
 INPUTS = SpareInputs(
     flags_hash="sha256:f", identity="sha256:i", env="sha256:e", binary=("/c", 1, 2, 3, 4)
@@ -278,3 +283,26 @@ def test_surplus_drops_spares_nobody_should_have() -> None:
     assert set(pool.surplus(["alice"])) == {*newer, bob}
     assert pool.spares() == [old]
     assert bob.reason == "not_wanted"
+
+
+class _Proc:
+    session_id = "s1"
+
+
+@pytest.mark.anyio
+async def test_an_untaken_spare_tells_nobody_and_may_do_nothing() -> None:
+    """Its host keeps ``init`` for the spawn (and reports it ready), drops every other
+    event, denies every tool call and refuses in-band hooks (``not_taken``)."""
+    ready: list[bool] = []
+    host = SpareHost(cast(McpServer, None), lambda: ready.append(True))
+    proc = cast(ClaudeProcess, _Proc())
+    host.event(proc, "error", {"reason": "init_timeout"})
+    assert (host.init, ready) == (None, [])
+    host.event(proc, "init", {"pid": 7})
+    assert (host.init, ready) == ({"pid": 7}, [True])
+    allowed, message = await host.can_use_tool(proc, CanUseToolRequest(tool_name="t"))
+    assert not allowed
+    assert "not been taken" in message
+    with pytest.raises(SessionError) as caught:
+        await host.hook_callback(proc, HookCallbackRequest(callback_id="hook_PreToolUse"))
+    assert caught.value.code == "not_taken"
