@@ -197,6 +197,12 @@ class SessionsConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=
     """Respawn attempts (identity refresh) per session before giving up."""
     history: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 200
     """Ended sessions kept per principal (``astrid sage sessions --all``); older go."""
+    spares: Annotated[int, msgspec.Meta(ge=0, le=16)] = 0
+    """Warm spares: ``claude`` children started and initialized ahead of need, per
+    installed headless principal, so a spawn without a session id takes one instead of
+    starting cold (capsules/runner/spares.py).  Each holds about 200 MiB; 0: none."""
+    spare_max_age: Annotated[float, msgspec.Meta(gt=0, le=86_400)] = 600.0
+    """Seconds a spare may wait; an older one is stopped and replaced, never handed out."""
     uid_base: Annotated[int, msgspec.Meta(ge=1000, le=2**31 - 1)] = 91000
     """Supervisor root only: the gid of the sessions' group (the socket and the folders
     a ``claude`` child must pass through), and the first of the uids principals without

@@ -63,6 +63,8 @@ class Launch:
     """What runs before ``argv`` (``setpriv`` to the child's uid; supervisor root)."""
     uid: int | None = None
     """The uid the child runs as; None: the supervisor's."""
+    identity_digest: str = ""
+    """``sha256:`` and the SHA-256 of the identity text (a spare's staleness check)."""
 
     @property
     def command(self) -> list[str]:
@@ -92,8 +94,10 @@ def build_launch(
     run_as: RunAs | None = None,
     cwd: Path | None = None,
     model: str = "",
+    files: bool = True,
 ) -> Launch:
-    """Decide argv and environment, make the home, write the identity file.
+    """Decide argv and environment, make the home, write the identity file
+    (``files=False``: decide only, touch nothing; a spare's check).
 
     With ``run_as`` (a root supervisor) the child starts through ``setpriv`` as
     that uid, the home is handed to it, and the identity file is its own (0400)
@@ -103,7 +107,9 @@ def build_launch(
     identity_file = sessions / session_id / "identity.md"
     fallback = not identity
     text = identity or DEFAULT_IDENTITY.format(principal=principal.name, session=session_id)
-    if run_as is None:
+    if not files:
+        pass
+    elif run_as is None:
         home.mkdir(mode=0o700, parents=True, exist_ok=True)
         write_replace(identity_file, text.encode())
     else:
@@ -172,4 +178,5 @@ def build_launch(
         identity_fallback=fallback,
         prefix=tuple(setpriv_prefix(run_as)) if run_as is not None else (),
         uid=None if run_as is None else run_as.uid,
+        identity_digest="sha256:" + hashlib.sha256(text.encode()).hexdigest(),
     )

@@ -101,10 +101,16 @@ class Launcher:
         finally:
             self._version_checked.set()
 
-    async def prepare(self, session: Session, *, resume: bool) -> Launch:
+    async def prepare(
+        self, session: Session, *, resume: bool, spare: bool = False, files: bool = True
+    ) -> Launch:
         """Everything a child of ``session`` needs, decided before it exists: the binary
         (refused outside the supported range), a first spawn's install, the API key and
-        where it came from, the uid, the home, the identity; then argv and environment."""
+        where it came from, the uid, the home, the identity; then argv and environment.
+
+        For a ``spare`` (no user has the session yet) nothing is installed, published
+        or audited: a refusal is only raised.  ``files=False`` decides without writing
+        (the check of a spare against a spawn: its identity file stays as it is)."""
         config = self.config
         if self.binary is None:
             raise SessionError("claude_missing", "no usable claude binary (see `astrid doctor`)")
@@ -116,19 +122,22 @@ class Launcher:
                 if verdict is not None
                 else f"the version of {self.binary} could not be read (see `astrid doctor`)"
             )
-            self.audit(
-                "claude_unsupported",
-                {
-                    "principal_id": session.principal.name,
-                    "session_id": session.id,
-                    "binary": str(self.binary),
-                    "version": self.version,
-                    "support": verdict.support.value if verdict is not None else "unknown",
-                    "message": message,
-                },
-            )
+            if not spare:
+                self.audit(
+                    "claude_unsupported",
+                    {
+                        "principal_id": session.principal.name,
+                        "session_id": session.id,
+                        "binary": str(self.binary),
+                        "version": self.version,
+                        "support": verdict.support.value if verdict is not None else "unknown",
+                        "message": message,
+                    },
+                )
             raise SessionError("claude_unsupported", message)
-        if not resume:  # a first start: never without the install's deny rules and hooks
+        if (
+            not resume and not spare
+        ):  # a first start: never without the install's deny rules and hooks
             await self.admin.install_on_first_spawn(session.principal.name, session.id)
         try:
             principal = self.admin.principal(session.principal.name) or session.principal
@@ -149,6 +158,8 @@ class Launcher:
                 session.key_source = "operator" if api_key else "none"
             if api_key is None and "ANTHROPIC_API_KEY" in config.claude.env:
                 session.key_source = "claude.env"  # set by the operator for every child
+            if session.key_source == "none" and spare:
+                raise SessionError("api_key_missing", f"no API key for {principal.name!r}")
             if session.key_source == "none":
                 self.event(
                     session.id,
@@ -213,6 +224,7 @@ class Launcher:
                 run_as=run_as,
                 cwd=Path(session.record.cwd) if session.record.cwd else None,
                 model=session.record.model,
+                files=files,
             )
         except (OSError, SageError) as exc:
             raise SessionError("spawn_failed", f"cannot prepare the session: {exc}") from None
@@ -221,7 +233,8 @@ class Launcher:
             for path in (home, launch.cwd, config.socket_path):
                 far = unreachable(path, run_as.uid, groups)
                 if far is not None:
-                    launch.identity_file.unlink(missing_ok=True)
+                    if files:
+                        launch.identity_file.unlink(missing_ok=True)
                     raise SessionError("home_unreachable", f"{path}: {far}")
         session.token_hash = hash_token(token)
         return launch

@@ -69,6 +69,8 @@ from capsules.runner.sessions import (
     SessionState,
     SessionTable,
 )
+from capsules.runner.spare_keeper import SpareKeeper, Warm
+from capsules.runner.spares import Spare
 from capsules.runner.workplace import chosen_model, work_folder
 from sage import replies
 from sage.capsule.sessions import session_owner
@@ -121,6 +123,7 @@ class Runner:
         )
         self.launcher = Launcher(ctx, self.admin, audit=self.audit, event=self._event)
         self.history = EventHistory()
+        self.spares = SpareKeeper(ctx, self.admin, self.launcher, self.mcp, hooks=HOOKS)
         self._tg: anyio.abc.TaskGroup | None = None
 
     @property
@@ -140,8 +143,9 @@ class Runner:
             "sage.v1.request.session.*": self._session,
             "sage.v1.request.approvals": self.desk.listing,
             "sage.v1.request.approve.*": self.desk.approve,
-            "sage.v1.request.settings.set": self.admin.set_settings,
-            "sage.v1.request.install": self.admin.install,
+            # either may make a principal eligible for spares, or no longer
+            "sage.v1.request.settings.set": self._then_spares(self.admin.set_settings),
+            "sage.v1.request.install": self._then_spares(self.admin.install),
             "sage.v1.request.principals": self.admin.list_principals,
         }
         self.launcher.resolve_binary()
@@ -158,11 +162,24 @@ class Runner:
             tg.start_soon(self.mcp.follow, catalogue)
             tg.start_soon(self.launcher.check_version)  # spawns (reconcile's too) wait
             await self._reconcile()
+            self._sweep_folders()
             for pattern, handler in subscriptions.items():
                 tg.start_soon(self._serve, subscribed[pattern], handler)
             tg.start_soon(self._tools_changed, changed)
             tg.start_soon(self._identity_saved, identities)
+            tg.start_soon(self.spares.run, tg)
             ctx.ready()
+
+    def _then_spares(self, handler: Handler) -> Handler:
+        """``handler``, then a look at the spares (the keeper looks at most 30 s apart)."""
+
+        async def handle(request: Envelope) -> dict[str, Any]:
+            try:
+                return await handler(request)
+            finally:
+                self.spares.wake()
+
+        return handle
 
     async def _serve(self, requests: AsyncIterable[Envelope], handler: Handler) -> None:
         async for request in requests:
@@ -280,6 +297,22 @@ class Runner:
                 session = Session(record, principal or PrincipalConfig(name=record.principal_id))
                 await self._ended(session, None, EndReason.SUPERVISOR_RESTART)
 
+    def _sweep_folders(self) -> None:
+        """Identity folders no live session owns: a spare's, left by a supervisor that
+        died (a spare has no record, so no reconciliation ends it)."""
+        folder = self.config.state_dir / "sessions"
+        try:
+            names = [entry.name for entry in os.scandir(folder) if entry.is_dir()]
+        except OSError:
+            return
+        for name in names:
+            if name in self.sessions:
+                continue
+            with contextlib.suppress(OSError):
+                (folder / name / "identity.md").unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                (folder / name).rmdir()
+
     # -- spawn ----------------------------------------------------------------
 
     async def _taken_by_another(self, sid: str, principal: str) -> bool:
@@ -353,18 +386,24 @@ class Runner:
             raise self._reject(
                 request, pid_, "principal_limit", f"principal {pid_!r} has {cap} sessions already"
             )
+        # a spawn that names no session id may take a spare (its ids are chosen already)
+        spare = self.spares.claim(pid_, cwd, model) if req.session_id is None else None
+        if spare is not None and spare.session_id in self.sessions:  # a named spawn took its id
+            self.spares.drop(spare, "id_taken")
+            spare = None
         record = SessionRecord(
-            session_id=sid,
+            session_id=sid if spare is None else spare.session_id,
             principal_id=pid_,
-            claude_session=str(uuid.uuid4()),
+            claude_session=str(uuid.uuid4()) if spare is None else spare.claude_session,
             started_at=time.time(),
             cwd=cwd,
             model=model,
         )
+        sid = record.session_id
         session = Session(record, principal)
         self.sessions.add(session)  # taken before the first await: no race past the cap
         try:
-            pid = await self._start(session, resume=False, initial=req.initial_message)
+            pid = await self._start(session, resume=False, initial=req.initial_message, spare=spare)
         except SessionError as exc:
             self.sessions.remove(session)
             self._publish(
@@ -374,11 +413,18 @@ class Runner:
             raise
         return {"ok": True, "session_id": sid, "pid": pid}
 
-    async def _start(self, session: Session, *, resume: bool, initial: str | None) -> int:
+    async def _start(
+        self,
+        session: Session,
+        *,
+        resume: bool,
+        initial: str | None,
+        spare: Spare[Warm] | None = None,
+    ) -> int:
         """Start the session's task; returns once its first child runs (its pid)."""
         assert self._tg is not None
         try:
-            pid: int = await self._tg.start(self._run_session, session, resume, initial)
+            pid: int = await self._tg.start(self._run_session, session, resume, initial, spare)
         except SessionError:
             raise
         except (SageError, OSError) as exc:
@@ -390,13 +436,36 @@ class Runner:
         session: Session,
         resume: bool,
         initial: str | None,
+        spare: Spare[Warm] | None = None,
         *,
         task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
-        """The life of a session: one child, or several when it is respawned."""
+        """The life of a session: one child, or several when it is respawned; the
+        first may be a spare's (``spare``), when it matches what a cold start would be."""
         ending: Ending | None = None
         first = True
         try:
+            if spare is not None:
+                if await self._take(session, spare, initial, task_status=task_status):
+                    first, resume, initial = False, True, None
+                    ending, proc = session.ending, session.proc
+                    if proc is not None:
+                        session.turns += proc.turn.finished
+                        session.cost_usd += proc.turn.cost_usd
+                    step = session.after_child(
+                        ending.reason if ending is not None else None,
+                        self.config.sessions.max_respawns,
+                    )
+                    if step is AfterChild.END:
+                        await self._ended(
+                            session, ending, ending.reason if ending else EndReason.EXITED
+                        )
+                        return
+                    if step is AfterChild.ABANDON:
+                        await self._abandon(session, ending)
+                        return
+                else:  # stale: a cold start, with a conversation of its own
+                    session.record.claude_session = str(uuid.uuid4())
             while True:
                 try:
                     launch = await self.launcher.prepare(session, resume=resume)
@@ -424,16 +493,7 @@ class Runner:
                 if step is AfterChild.END:
                     break
                 if step is AfterChild.ABANDON:
-                    self.audit(
-                        "respawn_abandoned",
-                        {
-                            "principal_id": session.principal.name,
-                            "session_id": session.id,
-                            "attempts": session.respawns - 1,
-                            "reason": session.respawn_reason or "",
-                        },
-                    )
-                    await self._ended(session, ending, EndReason.RESPAWN_ABANDONED)
+                    await self._abandon(session, ending)
                     return
                 resume, initial = True, None
         except anyio.get_cancelled_exc_class():
@@ -455,6 +515,67 @@ class Runner:
         await self._ended(
             session, ending, ending.reason if ending is not None else EndReason.EXITED
         )
+
+    async def _abandon(self, session: Session, ending: Ending | None) -> None:
+        self.audit(
+            "respawn_abandoned",
+            {
+                "principal_id": session.principal.name,
+                "session_id": session.id,
+                "attempts": session.respawns - 1,
+                "reason": session.respawn_reason or "",
+            },
+        )
+        await self._ended(session, ending, EndReason.RESPAWN_ABANDONED)
+
+    async def _take(
+        self,
+        session: Session,
+        spare: Spare[Warm],
+        initial: str | None,
+        *,
+        task_status: anyio.abc.TaskStatus[int],
+    ) -> bool:
+        """Serve ``session`` with ``spare``'s child when a cold start would launch the
+        same (else False: the spare is stopped); returns once that child has ended."""
+        try:
+            check = await self.launcher.prepare(session, resume=False, files=False)
+        except BaseException:
+            self.spares.drop(spare, "spawn_refused")
+            raise
+        if not self.spares.check(spare, check):
+            return False
+        warm = spare.handle
+        assert warm.launch is not None
+        assert warm.proc is not None
+        session.token_hash = warm.session.token_hash  # the spare's own token, stored now
+        async with anyio.create_task_group() as tg:
+            pid: int = await tg.start(self._adopt, session, warm)
+            await self._spawned(session, warm.launch, pid, first=True, resume=False, spare=True)
+            self.event(warm.proc, "init", self.spares.hand_over(spare, self))
+            if initial:
+                tg.start_soon(_quietly, lambda: _send(warm.proc, initial))
+            task_status.started(pid)
+            self.spares.wake()  # the next spare starts now, in the background
+        return True
+
+    async def _adopt(
+        self, session: Session, warm: Warm, *, task_status: anyio.abc.TaskStatus[int]
+    ) -> None:
+        """The session's side of a spare's child: it runs in the spare's task already."""
+        proc = warm.proc
+        assert proc is not None
+        assert proc.pid is not None
+        session.proc = proc
+        if session.state is SessionState.STARTING:  # (a stop may have come first)
+            session.move(SessionState.RUNNING)
+        task_status.started(proc.pid)
+        await warm.ended.wait()
+        if warm.ending is None:  # the spare's task was cancelled: the runner is stopping
+            await anyio.sleep_forever()
+        session.ending = warm.ending
+        with contextlib.suppress(OSError):
+            proc.launch.identity_file.unlink(missing_ok=True)
 
     def _process(self, session: Session, launch: Launch, initial: str | None) -> ClaudeProcess:
         limits = self.config.limits
@@ -482,7 +603,14 @@ class Runner:
             proc.launch.identity_file.unlink(missing_ok=True)
 
     async def _spawned(
-        self, session: Session, launch: Launch, pid: int, *, first: bool, resume: bool
+        self,
+        session: Session,
+        launch: Launch,
+        pid: int,
+        *,
+        first: bool,
+        resume: bool,
+        spare: bool = False,
     ) -> None:
         record = session.record
         record.pid = pid
@@ -531,6 +659,7 @@ class Runner:
                 "key_source": session.key_source,
                 "interaction_mode": session.principal.interaction_mode,
                 "resume": resume,
+                "spare": spare,
             },
         )
 
@@ -710,6 +839,8 @@ class Runner:
                 for s in list(self.sessions.values())
                 if s.proc is not None and msg.session_id in (None, s.id)
             ]
+            if msg.session_id is None:  # the spares' CLIs hold a tool list too
+                targets += self.spares.procs()
             for proc in targets:
                 assert self._tg is not None
                 self._tg.start_soon(
@@ -773,7 +904,9 @@ class Runner:
         return await self.desk.hook_callback(proc, request)
 
     def _refresh_identity(self, principal: str) -> None:
-        """Respawn ``principal``'s live sessions (``--resume``) with the identity now in force."""
+        """Respawn ``principal``'s live sessions (``--resume``) with the identity now in force;
+        its spares, started with the old one, are replaced."""
+        self.spares.stale(principal)
         for session in list(self.sessions.values()):
             if (
                 session.record.principal_id == principal
@@ -810,9 +943,14 @@ def _ended_text(record: SessionRecord) -> str:
     return f"ended at {when} ({record.reason}{', ' + how if how else ''})"
 
 
-async def _quietly(func: Callable[[], Awaitable[None]]) -> None:
+async def _quietly(func: Callable[[], Awaitable[Any]]) -> None:
     with contextlib.suppress(SessionError):
         await func()
+
+
+async def _send(proc: ClaudeProcess | None, text: str) -> None:
+    if proc is not None:
+        await proc.send(text)
 
 
 def _kill_leftover(pid: int, claude_session: str) -> None:
