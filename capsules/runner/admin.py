@@ -319,8 +319,8 @@ class Admin:
         True when it installed now.  Nothing to do (False) when the home is installed,
         or when no installer capsule runs: then the operator keeps homes themselves."""
         base = self.config.principal(name)
-        if base is None:
-            return False
+        if base is None or not self._installer_configured():
+            return False  # no installer in the config: the operator keeps homes
         async with self.lock(name):
             if await anyio.Path(self.config.home_of(base) / INSTALL_MARKER).is_file():
                 return False
@@ -331,8 +331,6 @@ class Admin:
             settings = principals.of(principals.apply(base, stored), stored)
             done = await self._installer("sage.v1.install.run", name, settings)
             if done is None:
-                if not self._installer_configured():
-                    return False  # the operator keeps homes: nothing of ours to write them
                 # configured but not serving (crashed, restarting, not up yet): refuse
                 # rather than run a session without the install's deny rules and hooks
                 self.audit(
