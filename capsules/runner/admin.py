@@ -301,8 +301,9 @@ class Admin:
             "key_stored": key_stored,
         }
 
-    def _installer_configured(self) -> bool:
-        """Whether the config runs the built-in installer capsule."""
+    def installer_configured(self) -> bool:
+        """Whether the config runs the built-in installer capsule (asked of the config,
+        not the bus: any wildcard subscriber would look like an installer there)."""
         return any(Path(entry).name == "installer" for entry in self.config.supervisor.capsules)
 
     def _save(self, settings: PrincipalSettings, what: str) -> None:
@@ -319,7 +320,7 @@ class Admin:
         True when it installed now.  Nothing to do (False) when the home is installed,
         or when no installer capsule runs: then the operator keeps homes themselves."""
         base = self.config.principal(name)
-        if base is None or not self._installer_configured():
+        if base is None or not self.installer_configured():
             return False  # no installer in the config: the operator keeps homes
         async with self.lock(name):
             if await anyio.Path(self.config.home_of(base) / INSTALL_MARKER).is_file():

@@ -76,6 +76,7 @@ from sage.claude.protocol import (
     encode_permission_deny,
     encode_user_turn,
 )
+from sage.config import LimitsConfig
 from sage.errors import ProcessError, ProtocolError
 from sage.process import Child, ExitStatus, Ring, stop
 
@@ -212,6 +213,32 @@ class ClaudeProcess:
     @property
     def unknown(self) -> int:
         return self.conversation.unknown
+
+    @classmethod
+    def within(
+        cls,
+        limits: LimitsConfig,
+        session_id: str,
+        principal_id: str,
+        launch: Launch,
+        host: Host,
+        *,
+        hooks: dict[str, list[Any]],
+        initial_message: str | None = None,
+    ) -> ClaudeProcess:
+        """A process bounded by ``[limits]`` (the runner's sessions and its spares)."""
+        return cls(
+            session_id,
+            principal_id,
+            launch,
+            host,
+            max_line_bytes=limits.max_line_bytes,
+            init_timeout=limits.init_timeout,
+            stop_grace=limits.stop_grace,
+            stdin_quota=limits.stdin_quota,
+            hooks=hooks,
+            initial_message=initial_message,
+        )
 
     @property
     def pid(self) -> int | None:

@@ -8,6 +8,7 @@ argv for the ``spawn`` audit: SHA-256 over each element followed by a NUL.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from collections.abc import Sequence
@@ -80,6 +81,21 @@ def flags_hash(argv: Sequence[str]) -> str:
     return f"sha256:{digest.hexdigest()}"
 
 
+def identity_path(config: Config, session_id: str) -> Path:
+    """Where a session's identity file (``--append-system-prompt-file``) is written."""
+    return config.state_dir / "sessions" / session_id / "identity.md"
+
+
+def remove_session_files(config: Config, session_id: str) -> None:
+    """Remove what :func:`build_launch` wrote for ``session_id`` (its identity file and
+    folder); what is gone already, or cannot go, is left as it is."""
+    identity = identity_path(config, session_id)
+    with contextlib.suppress(OSError):
+        identity.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        identity.parent.rmdir()
+
+
 def build_launch(
     config: Config,
     principal: PrincipalConfig,
@@ -104,7 +120,7 @@ def build_launch(
     in folders it may pass through (0711) but not list."""
     home = config.home_of(principal)
     sessions = config.state_dir / "sessions"
-    identity_file = sessions / session_id / "identity.md"
+    identity_file = identity_path(config, session_id)
     fallback = not identity
     text = identity or DEFAULT_IDENTITY.format(principal=principal.name, session=session_id)
     if not files:

@@ -45,9 +45,7 @@ from bus import BusError, Envelope
 from capsules.runner.admin import Admin
 from capsules.runner.approval_desk import ApprovalDesk
 from capsules.runner.claude_process import ClaudeProcess, Ending, EndReason, SessionError
-from capsules.runner.command import (
-    Launch,
-)
+from capsules.runner.command import Launch, remove_session_files
 from capsules.runner.history import EventHistory
 from capsules.runner.launcher import Launcher
 from capsules.runner.mcp import McpServer
@@ -68,6 +66,7 @@ from capsules.runner.sessions import (
     SessionRecord,
     SessionState,
     SessionTable,
+    new_session_id,
 )
 from capsules.runner.spare_keeper import SpareKeeper, Warm
 from capsules.runner.spares import Spare
@@ -306,12 +305,8 @@ class Runner:
         except OSError:
             return
         for name in names:
-            if name in self.sessions:
-                continue
-            with contextlib.suppress(OSError):
-                (folder / name / "identity.md").unlink(missing_ok=True)
-            with contextlib.suppress(OSError):
-                (folder / name).rmdir()
+            if name not in self.sessions:
+                remove_session_files(self.config, name)
 
     # -- spawn ----------------------------------------------------------------
 
@@ -351,7 +346,7 @@ class Runner:
             raise self._reject(
                 request, pid_, "unknown_principal", f"no principal {pid_!r} is configured"
             )
-        sid = f"s{uuid.uuid4().hex[:12]}" if req.session_id is None else req.session_id
+        sid = new_session_id() if req.session_id is None else req.session_id
         if not _check_id(sid):
             raise self._reject(
                 request, pid_, "invalid_session_id", "session ids are 1-64 of [A-Za-z0-9_-]"
@@ -445,46 +440,37 @@ class Runner:
         ending: Ending | None = None
         first = True
         try:
+            adopted = False  # the first child is the spare's, which has run and ended
             if spare is not None:
-                if await self._take(session, spare, initial, task_status=task_status):
-                    first, resume, initial = False, True, None
-                    ending, proc = session.ending, session.proc
-                    if proc is not None:
-                        session.turns += proc.turn.finished
-                        session.cost_usd += proc.turn.cost_usd
-                    step = session.after_child(
-                        ending.reason if ending is not None else None,
-                        self.config.sessions.max_respawns,
-                    )
-                    if step is AfterChild.END:
-                        await self._ended(
-                            session, ending, ending.reason if ending else EndReason.EXITED
-                        )
-                        return
-                    if step is AfterChild.ABANDON:
-                        await self._abandon(session, ending)
-                        return
-                else:  # stale: a cold start, with a conversation of its own
+                adopted = await self._take(session, spare, initial, task_status=task_status)
+                if not adopted:  # stale: a cold start, with a conversation of its own
                     session.record.claude_session = str(uuid.uuid4())
             while True:
-                try:
-                    launch = await self.launcher.prepare(session, resume=resume)
-                    proc = self._process(session, launch, initial)
-                    async with anyio.create_task_group() as tg:
-                        pid: int = await tg.start(self._incarnation, session, proc)
-                        await self._spawned(session, launch, pid, first=first, resume=resume)
-                        if first:
-                            task_status.started(pid)
-                except (SageError, OSError) as exc:
-                    if first:
-                        raise
-                    log.warning("session.respawn_failed", session_id=session.id, error=str(exc))
-                    ending = None
-                else:
+                if adopted:
+                    adopted = False
                     ending = session.ending
-                    assert ending is not None
-                    session.turns += proc.turn.finished
-                    session.cost_usd += proc.turn.cost_usd
+                    if session.proc is not None:
+                        session.turns += session.proc.turn.finished
+                        session.cost_usd += session.proc.turn.cost_usd
+                else:
+                    try:
+                        launch = await self.launcher.prepare(session, resume=resume)
+                        proc = self._process(session, launch, initial)
+                        async with anyio.create_task_group() as tg:
+                            pid: int = await tg.start(self._incarnation, session, proc)
+                            await self._spawned(session, launch, pid, first=first, resume=resume)
+                            if first:
+                                task_status.started(pid)
+                    except (SageError, OSError) as exc:
+                        if first:
+                            raise
+                        log.warning("session.respawn_failed", session_id=session.id, error=str(exc))
+                        ending = None
+                    else:
+                        ending = session.ending
+                        assert ending is not None
+                        session.turns += proc.turn.finished
+                        session.cost_usd += proc.turn.cost_usd
                 first = False
                 step = session.after_child(
                     ending.reason if ending is not None else None,
@@ -578,16 +564,12 @@ class Runner:
             proc.launch.identity_file.unlink(missing_ok=True)
 
     def _process(self, session: Session, launch: Launch, initial: str | None) -> ClaudeProcess:
-        limits = self.config.limits
-        return ClaudeProcess(
+        return ClaudeProcess.within(
+            self.config.limits,
             session.id,
             session.principal.name,
             launch,
             self,
-            max_line_bytes=limits.max_line_bytes,
-            init_timeout=limits.init_timeout,
-            stop_grace=limits.stop_grace,
-            stdin_quota=limits.stdin_quota,
             hooks=HOOKS,
             initial_message=initial,
         )
@@ -727,10 +709,7 @@ class Runner:
             await self.ctx.state.delete("hook_tokens", session.id)
         except SageError as exc:
             log.error("runner.scrub_failed", session_id=session.id, error=str(exc))
-        folder = self.config.state_dir / "sessions" / session.id
-        for path in (folder / "identity.md", folder):
-            with contextlib.suppress(OSError):
-                path.rmdir() if path == folder else path.unlink(missing_ok=True)
+        remove_session_files(self.config, session.id)
 
     # -- per-session requests -------------------------------------------------------
 

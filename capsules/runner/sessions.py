@@ -21,6 +21,7 @@ What the state store keeps (:class:`SessionRecord`) has a coarser state
 from __future__ import annotations
 
 import enum
+import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
@@ -44,6 +45,7 @@ __all__ = (
     "SessionRecord",
     "SessionState",
     "SessionTable",
+    "new_session_id",
 )
 
 
@@ -88,6 +90,11 @@ class RecordState(enum.StrEnum):
 
 LIVE: Final = frozenset({RecordState.RUNNING, RecordState.INTERRUPTED})
 """Records a supervisor start finds live: resumed or ended (``supervisor_restart``)."""
+
+
+def new_session_id() -> str:
+    """A session id when the spawn names none: ``s`` and 12 hex digits."""
+    return f"s{uuid.uuid4().hex[:12]}"
 
 
 class SessionRecord(msgspec.Struct, kw_only=True):

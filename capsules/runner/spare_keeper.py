@@ -21,12 +21,10 @@ stopped, at most 1 s per step; the death signal covers a crash).
 
 from __future__ import annotations
 
-import contextlib
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -35,12 +33,12 @@ import structlog
 
 from capsules.runner.admin import INSTALL_MARKER, Admin
 from capsules.runner.claude_process import ClaudeProcess, Ending, EndReason, Host
-from capsules.runner.command import Launch
+from capsules.runner.command import Launch, remove_session_files
 from capsules.runner.errors import SessionError
 from capsules.runner.launcher import Launcher
 from capsules.runner.mcp import McpServer
 from capsules.runner.principals import SettingsError
-from capsules.runner.sessions import Session, SessionRecord
+from capsules.runner.sessions import Session, SessionRecord, new_session_id
 from capsules.runner.spares import Spare, SparePool, SpareState, inputs_of
 from capsules.runner.workplace import chosen_model, work_folder
 from sage.claude.protocol import CanUseToolRequest, HookCallbackRequest, McpMessageRequest
@@ -167,8 +165,7 @@ class SpareKeeper:
         without a binary."""
         if self.pool.per_principal == 0 or self.launcher.binary is None:
             return {}
-        # from the config, not the bus: any wildcard subscriber looks like an installer there
-        installer = any(Path(name).name == "installer" for name in self.config.supervisor.capsules)
+        installer = self.admin.installer_configured()
         out: dict[str, PrincipalConfig] = {}
         for base in self.config.principals:
             try:
@@ -194,7 +191,7 @@ class SpareKeeper:
         except SessionError as exc:
             self._failed(principal.name, str(exc))
             return
-        sid = f"s{uuid.uuid4().hex[:12]}"
+        sid = new_session_id()
         record = SessionRecord(
             session_id=sid,
             principal_id=principal.name,
@@ -236,16 +233,12 @@ class SpareKeeper:
                     )
 
             warm.host = SpareHost(self.mcp, ready)
-            limits = self.config.limits
-            warm.proc = proc = ClaudeProcess(
+            warm.proc = proc = ClaudeProcess.within(
+                self.config.limits,
                 spare.session_id,
                 spare.principal_id,
                 launch,
                 warm.host,
-                max_line_bytes=limits.max_line_bytes,
-                init_timeout=limits.init_timeout,
-                stop_grace=limits.stop_grace,
-                stdin_quota=limits.stdin_quota,
                 hooks=self.hooks,
             )
             if spare.state is SpareState.DISCARDED:
@@ -272,7 +265,7 @@ class SpareKeeper:
         finally:
             warm.ended.set()
             if spare.state is not SpareState.CLAIMED:  # a taken spare's files are its session's
-                self._scrub(spare)
+                remove_session_files(self.config, spare.session_id)
             self.wake()
 
     def _failed(self, principal: str, error: str) -> None:
@@ -285,13 +278,6 @@ class SpareKeeper:
         proc = spare.handle.proc
         if proc is not None:
             proc.end(EndReason.STOPPED)
-
-    def _scrub(self, spare: Spare[Warm]) -> None:
-        folder = self.config.state_dir / "sessions" / spare.session_id
-        with contextlib.suppress(OSError):
-            (folder / "identity.md").unlink(missing_ok=True)
-        with contextlib.suppress(OSError):
-            folder.rmdir()
 
     # -- the spawn's side -------------------------------------------------------------
 
