@@ -67,6 +67,8 @@ class Proxied:
     server: Server
     list_topic: str
     call_topic: str
+    scoped_list: bool = False
+    """The list depends on the session (forged tools are session-scoped): send its id."""
 
 
 SERVERS: Final = {
@@ -75,6 +77,7 @@ SERVERS: Final = {
         Server("forge", list_changed=True, prefix="mcp__forge__"),
         "sage.v1.request.forge.list",
         "sage.v1.request.forge.call",
+        scoped_list=True,
     ),
 }
 
@@ -126,7 +129,7 @@ async def _answer(
     try:
         if isinstance(outcome, NeedList):
             payload: dict[str, Any] = {}
-            if upstream.session_id and proxied is SERVERS["forge"]:
+            if upstream.session_id and proxied.scoped_list:
                 payload["session_id"] = upstream.session_id
             data = await upstream.request(proxied.list_topic, payload, LIST_DEADLINE)
             return list_reply(outcome.id, data.get("tools") or [])
