@@ -162,7 +162,10 @@ class ClaudeConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
 
 class LimitsConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     max_sessions_per_principal: Annotated[int, msgspec.Meta(gt=0, le=1000)] = 4
-    """Live sessions one principal may have."""
+    """Live sessions one principal may have: sessions with a ``claude`` child (or about
+    to have one); a hibernated session does not count (``max_logical_sessions_per_principal``)."""
+    max_logical_sessions_per_principal: Annotated[int, msgspec.Meta(gt=0, le=1_000_000)] = 1000
+    """Sessions one principal may have in all, hibernated ones included."""
     max_repl_tokens_per_principal: Annotated[int, msgspec.Meta(gt=0, le=1000)] = 16
     """Live REPL hook tokens (``astrid sage repl`` runs) one principal may have."""
     max_line_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 16 * 1024 * 1024
@@ -203,6 +206,18 @@ class SessionsConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=
     starting cold (capsules/runner/spares.py).  Each holds about 200 MiB; 0: none."""
     spare_max_age: Annotated[float, msgspec.Meta(gt=0, le=86_400)] = 600.0
     """Seconds a spare may wait; an older one is stopped and replaced, never handed out."""
+    hibernate_after: Annotated[float, msgspec.Meta(ge=0, le=30 * 86_400)] = 0.0
+    """Seconds a session may sit idle (no turn, nothing pending) before its ``claude``
+    is stopped and the session hibernates; the next send wakes it with ``--resume``.
+    0: never on a timer (``max_live`` may still hibernate the least recently used)."""
+    max_live: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 0
+    """Live ``claude`` children of sessions on this host (spares not counted); past it
+    the least recently used idle session hibernates to make room.  0: no bound."""
+    wake_wait: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 30.0
+    """Seconds a spawn or a wake waits for a live slot while the host is full and no
+    session is idle; then it fails ``host_full``."""
+    wake_queue: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 256
+    """Spawns and wakes that may wait for a live slot at once; past it: ``host_full`` at once."""
     uid_base: Annotated[int, msgspec.Meta(ge=1000, le=2**31 - 1)] = 91000
     """Supervisor root only: the gid of the sessions' group (the socket and the folders
     a ``claude`` child must pass through), and the first of the uids principals without
@@ -212,6 +227,11 @@ class SessionsConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=
 
     def __post_init__(self) -> None:
         _check_uid_range(self.uid_base, self.uid_count)
+
+    @property
+    def hibernation(self) -> bool:
+        """Whether sessions hibernate (on a timer, or to make room)."""
+        return self.hibernate_after > 0 or self.max_live > 0
 
 
 def _check_uid_range(base: int, count: int) -> None:

@@ -241,6 +241,21 @@ class ClaudeProcess:
         )
 
     @property
+    def initialized(self) -> bool:
+        """Whether ``initialize`` was answered in the right mode (the child takes turns)."""
+        return self._ready.is_set()
+
+    @property
+    def idle(self) -> bool:
+        """Ready, with no turn in flight and no control request of the CLI's unanswered
+        (an approval, a tool call): it may be stopped without losing anything."""
+        return (
+            self.state is ProcessState.READY
+            and self.turn.started == self.turn.finished
+            and not self._handlers
+        )
+
+    @property
     def pid(self) -> int | None:
         return self.child.pid if self.child is not None else None
 
@@ -275,6 +290,7 @@ class ClaudeProcess:
                 self._outbox.close()
                 self._fail_pending("process exited")
                 self.conversation.exited()
+                self._ending.set()  # a turn waiting for initialize learns it never comes
         assert child.status is not None
         status = child.status
         return Ending(
@@ -286,7 +302,8 @@ class ClaudeProcess:
 
     def end(self, reason: EndReason) -> None:
         """Ask the process to end for ``reason`` (the first reason given is kept,
-        except that an operator's ``stopped`` overrides a planned ``respawn``)."""
+        except that an operator's ``stopped`` overrides a planned ``respawn`` or
+        ``hibernate``)."""
         self.conversation.end(reason)
         self._ending.set()
 

@@ -14,7 +14,7 @@ States (:class:`ProcessState`, the table is :data:`PROCESS_TRANSITIONS`):
 ``STARTING`` (spawned, ``initialize`` sent) -> ``READY`` (answered; idle) <->
 ``BUSY`` (a turn is running) -> ``STOPPING`` -> ``EXITED``.  The first reason
 to end wins (:meth:`Conversation.end`), except that an operator's ``stopped``
-overrides a planned ``respawn``.
+overrides a planned ``respawn`` or ``hibernate``.
 """
 
 from __future__ import annotations
@@ -87,6 +87,7 @@ class EndReason(enum.StrEnum):
 
     STOPPED = "stopped"  # sage.v1.request.stop.<sid>
     RESPAWN = "respawn"  # stopped to run again (an identity refresh); never a session's end
+    HIBERNATE = "hibernate"  # stopped while idle, to wake later; never a session's end
     EXITED = "exited"  # the child exited with code 0 on its own
     CRASHED = "crashed"  # the child exited non-zero, or was killed, on its own
     AUTH_FAILED = "auth_failed"
@@ -102,7 +103,13 @@ class EndReason(enum.StrEnum):
     @property
     def gentle(self) -> bool:
         """Whether a running turn is interrupted first (else the child is stopped at once)."""
-        return self in (EndReason.STOPPED, EndReason.RESPAWN)
+        return self in (EndReason.STOPPED, EndReason.RESPAWN, EndReason.HIBERNATE)
+
+    @property
+    def planned(self) -> bool:
+        """A stop the runner asked for to go on with the session (an operator's stop
+        overrides it)."""
+        return self in (EndReason.RESPAWN, EndReason.HIBERNATE)
 
 
 @dataclass
@@ -181,10 +188,9 @@ class Conversation:
         return self.state in (ProcessState.STOPPING, ProcessState.EXITED)
 
     def end(self, reason: EndReason) -> None:
-        """Record a reason to end (the first is kept, but ``stopped`` overrides ``respawn``)."""
-        if self.reason is None or (
-            self.reason is EndReason.RESPAWN and reason is EndReason.STOPPED
-        ):
+        """Record a reason to end (the first is kept, but ``stopped`` overrides a planned
+        ``respawn`` or ``hibernate``)."""
+        if self.reason is None or (self.reason.planned and reason is EndReason.STOPPED):
             self.reason = reason
         if not self.ending:
             self.busy_at_end = (

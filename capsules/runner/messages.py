@@ -18,6 +18,7 @@ __all__ = (
     "ToolResult",
     "ToolsChanged",
     "ToolsList",
+    "WakeRequest",
 )
 
 
@@ -44,6 +45,10 @@ class SessionRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``replay`` events (at most 256)."""
 
     replay: Annotated[int, msgspec.Meta(ge=0, le=256)] = 0
+
+
+class WakeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``sage.v1.request.wake.<sid>``: wake a hibernated session (no fields)."""
 
 
 class SendRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -6,6 +6,7 @@ Requests (each answered with ``{"ok": true, ...}`` or ``{"ok": false,
 - ``sage.v1.request.spawn`` ``{principal_id, session_id?, initial_message?}``
 - ``sage.v1.request.send.<sid>`` ``{text}``
 - ``sage.v1.request.stop.<sid>``, ``sage.v1.request.interrupt.<sid>``
+- ``sage.v1.request.wake.<sid>`` ``{}``: wake a hibernated session (a send does too)
 - ``sage.v1.request.sessions`` ``{}``: the caller's sessions (all for an admin)
 
 The principals' administration (settings, install, the principals listing)
@@ -24,6 +25,12 @@ runs as a task of the runner; its ``exited`` event is published exactly
 once, after the child is reaped.  Records in the state store outlive the
 supervisor: on start, sessions that were live are resumed (``[sessions]
 resume = true``) or ended with reason ``supervisor_restart``.
+
+Hibernation (``[sessions] hibernate_after``, ``max_live``): an idle session's
+child is stopped and the session stays in the table, and in the store, as
+``hibernated``; the next send wakes it with ``--resume``.  The live children
+are bounded by :class:`~capsules.runner.live_slots.LiveSlots`; to make room
+the least recently used idle session hibernates.
 """
 
 from __future__ import annotations
@@ -46,8 +53,10 @@ from capsules.runner.admin import Admin
 from capsules.runner.approval_desk import ApprovalDesk
 from capsules.runner.claude_process import ClaudeProcess, Ending, EndReason, SessionError
 from capsules.runner.command import Launch, remove_session_files
+from capsules.runner.conversation import ProcessState
 from capsules.runner.history import EventHistory
 from capsules.runner.launcher import Launcher
+from capsules.runner.live_slots import LiveSlots
 from capsules.runner.mcp import McpServer
 from capsules.runner.messages import (
     IdentitySaved,
@@ -56,9 +65,11 @@ from capsules.runner.messages import (
     SessionsRequest,
     SpawnRequest,
     ToolsChanged,
+    WakeRequest,
 )
 from capsules.runner.principals import SettingsError
 from capsules.runner.sessions import (
+    ASLEEP,
     LIVE,
     AfterChild,
     RecordState,
@@ -123,6 +134,7 @@ class Runner:
         self.launcher = Launcher(ctx, self.admin, audit=self.audit, event=self._event)
         self.history = EventHistory()
         self.spares = SpareKeeper(ctx, self.admin, self.launcher, self.mcp, hooks=HOOKS)
+        self.slots = LiveSlots(0, 0)  # bounded by the config in run()
         self._tg: anyio.abc.TaskGroup | None = None
 
     @property
@@ -138,6 +150,7 @@ class Runner:
             "sage.v1.request.send.*": self._send,
             "sage.v1.request.stop.*": self._stop,
             "sage.v1.request.interrupt.*": self._interrupt,
+            "sage.v1.request.wake.*": self._wake_request,
             "sage.v1.request.sessions": self._list,
             "sage.v1.request.session.*": self._session,
             "sage.v1.request.approvals": self.desk.listing,
@@ -147,6 +160,7 @@ class Runner:
             "sage.v1.request.install": self._then_spares(self.admin.install),
             "sage.v1.request.principals": self.admin.list_principals,
         }
+        self.slots = LiveSlots(self.config.sessions.max_live, self.config.sessions.wake_queue)
         self.launcher.resolve_binary()
         # subscribed before anything else: requests that come during the
         # reconciliation wait in their queues instead of finding no responder
@@ -167,6 +181,7 @@ class Runner:
             tg.start_soon(self._tools_changed, changed)
             tg.start_soon(self._identity_saved, identities)
             tg.start_soon(self.spares.run, tg)
+            tg.start_soon(self._hibernator)
             ctx.ready()
 
     def _then_spares(self, handler: Handler) -> Handler:
@@ -263,9 +278,10 @@ class Runner:
             if not (isinstance(value, dict) and value.get("kind") == "repl"):
                 await store.delete("hook_tokens", key)
         for record in records:
-            if record.state not in LIVE or record.session_id in self.sessions:
+            asleep = record.state is RecordState.HIBERNATED
+            if not (asleep or record.state in LIVE) or record.session_id in self.sessions:
                 continue
-            if record.pid:
+            if record.pid:  # a hibernation the last supervisor did not see through, too
                 _kill_leftover(record.pid, record.claude_session)
             try:
                 principal = self.principal(record.principal_id)
@@ -274,12 +290,30 @@ class Runner:
                     "runner.settings_unusable", principal_id=record.principal_id, error=str(exc)
                 )
                 principal = None
+            if principal is not None and (
+                asleep or (self.config.sessions.resume and not self.slots.free)
+            ):
+                # it sleeps on (or, past max_live, starts to): the next send wakes it
+                record.state, record.pid = RecordState.HIBERNATED, None
+                record.hibernated_at = record.hibernated_at or time.time()
+                self.sessions.add(
+                    Session(
+                        record,
+                        principal,
+                        state=SessionState.HIBERNATED,
+                        turns=record.turns,
+                        cost_usd=record.cost_usd,
+                    )
+                )
+                if not asleep:
+                    await self._save(record)
+                continue
             if (
                 self.config.sessions.resume
                 and principal is not None
                 and self.launcher.binary is not None
             ):
-                session = Session(record, principal)
+                session = Session(record, principal, turns=record.turns, cost_usd=record.cost_usd)
                 self.sessions.add(session)
                 try:
                     await self._start(session, resume=True, initial=None)
@@ -372,15 +406,29 @@ class Runner:
                 request, pid_, "duplicate_session", f"session {sid!r} exists", session_id=sid
             )
         cap = config.limits.max_sessions_per_principal
-        refusal = self.sessions.refusal(sid, pid_, cap)
+        logical_cap = config.limits.max_logical_sessions_per_principal
+        refusal = self.sessions.refusal(sid, pid_, cap, logical_cap)
         if refusal == "duplicate_session":
             raise self._reject(
                 request, pid_, "duplicate_session", f"session {sid!r} exists", session_id=sid
             )
         if refusal == "principal_limit":
-            raise self._reject(
-                request, pid_, "principal_limit", f"principal {pid_!r} has {cap} sessions already"
-            )
+            if len(self.sessions.of(pid_)) >= logical_cap:
+                raise self._reject(
+                    request,
+                    pid_,
+                    "principal_limit",
+                    f"principal {pid_!r} has {logical_cap} sessions already, hibernated"
+                    " ones included ([limits] max_logical_sessions_per_principal)",
+                )
+            if not self._room_for(pid_):
+                raise self._reject(
+                    request,
+                    pid_,
+                    "principal_limit",
+                    f"principal {pid_!r} has {cap} live sessions already"
+                    + (", none of them idle" if config.sessions.hibernation else ""),
+                )
         # a spawn that names no session id may take a spare (its ids are chosen already)
         spare = self.spares.claim(pid_, cwd, model) if req.session_id is None else None
         if spare is not None and spare.session_id in self.sessions:  # a named spawn took its id
@@ -395,7 +443,7 @@ class Runner:
             model=model,
         )
         sid = record.session_id
-        session = Session(record, principal)
+        session = Session(record, principal, last_active=time.monotonic())
         self.sessions.add(session)  # taken before the first await: no race past the cap
         try:
             pid = await self._start(session, resume=False, initial=req.initial_message, spare=spare)
@@ -416,8 +464,18 @@ class Runner:
         initial: str | None,
         spare: Spare[Warm] | None = None,
     ) -> int:
-        """Start the session's task; returns once its first child runs (its pid)."""
+        """Start the session's task once it has a live slot (it may wait for one, up to
+        ``[sessions] wake_wait``, else ``host_full``); returns once its first child
+        runs (its pid).  The task gives the slot back when it returns."""
         assert self._tg is not None
+        if not self.slots.try_take(session.id):
+            self._make_room()
+            try:
+                await self.slots.take(session.id, self.config.sessions.wake_wait)
+            except SessionError:
+                if spare is not None:
+                    self.spares.drop(spare, "host_full")
+                raise
         try:
             pid: int = await self._tg.start(self._run_session, session, resume, initial, spare)
         except SessionError:
@@ -435,8 +493,23 @@ class Runner:
         *,
         task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
-        """The life of a session: one child, or several when it is respawned; the
-        first may be a spare's (``spare``), when it matches what a cold start would be."""
+        """The life of a session's children: one, or several when it is respawned, until
+        it ends or hibernates; the first may be a spare's (``spare``), when it matches
+        what a cold start would be.  The session's live slot is given back on return."""
+        try:
+            await self._children(session, resume, initial, spare, task_status=task_status)
+        finally:
+            self.slots.give_back(session.id)
+
+    async def _children(
+        self,
+        session: Session,
+        resume: bool,
+        initial: str | None,
+        spare: Spare[Warm] | None,
+        *,
+        task_status: anyio.abc.TaskStatus[int],
+    ) -> None:
         ending: Ending | None = None
         first = True
         try:
@@ -472,10 +545,17 @@ class Runner:
                         session.turns += proc.turn.finished
                         session.cost_usd += proc.turn.cost_usd
                 first = False
+                waking = session.state is SessionState.WAKING
                 step = session.after_child(
                     ending.reason if ending is not None else None,
                     self.config.sessions.max_respawns,
                 )
+                if step is AfterChild.HIBERNATE:
+                    await self._hibernated(session)
+                    return
+                if step is AfterChild.END and waking:  # --resume never got it initialized
+                    await self._resume_failed(session, ending)
+                    return
                 if step is AfterChild.END:
                     break
                 if step is AfterChild.ABANDON:
@@ -483,21 +563,24 @@ class Runner:
                     return
                 resume, initial = True, None
         except anyio.get_cancelled_exc_class():
+            asleep = session.state in ASLEEP  # its record says hibernated already
             if session.may(SessionState.INTERRUPTED):
                 session.move(SessionState.INTERRUPTED)
             with anyio.CancelScope(shield=True), anyio.move_on_after(2):
-                session.record.state = RecordState.INTERRUPTED
-                session.record.reason = EndReason.SUPERVISOR_SHUTDOWN.value
+                if not asleep:
+                    session.record.state = RecordState.INTERRUPTED
+                    session.record.reason = EndReason.SUPERVISOR_SHUTDOWN.value
+                session.record.pid = None if asleep else session.record.pid
                 await self._save(session.record)
                 await self._scrub(session)
             self.sessions.remove(session)
-            session.done.set()
+            session.over()
             raise
         except (SageError, OSError):
             session.move(SessionState.ENDED)
             self.sessions.remove(session)
-            session.done.set()
-            raise  # the first start failed: the spawn request says why
+            session.over()
+            raise  # the first start failed: the spawn (or wake) request says why
         await self._ended(
             session, ending, ending.reason if ending is not None else EndReason.EXITED
         )
@@ -513,6 +596,168 @@ class Runner:
             },
         )
         await self._ended(session, ending, EndReason.RESPAWN_ABANDONED)
+
+    # -- hibernation ------------------------------------------------------------------
+
+    def _begin_hibernation(self, session: Session, why: str) -> None:
+        """Stop idle ``session``'s child to free the host; the session sleeps once it is
+        reaped (:meth:`_hibernated`).  No ``await`` here: the caller chose ``session``
+        as idle, and nothing else may choose it meanwhile."""
+        proc = session.proc
+        assert proc is not None
+        session.hibernate()
+        session.record.state = RecordState.HIBERNATED
+        session.record.hibernated_at = time.time()
+        log.info("session.hibernating", session_id=session.id, why=why)
+        assert self._tg is not None
+        self._tg.start_soon(self._put_to_sleep, session, proc, why)
+
+    async def _put_to_sleep(self, session: Session, proc: ClaudeProcess, why: str) -> None:
+        # the record first: a supervisor that dies now finds the session hibernated
+        await self._save(session.record)
+        self._event(
+            session.id,
+            "hibernating",
+            {"principal_id": session.record.principal_id, "session_id": session.id, "why": why},
+        )
+        await proc.stop(EndReason.HIBERNATE)
+
+    async def _hibernated(self, session: Session) -> None:
+        """The child of a hibernating session is reaped: it sleeps, keeping its id."""
+        record = session.record
+        record.state, record.pid = RecordState.HIBERNATED, None
+        record.turns, record.cost_usd = session.turns, session.cost_usd
+        with anyio.CancelScope(shield=True):
+            await self._save(record)
+            await self._scrub(session)  # the child's hook token is no use to anyone now
+        session.hibernated()
+        self._event(
+            session.id,
+            "hibernated",
+            {
+                "principal_id": record.principal_id,
+                "session_id": session.id,
+                "turns": session.turns,
+                "hibernated_at": record.hibernated_at,
+            },
+        )
+        self.history.ended(session.id)  # its ring joins the ended ones' (bounded)
+        self.audit(
+            "session_hibernated",
+            {"principal_id": record.principal_id, "session_id": session.id},
+        )
+
+    async def _resume_failed(self, session: Session, ending: Ending | None) -> None:
+        """A woken child ended before it answered ``initialize``: the conversation could
+        not be resumed (its transcript gone or unreadable, the CLI failing)."""
+        why = ending.reason if ending is not None else "not launched"
+        detail = (ending.stderr_tail.strip().splitlines() or [""])[-1] if ending else ""
+        reason = f"{EndReason.RESUME_FAILED}: {why}" + (f" ({detail[:200]})" if detail else "")
+        self.audit(
+            "resume_failed",
+            {
+                "principal_id": session.record.principal_id,
+                "session_id": session.id,
+                "reason": reason,
+            },
+        )
+        await self._ended(session, ending, reason)
+
+    def _room_for(self, principal: str) -> bool:
+        """Whether ``principal`` may have one more live session: it has fewer than
+        ``[limits] max_sessions_per_principal``, or (with hibernation on) one of its idle
+        sessions starts to hibernate now to make room."""
+        cap = self.config.limits.max_sessions_per_principal
+        if len(self.sessions.live_of(principal)) < cap:
+            return True
+        victim = self.sessions.least_recent_idle(principal)
+        if victim is None or not self.config.sessions.hibernation:
+            return False
+        self._begin_hibernation(victim, "principal_limit")
+        return True
+
+    def _make_room(self) -> None:
+        """The host is at ``[sessions] max_live``: for every wait not yet covered by a
+        hibernating session, hibernate the least recently used idle one."""
+        hibernating = sum(1 for s in self.sessions.values() if s.state is SessionState.HIBERNATING)
+        for _ in range(self.slots.waiting + 1 - hibernating):
+            victim = self.sessions.least_recent_idle()
+            if victim is None:
+                return
+            self._begin_hibernation(victim, "max_live")
+
+    async def _hibernator(self) -> None:
+        """Hibernate sessions idle for ``[sessions] hibernate_after``; make room for
+        spawns and wakes that wait for a slot when a session turns idle."""
+        cfg = self.config.sessions
+        if not cfg.hibernation:
+            return
+        period = min(5.0, max(0.1, cfg.hibernate_after / 4)) if cfg.hibernate_after else 0.5
+        while True:
+            await anyio.sleep(period)
+            if cfg.hibernate_after:
+                for session in self.sessions.idle_since(time.monotonic() - cfg.hibernate_after):
+                    self._begin_hibernation(session, "idle")
+            if self.slots.waiting:
+                self._make_room()
+
+    async def _awake(self, session: Session) -> ClaudeProcess:
+        """``session``'s child, after waking the session if it sleeps."""
+        while True:
+            if session.state is SessionState.HIBERNATED:
+                await self._wake(session)
+            elif session.state in ASLEEP or (
+                session.state is SessionState.WAKING and session.proc is None
+            ):
+                if session.settled is not None:
+                    await session.settled.wait()  # a hibernation or another wake ends
+                else:
+                    await anyio.sleep(0.01)
+            else:
+                session.last_active = time.monotonic()
+                return self._proc(session)
+
+    async def _wake(self, session: Session) -> None:
+        """Start a child with ``--resume`` for hibernated ``session``; returns once it
+        runs (its turns wait for ``initialize``)."""
+        principal = session.record.principal_id
+        if not self._room_for(principal):
+            raise SessionError(
+                "principal_limit",
+                f"principal {principal!r} has"
+                f" {self.config.limits.max_sessions_per_principal} live sessions, none idle",
+            )
+        try:
+            session.principal = self.principal(principal) or session.principal
+        except SettingsError as exc:
+            raise SessionError(exc.code, str(exc)) from None
+        session.wake()
+        session.last_active = time.monotonic()
+        self._event(
+            session.id,
+            "waking",
+            {
+                "principal_id": principal,
+                "session_id": session.id,
+                "hibernated_at": session.record.hibernated_at,
+            },
+        )
+        try:
+            await self._start(session, resume=True, initial=None)
+        except SessionError as exc:
+            if exc.code == "host_full":  # nothing was started: it sleeps on
+                session.sleep_on()
+                raise
+            await self._ended(session, None, f"{EndReason.RESUME_FAILED}: {exc}")
+            raise
+        self._event(session.id, "resumed", {"principal_id": principal, "reason": "wake"})
+
+    async def _wake_request(self, request: Envelope) -> dict[str, Any]:
+        session = await self._target(request)
+        msgspec.json.decode(request.payload or b"{}", type=WakeRequest)
+        was = session.state
+        await self._awake(session)
+        return {"ok": True, "session_id": session.id, "woken": was in ASLEEP}
 
     async def _take(
         self,
@@ -580,6 +825,8 @@ class Runner:
         session.proc = proc
         if session.state is SessionState.STARTING:
             session.move(SessionState.RUNNING)
+        elif session.state is SessionState.STOPPING:  # stopped before the child was there
+            proc.end(EndReason.STOPPED)
         session.ending = await proc.run(task_status=task_status)
         with contextlib.suppress(OSError):
             proc.launch.identity_file.unlink(missing_ok=True)
@@ -668,7 +915,7 @@ class Runner:
             await self._prune_history(record.principal_id)
         self._event(session.id, "exited", payload)
         self.history.ended(session.id)
-        session.done.set()
+        session.over()
         log.info("session.exited", session_id=session.id, reason=record.reason)
 
     async def _prune_history(self, principal: str) -> None:
@@ -725,6 +972,14 @@ class Runner:
         raise SessionError("unknown_session", f"no session {sid!r}")
 
     def _proc(self, session: Session) -> ClaudeProcess:
+        if session.state is SessionState.ENDED:
+            raise SessionError(
+                "session_ended", f"session {session.id!r} {_ended_text(session.record)}"
+            )
+        if session.state in ASLEEP:
+            raise SessionError(
+                "hibernated", f"session {session.id!r} is hibernated: a send wakes it"
+            )
         if session.proc is None:
             raise SessionError("not_ready", f"session {session.id!r} is starting")
         return session.proc
@@ -734,7 +989,7 @@ class Runner:
         req = msgspec.json.decode(request.payload, type=SendRequest)
         if req.session_id is not None and req.session_id != session.id:
             raise SessionError("bad_request", "session_id does not match the topic")
-        proc = self._proc(session)
+        proc = await self._awake(session)
         try:
             turn = await proc.send(req.text)
         except SessionError as exc:
@@ -745,6 +1000,9 @@ class Runner:
 
     async def _stop(self, request: Envelope) -> dict[str, Any]:
         session = await self._target(request)
+        if session.state is SessionState.HIBERNATED:  # no child: it ends now
+            await self._ended(session, None, EndReason.STOPPED)
+            return {"ok": True, "session_id": session.id}
         session.stop()
         if session.proc is not None:
             await session.proc.stop(EndReason.STOPPED)
@@ -758,16 +1016,25 @@ class Runner:
         return {"ok": True, "session_id": session.id, **result}
 
     def _live_row(self, session: Session) -> dict[str, Any]:
+        proc = session.proc
         row: dict[str, Any] = (
-            session.proc.describe()
-            if session.proc is not None
+            proc.describe()
+            if proc is not None
             else {
                 "session_id": session.id,
                 "principal_id": session.record.principal_id,
+                "pid": None,
                 "state": "starting",
             }
         )
+        if session.state in ASLEEP or session.state is SessionState.WAKING:
+            row["state"] = session.state.value
+        # the turns and cost of the whole session, its earlier children's included
+        current = proc is not None and proc.state is not ProcessState.EXITED  # not yet added
+        row["turns"] = session.turns + (proc.turn.finished if proc and current else 0)
+        row["cost_usd"] = session.cost_usd + (proc.turn.cost_usd if proc and current else 0.0)
         row["started_at"] = session.record.started_at
+        row["hibernated_at"] = session.record.hibernated_at
         row["cwd"] = session.record.cwd
         row["model"] = session.record.model
         return row
@@ -851,8 +1118,11 @@ class Runner:
         if name == "init":
             payload["claude_code_version"] = self.launcher.version
             payload["tools"] = [f"mcp__sage__{tool.get('name', '')}" for tool in self.mcp.tools]
-        if name == "init" and session is not None:
-            session.ready()
+        if session is not None:
+            session.last_active = time.monotonic()
+            if name == "init":
+                session.ready()
+                session.woken()
         self._event(proc.session_id, name, payload, proc.principal_id)
         who = {"principal_id": proc.principal_id, "session_id": proc.session_id}
         if name == "permission_denied":  # the CLI decided a tool call by itself

@@ -12,10 +12,18 @@ it is respawned (an identity refresh), and it ends once.  Its state
 - ``STOPPING``: an operator stopped it; whatever the child does next, it ends;
 - ``ENDED``: its end is recorded (or its first start failed);
 - ``INTERRUPTED``: the supervisor stopped under it; the record says so and the
-  next supervisor resumes or ends it.
+  next supervisor resumes or ends it;
+- ``HIBERNATING``: idle, its child is being stopped to free the host
+  (``[sessions] hibernate_after``, ``max_live``); an operator's stop still wins;
+- ``HIBERNATED``: no child; the session keeps its id and conversation, and the
+  next send wakes it;
+- ``WAKING``: a new child with ``--resume`` was asked for and has not yet
+  answered ``initialize``; if it never does, the session ends ``resume_failed``.
 
 What the state store keeps (:class:`SessionRecord`) has a coarser state
-(:class:`RecordState`): ``running``, ``interrupted`` or ``ended``.
+(:class:`RecordState`): ``running``, ``interrupted``, ``hibernated`` or ``ended``.
+A record is ``hibernated`` from the moment hibernation starts, so a supervisor
+that dies while the child stops finds the session hibernated, not running.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ if TYPE_CHECKING:
     from capsules.runner.claude_process import ClaudeProcess, Ending
 
 __all__ = (
+    "ASLEEP",
     "LIVE",
     "SESSION_TRANSITIONS",
     "AfterChild",
@@ -56,6 +65,9 @@ class SessionState(enum.Enum):
     STOPPING = "stopping"
     ENDED = "ended"
     INTERRUPTED = "interrupted"
+    HIBERNATING = "hibernating"
+    HIBERNATED = "hibernated"
+    WAKING = "waking"
 
 
 _OVER = frozenset({SessionState.ENDED, SessionState.INTERRUPTED})
@@ -64,12 +76,25 @@ SESSION_TRANSITIONS: Final[dict[SessionState, frozenset[SessionState]]] = {
     SessionState.STARTING: frozenset(
         {SessionState.RUNNING, SessionState.RESPAWNING, SessionState.STOPPING} | _OVER
     ),
-    SessionState.RUNNING: frozenset({SessionState.RESPAWNING, SessionState.STOPPING} | _OVER),
+    SessionState.RUNNING: frozenset(
+        {SessionState.RESPAWNING, SessionState.STOPPING, SessionState.HIBERNATING} | _OVER
+    ),
     SessionState.RESPAWNING: frozenset({SessionState.RUNNING, SessionState.STOPPING} | _OVER),
     SessionState.STOPPING: _OVER,
     SessionState.ENDED: frozenset(),
     SessionState.INTERRUPTED: frozenset(),
+    SessionState.HIBERNATING: frozenset({SessionState.HIBERNATED, SessionState.STOPPING} | _OVER),
+    # a hibernated session has no child: a stop ends it at once (ENDED)
+    SessionState.HIBERNATED: frozenset({SessionState.WAKING, SessionState.ENDED}),
+    # back to HIBERNATED: no live slot came (host_full), nothing was started
+    SessionState.WAKING: frozenset(
+        {SessionState.RUNNING, SessionState.STOPPING, SessionState.HIBERNATED} | _OVER
+    ),
 }
+
+ASLEEP: Final = frozenset({SessionState.HIBERNATING, SessionState.HIBERNATED})
+"""States that hold no live slot a spawn or a wake could wait for (a hibernating
+session's child is on its way out)."""
 
 
 class AfterChild(enum.Enum):
@@ -77,6 +102,7 @@ class AfterChild(enum.Enum):
 
     END = "end"  # the session ends, for the child's reason
     RESPAWN = "respawn"  # another child, with --resume
+    HIBERNATE = "hibernate"  # no child until the next send wakes the session
     ABANDON = "abandon"  # too many respawns in a row: the session ends respawn_abandoned
 
 
@@ -85,6 +111,7 @@ class RecordState(enum.StrEnum):
 
     RUNNING = "running"
     INTERRUPTED = "interrupted"
+    HIBERNATED = "hibernated"
     ENDED = "ended"
 
 
@@ -117,6 +144,8 @@ class SessionRecord(msgspec.Struct, kw_only=True):
     """The working folder the spawn chose (resolved); empty: the principal's home."""
     model: str = ""
     """The model the spawn chose; empty: the principal's configured one."""
+    hibernated_at: float | None = None
+    """When the session last hibernated (its state says whether it still is)."""
 
 
 @dataclass
@@ -135,6 +164,8 @@ class Session:
     key_source: str = "none"  # principal | operator | claude.env | none (spawn audit)
     ending: Ending | None = None
     done: anyio.Event = field(default_factory=anyio.Event)
+    last_active: float = 0.0  # monotonic: the last send, event or wake (least recently used)
+    settled: anyio.Event | None = None  # set when a hibernation or a wake is over
 
     @property
     def id(self) -> str:
@@ -179,6 +210,10 @@ class Session:
         launched); a respawn counts an attempt (``respawns``)."""
         if self.state is SessionState.STOPPING or reason == EndReason.STOPPED:
             return AfterChild.END
+        if self.state is SessionState.HIBERNATING:
+            return AfterChild.HIBERNATE  # whatever the stopping child said last
+        if self.state is SessionState.WAKING:
+            return AfterChild.END  # it never answered initialize: the runner says why
         # a child that ended for anything but a respawn before the new one came up
         failed = reason is None or (
             reason != EndReason.RESPAWN and self.state is SessionState.RESPAWNING
@@ -191,12 +226,67 @@ class Session:
             return AfterChild.ABANDON
         return AfterChild.RESPAWN
 
+    def hibernate(self) -> None:
+        """Begin to hibernate: the child is to stop (only an idle, running session)."""
+        self.move(SessionState.HIBERNATING)
+        self.settled = anyio.Event()
+
+    def hibernated(self) -> None:
+        """The child is gone: the session sleeps until a send wakes it."""
+        self.move(SessionState.HIBERNATED)
+        self.proc = None
+        self._settle()
+
+    def wake(self) -> None:
+        """Begin to wake: a child with ``--resume`` is to start."""
+        self.move(SessionState.WAKING)
+        self.settled = anyio.Event()
+
+    def sleep_on(self) -> None:
+        """The wake found no live slot: the session sleeps as before."""
+        self.move(SessionState.HIBERNATED)
+        self._settle()
+
+    def woken(self) -> None:
+        """The woken child answered ``initialize``: the session runs again."""
+        if self.state is SessionState.WAKING:
+            self.move(SessionState.RUNNING)
+        self._settle()
+
+    def _settle(self) -> None:
+        if self.settled is not None:
+            self.settled.set()
+            self.settled = None
+
+    def over(self) -> None:
+        """The session ended or was interrupted: nothing waits on it any more."""
+        self._settle()
+        self.done.set()
+
+    @property
+    def live(self) -> bool:
+        """Whether it has a child, or is about to (it counts against the live limits)."""
+        return self.state not in ASLEEP and self.state not in _OVER
+
+    @property
+    def idle(self) -> bool:
+        """Running, initialized, no turn in flight: it may hibernate."""
+        proc = self.proc
+        return (
+            self.state is SessionState.RUNNING
+            and proc is not None
+            and proc.initialized
+            and proc.idle
+        )
+
     def record_state(self) -> RecordState:
         """What the store says of the session now."""
         if self.state is SessionState.ENDED:
             return RecordState.ENDED
         if self.state is SessionState.INTERRUPTED:
             return RecordState.INTERRUPTED
+        if self.state in ASLEEP:
+            return RecordState.HIBERNATED
         return RecordState.RUNNING
 
 
@@ -221,15 +311,42 @@ class SessionTable(Mapping[str, Session]):
         return len(self._by_id)
 
     def of(self, principal_id: str) -> list[Session]:
-        """The live sessions of ``principal_id``."""
+        """The sessions of ``principal_id`` in the table, hibernated ones included."""
         return [s for s in self._by_id.values() if s.record.principal_id == principal_id]
 
-    def refusal(self, sid: str, principal_id: str, cap: int) -> str | None:
+    def live_of(self, principal_id: str) -> list[Session]:
+        """The sessions of ``principal_id`` with a child, or about to have one."""
+        return [s for s in self.of(principal_id) if s.live]
+
+    def live(self) -> int:
+        """Sessions on the host with a child, or about to have one."""
+        return sum(1 for s in self._by_id.values() if s.live)
+
+    def least_recent_idle(self, principal_id: str | None = None) -> Session | None:
+        """The idle session (of ``principal_id``; None: anyone's) used least recently:
+        the one to hibernate to make room."""
+        idle = [
+            s
+            for s in self._by_id.values()
+            if s.idle and principal_id in (None, s.record.principal_id)
+        ]
+        return min(idle, key=lambda s: s.last_active, default=None)
+
+    def idle_since(self, before: float) -> list[Session]:
+        """Idle sessions last active before ``before`` (monotonic): due to hibernate."""
+        return [s for s in self._by_id.values() if s.idle and s.last_active < before]
+
+    def refusal(
+        self, sid: str, principal_id: str, cap: int, logical_cap: int | None = None
+    ) -> str | None:
         """Why a new session ``sid`` of ``principal_id`` may not join: ``duplicate_session``,
-        ``principal_limit`` (``cap`` sessions already), or None."""
+        ``principal_limit`` (``cap`` live sessions, or ``logical_cap`` in all, already),
+        or None."""
         if sid in self._by_id:
             return "duplicate_session"
-        if len(self.of(principal_id)) >= cap:
+        if len(self.live_of(principal_id)) >= cap:
+            return "principal_limit"
+        if logical_cap is not None and len(self.of(principal_id)) >= logical_cap:
             return "principal_limit"
         return None
 

@@ -27,6 +27,9 @@ from sage.errors import SageError
 __all__ = ("register",)
 
 SPAWN_TIMEOUT = 30.0
+WAKE_TIMEOUT = 120.0
+"""Seconds a send (or ``watch --wake``) waits for its answer: a hibernated session is
+woken first, which may wait for a live slot (``[sessions] wake_wait``) and a new child."""
 
 
 def register(sub: Any) -> None:
@@ -100,7 +103,8 @@ def register(sub: Any) -> None:
         "watch",
         help="print a session's events as JSON lines",
         description="Print every event of session SID as one JSON line until it exits. An"
-        " id that never existed is an error at once; an ended session prints its end.",
+        " id that never existed is an error at once; an ended session prints its end. A"
+        " hibernated session stays asleep (its next send wakes it) unless --wake.",
     )
     watch.add_argument("session", metavar="SID")
     watch.add_argument("-n", "--count", type=int, default=0, help="exit after N events")
@@ -110,6 +114,11 @@ def register(sub: Any) -> None:
         default=0,
         metavar="N",
         help="print the session's last N events (at most 256) first",
+    )
+    watch.add_argument(
+        "--wake",
+        action="store_true",
+        help="wake the session if it is hibernated (resume its conversation now)",
     )
     _common(watch, add_common, json_output=False)
     watch.set_defaults(handler=_watch)
@@ -226,7 +235,9 @@ async def _send(args: argparse.Namespace) -> int:
             await client.subscribe(f"sage.v1.approver.{sid}")
         # Ctrl-C is ours from before the turn is sent: its first text may already be here
         with anyio.open_signal_receiver(signal.SIGINT) as signals:
-            sent = await call_runner(client, f"sage.v1.request.send.{sid}", {"text": text}, 10.0)
+            sent = await call_runner(
+                client, f"sage.v1.request.send.{sid}", {"text": text}, WAKE_TIMEOUT
+            )
             turn = _Turn(client, sid, int(sent.get("turn") or 0), json_output=args.json)
             turn.approve = approve
             with anyio.fail_after(args.timeout or None):
@@ -315,6 +326,12 @@ def _retry(data: dict[str, Any]) -> str:
     )
 
 
+def _waking(data: dict[str, Any]) -> str:
+    since = data.get("hibernated_at")
+    ago = f" (hibernated {_age(time.time() - float(since))} ago)" if since else ""
+    return f"[session] resuming {data.get('session_id', '')}{ago}"
+
+
 def _approval_line(data: dict[str, Any]) -> str:
     source = str(data.get("source", ""))
     if source == "timeout":
@@ -333,6 +350,7 @@ _NOTES = {
     "tool_result": _tool_result,
     "retry": _retry,
     "approval": _approval_line,
+    "waking": _waking,
 }
 
 
@@ -459,11 +477,13 @@ async def _sessions(args: argparse.Namespace) -> int:
     if not rows:
         print("no sessions")
         return 0
-    print(f"{'SESSION':<20} {'PRINCIPAL':<12} {'PID':>8} {'STATE':<9} {'AGE':>8} {'TURNS':>5} COST")
+    print(
+        f"{'SESSION':<20} {'PRINCIPAL':<12} {'PID':>8} {'STATE':<11} {'AGE':>8} {'TURNS':>5} COST"
+    )
     for row in rows:
         print(
             f"{row['session_id']:<20} {row.get('principal_id', ''):<12} "
-            f"{row.get('pid') or '-':>8} {row['state']:<9} {_age(_row_age(row)):>8} "
+            f"{row.get('pid') or '-':>8} {row['state']:<11} {_age(_row_age(row)):>8} "
             f"{row.get('turns', 0):>5} ${row.get('cost_usd', 0.0):.4f}"
             + (f"  {_how(row)}" if row["state"] == "ended" else "")
         )
@@ -517,6 +537,8 @@ async def _watch(args: argparse.Namespace) -> int:
             return 0
         if args.count and seen >= args.count:
             return 0
+        if args.wake and row.get("state") in ("hibernated", "hibernating"):
+            await call_runner(client, f"sage.v1.request.wake.{args.session}", {}, WAKE_TIMEOUT)
         try:
             async for envelope in events:
                 if envelope.id <= last_id:

@@ -671,7 +671,8 @@ async def test_identity_refresh_respawns_then_gives_up(tmp_path: Path) -> None:
                 assert text == f"echo: after {attempt}"
             listing = await _listing(sage)
             assert listing[0]["pid"] != reply["pid"]
-            assert listing[0]["turns"] == 1  # this child's; the record sums them all
+            # the session's turns, every child's: a respawn (or a wake) does not reset them
+            assert listing[0]["turns"] == 3
             broken.touch()  # from now on the binary fails before initialize
             alice.publish("tool.v1.execute.save_identity.result", {"success": True})
             await alice.flush()

@@ -154,6 +154,11 @@ Start-up modes: env ``FAKE_CLAUDE_MODE``, comma-separated
   ``system/init`` both say M.
 - ``init_permission_mode=M``: the ``initialize`` answer says the mode asked
   for, ``system/init`` says M (a mode changed after the handshake).
+- ``resume_fails``: with ``--resume ID``, do what the real CLI (2.1.328) does
+  when it has no transcript of ID: before reading stdin, write an error
+  ``result`` (``subtype`` ``error_during_execution``, ``errors``
+  ``["No conversation found with session ID: ID"]``) on stdout and that message
+  on stderr, and exit 1.  Without ``--resume`` it changes nothing.
 
 Known differences from the real CLI
 -----------------------------------
@@ -194,6 +199,7 @@ MODES = (
     "stderr_banner",
     "permission_mode",
     "init_permission_mode",
+    "resume_fails",
 )
 
 BUILTIN_TOOLS = [
@@ -1332,7 +1338,33 @@ def main(argv: list[str]) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if "grandchild" in modes:
         spawn_grandchild()
+    resume = opts.get("--resume", opts.get("-r"))
+    if "resume_fails" in modes and isinstance(resume, str):
+        no_transcript(resume)
     Session(opts, modes).run()
+
+
+def no_transcript(session_id: str) -> None:
+    """What the real CLI does for ``--resume`` of a conversation it has no transcript of."""
+    message = f"No conversation found with session ID: {session_id}"
+    result = {
+        "type": "result",
+        "subtype": "error_during_execution",
+        "duration_ms": 0,
+        "duration_api_ms": 0,
+        "is_error": True,
+        "num_turns": 0,
+        "stop_reason": None,
+        "session_id": session_id,
+        "total_cost_usd": 0,
+        "permission_denials": [],
+        "uuid": new_uuid(),
+        "errors": [message],
+    }
+    sys.stdout.write(json.dumps(result, separators=(",", ":")) + "\n")
+    sys.stdout.flush()
+    write_stderr(message.encode())
+    sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -288,14 +288,23 @@ def documented_reasons() -> set[str]:
 
 
 def test_end_reasons_are_the_documented_strings() -> None:
-    assert {r.value for r in EndReason} - {"respawn", "supervisor_shutdown"} == documented_reasons()
+    assert {r.value for r in EndReason} - {
+        "respawn",
+        "hibernate",
+        "supervisor_shutdown",
+    } == documented_reasons()
     assert EndReason.RESUME_FAILED.value == "resume_failed"
     assert f"{EndReason.RESUME_FAILED}: boom" == "resume_failed: boom"
     assert str(EndReason.STOPPED) == "stopped"
 
 
-def test_only_a_stop_or_a_respawn_is_gentle() -> None:
-    assert {r for r in EndReason if r.gentle} == {EndReason.STOPPED, EndReason.RESPAWN}
+def test_only_a_stop_a_respawn_or_a_hibernation_is_gentle() -> None:
+    assert {r for r in EndReason if r.gentle} == {
+        EndReason.STOPPED,
+        EndReason.RESPAWN,
+        EndReason.HIBERNATE,
+    }
+    assert {r for r in EndReason if r.planned} == {EndReason.RESPAWN, EndReason.HIBERNATE}
 
 
 def test_the_first_reason_to_end_wins() -> None:

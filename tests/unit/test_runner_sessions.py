@@ -175,7 +175,7 @@ def test_records_keep_their_strings() -> None:
     assert back.state is RecordState.INTERRUPTED
     assert back.state in LIVE
     assert RecordState.ENDED not in LIVE
-    assert [s.value for s in RecordState] == ["running", "interrupted", "ended"]
+    assert [s.value for s in RecordState] == ["running", "interrupted", "hibernated", "ended"]
 
 
 # -- the reply path -------------------------------------------------------------------------

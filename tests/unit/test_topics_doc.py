@@ -73,7 +73,7 @@ def field_problems(section: str, struct: str) -> list[str]:
         if braces is None:
             problems.append(f"{struct}: no {{fields}} after its name")
             continue
-        listed = {f.strip().rstrip("?") for f in braces.group(1).split(",")}
+        listed = {f.strip().rstrip("?") for f in braces.group(1).split(",")} - {""}
         fields = struct_fields()[struct]
         problems += [f"{struct}.{f} is not listed" for f in fields if f not in listed]
         problems += [f"{struct} has no field {f!r}" for f in sorted(listed - set(fields))]

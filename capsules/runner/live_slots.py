@@ -1,0 +1,100 @@
+"""Live slots: how many sessions may have a ``claude`` child at once on this host.
+
+``[sessions] max_live`` bounds them (0: no bound).  A session holds its slot
+from before its child is launched until the child is reaped (the session
+hibernated, ended or was interrupted), so the live children never outnumber
+the slots, even while a hibernating child is still on its way out.
+
+A spawn or a wake that finds no slot free waits in a bounded first-come queue
+(``[sessions] wake_queue``) for at most ``[sessions] wake_wait`` seconds; a
+slot given back goes straight to the first waiter.  A full queue, or a wait
+that runs out, is ``host_full``: never a silent drop.  Making room (which
+session hibernates) is the runner's decision, not this module's.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import anyio
+
+from capsules.runner.errors import SessionError
+
+__all__ = ("LiveSlots",)
+
+
+@dataclass
+class _Waiter:
+    session_id: str
+    granted: bool = False
+    event: anyio.Event = field(default_factory=anyio.Event)
+
+
+class LiveSlots:
+    """See the module docstring; ``limit`` 0 means no bound."""
+
+    def __init__(self, limit: int, queue: int) -> None:
+        self.limit = limit
+        self.queue = queue
+        self._held: set[str] = set()
+        self._waiters: deque[_Waiter] = deque()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._held
+
+    @property
+    def waiting(self) -> int:
+        """Spawns and wakes waiting for a slot now."""
+        return len(self._waiters)
+
+    @property
+    def free(self) -> bool:
+        return not self.limit or (len(self._held) < self.limit and not self._waiters)
+
+    def try_take(self, session_id: str) -> bool:
+        """Take a slot for ``session_id`` if one is free now (and nobody waits before it)."""
+        if session_id in self._held:
+            return True
+        if not self.free:
+            return False
+        self._held.add(session_id)
+        return True
+
+    async def take(self, session_id: str, within: float) -> None:
+        """A slot for ``session_id``: at once, or the first given back within ``within``
+        seconds; else :class:`SessionError` ``host_full``."""
+        if self.try_take(session_id):
+            return
+        if len(self._waiters) >= self.queue:
+            raise SessionError(
+                "host_full",
+                f"the host runs {len(self._held)} live sessions ([sessions] max_live ="
+                f" {self.limit}) and {len(self._waiters)} more wait for a slot; try again later",
+            )
+        waiter = _Waiter(session_id)
+        self._waiters.append(waiter)
+        with anyio.move_on_after(within):
+            await waiter.event.wait()
+        if waiter.granted:
+            return
+        self._waiters.remove(waiter)
+        raise SessionError(
+            "host_full",
+            f"no live slot came free within {within:g} s: the host runs {len(self._held)}"
+            f" live sessions ([sessions] max_live = {self.limit}) and none was idle",
+        )
+
+    def give_back(self, session_id: str) -> None:
+        """``session_id``'s child is gone: its slot goes to the first waiter, if any."""
+        if session_id not in self._held:
+            return
+        self._held.discard(session_id)
+        while self._waiters and (not self.limit or len(self._held) < self.limit):
+            waiter = self._waiters.popleft()
+            waiter.granted = True
+            self._held.add(waiter.session_id)
+            waiter.event.set()
