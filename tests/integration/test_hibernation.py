@@ -247,8 +247,10 @@ async def test_a_hibernation_cut_by_a_supervisor_crash_resumes_after_restart() -
         events = await sage.ready("cut")
         _, hibernating = (await events.until("hibernating", within=10))[-1]
         assert hibernating["why"] == "idle"
-        os.kill(sage.daemon.proc.pid, signal.SIGKILL)  # before or as the child goes
-        sage.daemon.proc.wait()
+        daemon = sage.daemon.proc
+        assert daemon is not None
+        os.kill(daemon.pid, signal.SIGKILL)  # before or as the child goes
+        await anyio.to_thread.run_sync(daemon.wait)
     async with running_sage(config, env=ENV, root=root) as sage:
         assert (await _rows(sage))["cut"]["state"] == "hibernated"
         events = await sage.events("cut")

@@ -1,0 +1,249 @@
+"""Hibernation without processes: the session machine's sleep and wake, the table's
+choice of whom to hibernate, and the live slots with their bounded queue."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, cast
+
+import anyio
+import pytest
+
+from capsules.runner.claude_process import ClaudeProcess
+from capsules.runner.conversation import Conversation, EndReason
+from capsules.runner.errors import SessionError
+from capsules.runner.live_slots import LiveSlots
+from capsules.runner.sessions import (
+    AfterChild,
+    RecordState,
+    Session,
+    SessionRecord,
+    SessionState,
+    SessionTable,
+)
+from sage.config import PrincipalConfig
+
+pytestmark = pytest.mark.anyio
+
+
+@dataclass
+class _Proc:
+    """What the table reads of a child to call its session idle."""
+
+    initialized: bool = True
+    idle: bool = True
+
+
+def made(
+    sid: str = "s1",
+    principal: str = "alice",
+    state: SessionState = SessionState.RUNNING,
+    *,
+    last_active: float = 0.0,
+    proc: Any = None,
+) -> Session:
+    record = SessionRecord(session_id=sid, principal_id=principal, claude_session="c")
+    session = Session(record, PrincipalConfig(name=principal), last_active=last_active)
+    session.state = state
+    session.proc = cast(ClaudeProcess, _Proc() if proc is None else proc)
+    return session
+
+
+# -- the session machine ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("state", "stored"),
+    [
+        (SessionState.HIBERNATING, RecordState.HIBERNATED),
+        (SessionState.HIBERNATED, RecordState.HIBERNATED),
+        (SessionState.WAKING, RecordState.RUNNING),
+    ],
+)
+def test_what_the_record_says_of_a_sleeping_session(
+    state: SessionState, stored: RecordState
+) -> None:
+    assert made(state=state).record_state() is stored
+
+
+@pytest.mark.parametrize("reason", [EndReason.HIBERNATE, EndReason.CRASHED, None])
+def test_a_hibernating_child_that_ends_puts_the_session_to_sleep(
+    reason: EndReason | None,
+) -> None:
+    """Whatever the stopping child said last: the session is not over."""
+    s = made()
+    s.hibernate()
+    assert s.settled is not None
+    assert s.after_child(reason, max_respawns=5) is AfterChild.HIBERNATE
+    settled = s.settled
+    s.hibernated()
+    assert s.state is SessionState.HIBERNATED
+    assert s.proc is None
+    assert settled.is_set()  # a send that waited for the hibernation goes on
+    assert s.settled is None
+
+
+def test_a_stop_wins_over_a_hibernation() -> None:
+    s = made()
+    s.hibernate()
+    s.stop()
+    assert s.state is SessionState.STOPPING
+    assert s.after_child(EndReason.STOPPED, max_respawns=5) is AfterChild.END
+    conversation = Conversation("alice", "s1", "default")
+    conversation.end(EndReason.HIBERNATE)
+    conversation.end(EndReason.STOPPED)
+    assert conversation.reason is EndReason.STOPPED
+    conversation = Conversation("alice", "s1", "default")
+    conversation.end(EndReason.STOPPED)
+    conversation.end(EndReason.HIBERNATE)
+    assert conversation.reason is EndReason.STOPPED
+
+
+def test_a_woken_child_that_ends_before_it_is_ready_ends_the_session() -> None:
+    s = made(state=SessionState.HIBERNATED, proc=None)
+    s.proc = None
+    s.wake()
+    assert s.after_child(EndReason.CRASHED, max_respawns=5) is AfterChild.END
+    assert s.respawns == 0  # no retry: the runner says resume_failed
+
+
+def test_a_wake_is_over_once_the_child_is_ready() -> None:
+    s = made(state=SessionState.HIBERNATED)
+    s.wake()
+    settled = s.settled
+    assert settled is not None
+    assert s.live  # it takes a slot while it wakes
+    s.woken()
+    assert s.state is SessionState.RUNNING
+    assert settled.is_set()
+
+
+def test_a_wake_without_a_slot_sleeps_on() -> None:
+    s = made(state=SessionState.HIBERNATED)
+    s.wake()
+    settled = s.settled
+    s.sleep_on()
+    assert s.state is SessionState.HIBERNATED
+    assert settled is not None
+    assert settled.is_set()
+
+
+def test_only_a_hibernated_session_may_wake_and_it_may_end_at_once() -> None:
+    for state in SessionState:
+        s = made(state=state)
+        assert s.may(SessionState.WAKING) is (
+            state in (SessionState.HIBERNATED, SessionState.WAKING)
+        )
+    s = made(state=SessionState.HIBERNATED)
+    s.move(SessionState.ENDED)  # a stop of a sleeping session: no child to wait for
+
+
+def test_only_a_running_session_may_hibernate() -> None:
+    for state in SessionState:
+        s = made(state=state)
+        assert s.may(SessionState.HIBERNATING) is (
+            state in (SessionState.RUNNING, SessionState.HIBERNATING)
+        )
+
+
+# -- the table: who is live, who is idle ------------------------------------------------
+
+
+def test_live_and_idle() -> None:
+    assert made().idle
+    assert made().live
+    assert not made(proc=_Proc(initialized=False)).idle  # still starting
+    assert not made(proc=_Proc(idle=False)).idle  # a turn runs
+    for state in (SessionState.HIBERNATING, SessionState.HIBERNATED):
+        assert not made(state=state).live
+        assert not made(state=state).idle
+    for state in (SessionState.STARTING, SessionState.WAKING, SessionState.RESPAWNING):
+        assert made(state=state).live
+        assert not made(state=state).idle
+
+
+def test_the_least_recently_used_idle_session_is_chosen() -> None:
+    table = SessionTable()
+    table.add(made("old", last_active=1.0, proc=_Proc(idle=False)))  # oldest, but busy
+    table.add(made("older", last_active=2.0))
+    table.add(made("newer", last_active=3.0))
+    table.add(made("bobs", "bob", last_active=0.5))
+    table.add(made("asleep", state=SessionState.HIBERNATED, last_active=0.1))
+    assert table.least_recent_idle() is table["bobs"]
+    assert table.least_recent_idle("alice") is table["older"]
+    assert table.least_recent_idle("carol") is None
+    assert [s.id for s in table.idle_since(2.5)] == ["older", "bobs"]
+    assert table.live() == 4
+    assert [s.id for s in table.live_of("alice")] == ["old", "older", "newer"]
+
+
+def test_the_caps_count_live_sessions_and_all_sessions() -> None:
+    table = SessionTable()
+    table.add(made("a"))
+    table.add(made("b", state=SessionState.HIBERNATED))
+    table.add(made("c", state=SessionState.HIBERNATING))
+    assert table.refusal("d", "alice", 2) is None  # one live: a and not b, c
+    assert table.refusal("d", "alice", 1) == "principal_limit"
+    assert table.refusal("d", "alice", 2, logical_cap=3) == "principal_limit"
+    assert table.refusal("d", "alice", 2, logical_cap=4) is None
+
+
+# -- live slots ----------------------------------------------------------------------------
+
+
+async def test_slots_are_bounded_and_none_means_no_bound() -> None:
+    slots = LiveSlots(2, queue=4)
+    assert slots.try_take("a")
+    assert slots.try_take("b")
+    assert slots.try_take("a")  # held already
+    assert not slots.try_take("c")
+    assert len(slots) == 2
+    assert "a" in slots
+    unbounded = LiveSlots(0, queue=0)
+    assert all(unbounded.try_take(f"s{i}") for i in range(1000))
+
+
+async def test_a_slot_given_back_goes_to_the_first_waiter() -> None:
+    slots = LiveSlots(1, queue=4)
+    slots.try_take("a")
+    got: list[str] = []
+
+    async def wait(sid: str) -> None:
+        await slots.take(sid, within=5)
+        got.append(sid)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wait, "b")
+        await anyio.sleep(0.01)
+        tg.start_soon(wait, "c")
+        await anyio.sleep(0.01)
+        assert slots.waiting == 2
+        assert not slots.free
+        assert not slots.try_take("d")  # no jumping the queue
+        slots.give_back("a")
+        await anyio.sleep(0.01)
+        assert got == ["b"]
+        slots.give_back("nobody")  # not held: nothing moves
+        slots.give_back("b")
+    assert got == ["b", "c"]
+    assert "c" in slots
+    assert len(slots) == 1
+
+
+async def test_a_full_queue_and_a_wait_that_runs_out_are_host_full() -> None:
+    slots = LiveSlots(1, queue=1)
+    slots.try_take("a")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(slots.take, "b", 5.0)
+        await anyio.sleep(0.01)
+        with pytest.raises(SessionError) as full:
+            await slots.take("c", 5.0)  # the queue holds one
+        assert full.value.code == "host_full"
+        assert "max_live" in str(full.value)
+        slots.give_back("a")
+    with pytest.raises(SessionError) as late:
+        await slots.take("d", 0.05)
+    assert late.value.code == "host_full"
+    assert slots.waiting == 0  # the waiter that gave up left the queue
+    slots.give_back("b")
+    assert slots.try_take("d")
