@@ -300,3 +300,25 @@ async def test_another_principal_cannot_wake_a_session() -> None:
         assert (await _rows(sage))["mine"]["state"] == "hibernated"
         assert (await sage.request("sage.v1.request.wake.mine", {}))["woken"] is True
         await events.until("init")
+
+
+async def test_the_cli_shows_a_hibernated_session_and_resumes_it() -> None:
+    """`astrid sage sessions` lists it asleep; `send` says it resumes, then streams;
+    `watch --wake` wakes one without a turn."""
+    async with running_sage(_config("hibernate_after = 0.3\n"), env=ENV) as sage:
+        for sid in ("cli", "woke"):
+            events = await sage.ready(sid)
+            await events.until("hibernated", within=10)
+        code, out, err = await sage.astrid("sage", "sessions")
+        assert code == 0, err
+        line = next(row for row in out.splitlines() if row.startswith("cli "))
+        assert "hibernated" in line.split()
+        code, out, err = await sage.astrid("sage", "send", "cli", "hello again")
+        assert code == 0, err
+        assert out.strip() == "echo: hello again"
+        assert "[session] resuming cli (hibernated " in err
+
+        code, out, err = await sage.astrid("sage", "watch", "woke", "--wake", "-n", "4")
+        assert code == 0, err
+        names = [msgspec.json.decode(row)["event"] for row in out.splitlines()]
+        assert names == ["waking", "spawned", "resumed", "init"], names
