@@ -40,7 +40,7 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterable, Awaitable, Callable
+from collections.abc import AsyncIterable, Awaitable, Callable, Coroutine
 from typing import Any
 
 import anyio
@@ -54,9 +54,9 @@ from capsules.runner.approval_desk import ApprovalDesk
 from capsules.runner.claude_process import ClaudeProcess, Ending, EndReason, SessionError
 from capsules.runner.command import Launch, remove_session_files
 from capsules.runner.conversation import ProcessState
+from capsules.runner.hibernation import Hibernation
 from capsules.runner.history import EventHistory
 from capsules.runner.launcher import Launcher
-from capsules.runner.live_slots import LiveSlots
 from capsules.runner.mcp import McpServer
 from capsules.runner.messages import (
     IdentitySaved,
@@ -129,12 +129,12 @@ class Runner:
             refresh_identity=self._refresh_identity,
         )
         self.desk = ApprovalDesk(
-            ctx, rules=self.admin, publish=self._publish, event=self._event, audit=self.audit
+            ctx, rules=self.admin, publish=self._publish, event=self.session_event, audit=self.audit
         )
-        self.launcher = Launcher(ctx, self.admin, audit=self.audit, event=self._event)
+        self.launcher = Launcher(ctx, self.admin, audit=self.audit, event=self.session_event)
         self.history = EventHistory()
         self.spares = SpareKeeper(ctx, self.admin, self.launcher, self.mcp, hooks=HOOKS)
-        self.slots = LiveSlots(0, 0)  # bounded by the config in run()
+        self.hibernation = Hibernation(self)
         self._tg: anyio.abc.TaskGroup | None = None
 
     @property
@@ -160,7 +160,7 @@ class Runner:
             "sage.v1.request.install": self._then_spares(self.admin.install),
             "sage.v1.request.principals": self.admin.list_principals,
         }
-        self.slots = LiveSlots(self.config.sessions.max_live, self.config.sessions.wake_queue)
+        self.hibernation.configure()
         self.launcher.resolve_binary()
         # subscribed before anything else: requests that come during the
         # reconciliation wait in their queues instead of finding no responder
@@ -181,7 +181,7 @@ class Runner:
             tg.start_soon(self._tools_changed, changed)
             tg.start_soon(self._identity_saved, identities)
             tg.start_soon(self.spares.run, tg)
-            tg.start_soon(self._hibernator)
+            tg.start_soon(self.hibernation.run)
             ctx.ready()
 
     def _then_spares(self, handler: Handler) -> Handler:
@@ -228,6 +228,11 @@ class Runner:
             except BusError as exc:
                 log.warning("runner.reply_failed", topic=request.topic, error=str(exc))
 
+    def soon(self, func: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> None:
+        """Run ``func(*args)`` in a task of the sessions' task group."""
+        assert self._tg is not None
+        self._tg.start_soon(func, *args)
+
     def _publish(
         self, topic: str, payload: dict[str, Any], principal: str | None = None
     ) -> Envelope | None:
@@ -247,7 +252,7 @@ class Runner:
 
     # -- records --------------------------------------------------------------
 
-    async def _save(self, record: SessionRecord) -> None:
+    async def save(self, record: SessionRecord) -> None:
         try:
             await self.ctx.state.put("sessions", record.session_id, msgspec.to_builtins(record))
         except SageError as exc:
@@ -291,7 +296,7 @@ class Runner:
                 )
                 principal = None
             if principal is not None and (
-                asleep or (self.config.sessions.resume and not self.slots.free)
+                asleep or (self.config.sessions.resume and not self.hibernation.slots.free)
             ):
                 # it sleeps on (or, past max_live, starts to): the next send wakes it
                 record.state, record.pid = RecordState.HIBERNATED, None
@@ -306,7 +311,7 @@ class Runner:
                     )
                 )
                 if not asleep:
-                    await self._save(record)
+                    await self.save(record)
                 continue
             if (
                 self.config.sessions.resume
@@ -316,19 +321,19 @@ class Runner:
                 session = Session(record, principal, turns=record.turns, cost_usd=record.cost_usd)
                 self.sessions.add(session)
                 try:
-                    await self._start(session, resume=True, initial=None)
+                    await self.start(session, resume=True, initial=None)
                 except SessionError as exc:
                     self.sessions.remove(session)
-                    await self._ended(session, None, f"{EndReason.RESUME_FAILED}: {exc}")
+                    await self.ended(session, None, f"{EndReason.RESUME_FAILED}: {exc}")
                     continue
-                self._event(
+                self.session_event(
                     record.session_id,
                     "resumed",
                     {"principal_id": record.principal_id, "reason": "supervisor_restart"},
                 )
             else:
                 session = Session(record, principal or PrincipalConfig(name=record.principal_id))
-                await self._ended(session, None, EndReason.SUPERVISOR_RESTART)
+                await self.ended(session, None, EndReason.SUPERVISOR_RESTART)
 
     def _sweep_folders(self) -> None:
         """Identity folders no live session owns: a spare's, left by a supervisor that
@@ -421,7 +426,7 @@ class Runner:
                     f"principal {pid_!r} has {logical_cap} sessions already, hibernated"
                     " ones included ([limits] max_logical_sessions_per_principal)",
                 )
-            if not self._room_for(pid_):
+            if not self.hibernation.room_for(pid_):
                 raise self._reject(
                     request,
                     pid_,
@@ -446,7 +451,7 @@ class Runner:
         session = Session(record, principal, last_active=time.monotonic())
         self.sessions.add(session)  # taken before the first await: no race past the cap
         try:
-            pid = await self._start(session, resume=False, initial=req.initial_message, spare=spare)
+            pid = await self.start(session, resume=False, initial=req.initial_message, spare=spare)
         except SessionError as exc:
             self.sessions.remove(session)
             self._publish(
@@ -456,7 +461,7 @@ class Runner:
             raise
         return {"ok": True, "session_id": sid, "pid": pid}
 
-    async def _start(
+    async def start(
         self,
         session: Session,
         *,
@@ -468,14 +473,12 @@ class Runner:
         ``[sessions] wake_wait``, else ``host_full``); returns once its first child
         runs (its pid).  The task gives the slot back when it returns."""
         assert self._tg is not None
-        if not self.slots.try_take(session.id):
-            self._make_room()
-            try:
-                await self.slots.take(session.id, self.config.sessions.wake_wait)
-            except SessionError:
-                if spare is not None:
-                    self.spares.drop(spare, "host_full")
-                raise
+        try:
+            await self.hibernation.slot_for(session)
+        except SessionError:
+            if spare is not None:
+                self.spares.drop(spare, "host_full")
+            raise
         try:
             pid: int = await self._tg.start(self._run_session, session, resume, initial, spare)
         except SessionError:
@@ -499,7 +502,7 @@ class Runner:
         try:
             await self._children(session, resume, initial, spare, task_status=task_status)
         finally:
-            self.slots.give_back(session.id)
+            self.hibernation.slots.give_back(session.id)
 
     async def _children(
         self,
@@ -551,10 +554,10 @@ class Runner:
                     self.config.sessions.max_respawns,
                 )
                 if step is AfterChild.HIBERNATE:
-                    await self._hibernated(session)
+                    await self.hibernation.hibernated(session)
                     return
                 if step is AfterChild.END and waking:  # --resume never got it initialized
-                    await self._resume_failed(session, ending)
+                    await self.hibernation.resume_failed(session, ending)
                     return
                 if step is AfterChild.END:
                     break
@@ -571,8 +574,8 @@ class Runner:
                     session.record.state = RecordState.INTERRUPTED
                     session.record.reason = EndReason.SUPERVISOR_SHUTDOWN.value
                 session.record.pid = None if asleep else session.record.pid
-                await self._save(session.record)
-                await self._scrub(session)
+                await self.save(session.record)
+                await self.scrub(session)
             self.sessions.remove(session)
             session.over()
             raise
@@ -581,9 +584,7 @@ class Runner:
             self.sessions.remove(session)
             session.over()
             raise  # the first start failed: the spawn (or wake) request says why
-        await self._ended(
-            session, ending, ending.reason if ending is not None else EndReason.EXITED
-        )
+        await self.ended(session, ending, ending.reason if ending is not None else EndReason.EXITED)
 
     async def _abandon(self, session: Session, ending: Ending | None) -> None:
         self.audit(
@@ -595,168 +596,13 @@ class Runner:
                 "reason": session.respawn_reason or "",
             },
         )
-        await self._ended(session, ending, EndReason.RESPAWN_ABANDONED)
-
-    # -- hibernation ------------------------------------------------------------------
-
-    def _begin_hibernation(self, session: Session, why: str) -> None:
-        """Stop idle ``session``'s child to free the host; the session sleeps once it is
-        reaped (:meth:`_hibernated`).  No ``await`` here: the caller chose ``session``
-        as idle, and nothing else may choose it meanwhile."""
-        proc = session.proc
-        assert proc is not None
-        session.hibernate()
-        session.record.state = RecordState.HIBERNATED
-        session.record.hibernated_at = time.time()
-        log.info("session.hibernating", session_id=session.id, why=why)
-        assert self._tg is not None
-        self._tg.start_soon(self._put_to_sleep, session, proc, why)
-
-    async def _put_to_sleep(self, session: Session, proc: ClaudeProcess, why: str) -> None:
-        # the record first: a supervisor that dies now finds the session hibernated
-        await self._save(session.record)
-        self._event(
-            session.id,
-            "hibernating",
-            {"principal_id": session.record.principal_id, "session_id": session.id, "why": why},
-        )
-        await proc.stop(EndReason.HIBERNATE)
-
-    async def _hibernated(self, session: Session) -> None:
-        """The child of a hibernating session is reaped: it sleeps, keeping its id."""
-        record = session.record
-        record.state, record.pid = RecordState.HIBERNATED, None
-        record.turns, record.cost_usd = session.turns, session.cost_usd
-        with anyio.CancelScope(shield=True):
-            await self._save(record)
-            await self._scrub(session)  # the child's hook token is no use to anyone now
-        session.hibernated()
-        self._event(
-            session.id,
-            "hibernated",
-            {
-                "principal_id": record.principal_id,
-                "session_id": session.id,
-                "turns": session.turns,
-                "hibernated_at": record.hibernated_at,
-            },
-        )
-        self.history.ended(session.id)  # its ring joins the ended ones' (bounded)
-        self.audit(
-            "session_hibernated",
-            {"principal_id": record.principal_id, "session_id": session.id},
-        )
-
-    async def _resume_failed(self, session: Session, ending: Ending | None) -> None:
-        """A woken child ended before it answered ``initialize``: the conversation could
-        not be resumed (its transcript gone or unreadable, the CLI failing)."""
-        why = ending.reason if ending is not None else "not launched"
-        detail = (ending.stderr_tail.strip().splitlines() or [""])[-1] if ending else ""
-        reason = f"{EndReason.RESUME_FAILED}: {why}" + (f" ({detail[:200]})" if detail else "")
-        self.audit(
-            "resume_failed",
-            {
-                "principal_id": session.record.principal_id,
-                "session_id": session.id,
-                "reason": reason,
-            },
-        )
-        await self._ended(session, ending, reason)
-
-    def _room_for(self, principal: str) -> bool:
-        """Whether ``principal`` may have one more live session: it has fewer than
-        ``[limits] max_sessions_per_principal``, or (with hibernation on) one of its idle
-        sessions starts to hibernate now to make room."""
-        cap = self.config.limits.max_sessions_per_principal
-        if len(self.sessions.live_of(principal)) < cap:
-            return True
-        victim = self.sessions.least_recent_idle(principal)
-        if victim is None or not self.config.sessions.hibernation:
-            return False
-        self._begin_hibernation(victim, "principal_limit")
-        return True
-
-    def _make_room(self) -> None:
-        """The host is at ``[sessions] max_live``: for every wait not yet covered by a
-        hibernating session, hibernate the least recently used idle one."""
-        hibernating = sum(1 for s in self.sessions.values() if s.state is SessionState.HIBERNATING)
-        for _ in range(self.slots.waiting + 1 - hibernating):
-            victim = self.sessions.least_recent_idle()
-            if victim is None:
-                return
-            self._begin_hibernation(victim, "max_live")
-
-    async def _hibernator(self) -> None:
-        """Hibernate sessions idle for ``[sessions] hibernate_after``; make room for
-        spawns and wakes that wait for a slot when a session turns idle."""
-        cfg = self.config.sessions
-        if not cfg.hibernation:
-            return
-        period = min(5.0, max(0.1, cfg.hibernate_after / 4)) if cfg.hibernate_after else 0.5
-        while True:
-            await anyio.sleep(period)
-            if cfg.hibernate_after:
-                for session in self.sessions.idle_since(time.monotonic() - cfg.hibernate_after):
-                    self._begin_hibernation(session, "idle")
-            if self.slots.waiting:
-                self._make_room()
-
-    async def _awake(self, session: Session) -> ClaudeProcess:
-        """``session``'s child, after waking the session if it sleeps."""
-        while True:
-            if session.state is SessionState.HIBERNATED:
-                await self._wake(session)
-            elif session.state in ASLEEP or (
-                session.state is SessionState.WAKING and session.proc is None
-            ):
-                if session.settled is not None:
-                    await session.settled.wait()  # a hibernation or another wake ends
-                else:
-                    await anyio.sleep(0.01)
-            else:
-                session.last_active = time.monotonic()
-                return self._proc(session)
-
-    async def _wake(self, session: Session) -> None:
-        """Start a child with ``--resume`` for hibernated ``session``; returns once it
-        runs (its turns wait for ``initialize``)."""
-        principal = session.record.principal_id
-        if not self._room_for(principal):
-            raise SessionError(
-                "principal_limit",
-                f"principal {principal!r} has"
-                f" {self.config.limits.max_sessions_per_principal} live sessions, none idle",
-            )
-        try:
-            session.principal = self.principal(principal) or session.principal
-        except SettingsError as exc:
-            raise SessionError(exc.code, str(exc)) from None
-        session.wake()
-        session.last_active = time.monotonic()
-        self._event(
-            session.id,
-            "waking",
-            {
-                "principal_id": principal,
-                "session_id": session.id,
-                "hibernated_at": session.record.hibernated_at,
-            },
-        )
-        try:
-            await self._start(session, resume=True, initial=None)
-        except SessionError as exc:
-            if exc.code == "host_full":  # nothing was started: it sleeps on
-                session.sleep_on()
-                raise
-            await self._ended(session, None, f"{EndReason.RESUME_FAILED}: {exc}")
-            raise
-        self._event(session.id, "resumed", {"principal_id": principal, "reason": "wake"})
+        await self.ended(session, ending, EndReason.RESPAWN_ABANDONED)
 
     async def _wake_request(self, request: Envelope) -> dict[str, Any]:
         session = await self._target(request)
         msgspec.json.decode(request.payload or b"{}", type=WakeRequest)
         was = session.state
-        await self._awake(session)
+        await self.hibernation.awake(session)
         return {"ok": True, "session_id": session.id, "woken": was in ASLEEP}
 
     async def _take(
@@ -845,7 +691,7 @@ class Runner:
         record.pid = pid
         record.state = session.record_state()  # running, while a child serves it
         record.flags_hash = launch.flags_hash
-        await self._save(record)
+        await self.save(record)
         try:
             await self.ctx.state.put(
                 "hook_tokens",
@@ -860,13 +706,13 @@ class Runner:
                 {"principal_id": session.principal.name, "session_id": session.id},
             )
         if first:
-            self._event(
+            self.session_event(
                 session.id,
                 "spawned",
                 {"principal_id": record.principal_id, "session_id": session.id, "pid": pid},
             )
         elif session.respawn_reason is not None:
-            self._event(
+            self.session_event(
                 session.id,
                 "respawned",
                 {
@@ -892,7 +738,7 @@ class Runner:
             },
         )
 
-    async def _ended(self, session: Session, ending: Ending | None, reason: str) -> None:
+    async def ended(self, session: Session, ending: Ending | None, reason: str) -> None:
         record = session.record
         session.move(SessionState.ENDED)
         record.state = session.record_state()
@@ -909,11 +755,11 @@ class Runner:
         payload["principal_id"] = record.principal_id
         self.sessions.remove(session)
         with anyio.CancelScope(shield=True):
-            await self._save(record)
-            await self._scrub(session)
+            await self.save(record)
+            await self.scrub(session)
             # before exited and done: whoever saw the end finds the history settled
             await self._prune_history(record.principal_id)
-        self._event(session.id, "exited", payload)
+        self.session_event(session.id, "exited", payload)
         self.history.ended(session.id)
         session.over()
         log.info("session.exited", session_id=session.id, reason=record.reason)
@@ -951,7 +797,7 @@ class Runner:
             return None
         return record
 
-    async def _scrub(self, session: Session) -> None:
+    async def scrub(self, session: Session) -> None:
         try:
             await self.ctx.state.delete("hook_tokens", session.id)
         except SageError as exc:
@@ -989,7 +835,8 @@ class Runner:
         req = msgspec.json.decode(request.payload, type=SendRequest)
         if req.session_id is not None and req.session_id != session.id:
             raise SessionError("bad_request", "session_id does not match the topic")
-        proc = await self._awake(session)
+        await self.hibernation.awake(session)
+        proc = self._proc(session)
         try:
             turn = await proc.send(req.text)
         except SessionError as exc:
@@ -1001,7 +848,7 @@ class Runner:
     async def _stop(self, request: Envelope) -> dict[str, Any]:
         session = await self._target(request)
         if session.state is SessionState.HIBERNATED:  # no child: it ends now
-            await self._ended(session, None, EndReason.STOPPED)
+            await self.ended(session, None, EndReason.STOPPED)
             return {"ok": True, "session_id": session.id}
         session.stop()
         if session.proc is not None:
@@ -1106,7 +953,7 @@ class Runner:
 
     # -- Host: what a ClaudeProcess asks of the runner -------------------------------
 
-    def _event(
+    def session_event(
         self, sid: str, name: str, payload: dict[str, Any], principal: str | None = None
     ) -> None:
         envelope = self._publish(f"sage.v1.event.{sid}.{name}", payload, principal)
@@ -1123,7 +970,7 @@ class Runner:
             if name == "init":
                 session.ready()
                 session.woken()
-        self._event(proc.session_id, name, payload, proc.principal_id)
+        self.session_event(proc.session_id, name, payload, proc.principal_id)
         who = {"principal_id": proc.principal_id, "session_id": proc.session_id}
         if name == "permission_denied":  # the CLI decided a tool call by itself
             self.audit("permission_denied", {**payload, **who})

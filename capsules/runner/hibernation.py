@@ -1,0 +1,264 @@
+"""Hibernation: idle sessions give up their ``claude`` child and wake on the next send.
+
+``[sessions] hibernate_after`` hibernates a session idle that long (its child
+initialized, no turn in flight, no control request of the CLI's unanswered);
+``[sessions] max_live`` bounds the sessions' live children on the host
+(:class:`~capsules.runner.live_slots.LiveSlots`): a spawn or a wake past it
+first hibernates the least recently used idle session, and waits for its slot.
+The per-principal cap (``[limits] max_sessions_per_principal``) counts live
+sessions the same way.
+
+To hibernate (:meth:`Hibernation.begin`), the session's record is saved as
+``hibernated`` first, so a supervisor that dies while the child stops finds
+it asleep, then the child gets the gentle stop sequence; once it is reaped
+(:meth:`Hibernation.hibernated`) the session sleeps with no child, keeping its
+id, record and conversation.  A wake (:meth:`Hibernation.awake`) takes a live
+slot and starts a child with ``--resume`` on the same conversation; a child
+that ends before it answers ``initialize`` ends the session ``resume_failed``
+(:meth:`Hibernation.resume_failed`).
+
+What it needs of the runner is :class:`Keeper`; no I/O of its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any, Protocol
+
+import anyio
+import structlog
+
+from capsules.runner.conversation import EndReason
+from capsules.runner.errors import SessionError
+from capsules.runner.history import EventHistory
+from capsules.runner.live_slots import LiveSlots
+from capsules.runner.principals import SettingsError
+from capsules.runner.sessions import (
+    ASLEEP,
+    RecordState,
+    Session,
+    SessionRecord,
+    SessionState,
+    SessionTable,
+)
+from sage.config import Config, PrincipalConfig
+
+if TYPE_CHECKING:
+    from capsules.runner.claude_process import ClaudeProcess, Ending
+
+__all__ = ("Hibernation", "Keeper")
+
+log = structlog.get_logger("sage.runner")
+
+
+class Keeper(Protocol):
+    """What hibernation asks of the runner."""
+
+    @property
+    def config(self) -> Config: ...
+
+    @property
+    def sessions(self) -> SessionTable: ...
+
+    @property
+    def history(self) -> EventHistory: ...
+
+    def principal(self, name: str) -> PrincipalConfig | None: ...
+
+    def audit(self, kind: str, payload: dict[str, Any]) -> None: ...
+
+    def session_event(self, sid: str, name: str, payload: dict[str, Any]) -> None: ...
+
+    def soon(self, func: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> None: ...
+
+    async def save(self, record: SessionRecord) -> None: ...
+
+    async def scrub(self, session: Session) -> None: ...
+
+    async def start(self, session: Session, *, resume: bool, initial: str | None) -> int: ...
+
+    async def ended(self, session: Session, ending: Ending | None, reason: str) -> None: ...
+
+
+class Hibernation:
+    """See the module docstring."""
+
+    def __init__(self, keeper: Keeper) -> None:
+        self.keeper = keeper
+        self.slots = LiveSlots(0, 0)  # bounded by the config in configure()
+
+    def configure(self) -> None:
+        cfg = self.keeper.config.sessions
+        self.slots = LiveSlots(cfg.max_live, cfg.wake_queue)
+
+    # -- going to sleep -------------------------------------------------------------
+
+    def begin(self, session: Session, why: str) -> None:
+        """Stop idle ``session``'s child to free the host; the session sleeps once it
+        is reaped (:meth:`hibernated`).  No ``await`` here: the caller chose
+        ``session`` as idle, and nothing else may choose it meanwhile."""
+        proc = session.proc
+        assert proc is not None
+        session.hibernate()
+        session.record.state = RecordState.HIBERNATED
+        session.record.hibernated_at = time.time()
+        log.info("session.hibernating", session_id=session.id, why=why)
+        self.keeper.soon(self._put_to_sleep, session, proc, why)
+
+    async def _put_to_sleep(self, session: Session, proc: ClaudeProcess, why: str) -> None:
+        # the record first: a supervisor that dies now finds the session hibernated
+        await self.keeper.save(session.record)
+        self.keeper.session_event(
+            session.id,
+            "hibernating",
+            {"principal_id": session.record.principal_id, "session_id": session.id, "why": why},
+        )
+        await proc.stop(EndReason.HIBERNATE)
+
+    async def hibernated(self, session: Session) -> None:
+        """The child of a hibernating session is reaped: it sleeps, keeping its id."""
+        keeper = self.keeper
+        record = session.record
+        record.state, record.pid = RecordState.HIBERNATED, None
+        record.turns, record.cost_usd = session.turns, session.cost_usd
+        with anyio.CancelScope(shield=True):
+            await keeper.save(record)
+            await keeper.scrub(session)  # the child's hook token is no use to anyone now
+        session.hibernated()
+        keeper.session_event(
+            session.id,
+            "hibernated",
+            {
+                "principal_id": record.principal_id,
+                "session_id": session.id,
+                "turns": session.turns,
+                "hibernated_at": record.hibernated_at,
+            },
+        )
+        keeper.history.ended(session.id)  # its ring joins the ended ones' (bounded)
+        keeper.audit(
+            "session_hibernated", {"principal_id": record.principal_id, "session_id": session.id}
+        )
+
+    # -- room -----------------------------------------------------------------------
+
+    def room_for(self, principal: str) -> bool:
+        """Whether ``principal`` may have one more live session: it has fewer than
+        ``[limits] max_sessions_per_principal``, or (with hibernation on) one of its
+        idle sessions starts to hibernate now to make room."""
+        config, sessions = self.keeper.config, self.keeper.sessions
+        if len(sessions.live_of(principal)) < config.limits.max_sessions_per_principal:
+            return True
+        victim = sessions.least_recent_idle(principal)
+        if victim is None or not config.sessions.hibernation:
+            return False
+        self.begin(victim, "principal_limit")
+        return True
+
+    async def slot_for(self, session: Session) -> None:
+        """A live slot for ``session``'s child: at once, or after an idle session
+        hibernates to make room, waiting up to ``[sessions] wake_wait`` (else
+        :class:`SessionError` ``host_full``)."""
+        if self.slots.try_take(session.id):
+            return
+        self._make_room()
+        await self.slots.take(session.id, self.keeper.config.sessions.wake_wait)
+
+    def _make_room(self) -> None:
+        """The host is at ``[sessions] max_live``: for every wait not yet covered by a
+        hibernating session, hibernate the least recently used idle one."""
+        sessions = self.keeper.sessions
+        hibernating = sum(1 for s in sessions.values() if s.state is SessionState.HIBERNATING)
+        for _ in range(self.slots.waiting + 1 - hibernating):
+            victim = sessions.least_recent_idle()
+            if victim is None:
+                return
+            self.begin(victim, "max_live")
+
+    async def run(self) -> None:
+        """Hibernate sessions idle for ``[sessions] hibernate_after``; make room for
+        spawns and wakes that wait for a slot when a session turns idle."""
+        cfg = self.keeper.config.sessions
+        if not cfg.hibernation:
+            return
+        period = min(5.0, max(0.1, cfg.hibernate_after / 4)) if cfg.hibernate_after else 0.5
+        while True:
+            await anyio.sleep(period)
+            if cfg.hibernate_after:
+                due = self.keeper.sessions.idle_since(time.monotonic() - cfg.hibernate_after)
+                for session in due:
+                    self.begin(session, "idle")
+            if self.slots.waiting:
+                self._make_room()
+
+    # -- waking ---------------------------------------------------------------------
+
+    async def awake(self, session: Session) -> None:
+        """Return once ``session`` is not asleep: wake it if it is hibernated, wait for
+        a hibernation or another wake under way to be over."""
+        while True:
+            if session.state is SessionState.HIBERNATED:
+                await self._wake(session)
+            elif session.state in ASLEEP or (
+                session.state is SessionState.WAKING and session.proc is None
+            ):
+                if session.settled is not None:
+                    await session.settled.wait()
+                else:
+                    await anyio.sleep(0.01)
+            else:
+                session.last_active = time.monotonic()
+                return
+
+    async def _wake(self, session: Session) -> None:
+        """Start a child with ``--resume`` for hibernated ``session``; returns once it
+        runs (its turns wait for ``initialize``)."""
+        keeper = self.keeper
+        principal = session.record.principal_id
+        if not self.room_for(principal):
+            raise SessionError(
+                "principal_limit",
+                f"principal {principal!r} has"
+                f" {keeper.config.limits.max_sessions_per_principal} live sessions, none idle",
+            )
+        try:
+            session.principal = keeper.principal(principal) or session.principal
+        except SettingsError as exc:
+            raise SessionError(exc.code, str(exc)) from None
+        session.wake()
+        session.last_active = time.monotonic()
+        keeper.session_event(
+            session.id,
+            "waking",
+            {
+                "principal_id": principal,
+                "session_id": session.id,
+                "hibernated_at": session.record.hibernated_at,
+            },
+        )
+        try:
+            await keeper.start(session, resume=True, initial=None)
+        except SessionError as exc:
+            if exc.code == "host_full":  # nothing was started: it sleeps on
+                session.sleep_on()
+                raise
+            await keeper.ended(session, None, f"{EndReason.RESUME_FAILED}: {exc}")
+            raise
+        keeper.session_event(session.id, "resumed", {"principal_id": principal, "reason": "wake"})
+
+    async def resume_failed(self, session: Session, ending: Ending | None) -> None:
+        """A woken child ended before it answered ``initialize``: the conversation could
+        not be resumed (its transcript gone or unreadable, the CLI failing)."""
+        why = ending.reason if ending is not None else "not launched"
+        detail = (ending.stderr_tail.strip().splitlines() or [""])[-1] if ending else ""
+        reason = f"{EndReason.RESUME_FAILED}: {why}" + (f" ({detail[:200]})" if detail else "")
+        self.keeper.audit(
+            "resume_failed",
+            {
+                "principal_id": session.record.principal_id,
+                "session_id": session.id,
+                "reason": reason,
+            },
+        )
+        await self.keeper.ended(session, ending, reason)
