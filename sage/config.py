@@ -17,7 +17,7 @@ import difflib
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Final, Literal, get_args
 
 import msgspec
 
@@ -353,6 +353,25 @@ class CapsulesConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=
         _check_uid_range(self.uid_base, self.uid_count)
 
 
+MODEL_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._:\[\]-]{0,99}\Z"
+
+
+class SpareKind(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One more kind of warm spare for a principal: a spawn asking for this working
+    folder and model (``astrid sage spawn --cwd DIR --model NAME``) may take one."""
+
+    cwd: str = ""
+    """Absolute folder, inside the home or a ``work_roots``; empty: the home."""
+    model: str = ""
+    """One of the principal's ``model`` / ``models``; empty: its ``model``."""
+
+    def __post_init__(self) -> None:
+        if self.cwd and (not self.cwd.startswith("/") or "\0" in self.cwd):
+            raise ValueError(f"spare_kinds: cwd {self.cwd!r} is not an absolute path")
+        if self.model and not re.match(MODEL_PATTERN, self.model):
+            raise ValueError(f"spare_kinds: {self.model!r} is not a model name")
+
+
 class PrincipalConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     name: Name
     """The principal's id, ``[A-Za-z0-9_-]{1,64}``."""
@@ -383,6 +402,9 @@ class PrincipalConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields
     --cwd``, with everything below them; the home is always allowed."""
     models: list[str] = []
     """Models a spawn may pick with ``astrid sage spawn --model``, besides ``model``."""
+    spare_kinds: Annotated[list[SpareKind], msgspec.Meta(max_length=8)] = []
+    """Working folder and model pairs to keep ``[sessions] spares`` warm spares of, besides
+    the default one (the home and ``model``): each kind costs its own spares."""
     run_as: str | Annotated[int, msgspec.Meta(ge=1, le=2**32 - 2)] = ""
     """Supervisor root only: the user (name or uid) the principal's ``claude`` children
     run as; empty: a uid of sage's own from ``[sessions] uid_base`` (sage/security/runas.py)."""
@@ -395,7 +417,7 @@ class PrincipalConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields
             if not root.startswith("/") or "\0" in root:
                 raise ValueError(f"work_roots: {root!r} is not an absolute path")
         for model in self.models:
-            if not re.match(r"^[A-Za-z0-9][A-Za-z0-9._:\[\]-]{0,99}\Z", model):
+            if not re.match(MODEL_PATTERN, model):
                 raise ValueError(f"models: {model!r} is not a model name")
         if isinstance(self.run_as, str) and self.run_as:
             import pwd

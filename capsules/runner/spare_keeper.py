@@ -39,10 +39,10 @@ from capsules.runner.launcher import Launcher
 from capsules.runner.mcp import McpServer
 from capsules.runner.principals import SettingsError
 from capsules.runner.sessions import Session, SessionRecord, new_session_id
-from capsules.runner.spares import Spare, SparePool, SpareState, inputs_of
+from capsules.runner.spares import DEFAULT_KIND, Kind, Spare, SparePool, SpareState, inputs_of
 from capsules.runner.workplace import chosen_model, work_folder
 from sage.claude.protocol import CanUseToolRequest, HookCallbackRequest, McpMessageRequest
-from sage.config import Config, PrincipalConfig
+from sage.config import Config, PrincipalConfig, SpareKind
 from sage.daemon.capsule_host import CapsuleContext
 from sage.errors import SageError
 
@@ -118,6 +118,7 @@ class SpareKeeper:
         self.clock = clock
         self._tg: anyio.abc.TaskGroup | None = None
         self._wake = anyio.Event()
+        self._refused: set[tuple[str, SpareKind]] = set()  # kinds logged as refused
 
     @property
     def config(self) -> Config:
@@ -149,10 +150,11 @@ class SpareKeeper:
         for spare in pool.expired():
             self._stop(spare)
         eligible = self.eligible()
-        for spare in pool.surplus(eligible):
+        targets = {name: self.kinds(principal) for name, principal in eligible.items()}
+        for spare in pool.surplus(targets):
             self._stop(spare)
-        for name in pool.wanted(eligible):
-            self._start(eligible[name])
+        for name, kind in pool.wanted(targets):
+            self._start(eligible[name], kind)
 
     def _pause(self) -> float:
         now = self.clock()
@@ -179,18 +181,40 @@ class SpareKeeper:
             out[principal.name] = principal
         return out
 
+    def kinds(self, principal: PrincipalConfig) -> list[Kind]:
+        """The kinds of spare ``principal`` gets: the default one, then its
+        ``spare_kinds`` as a spawn would resolve them; a kind the spawn would refuse
+        (a folder outside the roots or missing, a model not allowed) is left out and
+        logged once."""
+        out: list[Kind] = [DEFAULT_KIND]
+        home = self.config.home_of(principal)
+        for asked in principal.spare_kinds:
+            try:
+                kind = (
+                    work_folder(principal, home, asked.cwd or None),
+                    chosen_model(principal, asked.model or None),
+                )
+            except SessionError as exc:
+                if (principal.name, asked) not in self._refused:
+                    self._refused.add((principal.name, asked))
+                    log.warning(
+                        "spare.kind_refused",
+                        principal_id=principal.name,
+                        cwd=asked.cwd,
+                        model=asked.model,
+                        error=str(exc),
+                    )
+                continue
+            if kind not in out:
+                out.append(kind)
+        return out
+
     # -- one spare ------------------------------------------------------------
 
-    def _start(self, principal: PrincipalConfig) -> None:
-        """Put a new spare in the pool (``starting``) and start its task."""
+    def _start(self, principal: PrincipalConfig, kind: Kind = DEFAULT_KIND) -> None:
+        """Put a new spare of ``kind`` in the pool (``starting``) and start its task."""
         assert self._tg is not None
-        home = self.config.home_of(principal)
-        try:
-            cwd = work_folder(principal, home, None)
-            model = chosen_model(principal, None)
-        except SessionError as exc:
-            self._failed(principal.name, str(exc))
-            return
+        cwd, model = kind
         sid = new_session_id()
         record = SessionRecord(
             session_id=sid,

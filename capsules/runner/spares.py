@@ -9,11 +9,13 @@ injected clock), so every decision is tested without a process.
 
 What a spare is:
 
-- **Prepared for one principal**, with its session id and Claude session UUID
-  chosen in advance (both are in its environment, hook token and identity
-  file path), for the principal's default working folder and model.  So only
-  a spawn that names no ``session_id`` and asks for that folder and model can
-  take it (:meth:`SparePool.claim`).
+- **Prepared for one principal and one kind**, with its session id and Claude
+  session UUID chosen in advance (both are in its environment, hook token and
+  identity file path).  A kind (:data:`Kind`) is a working folder and a model
+  as a spawn resolves them: the default one (the home and the principal's
+  model), and those of its ``[[principals]] spare_kinds``.  So only a spawn
+  that names no ``session_id`` and asks for that folder and model can take it
+  (:meth:`SparePool.claim`).
 - **Checked before it is handed out.**  The spawn prepares its launch for the
   spare's ids as a cold one would; the spare is used only when
   :class:`SpareInputs` are equal: the argv's ``flags_hash``, a digest of the
@@ -24,7 +26,7 @@ What a spare is:
 - **Used once.**  A claimed spare leaves the pool for good; the keeper starts
   the next one.
 - **Bounded.**  At most ``per_principal`` spares (starting or ready) per
-  eligible principal (:meth:`SparePool.surplus` drops the rest); one older
+  kind of each eligible principal (:meth:`SparePool.surplus` drops the rest); one older
   than ``max_age`` seconds is discarded, never handed out
   (:meth:`SparePool.expired`); after a failed start the principal's next
   spare waits, 1 s doubling to a minute (:meth:`SparePool.failed`).
@@ -35,18 +37,20 @@ from __future__ import annotations
 import enum
 import hashlib
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Final, Generic, TypeVar
 
 from capsules.runner.command import Launch
 from capsules.runner.errors import IllegalTransition
 
 __all__ = (
+    "DEFAULT_KIND",
     "RETRY_FIRST",
     "RETRY_MAX",
     "SPARE_TRANSITIONS",
+    "Kind",
     "Spare",
     "SpareInputs",
     "SparePool",
@@ -59,6 +63,14 @@ __all__ = (
 RETRY_FIRST = 1.0
 """Seconds before a principal's next spare after one failed; doubled per failure in a row."""
 RETRY_MAX = 60.0
+
+Kind = tuple[str, str]
+"""What a spare is for: (working folder, model) as a spawn resolves them, ``""`` the
+principal's default for either."""
+DEFAULT_KIND: Final[Kind] = ("", "")
+
+Targets = Mapping[str, Sequence[Kind]]
+"""The spares to keep: per eligible principal, its kinds (the default one first)."""
 
 H = TypeVar("H")
 """What the shell keeps with a spare (its process); opaque to the pool."""
@@ -138,6 +150,10 @@ class Spare(Generic[H]):
     reason: str = ""
     """Why it was discarded."""
 
+    @property
+    def kind(self) -> Kind:
+        return (self.cwd, self.model)
+
     def move(self, new: SpareState) -> None:
         if new is self.state:
             return
@@ -169,16 +185,19 @@ class SparePool(Generic[H]):
     def __contains__(self, session_id: object) -> bool:
         return session_id in self._spares
 
-    def wanted(self, principals: Iterable[str]) -> list[str]:
-        """One entry per spare to start now: the eligible principals short of
-        ``per_principal`` spares (starting ones count), once per missing spare;
+    def wanted(self, targets: Targets) -> list[tuple[str, Kind]]:
+        """One entry per spare to start now: each kind of each eligible principal short
+        of ``per_principal`` spares (starting ones count), once per missing spare;
         none for a principal whose last spare failed less than its pause ago."""
         now = self.clock()
-        out: list[str] = []
-        for name in principals:
+        out: list[tuple[str, Kind]] = []
+        for name, kinds in targets.items():
             if self._retry.get(name, (0.0, 0.0))[0] > now:
                 continue
-            out += [name] * max(0, self.per_principal - len(self.of(name)))
+            mine = self.of(name)
+            for kind in dict.fromkeys(kinds):
+                have = sum(1 for s in mine if s.kind == kind)
+                out += [(name, kind)] * max(0, self.per_principal - have)
         return out
 
     def failed(self, principal_id: str) -> float:
@@ -189,14 +208,14 @@ class SparePool(Generic[H]):
         self._retry[principal_id] = (self.clock() + pause, pause)
         return pause
 
-    def surplus(self, principals: Iterable[str]) -> list[Spare[H]]:
+    def surplus(self, targets: Targets) -> list[Spare[H]]:
         """Discard and return the spares nobody should have now: of a principal no
-        longer eligible, or past ``per_principal`` (the newest go first)."""
-        eligible = set(principals)
+        longer eligible or a kind no longer wanted, or past ``per_principal`` of a
+        kind (the newest go first)."""
         gone: list[Spare[H]] = []
-        for name in {s.principal_id for s in self._spares.values()}:
-            mine = sorted(self.of(name), key=lambda s: s.born)
-            keep = self.per_principal if name in eligible else 0
+        for name, kind in {(s.principal_id, s.kind) for s in self._spares.values()}:
+            mine = sorted((s for s in self.of(name) if s.kind == kind), key=lambda s: s.born)
+            keep = self.per_principal if kind in targets.get(name, ()) else 0
             gone += mine[keep:]
         for spare in gone:
             self.discard(spare, "not_wanted")

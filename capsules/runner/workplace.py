@@ -13,11 +13,12 @@ import re
 from pathlib import Path
 
 from capsules.runner.errors import SessionError
+from sage import config
 from sage.config import PrincipalConfig
 
 __all__ = ("MODEL_PATTERN", "chosen_model", "work_folder")
 
-MODEL_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\[\]-]{0,99}\Z")
+MODEL_PATTERN = re.compile(config.MODEL_PATTERN)
 """A model name: never a flag, never a path, at most 100 characters."""
 
 

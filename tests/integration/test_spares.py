@@ -350,3 +350,41 @@ async def test_a_spare_of_a_replaced_binary_is_discarded(tmp_path: Path) -> None
         assert reply["pid"] != pid
         await _gone(pid)
         assert '"reason": "stale"' in sage.daemon.log()
+
+
+async def test_a_spare_kind_serves_a_spawn_with_that_folder_and_model(tmp_path: Path) -> None:
+    """`spare_kinds` keep spares for another working folder and model; a spawn asking for
+    them takes one, a spawn asking for another pair starts cold; a kind the spawn would
+    refuse gets no spare (logged)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    kinds = (
+        f'work_roots = ["{tmp_path}"]\nmodels = ["claude-opus"]\n'
+        f'spare_kinds = [{{ cwd = "{work}", model = "claude-opus" }},'
+        ' { cwd = "/nowhere" }]\n'
+    )
+    extra = (
+        "[limits]\nstop_grace = 0.5\ninit_timeout = 5.0\n"
+        "[sessions]\nspares = 1\nspare_max_age = 600.0\n"
+    )
+    config = sage_config(FAKE_CLAUDE, {}, extra=extra, principal_extra=kinds)
+    async with running_sage(config, env=ENV) as sage:
+        spares = await ready_spares(sage, count=2)
+        assert len(spares) == 2  # the default kind and the work kind; not /nowhere
+        cwds = {sid: os.readlink(f"/proc/{pid}/cwd") for sid, pid in spares.items()}
+        (work_sid,) = [sid for sid, cwd in cwds.items() if cwd == str(work)]
+        (home,) = [cwd for sid, cwd in cwds.items() if sid != work_sid]
+        assert home.endswith("/homes/alice")  # the default kind: the home
+        reply = await sage.request(
+            "sage.v1.request.spawn",
+            {"principal_id": "alice", "cwd": str(work), "model": "claude-opus"},
+        )
+        assert reply["ok"], reply
+        assert reply["session_id"] == work_sid  # the kind's spare
+        reply = await sage.request(
+            "sage.v1.request.spawn", {"principal_id": "alice", "cwd": str(work)}
+        )
+        assert reply["ok"], reply
+        assert reply["session_id"] not in spares  # no spare of that pair: cold
+        assert "spare.kind_refused" in sage.daemon.log()
+        assert sage.daemon.log().count("spare.kind_refused") == 1  # once, not every look

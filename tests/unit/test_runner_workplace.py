@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from capsules.runner.errors import SessionError
@@ -92,3 +93,19 @@ def test_models_the_config_allows() -> None:
 def test_the_config_refuses_bad_roots_and_models(field: str, value: list[str]) -> None:
     with pytest.raises(ValueError, match=field):
         _principal(**{field: value})
+
+
+@pytest.mark.parametrize(
+    ("kinds", "error"),
+    [
+        ([{"cwd": "relative/dir"}], "is not an absolute path"),
+        ([{"model": "--dangerous"}], "is not a model name"),
+        ([{"cwd": "/srv"}] * 9, "spare_kinds"),
+        ([{"folder": "/srv"}], "folder"),
+    ],
+)
+def test_spare_kinds_are_checked_when_the_config_is_read(
+    kinds: list[dict[str, str]], error: str
+) -> None:
+    with pytest.raises(msgspec.ValidationError, match=error):
+        msgspec.convert({"name": "alice", "spare_kinds": kinds}, PrincipalConfig)

@@ -15,7 +15,9 @@ from capsules.runner.errors import IllegalTransition, SessionError
 from capsules.runner.mcp import McpServer
 from capsules.runner.spare_keeper import SpareHost
 from capsules.runner.spares import (
+    DEFAULT_KIND,
     RETRY_MAX,
+    Kind,
     Spare,
     SpareInputs,
     SparePool,
@@ -39,6 +41,15 @@ class Clock:
         return self.now
 
 
+def _default(*names: str) -> dict[str, list[Kind]]:
+    """Targets: each principal with the default kind only."""
+    return {name: [DEFAULT_KIND] for name in names}
+
+
+def _each(*names: str) -> list[tuple[str, Kind]]:
+    return [(name, DEFAULT_KIND) for name in names]
+
+
 def _pool(per_principal: int = 1, max_age: float = 60.0) -> tuple[SparePool[str], Clock]:
     clock = Clock()
     return SparePool(per_principal, max_age, clock), clock
@@ -51,7 +62,7 @@ def _spare(
         session_id=sid,
         claude_session=f"uuid-{sid}",
         principal_id=principal,
-        cwd=kw.get("cwd", "/home/alice"),
+        cwd=kw.get("cwd", ""),
         model=kw.get("model", ""),
         born=pool.clock(),
         handle=f"proc-{sid}",
@@ -64,9 +75,9 @@ def test_only_a_ready_spare_is_claimed() -> None:
     """A spare still starting (``initialize`` not answered) is not handed out."""
     pool, _ = _pool()
     spare = _spare(pool)
-    assert pool.claim("alice", "/home/alice", "") is None
+    assert pool.claim("alice", "", "") is None
     assert pool.ready(spare, INPUTS)
-    assert pool.claim("alice", "/home/alice", "") is spare
+    assert pool.claim("alice", "", "") is spare
     assert spare.state is SpareState.CLAIMED
 
 
@@ -76,10 +87,10 @@ def test_a_spare_is_used_once() -> None:
     pool, _ = _pool()
     spare = _spare(pool)
     pool.ready(spare, INPUTS)
-    assert pool.claim("alice", "/home/alice", "") is spare
-    assert pool.claim("alice", "/home/alice", "") is None
+    assert pool.claim("alice", "", "") is spare
+    assert pool.claim("alice", "", "") is None
     assert len(pool) == 0
-    assert pool.wanted(["alice"]) == ["alice"]
+    assert pool.wanted(_default("alice")) == _each("alice")
     assert not pool.discard(spare, "late")  # it is the session's now
     assert spare.state is SpareState.CLAIMED
 
@@ -129,7 +140,7 @@ def test_a_spare_past_max_age_is_not_claimed_and_expires() -> None:
     pool.ready(spare, INPUTS)
     assert pool.next_look() == 1060.0
     clock.now += 60.5
-    assert pool.claim("alice", "/home/alice", "") is None
+    assert pool.claim("alice", "", "") is None
     assert pool.expired() == [spare]
     assert spare.state is SpareState.DISCARDED
     assert spare.reason == "too_old"
@@ -152,22 +163,22 @@ def test_the_oldest_ready_spare_is_claimed_first() -> None:
     second = _spare(pool, "s2")
     pool.ready(second, INPUTS)
     pool.ready(first, INPUTS)
-    assert pool.claim("alice", "/home/alice", "") is first
+    assert pool.claim("alice", "", "") is first
 
 
 def test_wanted_bounds_spares_per_principal() -> None:
     """Starting and ready spares both count; each principal gets ``per_principal``."""
     pool, _ = _pool(per_principal=2)
-    assert pool.wanted(["alice", "bob"]) == ["alice", "alice", "bob", "bob"]
+    assert pool.wanted(_default("alice", "bob")) == _each("alice", "alice", "bob", "bob")
     _spare(pool, "s1")
     ready = _spare(pool, "s2", "bob")
     pool.ready(ready, INPUTS)
-    assert pool.wanted(["alice", "bob"]) == ["alice", "bob"]
+    assert pool.wanted(_default("alice", "bob")) == _each("alice", "bob")
     _spare(pool, "s3")
     _spare(pool, "s4", "bob")
-    assert pool.wanted(["alice", "bob"]) == []
+    assert pool.wanted(_default("alice", "bob")) == []
     pool.per_principal = 0
-    assert pool.wanted(["alice", "bob"]) == []
+    assert pool.wanted(_default("alice", "bob")) == []
 
 
 def test_stale_discards_a_principals_spares_only() -> None:
@@ -187,7 +198,7 @@ def test_a_discarded_spare_is_never_handed_out() -> None:
     assert pool.discard(spare, "died")
     assert not pool.discard(spare, "died")
     assert not pool.ready(spare, INPUTS)
-    assert pool.claim("alice", "/home/alice", "") is None
+    assert pool.claim("alice", "", "") is None
 
 
 def test_close_discards_everything() -> None:
@@ -204,7 +215,7 @@ def test_the_state_table_refuses_a_second_life() -> None:
     pool, _ = _pool()
     spare = _spare(pool)
     pool.ready(spare, INPUTS)
-    pool.claim("alice", "/home/alice", "")
+    pool.claim("alice", "", "")
     with pytest.raises(IllegalTransition):
         spare.move(SpareState.READY)
     again = Spare("s2", "u", "alice", "/", "", 0.0, "p")
@@ -258,10 +269,10 @@ def test_a_failed_start_pauses_that_principal_only() -> None:
     row up to a minute; other principals are not held up; a ready spare ends it."""
     pool, clock = _pool()
     assert pool.failed("alice") == 1.0
-    assert pool.wanted(["alice", "bob"]) == ["bob"]
+    assert pool.wanted(_default("alice", "bob")) == _each("bob")
     assert pool.next_look() == 1001.0
     clock.now += 1.0
-    assert pool.wanted(["alice"]) == ["alice"]
+    assert pool.wanted(_default("alice")) == _each("alice")
     assert [pool.failed("alice") for _ in range(8)] == [2, 4, 8, 16, 32, 60, 60, 60]
     assert RETRY_MAX == 60
     clock.now += 60.0
@@ -278,9 +289,9 @@ def test_surplus_drops_spares_nobody_should_have() -> None:
     clock.now += 1
     newer = [_spare(pool, "a2"), _spare(pool, "a3")]
     bob = _spare(pool, "b1", "bob")
-    assert pool.surplus(["alice", "bob"]) == []
+    assert pool.surplus(_default("alice", "bob")) == []
     pool.per_principal = 1
-    assert set(pool.surplus(["alice"])) == {*newer, bob}
+    assert set(pool.surplus(_default("alice"))) == {*newer, bob}
     assert pool.spares() == [old]
     assert bob.reason == "not_wanted"
 
@@ -306,3 +317,25 @@ async def test_an_untaken_spare_tells_nobody_and_may_do_nothing() -> None:
     with pytest.raises(SessionError) as caught:
         await host.hook_callback(proc, HookCallbackRequest(callback_id="hook_PreToolUse"))
     assert caught.value.code == "not_taken"
+
+
+def test_each_kind_has_its_own_spares() -> None:
+    """A principal's spare kinds (folder, model) are bounded one by one, a spawn takes
+    only a spare of its kind, and a kind no longer wanted loses its spares."""
+    pool, _ = _pool(per_principal=1)
+    work: Kind = ("/srv/work", "")
+    opus: Kind = ("", "claude-opus")
+    targets = {"alice": [DEFAULT_KIND, work, opus, work]}  # a kind named twice counts once
+    assert pool.wanted(targets) == [("alice", DEFAULT_KIND), ("alice", work), ("alice", opus)]
+    default = _spare(pool, "s1")
+    at_work = _spare(pool, "s2", cwd="/srv/work")
+    for spare in (default, at_work):
+        pool.ready(spare, INPUTS)
+    assert pool.wanted(targets) == [("alice", opus)]
+    assert pool.claim("alice", "", "claude-opus") is None  # none of that kind yet
+    assert pool.claim("alice", "/srv/work", "") is at_work
+    assert pool.claim("alice", "/srv/work", "") is None
+    _spare(pool, "s3", cwd="/srv/work")
+    gone = pool.surplus({"alice": [DEFAULT_KIND]})  # the work kind left the config
+    assert [s.session_id for s in gone] == ["s3"]
+    assert pool.spares() == [default]
