@@ -77,8 +77,15 @@ class LiveSlots:
             )
         waiter = _Waiter(session_id)
         self._waiters.append(waiter)
-        with anyio.move_on_after(within):
-            await waiter.event.wait()
+        try:
+            with anyio.move_on_after(within):
+                await waiter.event.wait()
+        except BaseException:  # cancelled: a slot granted meanwhile is nobody's
+            if waiter.granted:
+                self.give_back(session_id)
+            else:
+                self._waiters.remove(waiter)
+            raise
         if waiter.granted:
             return
         self._waiters.remove(waiter)

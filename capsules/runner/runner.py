@@ -566,14 +566,16 @@ class Runner:
                     return
                 resume, initial = True, None
         except anyio.get_cancelled_exc_class():
-            asleep = session.state in ASLEEP  # its record says hibernated already
+            # its record says hibernated already; a waking child has taken no turn yet
+            asleep = session.state in ASLEEP or session.state is SessionState.WAKING
             if session.may(SessionState.INTERRUPTED):
                 session.move(SessionState.INTERRUPTED)
             with anyio.CancelScope(shield=True), anyio.move_on_after(2):
-                if not asleep:
+                if asleep:  # the next supervisor finds it hibernated, whatever resume says
+                    session.record.state, session.record.pid = RecordState.HIBERNATED, None
+                else:
                     session.record.state = RecordState.INTERRUPTED
                     session.record.reason = EndReason.SUPERVISOR_SHUTDOWN.value
-                session.record.pid = None if asleep else session.record.pid
                 await self.save(session.record)
                 await self.scrub(session)
             self.sessions.remove(session)
