@@ -163,3 +163,57 @@ def test_the_password_is_in_no_log_and_no_argv(
                 continue
             for secret in cluster.passwords.values():
                 assert secret.encode() not in cmdline, entry
+
+
+def connected_index(cluster: NatsCluster, daemon: Daemon) -> int:
+    """Which server of the cluster the node is connected to, from its log."""
+    for line in reversed(daemon.log().splitlines()):
+        if '"fleet.connected"' in line or '"fleet.reconnected"' in line:
+            port = int(json.loads(line)["server"].rsplit(":", 1)[1])
+            return cluster.client_ports.index(port)
+    raise AssertionError(f"no fleet.connected line:\n{daemon.log()[-2000:]}")
+
+
+def test_a_node_whose_server_dies_reconnects_and_keeps_serving(
+    fleet: tuple[NatsCluster, dict[str, Daemon]],
+) -> None:
+    """The server node a is connected to dies: a logs the loss and the reconnection,
+    serves its socket meanwhile, and heartbeats on through another server."""
+    cluster, daemons = fleet
+    a = daemons["a"]
+    cluster.kill(connected_index(cluster, a))
+    assert a.status()["pid"] == a.proc.pid  # type: ignore[union-attr]
+    wait_for(lambda: '"fleet.reconnected"' in a.log(), 10.0, "a reconnects")
+    assert '"fleet.disconnected"' in a.log()
+    killed_at = time.time()
+
+    def beats_again() -> bool:
+        result = a.astrid("fleet", "status", "--json")  # the stream may elect a new leader
+        if result.returncode != 0:
+            return False
+        nodes = {n["node"]: n for n in json.loads(result.stdout)["nodes"]}
+        return bool(nodes["a"]["heartbeat_at"] > killed_at and nodes["a"]["state"] == "live")
+
+    wait_for(beats_again, 10.0, "a heartbeats again")
+
+
+def test_with_every_server_gone_the_node_serves_locally_and_resumes(
+    fleet: tuple[NatsCluster, dict[str, Daemon]],
+) -> None:
+    """All NATS servers down: the supervisor serves its socket, fleet status says the
+    bucket is unavailable, heartbeats fail once in the log; servers back: they resume."""
+    cluster, daemons = fleet
+    a = daemons["a"]
+    for index in range(cluster.size):
+        cluster.kill(index)
+    wait_for(lambda: '"fleet.heartbeat_failed"' in a.log(), 10.0, "a notes failed heartbeats")
+    assert a.status()["pid"] == a.proc.pid  # type: ignore[union-attr]
+    result = a.astrid("fleet", "status")
+    assert result.returncode == 1
+    assert result.stderr.startswith("astrid: fleet_unavailable: cannot read the sage_nodes bucket")
+    assert a.log().count('"fleet.heartbeat_failed"') == 1
+    for index in range(cluster.size):
+        cluster.launch(index)
+    cluster.wait_meta_leader()
+    wait_for(lambda: '"fleet.heartbeat_resumed"' in a.log(), 20.0, "a heartbeats again")
+    assert set(states(a).values()) == {"live"}
