@@ -23,6 +23,7 @@ import anyio
 import anyio.abc
 import msgspec
 import structlog
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from bus import (
     Acl,
@@ -419,7 +420,9 @@ class Supervisor:
             self.notifier.close()
             log.info("supervisor.stopped")
 
-    async def _open_and_serve(self, key: Any, task_status: anyio.abc.TaskStatus[None]) -> None:
+    async def _open_and_serve(
+        self, key: Ed25519PrivateKey, task_status: anyio.abc.TaskStatus[None]
+    ) -> None:
         config = self.config
         async with (
             StateStore.open(config.state_db_path) as state,

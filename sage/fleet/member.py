@@ -209,7 +209,7 @@ class FleetMember:
 
 
 async def _connect(config: FleetConfig, path_of: Callable[[str], Path]) -> Nats:
-    import nats
+    from nats.aio.client import Client
 
     password = (
         _read_secret(path_of(config.password_file), "password file")
@@ -240,7 +240,7 @@ async def _connect(config: FleetConfig, path_of: Callable[[str], Path]) -> Nats:
         where = nc.connected_url
         log.info("fleet.reconnected", node=config.node, server=where.netloc if where else "")
 
-    nc = nats.NATS()
+    nc = Client()
     options: dict[str, Any] = {
         "servers": config.urls,
         "name": f"sage:{config.node}",

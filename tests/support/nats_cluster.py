@@ -79,7 +79,7 @@ class NatsCluster:
         return path
 
     def _config(self, index: int) -> str:
-        users = [{"user": ADMIN, "password": self.admin_password}]
+        users: list[dict[str, object]] = [{"user": ADMIN, "password": self.admin_password}]
         for node in self.nodes:
             users.append(
                 {
