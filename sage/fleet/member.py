@@ -222,6 +222,7 @@ async def _connect(config: FleetConfig, path_of: Callable[[str], Path]) -> Nats:
     refused: list[BaseException] = []
     last: list[BaseException] = []
     auth_refused = anyio.Event()
+    down = False  # each failed reconnect attempt is an error: one warning per outage
 
     async def on_error(exc: Exception) -> None:
         if connecting:
@@ -230,13 +231,19 @@ async def _connect(config: FleetConfig, path_of: Callable[[str], Path]) -> Nats:
                 refused.append(exc)
                 auth_refused.set()
             return
-        log.warning("fleet.nats_error", node=config.node, error=_describe(exc))
+        (log.debug if down else log.warning)(
+            "fleet.nats_error", node=config.node, error=_describe(exc)
+        )
 
     async def on_disconnected() -> None:
-        if not connecting:
+        nonlocal down
+        if not connecting and not down:
             log.warning("fleet.disconnected", node=config.node)
+        down = not connecting
 
     async def on_reconnected() -> None:
+        nonlocal down
+        down = False
         where = nc.connected_url
         log.info("fleet.reconnected", node=config.node, server=where.netloc if where else "")
 

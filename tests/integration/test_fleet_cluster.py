@@ -212,6 +212,9 @@ def test_with_every_server_gone_the_node_serves_locally_and_resumes(
     assert result.returncode == 1
     assert result.stderr.startswith("astrid: fleet_unavailable: cannot read the sage_nodes bucket")
     assert a.log().count('"fleet.heartbeat_failed"') == 1
+    # every failed reconnect attempt (two a second) is not a warning of its own
+    assert a.log().count('"fleet.disconnected"') == 1
+    assert a.log().count('"fleet.nats_error"') <= 2, a.log()[-3000:]
     for index in range(cluster.size):
         cluster.launch(index)
     cluster.wait_meta_leader()
