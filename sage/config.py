@@ -350,6 +350,9 @@ class FleetConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     password_file: str = ""
     """File holding the node user's password (0600, ours; one line). Empty: connect
     without a password (a server without authorization: for trying only)."""
+    nkey_seed: str = ""
+    """Instead of a password: file holding the node's NKey seed (``SU...``, 0600, ours);
+    the server's entry names its public key (``astrid fleet permissions --nkey``)."""
     ca: str = ""
     """CA bundle that signs the servers' TLS certificates; set: TLS is required."""
     cert: str = ""
@@ -381,6 +384,10 @@ class FleetConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
             _check_nats_url(url)
         if self.user and not re.match(r"^[A-Za-z0-9_.@-]{1,128}\Z", self.user):
             raise ValueError(f"fleet.user: {self.user!r} is not a NATS user name")
+        if self.nkey_seed and (self.password_file or self.user):
+            raise ValueError(
+                "fleet.nkey_seed: an NKey names the node by its key; drop user and password_file"
+            )
         if bool(self.cert) != bool(self.key):
             raise ValueError("fleet.cert and fleet.key: give both or neither")
         if self.lost_after <= self.heartbeat:

@@ -45,6 +45,9 @@ def register(sub: Any) -> None:
     )
     permissions.add_argument("--node", required=True, help="the node's name ([fleet] node)")
     permissions.add_argument("--user", default="", help="its NATS user (default: the node name)")
+    permissions.add_argument(
+        "--nkey", default="", help="its NKey's public key (U...), for a node with [fleet] nkey_seed"
+    )
     permissions.add_argument("--json", action="store_true", help="only the permissions, as JSON")
     permissions.set_defaults(handler=_permissions)
 
@@ -83,8 +86,14 @@ def _permissions(args: argparse.Namespace) -> int:
         )
     if args.user and not re.match(r"^[A-Za-z0-9_.@-]{1,128}\Z", args.user):
         raise SageError(f"--user: {args.user!r} is not a NATS user name", code="bad_user_name")
+    if args.nkey and not re.match(r"^U[A-Z2-7]{55}\Z", args.nkey):
+        raise SageError(
+            f"--nkey: {args.nkey!r} is not a user's public NKey (U...)", code="bad_nkey"
+        )
+    if args.nkey and args.user:
+        raise SageError("--nkey and --user: an NKey user has no name; give one", code="bad_nkey")
     if args.json:
         print_json(node_permissions(args.node))
         return 0
-    print(server_block(args.node, args.user or args.node))
+    print(server_block(args.node, args.user or args.node, args.nkey))
     return 0

@@ -1,15 +1,15 @@
 """A supervisor as a node of a fleet: its NATS connection, the bucket, its heartbeats.
 
 The thin async shell around :mod:`sage.fleet.nodes`.  :func:`join` connects to
-NATS (nats-py) as the node's own user (the password read from a 0600 file,
-never from the config text or argv), opens the ``sage_nodes`` key-value bucket
-(creating it when it is not there) and writes the node's first heartbeat;
-failing any of these, the supervisor does not start: NATS unreachable within
-``connect_timeout`` is :class:`FleetUnreachable` naming the URLs, a refused
-user or password is :class:`FleetAuthFailed`.  After that a lost connection is
-retried for ever by nats-py while the node goes on serving its local sessions;
-heartbeats that fail meanwhile are logged once, and again when they resume.
-On leaving, the node writes a last record saying it stopped.
+NATS (nats-py) as the node's own user (its password, or its NKey seed, read from
+a 0600 file, never from the config text or argv), opens the ``sage_nodes``
+key-value bucket (creating it when it is not there) and writes the node's first
+heartbeat; failing any of these, the supervisor does not start: NATS unreachable
+within ``connect_timeout`` is :class:`FleetUnreachable` naming the URLs, a
+refused user, password or key is :class:`FleetAuthFailed`.  After that a lost
+connection is retried for ever by nats-py while the node goes on serving its
+local sessions; heartbeats that fail meanwhile are logged once, and again when
+they resume.  On leaving, the node writes a last record saying it stopped.
 
 nats-py is imported only here, and only when ``[fleet]`` is set: a single host
 runs without it.
@@ -104,6 +104,27 @@ def _read_secret(path: Path, what: str) -> str:
     if not text or "\n" in text:
         raise error(f"{path}: the {what} must hold one non-empty line")
     return text
+
+
+def _nkey_seed(path: Path) -> str:
+    """The seed in ``path``, checked to be a user's NKey seed (never echoed)."""
+    import nkeys
+
+    seed = _read_secret(path, "NKey seed file")
+    try:
+        pair = nkeys.from_seed(bytearray(seed.encode()))
+        public = pair.public_key.decode()
+        pair.wipe()
+    except Exception:  # nkeys raises its own errors, and binascii's, for a bad seed
+        raise FleetError(
+            f"fleet: {path}: not an NKey seed", code="fleet_credentials_invalid"
+        ) from None
+    if not public.startswith("U"):
+        raise FleetError(
+            f"fleet: {path}: the NKey seed is not a user's (its key is {public[:1]}...)",
+            code="fleet_credentials_invalid",
+        )
+    return seed
 
 
 def _tls_context(config: FleetConfig, path_of: Callable[[str], Path]) -> ssl.SSLContext | None:
@@ -216,6 +237,7 @@ async def _connect(config: FleetConfig, path_of: Callable[[str], Path]) -> Nats:
         if config.password_file
         else None
     )
+    seed = _nkey_seed(path_of(config.nkey_seed)) if config.nkey_seed else None
     tls = _tls_context(config, path_of)
     urls = ", ".join(config.urls)
     connecting = True
@@ -262,6 +284,8 @@ async def _connect(config: FleetConfig, path_of: Callable[[str], Path]) -> Nats:
         "reconnect_time_wait": 0.5,
         "connect_timeout": max(1, min(5, int(config.connect_timeout))),
     }
+    if seed is not None:
+        options["nkeys_seed_str"] = seed
     if tls is not None:
         options["tls"] = tls
     async with anyio.create_task_group() as tg:
@@ -281,10 +305,12 @@ async def _connect(config: FleetConfig, path_of: Callable[[str], Path]) -> Nats:
     with anyio.move_on_after(1.0, shield=True), contextlib.suppress(Exception):
         await nc.close()
     if refused:
-        raise FleetAuthFailed(
-            f"fleet: NATS at {urls} refused user {config.user_name!r}: wrong user or password"
-            f" ({_describe(refused[0])})"
+        who = (
+            f"the NKey of {config.nkey_seed}: a key its servers do not know"
+            if seed is not None
+            else f"user {config.user_name!r}: wrong user or password"
         )
+        raise FleetAuthFailed(f"fleet: NATS at {urls} refused {who} ({_describe(refused[0])})")
     why = f": {_describe(last[0])}" if last else ""
     raise FleetUnreachable(
         f"fleet: cannot reach NATS at {urls} within {config.connect_timeout:g} s{why}"

@@ -48,13 +48,16 @@ def node_permissions(node: str) -> dict[str, Any]:
     }
 
 
-def server_block(node: str, user: str) -> str:
+def server_block(node: str, user: str, nkey: str = "") -> str:
     """A user entry for the server's ``authorization { users = [...] }``.
 
-    The password is not in it: ``$<VAR>`` makes the server read it from its own
-    environment (a bcrypt hash from ``nats server passwd`` is the better value)."""
+    With ``nkey`` (the node's public key, ``U...``) the entry names the key and
+    holds no secret at all; else the password is not in it either: ``$<VAR>``
+    makes the server read it from its own environment (a bcrypt hash from
+    ``nats server passwd`` is the better value)."""
     perms = node_permissions(node)
     variable = "SAGE_NODE_" + "".join(c if c.isalnum() else "_" for c in node).upper()
+    who = [f'  nkey: "{nkey}"'] if nkey else [f'  user: "{user}"', f"  password: ${variable}"]
 
     def items(values: list[str]) -> str:
         return ", ".join(f'"{value}"' for value in values)
@@ -63,8 +66,7 @@ def server_block(node: str, user: str) -> str:
         [
             f"# sage fleet node {node!r}: heartbeats in the {BUCKET} bucket, nothing else",
             "{",
-            f'  user: "{user}"',
-            f"  password: ${variable}",
+            *who,
             "  permissions: {",
             f"    publish: {{ allow: [{items(perms['publish']['allow'])}] }}",
             f"    subscribe: {{ allow: [{items(perms['subscribe']['allow'])}] }}",
