@@ -18,22 +18,25 @@ from nats.js.errors import KeyNotFoundError
 from sage.fleet.nodes import NodeRecord
 from sage.fleet.permissions import BUCKET, inbox_prefix
 from tests.support.daemon import ASTRID, Daemon, short_dir
-from tests.support.nats_cluster import ADMIN, NatsCluster, free_port
+from tests.support.nats_cluster import ADMIN, NatsCluster, free_port, new_user_seed
 
 NODES = ["a", "b"]
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[NatsCluster]:
-    with NatsCluster(NODES) as running:
+    with NatsCluster(NODES, nkey_nodes=("k",)) as running:
         yield running
 
 
-def section(urls: list[str], node: str, password_file: str, timeout: float = 5.0) -> str:
+def section(
+    urls: list[str], node: str, password_file: str, timeout: float = 5.0, *, key: str = ""
+) -> str:
     quoted = ", ".join(f'"{url}"' for url in urls)
+    secret = f'nkey_seed = "{key}"' if key else f'password_file = "{password_file}"'
     return (
         'capsules = ["echo"]\n[fleet]\n'
-        f'url = [{quoted}]\nnode = "{node}"\npassword_file = "{password_file}"\n'
+        f'url = [{quoted}]\nnode = "{node}"\n{secret}\n'
         f"heartbeat = 0.5\nlost_after = 2.0\nconnect_timeout = {timeout}\nreplicas = 3\n"
     )
 
@@ -198,3 +201,50 @@ async def test_a_malformed_record_is_ignored_and_logged(cluster: NatsCluster) ->
         assert '"key": "zz"' in log
     finally:
         assert daemon.stop() == 0
+
+
+def test_a_node_with_an_nkey_joins_and_its_seed_is_in_no_log(cluster: NatsCluster) -> None:
+    """[fleet] nkey_seed: the node signs in with its NKey (the server knows only the
+    public key), heartbeats, and its seed is in neither its log nor its argv."""
+    daemon = Daemon(
+        short_dir(), section(cluster.urls, "k", "", key=str(cluster.seed_file("k")))
+    ).start()
+    try:
+        result = daemon.astrid("fleet", "status", "--json")
+        assert result.returncode == 0, result.stderr
+        nodes = {n["node"]: n["state"] for n in json.loads(result.stdout)["nodes"]}
+        assert nodes["k"] == "live"
+        assert daemon.proc is not None
+        with open(f"/proc/{daemon.proc.pid}/cmdline", "rb") as file:
+            assert cluster.seeds["k"].encode() not in file.read()
+    finally:
+        assert daemon.stop() == 0
+    assert cluster.seeds["k"] not in daemon.log()
+    assert '"fleet.joined"' in daemon.log()
+
+
+def test_an_nkey_the_servers_do_not_know_is_refused(cluster: NatsCluster) -> None:
+    """A valid seed whose public key is in no server's users: fleet_auth_failed's line."""
+    root = short_dir()
+    stranger = root / "stranger.nk"
+    seed = new_user_seed()
+    stranger.write_text(seed + "\n")
+    stranger.chmod(0o600)
+    result = refused_start(Daemon(root, section(cluster.urls, "k", "", key=str(stranger))))
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert f"refused the NKey of {stranger}: a key its servers do not know" in last, last
+    assert seed not in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_file_that_is_no_nkey_seed_is_refused_unechoed(cluster: NatsCluster) -> None:
+    """A seed file holding something else ends start-up; its content is not printed."""
+    root = short_dir()
+    bogus = root / "bogus.nk"
+    bogus.write_text("SUnot-a-seed-but-maybe-a-secret-7781\n")
+    bogus.chmod(0o600)
+    result = refused_start(Daemon(root, section(cluster.urls, "k", "", key=str(bogus))))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == f"astrid: fleet: {bogus}: not an NKey seed"
+    assert "maybe-a-secret" not in result.stderr

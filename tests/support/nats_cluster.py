@@ -32,7 +32,7 @@ from types import TracebackType
 from sage.fleet.permissions import node_permissions
 from sage.process import tie_to_parent
 
-__all__ = ("NatsCluster", "free_port", "nats_server_binary")
+__all__ = ("NatsCluster", "free_port", "nats_server_binary", "new_user_seed", "public_key")
 
 ADMIN = "admin"
 
@@ -52,14 +52,34 @@ def free_port() -> int:
         return port
 
 
+def new_user_seed() -> str:
+    """A fresh NKey seed of a user (``SU...``)."""
+    import nkeys
+
+    seed: bytes = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+    return seed.decode()
+
+
+def public_key(seed: str) -> str:
+    """The public key (``U...``) of a user's NKey seed."""
+    import nkeys
+
+    key: bytes = nkeys.from_seed(bytearray(seed.encode())).public_key
+    return key.decode()
+
+
 class NatsCluster:
     """Three clustered servers; ``passwords[node]`` is each node user's password."""
 
-    def __init__(self, nodes: list[str], *, size: int = 3) -> None:
+    def __init__(
+        self, nodes: list[str], *, nkey_nodes: tuple[str, ...] = (), size: int = 3
+    ) -> None:
         self.nodes = nodes
+        self.nkey_nodes = list(nkey_nodes)
         self.size = size
         self.root = Path(tempfile.mkdtemp(prefix="natsc", dir="/tmp"))
         self.passwords = {node: secrets.token_hex(16) for node in nodes}
+        self.seeds = {node: new_user_seed() for node in self.nkey_nodes}
         self.admin_password = secrets.token_hex(16)
         self.client_ports = [free_port() for _ in range(size)]
         self.route_ports = [free_port() for _ in range(size)]
@@ -78,6 +98,14 @@ class NatsCluster:
             path.chmod(0o600)
         return path
 
+    def seed_file(self, node: str) -> Path:
+        """A 0600 file holding ``node``'s NKey seed (a node of ``nkey_nodes``)."""
+        path = self.root / f"{node}.nk"
+        if not path.exists():
+            path.write_text(self.seeds[node] + "\n")
+            path.chmod(0o600)
+        return path
+
     def _config(self, index: int) -> str:
         users: list[dict[str, object]] = [{"user": ADMIN, "password": self.admin_password}]
         for node in self.nodes:
@@ -87,6 +115,10 @@ class NatsCluster:
                     "password": self.passwords[node],
                     "permissions": node_permissions(node),
                 }
+            )
+        for node in self.nkey_nodes:
+            users.append(
+                {"nkey": public_key(self.seeds[node]), "permissions": node_permissions(node)}
             )
         routes = [
             f"nats-route://127.0.0.1:{port}"

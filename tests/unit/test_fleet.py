@@ -76,6 +76,10 @@ def test_fleet_paths_resolve_against_the_config_file() -> None:
         (GOOD + "replicas = 7\n", "fleet.replicas: Expected `int` <= 5"),
         (GOOD + 'password = "x"\n', "fleet: Object contains unknown field `password`"),
         (GOOD + 'user = "a b"\n', "is not a NATS user name"),
+        (
+            GOOD + 'nkey_seed = "a.nk"\npassword_file = "a.pw"\n',
+            "fleet.nkey_seed: an NKey names the node by its key; drop user and password_file",
+        ),
     ],
 )
 def test_a_bad_fleet_section_is_one_clear_line(text: str, expected: str) -> None:
@@ -251,3 +255,15 @@ def test_permissions_refuse_a_bad_node_name(capsys: pytest.CaptureFixture[str]) 
     """A name that is not a subject token (a wildcard) is refused, not printed."""
     assert main(["fleet", "permissions", "--node", ">"]) == 1
     assert "is not a node name" in capsys.readouterr().err
+
+
+def test_an_nkey_entry_names_the_public_key_only(capsys: pytest.CaptureFixture[str]) -> None:
+    """--nkey: the entry is `nkey: "U..."` with no user and no password line."""
+    public = "U" + "A" * 55
+    assert main(["fleet", "permissions", "--node", "k", "--nkey", public]) == 0
+    out = capsys.readouterr().out
+    assert f'  nkey: "{public}"' in out
+    assert "user:" not in out
+    assert "password" not in out
+    assert main(["fleet", "permissions", "--node", "k", "--nkey", "SUAAAA"]) == 1
+    assert "is not a user's public NKey" in capsys.readouterr().err
