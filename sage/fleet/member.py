@@ -92,17 +92,26 @@ def _describe(exc: BaseException) -> str:
     return text.splitlines()[0][:300]
 
 
-def _read_secret(path: Path, what: str) -> str:
+def _read_private(path: Path, what: str) -> bytes:
+    """``path``'s bytes, if it is ours and 0600 (a FleetError naming the file if not)."""
+
     def error(message: str) -> SageError:
         return FleetError(f"fleet: {message}", code="fleet_credentials_invalid")
 
     try:
-        data = read_private(path, what=what, error=error, limit=4096)
+        return read_private(path, what=what, error=error, limit=64 * 1024)
     except FileNotFoundError:
         raise error(f"{path}: no such {what}") from None
-    text = data.decode(errors="replace").strip()
+
+
+def _read_secret(path: Path, what: str) -> str:
+    """The one line of a password or seed file (ours, 0600)."""
+    text = _read_private(path, what).decode(errors="replace").strip()
     if not text or "\n" in text:
-        raise error(f"{path}: the {what} must hold one non-empty line")
+        raise FleetError(
+            f"fleet: {path}: the {what} must hold one non-empty line",
+            code="fleet_credentials_invalid",
+        )
     return text
 
 
@@ -135,7 +144,7 @@ def _tls_context(config: FleetConfig, path_of: Callable[[str], Path]) -> ssl.SSL
         context = ssl.create_default_context(cafile=str(path_of(config.ca)) if config.ca else None)
         if config.cert:
             key = path_of(config.key)
-            _read_secret(key, "TLS key file")  # its mode and owner, before ssl reads it
+            _read_private(key, "TLS key file")  # its mode and owner, before ssl reads it
             context.load_cert_chain(str(path_of(config.cert)), str(key))
     except (OSError, ssl.SSLError) as exc:
         raise FleetError(f"fleet: TLS files: {_describe(exc)}", code="fleet_tls_invalid") from exc
@@ -311,6 +320,11 @@ async def _connect(config: FleetConfig, path_of: Callable[[str], Path]) -> Nats:
             else f"user {config.user_name!r}: wrong user or password"
         )
         raise FleetAuthFailed(f"fleet: NATS at {urls} refused {who} ({_describe(refused[0])})")
+    if last and isinstance(last[0], ssl.SSLError):
+        raise FleetError(
+            f"fleet: TLS with NATS at {urls} failed: {_describe(last[0])}",
+            code="fleet_tls_failed",
+        )
     why = f": {_describe(last[0])}" if last else ""
     raise FleetUnreachable(
         f"fleet: cannot reach NATS at {urls} within {config.connect_timeout:g} s{why}"

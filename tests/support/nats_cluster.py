@@ -31,6 +31,7 @@ from types import TracebackType
 
 from sage.fleet.permissions import node_permissions
 from sage.process import tie_to_parent
+from tests.support.tls_files import TlsFiles
 
 __all__ = ("NatsCluster", "free_port", "nats_server_binary", "new_user_seed", "public_key")
 
@@ -72,8 +73,15 @@ class NatsCluster:
     """Three clustered servers; ``passwords[node]`` is each node user's password."""
 
     def __init__(
-        self, nodes: list[str], *, nkey_nodes: tuple[str, ...] = (), size: int = 3
+        self,
+        nodes: list[str],
+        *,
+        nkey_nodes: tuple[str, ...] = (),
+        size: int = 3,
+        tls: TlsFiles | None = None,
     ) -> None:
+        self.tls = tls
+        """Client connections need TLS with a client certificate of this CA (``verify``)."""
         self.nodes = nodes
         self.nkey_nodes = list(nkey_nodes)
         self.size = size
@@ -145,9 +153,20 @@ class NatsCluster:
                     "routes": routes,
                 },
                 "authorization": {"users": users},
+                **({"tls": self._tls_block()} if self.tls is not None else {}),
             },
             indent=1,
         )
+
+    def _tls_block(self) -> dict[str, object]:
+        assert self.tls is not None
+        return {
+            "cert_file": str(self.tls.server_cert),
+            "key_file": str(self.tls.server_key),
+            "ca_file": str(self.tls.ca),
+            "verify": True,
+            "timeout": 2,
+        }
 
     def launch(self, index: int) -> None:
         conf = self.root / f"n{index}.conf"
