@@ -54,7 +54,7 @@ __all__ = (
 log = structlog.get_logger("sage.fleet")
 
 STATUS_TOPIC = "sage.v1.request.fleet.status"
-LEAVE_DEADLINE = 2.0  # seconds the last record and the close may take at stop
+LEAVE_STEP = 1.0  # seconds the last record may take at stop, and then the close
 
 
 class FleetError(SageError):
@@ -231,10 +231,11 @@ class FleetMember:
         return table.verdicts(time.time() if now is None else now)
 
     async def leave(self) -> None:
-        """Say this node stopped (best effort), then close the connection."""
-        with contextlib.suppress(Exception):
+        """Say this node stopped (best effort, NATS may be gone), then close the connection;
+        each step within LEAVE_STEP seconds."""
+        with anyio.move_on_after(LEAVE_STEP), contextlib.suppress(Exception):
             await self._kv.put(self.node, self.record(stopped=True).encode())
-        with contextlib.suppress(Exception):
+        with anyio.move_on_after(LEAVE_STEP), contextlib.suppress(Exception):
             await self._nc.close()
 
 
@@ -382,7 +383,7 @@ async def join(
     try:
         yield member
     finally:
-        with anyio.move_on_after(LEAVE_DEADLINE, shield=True):
+        with anyio.CancelScope(shield=True):  # a stop cancels the node: it still says so
             await member.leave()
         log.info("fleet.left", node=config.node)
 

@@ -220,3 +220,19 @@ def test_with_every_server_gone_the_node_serves_locally_and_resumes(
     cluster.wait_meta_leader()
     wait_for(lambda: '"fleet.heartbeat_resumed"' in a.log(), 20.0, "a heartbeats again")
     assert set(states(a).values()) == {"live"}
+
+
+def test_a_node_stops_cleanly_with_every_server_gone(
+    fleet: tuple[NatsCluster, dict[str, Daemon]],
+) -> None:
+    """SIGTERM while NATS is unreachable: the node's last record cannot be stored, and it
+    stops all the same, at once and with exit 0."""
+    cluster, daemons = fleet
+    for index in range(cluster.size):
+        cluster.kill(index)
+    a = daemons["a"]
+    wait_for(lambda: '"fleet.disconnected"' in a.log(), 5.0, "a sees NATS gone")
+    t0 = time.monotonic()
+    assert a.stop() == 0
+    assert time.monotonic() - t0 < 4.0
+    assert '"fleet.left"' in a.log()
