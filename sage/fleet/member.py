@@ -166,6 +166,11 @@ class FleetMember:
         self._failing = False
         self.beats = 0
 
+    @property
+    def connected(self) -> bool:
+        """Whether the NATS connection is up now (nats-py reconnects on its own)."""
+        return bool(self._nc.is_connected)
+
     def record(self, *, stopped: bool = False) -> NodeRecord:
         return NodeRecord(
             node=self.node,
@@ -393,6 +398,10 @@ async def status_reply(member: FleetMember | None, deadline: float = 3.0) -> dic
     if member is None:
         return replies.from_error(
             NotInFleet("this supervisor is not in a fleet (its config has no [fleet])")
+        )
+    if not member.connected:
+        return replies.error(
+            "fleet_unavailable", f"cannot read the {BUCKET} bucket now: NATS is not connected"
         )
     try:
         with anyio.fail_after(deadline):

@@ -30,7 +30,7 @@ def section(cluster: NatsCluster, **tls: Path) -> str:
         f"url = [{urls}]",
         'node = "a"',
         f'password_file = "{cluster.password_file("a")}"',
-        "connect_timeout = 2.0",
+        "connect_timeout = 1.0",
         "replicas = 3",
         *(f'{key} = "{value}"' for key, value in tls.items()),
     ]

@@ -200,8 +200,11 @@ async def test_status_reads_past_a_malformed_record_and_logs_it() -> None:
             assert subjects_filter == f"$KV.{BUCKET}.>"
             return Info()
 
+    class Connection:
+        is_connected = True
+
     member = FleetMember(
-        nc=None,  # type: ignore[arg-type]
+        nc=Connection(),  # type: ignore[arg-type]
         js=Js(),  # type: ignore[arg-type]
         kv=Bucket(),  # type: ignore[arg-type]
         config=FleetConfig(url="nats://x", node="a"),
