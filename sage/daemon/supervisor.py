@@ -1,6 +1,7 @@
 """The supervisor: boots the parts of sage, serves until told to stop, stops them in order.
 
-Start-up order: state folder (0700), state store, audit log, bus, socket server, the
+Start-up order: state folder (0700), with ``[fleet]`` joining the fleet (sage/fleet:
+a node that cannot join does not start), state store, audit log, bus, socket server, the
 audit sink (every envelope on ``*.v1.audit.>`` is appended), the status
 responder, capsules (in-process, or child processes for ``[worker]``
 manifests: sage.daemon.workers).  Readiness is reported through ``task_status.started()``
@@ -12,6 +13,7 @@ keeps the running config when the new file is bad.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -22,6 +24,7 @@ import anyio
 import anyio.abc
 import msgspec
 import structlog
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from bus import (
     Acl,
@@ -48,6 +51,8 @@ from sage.daemon.sdnotify import Notifier, watchdog_interval
 from sage.daemon.state import StateStore
 from sage.daemon.workers import WorkerRunner, WorkerSandbox, capsule_uids
 from sage.errors import AuditError, ConfigError, SageError
+from sage.fleet import STATUS_TOPIC as FLEET_STATUS_TOPIC
+from sage.fleet import FleetMember, join, status_reply
 from sage.security.denials import DenialLimiter
 from sage.security.runas import SessionUids, access_group
 from sage.security.runas import enabled as runs_children_as_principals
@@ -252,6 +257,8 @@ class Supervisor:
         self.state: StateStore | None = None
         """Records that outlive the supervisor (sessions, settings, tokens: later issues)."""
         self.started_at = 0.0
+        self.fleet: FleetMember | None = None
+        """This node's membership of a fleet (``[fleet]``), once joined; None: a single host."""
         self.notifier = Notifier()
         self.reloads = 0
         self.session_uids = SessionUids(config)
@@ -403,17 +410,28 @@ class Supervisor:
         self.started_at = time.time()
         try:
             with anyio.CancelScope() as self._outer:
-                async with (
-                    StateStore.open(config.state_db_path) as state,
-                    AuditLog.open(config.audit_path, key, config.audit) as audit,
-                ):
-                    self.state = state
-                    self.audit = audit
-                    await self._serve(audit, task_status)
+                async with contextlib.AsyncExitStack() as fleet:
+                    if config.fleet is not None:  # refused (FleetError): no start
+                        self.fleet = await fleet.enter_async_context(
+                            join(config.fleet, config.path_of, started_at=self.started_at)
+                        )
+                    await self._open_and_serve(key, task_status)
         finally:
             self.bus.close()
             self.notifier.close()
             log.info("supervisor.stopped")
+
+    async def _open_and_serve(
+        self, key: Ed25519PrivateKey, task_status: anyio.abc.TaskStatus[None]
+    ) -> None:
+        config = self.config
+        async with (
+            StateStore.open(config.state_db_path) as state,
+            AuditLog.open(config.audit_path, key, config.audit) as audit,
+        ):
+            self.state = state
+            self.audit = audit
+            await self._serve(audit, task_status)
 
     async def _serve(self, audit: AuditLog, task_status: anyio.abc.TaskStatus[None]) -> None:
         config = self.config
@@ -448,6 +466,10 @@ class Supervisor:
                     tg.start_soon(self._answer_status, status)
                     changes = self.bus.subscribe(CAPSULE_REQUESTS, self.identity)
                     tg.start_soon(self._answer_capsule_requests, changes)
+                    fleet_status = self.bus.subscribe(FLEET_STATUS_TOPIC, self.identity)
+                    tg.start_soon(self._answer_fleet_status, fleet_status)
+                    if self.fleet is not None:
+                        tg.start_soon(self.fleet.beat_every)
                     self.capsules.start_all(tg)
                     with anyio.move_on_after(CAPSULE_READY_TIMEOUT):
                         for capsule in self.capsules.runners:
@@ -528,6 +550,7 @@ class Supervisor:
                 ("supervisor.socket", old.supervisor.socket, new.supervisor.socket),
                 ("supervisor.capsules", old.supervisor.capsules, new.supervisor.capsules),
                 ("claude.binary", old.claude.binary, new.claude.binary),
+                ("fleet", old.fleet, new.fleet),
                 (
                     "sessions.uid_base / uid_count",
                     (old.sessions.uid_base, old.sessions.uid_count),
@@ -545,6 +568,7 @@ class Supervisor:
         new = msgspec.structs.replace(
             new,
             base_dir=old.base_dir,
+            fleet=old.fleet,
             socket=old.socket,
             audit=old.audit,
             sessions=msgspec.structs.replace(
@@ -630,6 +654,13 @@ class Supervisor:
         async for request in requests:
             reply = await self.capsules.answer(request)
             if request.reply_to:
+                self.bus.reply(self.identity, request.reply_to, reply)
+
+    async def _answer_fleet_status(self, requests: Any) -> None:
+        """``sage.v1.request.fleet.status``: the nodes of the fleet (sage/fleet/)."""
+        async for request in requests:
+            if request.reply_to:
+                reply = await status_reply(self.fleet)
                 self.bus.reply(self.identity, request.reply_to, reply)
 
     async def _answer_status(self, requests: Any) -> None:

@@ -77,9 +77,14 @@ USERS = {"alice": "alice", "alice_emit": "alice", "bob": "bob"}
 """Actors the broker treats as users (a principal and an ACL), and their principals."""
 SEALED = frozenset({"sage.v1.request.install"})
 """Topics the bus delivers in-process only (docs/security.md, The secret store)."""
-ANSWERED_IN_PROCESS = ("sage.v1.request.status", "sage.v1.request.capsule.*")
+ANSWERED_IN_PROCESS = (
+    "sage.v1.request.status",
+    "sage.v1.request.capsule.*",
+    "sage.v1.request.fleet.status",
+)
 """Patterns of the requests the supervisor itself answers (no capsule runs in this test):
-the status, and every ``capsule.<verb>`` (an unknown verb is answered ``unknown_request``)."""
+the status, the fleet status, and every ``capsule.<verb>`` (an unknown verb is answered
+``unknown_request``)."""
 PROBE_MODULE = "tests.integration.test_authz_matrix"
 EXTRA_TOPICS = ("demo.v1.audit.x1",)
 """Not in docs/topics.md as a v1 topic: ``demo.>`` (Free topics) covering an audit topic."""

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from sage.cli import main
-from sage.config import Config, PrincipalConfig, decode_config, load_config
+from sage.config import Config, FleetConfig, PrincipalConfig, decode_config, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -96,7 +96,7 @@ def test_supervisor_toml_names_every_key() -> None:
     text = (ROOT / "supervisor.toml").read_text()
     missing = []
     for section in msgspec.structs.fields(Config):
-        if section.encode_name in ("base_dir", "principals"):
+        if section.encode_name in ("base_dir", "principals", "fleet"):
             continue
         for field in msgspec.structs.fields(type(getattr(Config(), section.name))):
             if (section.encode_name, field.encode_name) in REFUSED:
@@ -106,4 +106,7 @@ def test_supervisor_toml_names_every_key() -> None:
     for field in msgspec.structs.fields(PrincipalConfig):
         if f"\n# {field.encode_name} =" not in text:
             missing.append(f"[[principals]] {field.encode_name}")
+    for field in msgspec.structs.fields(FleetConfig):  # optional: shown commented out
+        if f"\n# {field.encode_name} =" not in text:
+            missing.append(f"[fleet] {field.encode_name}")
     assert missing == []

