@@ -162,15 +162,16 @@ class Hibernation:
         :class:`SessionError` ``host_full``)."""
         if self.slots.try_take(session.id):
             return
-        self._make_room()
+        self._make_room(arriving=1)
         await self.slots.take(session.id, self.keeper.config.sessions.wake_wait)
 
-    def _make_room(self) -> None:
-        """The host is at ``[sessions] max_live``: for every wait not yet covered by a
-        hibernating session, hibernate the least recently used idle one."""
+    def _make_room(self, arriving: int = 0) -> None:
+        """The host is at ``[sessions] max_live``: for every wait (those queued, and
+        ``arriving`` about to be) not yet covered by a hibernating session, hibernate the
+        least recently used idle one."""
         sessions = self.keeper.sessions
         hibernating = sum(1 for s in sessions.values() if s.state is SessionState.HIBERNATING)
-        for _ in range(self.slots.waiting + 1 - hibernating):
+        for _ in range(self.slots.waiting + arriving - hibernating):
             victim = sessions.least_recent_idle()
             if victim is None:
                 return

@@ -7,11 +7,13 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import anyio
+import msgspec
 import pytest
 
 from capsules.runner.claude_process import ClaudeProcess
 from capsules.runner.conversation import Conversation, EndReason
 from capsules.runner.errors import SessionError
+from capsules.runner.hibernation import Hibernation, Keeper
 from capsules.runner.live_slots import LiveSlots
 from capsules.runner.sessions import (
     AfterChild,
@@ -21,7 +23,7 @@ from capsules.runner.sessions import (
     SessionState,
     SessionTable,
 )
-from sage.config import PrincipalConfig
+from sage.config import Config, PrincipalConfig
 
 pytestmark = pytest.mark.anyio
 
@@ -247,3 +249,41 @@ async def test_a_full_queue_and_a_wait_that_runs_out_are_host_full() -> None:
     assert slots.waiting == 0  # the waiter that gave up left the queue
     slots.give_back("b")
     assert slots.try_take("d")
+
+
+# -- making room ---------------------------------------------------------------------------
+
+
+class _Keeper:
+    """The runner, as far as making room goes: its table and config; tasks recorded."""
+
+    def __init__(self, max_live: int) -> None:
+        self.config = msgspec.convert({"sessions": {"max_live": max_live}}, Config)
+        self.sessions = SessionTable()
+        self.started: list[str] = []
+
+    def soon(self, func: Any, *args: Any) -> None:
+        self.started.append(args[0].id)
+
+
+async def test_room_is_made_once_per_wait_not_once_per_look() -> None:
+    """A wake that waits for the slot of a hibernating session is covered: the sweeper's
+    next look must not put another session to sleep for it."""
+    keeper = _Keeper(max_live=2)
+    hibernation = Hibernation(cast(Keeper, keeper))
+    hibernation.configure()
+    for sid, used in (("old", 1.0), ("new", 2.0)):
+        keeper.sessions.add(made(sid, last_active=used))
+        assert hibernation.slots.try_take(sid)
+    waker = made("waker", state=SessionState.HIBERNATED)
+    keeper.sessions.add(waker)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(hibernation.slot_for, waker)
+        await anyio.sleep(0.01)
+        assert keeper.started == ["old"]  # the least recently used, once
+        assert hibernation.slots.waiting == 1
+        hibernation._make_room()  # the sweeper's look while the wake waits
+        assert keeper.started == ["old"]  # "new" stays up
+        keeper.sessions["old"].hibernated()
+        hibernation.slots.give_back("old")
+    assert "waker" in hibernation.slots
