@@ -142,12 +142,15 @@ class Admin:
     async def _installer(
         self, topic: str, name: str, settings: PrincipalSettings, *, force: bool = False
     ) -> InstallComplete | None:
-        """Ask the installer to (re)write ``name``'s files; None when no installer runs.
+        """Ask the installer to (re)write ``name``'s files; None when the config runs no
+        installer, or it is not subscribed now.
 
         Its steps are relayed to the principal's users on
         ``sage.v1.event.install.status``; the answer is the one
         ``install.complete`` with this request's id."""
-        if not self.ctx.bus.has_subscribers(topic):
+        # the config says whether there is an installer: a wildcard subscriber (an admin's
+        # `astrid bus sub '>'`) would look like one on the bus and make us wait for nothing
+        if not self.installer_configured() or not self.ctx.bus.has_subscribers(topic):
             return None
         rid = uuid.uuid4().hex
         config = {f: getattr(settings, f) for f in principals.FIELDS}

@@ -99,11 +99,15 @@ async def test_settings_are_kept_in_a_versioned_file_and_migrated_from_the_store
 async def test_install_without_an_installer_says_so_and_changes_nothing() -> None:
     root = short_dir()
     async with running_sage(_config(), root=root) as sage:
+        # an admin watching everything is no installer: the answer comes at once
+        await sage.client.subscribe(">")
+        started = anyio.current_time()
         reply = await sage.request(
             "sage.v1.request.install",
             {"principal_id": "alice", "auth_mode": "api_key", "api_key": KEY},
         )
         assert reply["error"] == "installer_unavailable", reply
+        assert anyio.current_time() - started < 5  # not the 30 s install deadline
         for bad, code in (
             ({"principal_id": "../etc"}, "invalid_principal"),
             ({"principal_id": "mallory"}, "unknown_principal"),
