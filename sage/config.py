@@ -214,7 +214,7 @@ class SessionsConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=
     max_live: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 0
     """Live ``claude`` children of sessions on this host (spares not counted); past it
     the least recently used idle session hibernates to make room.  0: no bound."""
-    wake_wait: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 30.0
+    wake_wait: Annotated[float, msgspec.Meta(ge=0, le=60)] = 30.0
     """Seconds a spawn or a wake waits for a live slot while the host is full and no
     session is idle; then it fails ``host_full``."""
     wake_queue: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 256

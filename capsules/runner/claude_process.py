@@ -191,6 +191,7 @@ class ClaudeProcess:
         self._ready = anyio.Event()
         self._ending = anyio.Event()
         self._stdout_done = anyio.Event()
+        self._sending = 0  # sends under way (not yet written): the process is not idle
 
     # -- public -------------------------------------------------------------
 
@@ -253,6 +254,8 @@ class ClaudeProcess:
             self.state is ProcessState.READY
             and self.turn.started == self.turn.finished
             and not self._handlers
+            and not self._sending
+            and not self._initial
         )
 
     @property
@@ -313,6 +316,13 @@ class ClaudeProcess:
         A turn sent while the process starts waits until ``initialize`` is answered
         and its permission mode checked: no turn reaches a CLI that sage has not
         seen run in the mode it asked for."""
+        self._sending += 1
+        try:
+            return await self._send_turn(text)
+        finally:
+            self._sending -= 1
+
+    async def _send_turn(self, text: str) -> int:
         if self.conversation.ending:
             raise SessionError("session_ended", f"session {self.session_id} is ending")
         line = encode_user_turn(text)
@@ -454,6 +464,8 @@ class ClaudeProcess:
                 await self.send(self._initial)
             except SessionError as exc:
                 self._error(exc.code)
+            finally:
+                self._initial = None  # sent (or not): it no longer keeps the process busy
 
     def launch_model(self) -> str:
         argv = self.launch.argv

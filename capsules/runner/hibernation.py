@@ -87,10 +87,15 @@ class Hibernation:
     def __init__(self, keeper: Keeper) -> None:
         self.keeper = keeper
         self.slots = LiveSlots(0, 0)  # bounded by the config in configure()
+        self.enabled = False
+        self.wake_wait = 30.0
 
     def configure(self) -> None:
+        """Read ``[sessions]`` once, at the runner's start (the knobs are not reloaded)."""
         cfg = self.keeper.config.sessions
         self.slots = LiveSlots(cfg.max_live, cfg.wake_queue)
+        self.enabled = cfg.hibernation
+        self.wake_wait = cfg.wake_wait
 
     # -- going to sleep -------------------------------------------------------------
 
@@ -109,6 +114,8 @@ class Hibernation:
     async def _put_to_sleep(self, session: Session, proc: ClaudeProcess, why: str) -> None:
         # the record first: a supervisor that dies now finds the session hibernated
         await self.keeper.save(session.record)
+        if session.state is not SessionState.HIBERNATING:
+            return  # a stop came first, or the child went by itself: nothing to announce
         self.keeper.session_event(
             session.id,
             "hibernating",
@@ -125,6 +132,9 @@ class Hibernation:
         with anyio.CancelScope(shield=True):
             await keeper.save(record)
             await keeper.scrub(session)  # the child's hook token is no use to anyone now
+        if session.state is not SessionState.HIBERNATING:  # a stop came meanwhile
+            await keeper.ended(session, session.ending, EndReason.STOPPED)
+            return
         session.hibernated()
         keeper.session_event(
             session.id,
@@ -151,7 +161,7 @@ class Hibernation:
         if len(sessions.live_of(principal)) < config.limits.max_sessions_per_principal:
             return True
         victim = sessions.least_recent_idle(principal)
-        if victim is None or not config.sessions.hibernation:
+        if victim is None or not self.enabled:
             return False
         self.begin(victim, "principal_limit")
         return True
@@ -160,10 +170,11 @@ class Hibernation:
         """A live slot for ``session``'s child: at once, or after an idle session
         hibernates to make room, waiting up to ``[sessions] wake_wait`` (else
         :class:`SessionError` ``host_full``)."""
-        if self.slots.try_take(session.id):
+        if self.slots.try_take(session):
             return
+        self.slots.may_wait(self.wake_wait)  # a request refused at once puts nobody to sleep
         self._make_room(arriving=1)
-        await self.slots.take(session.id, self.keeper.config.sessions.wake_wait)
+        await self.slots.take(session, self.wake_wait)
 
     def _make_room(self, arriving: int = 0) -> None:
         """The host is at ``[sessions] max_live``: for every wait (those queued, and
@@ -204,10 +215,14 @@ class Hibernation:
             elif session.state in ASLEEP or (
                 session.state is SessionState.WAKING and session.proc is None
             ):
+                waking = session.state is SessionState.WAKING
                 if session.settled is not None:
                     await session.settled.wait()
                 else:
                     await anyio.sleep(0.01)
+                now: SessionState = session.state  # (it changed while we waited)
+                if waking and now is SessionState.HIBERNATED and session.wake_error:
+                    raise session.wake_error  # the wake we waited for failed: so do we
             else:
                 session.last_active = time.monotonic()
                 return
@@ -227,26 +242,40 @@ class Hibernation:
             session.principal = keeper.principal(principal) or session.principal
         except SettingsError as exc:
             raise SessionError(exc.code, str(exc)) from None
-        session.wake()
-        session.last_active = time.monotonic()
-        keeper.session_event(
-            session.id,
-            "waking",
-            {
-                "principal_id": principal,
-                "session_id": session.id,
-                "hibernated_at": session.record.hibernated_at,
-            },
-        )
+        session.wake()  # other sends wait for this wake (settled)
+        session.wake_error = None
         try:
+            await self.slot_for(session)
+            session.last_active = time.monotonic()
+            keeper.session_event(
+                session.id,
+                "waking",
+                {
+                    "principal_id": principal,
+                    "session_id": session.id,
+                    "hibernated_at": session.record.hibernated_at,
+                },
+            )
             await keeper.start(session, resume=True, initial=None)
         except SessionError as exc:
-            if exc.code == "host_full":  # nothing was started: it sleeps on
-                session.sleep_on()
-                raise
-            await keeper.ended(session, None, f"{EndReason.RESUME_FAILED}: {exc}")
+            # no child ran: no slot, or a refusal before the launch (the binary, the key,
+            # the home): the conversation is intact, the session sleeps on
+            await self._wake_failed(session, exc)
             raise
         keeper.session_event(session.id, "resumed", {"principal_id": principal, "reason": "wake"})
+
+    async def _wake_failed(self, session: Session, exc: SessionError) -> None:
+        """A wake that started no child: back to sleep, or, stopped meanwhile, ended."""
+        if session.state in (SessionState.STOPPING, SessionState.ENDED):
+            self.slots.give_back(session)
+            await self.keeper.ended(session, None, EndReason.STOPPED)
+            raise SessionError(
+                "session_ended", f"session {session.id!r} was stopped while it woke"
+            ) from None
+        self.slots.give_back(session)  # (the session's task gave it back, if it ran)
+        session.wake_error = exc
+        session.sleep_on()
+        self.keeper.history.ended(session.id)  # its ring stays bounded with the asleep
 
     async def resume_failed(self, session: Session, ending: Ending | None) -> None:
         """A woken child ended before it answered ``initialize``: the conversation could

@@ -15,6 +15,7 @@ session hibernates) is the runner's decision, not this module's.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import anyio
@@ -26,7 +27,7 @@ __all__ = ("LiveSlots",)
 
 @dataclass
 class _Waiter:
-    session_id: str
+    holder: Hashable
     granted: bool = False
     event: anyio.Event = field(default_factory=anyio.Event)
 
@@ -37,14 +38,14 @@ class LiveSlots:
     def __init__(self, limit: int, queue: int) -> None:
         self.limit = limit
         self.queue = queue
-        self._held: set[str] = set()
+        self._held: set[Hashable] = set()
         self._waiters: deque[_Waiter] = deque()
 
     def __len__(self) -> int:
         return len(self._held)
 
-    def __contains__(self, session_id: object) -> bool:
-        return session_id in self._held
+    def __contains__(self, holder: object) -> bool:
+        return holder in self._held
 
     @property
     def waiting(self) -> int:
@@ -55,34 +56,40 @@ class LiveSlots:
     def free(self) -> bool:
         return not self.limit or (len(self._held) < self.limit and not self._waiters)
 
-    def try_take(self, session_id: str) -> bool:
-        """Take a slot for ``session_id`` if one is free now (and nobody waits before it)."""
-        if session_id in self._held:
+    def try_take(self, holder: Hashable) -> bool:
+        """Take a slot for ``holder`` (a session: by identity, so a later session under
+        the same id holds its own) if one is free now and nobody waits before it."""
+        if holder in self._held:
             return True
         if not self.free:
             return False
-        self._held.add(session_id)
+        self._held.add(holder)
         return True
 
-    async def take(self, session_id: str, within: float) -> None:
-        """A slot for ``session_id``: at once, or the first given back within ``within``
-        seconds; else :class:`SessionError` ``host_full``."""
-        if self.try_take(session_id):
-            return
-        if len(self._waiters) >= self.queue:
+    def may_wait(self, within: float) -> None:
+        """:class:`SessionError` ``host_full`` when a wait could not even start: the queue
+        is full, or no wait is allowed (``within`` 0)."""
+        if len(self._waiters) >= self.queue or within <= 0:
             raise SessionError(
                 "host_full",
                 f"the host runs {len(self._held)} live sessions ([sessions] max_live ="
                 f" {self.limit}) and {len(self._waiters)} more wait for a slot; try again later",
             )
-        waiter = _Waiter(session_id)
+
+    async def take(self, holder: Hashable, within: float) -> None:
+        """A slot for ``holder``: at once, or the first given back within ``within``
+        seconds; else :class:`SessionError` ``host_full``."""
+        if self.try_take(holder):
+            return
+        self.may_wait(within)
+        waiter = _Waiter(holder)
         self._waiters.append(waiter)
         try:
             with anyio.move_on_after(within):
                 await waiter.event.wait()
         except BaseException:  # cancelled: a slot granted meanwhile is nobody's
             if waiter.granted:
-                self.give_back(session_id)
+                self.give_back(holder)
             else:
                 self._waiters.remove(waiter)
             raise
@@ -95,13 +102,13 @@ class LiveSlots:
             f" live sessions ([sessions] max_live = {self.limit}) and none was idle",
         )
 
-    def give_back(self, session_id: str) -> None:
-        """``session_id``'s child is gone: its slot goes to the first waiter, if any."""
-        if session_id not in self._held:
+    def give_back(self, holder: Hashable) -> None:
+        """``holder``'s child is gone: its slot goes to the first waiter, if any."""
+        if holder not in self._held:
             return
-        self._held.discard(session_id)
+        self._held.discard(holder)
         while self._waiters and (not self.limit or len(self._held) < self.limit):
             waiter = self._waiters.popleft()
             waiter.granted = True
-            self._held.add(waiter.session_id)
+            self._held.add(waiter.holder)
             waiter.event.set()

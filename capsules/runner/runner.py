@@ -295,7 +295,10 @@ class Runner:
                     "runner.settings_unusable", principal_id=record.principal_id, error=str(exc)
                 )
                 principal = None
-            if principal is not None and (
+            # a sleeping session needs only its principal to be configured: settings that
+            # cannot be read now refuse its wake (which says why), not its existence
+            keeper = principal or (self.config.principal(record.principal_id) if asleep else None)
+            if keeper is not None and (
                 asleep or (self.config.sessions.resume and not self.hibernation.slots.free)
             ):
                 # it sleeps on (or, past max_live, starts to): the next send wakes it
@@ -304,7 +307,7 @@ class Runner:
                 self.sessions.add(
                     Session(
                         record,
-                        principal,
+                        keeper,
                         state=SessionState.HIBERNATED,
                         turns=record.turns,
                         cost_usd=record.cost_usd,
@@ -435,7 +438,12 @@ class Runner:
                     + (", none of them idle" if config.sessions.hibernation else ""),
                 )
         # a spawn that names no session id may take a spare (its ids are chosen already)
-        spare = self.spares.claim(pid_, cwd, model) if req.session_id is None else None
+        # (not while the host is full: the spare would wait, uncounted, for a slot)
+        spare = (
+            self.spares.claim(pid_, cwd, model)
+            if req.session_id is None and self.hibernation.slots.free
+            else None
+        )
         if spare is not None and spare.session_id in self.sessions:  # a named spawn took its id
             self.spares.drop(spare, "id_taken")
             spare = None
@@ -502,7 +510,7 @@ class Runner:
         try:
             await self._children(session, resume, initial, spare, task_status=task_status)
         finally:
-            self.hibernation.slots.give_back(session.id)
+            self.hibernation.slots.give_back(session)
 
     async def _children(
         self,
@@ -582,10 +590,13 @@ class Runner:
             session.over()
             raise
         except (SageError, OSError):
+            if session.state is SessionState.WAKING:  # the wake says why, and it sleeps on
+                session.proc = None
+                raise
             session.move(SessionState.ENDED)
             self.sessions.remove(session)
             session.over()
-            raise  # the first start failed: the spawn (or wake) request says why
+            raise  # the first start failed: the spawn request says why
         await self.ended(session, ending, ending.reason if ending is not None else EndReason.EXITED)
 
     async def _abandon(self, session: Session, ending: Ending | None) -> None:
@@ -633,7 +644,8 @@ class Runner:
             await self._spawned(session, warm.launch, pid, first=True, resume=False, spare=True)
             self.event(warm.proc, "init", self.spares.hand_over(spare, self))
             if initial:
-                tg.start_soon(_quietly, lambda: _send(warm.proc, initial))
+                session.sending += 1  # not idle until the first turn is written
+                tg.start_soon(_quietly, lambda: _send(session, warm.proc, initial))
             task_status.started(pid)
             self.spares.wake()  # the next spare starts now, in the background
         return True
@@ -837,10 +849,17 @@ class Runner:
         req = msgspec.json.decode(request.payload, type=SendRequest)
         if req.session_id is not None and req.session_id != session.id:
             raise SessionError("bad_request", "session_id does not match the topic")
-        await self.hibernation.awake(session)
-        proc = self._proc(session)
+        session.sending += 1  # from its wake to its turn written, the session is not idle
         try:
-            turn = await proc.send(req.text)
+            await self.hibernation.awake(session)
+            proc = self._proc(session)
+            return await self._write_turn(session, proc, req.text)
+        finally:
+            session.sending -= 1
+
+    async def _write_turn(self, session: Session, proc: ClaudeProcess, text: str) -> dict[str, Any]:
+        try:
+            turn = await proc.send(text)
         except SessionError as exc:
             if exc.code == "stdin_quota":
                 proc._error("stdin_quota")
@@ -970,8 +989,12 @@ class Runner:
         if session is not None:
             session.last_active = time.monotonic()
             if name == "init":
+                waking = session.state is SessionState.WAKING
                 session.ready()
                 session.woken()
+                if waking:  # its record said hibernated until the woken child was up
+                    session.record.state = session.record_state()
+                    self.soon(self.save, session.record)
         self.session_event(proc.session_id, name, payload, proc.principal_id)
         who = {"principal_id": proc.principal_id, "session_id": proc.session_id}
         if name == "permission_denied":  # the CLI decided a tool call by itself
@@ -1046,9 +1069,13 @@ async def _quietly(func: Callable[[], Awaitable[Any]]) -> None:
         await func()
 
 
-async def _send(proc: ClaudeProcess | None, text: str) -> None:
-    if proc is not None:
-        await proc.send(text)
+async def _send(session: Session, proc: ClaudeProcess | None, text: str) -> None:
+    """A spare's initial message, once the session has its child (``sending`` counted)."""
+    try:
+        if proc is not None:
+            await proc.send(text)
+    finally:
+        session.sending -= 1
 
 
 def _kill_leftover(pid: int, claude_session: str) -> None:

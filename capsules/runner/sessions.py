@@ -40,6 +40,7 @@ import msgspec
 from capsules.runner.conversation import EndReason
 from capsules.runner.errors import IllegalTransition
 from sage.config import PrincipalConfig
+from sage.errors import SageError
 
 if TYPE_CHECKING:
     from capsules.runner.claude_process import ClaudeProcess, Ending
@@ -148,9 +149,10 @@ class SessionRecord(msgspec.Struct, kw_only=True):
     """When the session last hibernated (its state says whether it still is)."""
 
 
-@dataclass
+@dataclass(eq=False)
 class Session:
-    """A session in the runner's table; see the module docstring."""
+    """A session in the runner's table; see the module docstring.  Compared and hashed
+    by identity: a later session under the same id is another one."""
 
     record: SessionRecord
     principal: PrincipalConfig
@@ -166,6 +168,8 @@ class Session:
     done: anyio.Event = field(default_factory=anyio.Event)
     last_active: float = 0.0  # monotonic: the last send, event or wake (least recently used)
     settled: anyio.Event | None = None  # set when a hibernation or a wake is over
+    wake_error: SageError | None = None  # why the last wake put it back to sleep
+    sending: int = 0  # sends between their wake and their turn written: not idle
 
     @property
     def id(self) -> str:
@@ -274,6 +278,7 @@ class Session:
         proc = self.proc
         return (
             self.state is SessionState.RUNNING
+            and not self.sending
             and proc is not None
             and proc.initialized
             and proc.idle
@@ -285,8 +290,8 @@ class Session:
             return RecordState.ENDED
         if self.state is SessionState.INTERRUPTED:
             return RecordState.INTERRUPTED
-        if self.state in ASLEEP:
-            return RecordState.HIBERNATED
+        if self.state in ASLEEP or self.state is SessionState.WAKING:
+            return RecordState.HIBERNATED  # until the woken child is up: nothing to lose
         return RecordState.RUNNING
 
 

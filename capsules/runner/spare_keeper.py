@@ -324,11 +324,13 @@ class SpareKeeper:
         return False
 
     def drop(self, spare: Spare[Warm], reason: str) -> None:
-        """Stop a claimed spare that will not be used (its files are the session's now)."""
+        """Stop a claimed spare that will not be used, and remove its files."""
         log.info("spare.dropped", session_id=spare.session_id, reason=reason)
         spare.reason = reason
         if spare.handle.proc is not None:
             spare.handle.proc.end(EndReason.STOPPED)
+        # a spawn that goes on cold under the spare's id writes its own files again
+        remove_session_files(self.config, spare.session_id)
 
     @staticmethod
     def hand_over(spare: Spare[Warm], host: Host) -> dict[str, Any]:

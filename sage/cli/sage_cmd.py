@@ -27,9 +27,10 @@ from sage.errors import SageError
 __all__ = ("register",)
 
 SPAWN_TIMEOUT = 30.0
-WAKE_TIMEOUT = 120.0
+WAKE_TIMEOUT = 180.0
 """Seconds a send (or ``watch --wake``) waits for its answer: a hibernated session is
-woken first, which may wait for a live slot (``[sessions] wake_wait``) and a new child."""
+woken first, which may wait for a live slot (``[sessions] wake_wait``, at most 60 s) and
+for its new child's ``initialize`` (``[limits] init_timeout``)."""
 
 
 def register(sub: Any) -> None:

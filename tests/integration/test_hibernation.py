@@ -292,6 +292,9 @@ async def test_another_principal_cannot_wake_a_session() -> None:
             for topic, payload in (
                 ("sage.v1.request.wake.mine", {}),
                 ("sage.v1.request.send.mine", {"text": "x"}),
+                ("sage.v1.request.session.mine", {}),
+                ("sage.v1.request.interrupt.mine", {}),
+                ("sage.v1.request.stop.mine", {}),
             ):
                 reply = msgspec.json.decode(
                     (await bob.request(topic, payload, deadline=10)).payload
@@ -322,3 +325,22 @@ async def test_the_cli_shows_a_hibernated_session_and_resumes_it() -> None:
         assert code == 0, err
         names = [msgspec.json.decode(row)["event"] for row in out.splitlines()]
         assert names == ["waking", "spawned", "resumed", "init"], names
+
+
+async def test_a_wake_refused_before_its_child_runs_leaves_the_session_asleep() -> None:
+    """A home made unsafe meanwhile refuses the launch: the send says why, the session
+    and its conversation stay; once fixed, the next send wakes it."""
+    async with running_sage(_config("hibernate_after = 0.3\n"), env=ENV) as sage:
+        events = await sage.ready("safe")
+        await _turn(sage, events, "safe", "before")
+        await events.until("hibernated", within=10)
+        home = sage.daemon.root / "state" / "homes" / "alice"
+        mode = home.stat().st_mode & 0o777
+        home.chmod(0o777)
+        reply = await sage.send("safe", "now?")
+        assert reply["error"] == "unsafe_home", reply
+        assert (await _rows(sage))["safe"]["state"] == "hibernated"
+        assert _stored(sage, "safe")["state"] == "hibernated"
+        home.chmod(mode)
+        assert await _turn(sage, events, "safe", "after") == "echo: after"
+        assert (await _rows(sage))["safe"]["turns"] == 2

@@ -381,6 +381,8 @@ async def test_a_spare_kind_serves_a_spawn_with_that_folder_and_model(tmp_path: 
         )
         assert reply["ok"], reply
         assert reply["session_id"] == work_sid  # the kind's spare
+        again = await ready_spares(sage, count=2)  # a look later: the kind's next spare
+        assert work_sid not in again
         reply = await sage.request(
             "sage.v1.request.spawn", {"principal_id": "alice", "cwd": str(work)}
         )

@@ -14,6 +14,7 @@ from capsules.runner.claude_process import ClaudeProcess
 from capsules.runner.conversation import Conversation, EndReason
 from capsules.runner.errors import SessionError
 from capsules.runner.hibernation import Hibernation, Keeper
+from capsules.runner.history import EventHistory
 from capsules.runner.live_slots import LiveSlots
 from capsules.runner.sessions import (
     AfterChild,
@@ -59,7 +60,7 @@ def made(
     [
         (SessionState.HIBERNATING, RecordState.HIBERNATED),
         (SessionState.HIBERNATED, RecordState.HIBERNATED),
-        (SessionState.WAKING, RecordState.RUNNING),
+        (SessionState.WAKING, RecordState.HIBERNATED),  # until the woken child is up
     ],
 )
 def test_what_the_record_says_of_a_sleeping_session(
@@ -274,7 +275,7 @@ async def test_room_is_made_once_per_wait_not_once_per_look() -> None:
     hibernation.configure()
     for sid, used in (("old", 1.0), ("new", 2.0)):
         keeper.sessions.add(made(sid, last_active=used))
-        assert hibernation.slots.try_take(sid)
+        assert hibernation.slots.try_take(keeper.sessions[sid])
     waker = made("waker", state=SessionState.HIBERNATED)
     keeper.sessions.add(waker)
     async with anyio.create_task_group() as tg:
@@ -285,5 +286,158 @@ async def test_room_is_made_once_per_wait_not_once_per_look() -> None:
         hibernation._make_room()  # the sweeper's look while the wake waits
         assert keeper.started == ["old"]  # "new" stays up
         keeper.sessions["old"].hibernated()
-        hibernation.slots.give_back("old")
-    assert "waker" in hibernation.slots
+        hibernation.slots.give_back(keeper.sessions["old"])
+    assert waker in hibernation.slots
+
+
+# -- races with a stop, a full host, several senders ---------------------------------------
+
+
+class _Runner:
+    """A keeper that starts no process: ``start`` only takes the live slot, ``save`` may
+    be held at a gate to open the window a stop can fall into."""
+
+    def __init__(self, *, max_live: int = 1, wake_wait: float = 0.1, wake_queue: int = 256):
+        sessions = {"max_live": max_live, "wake_wait": wake_wait, "wake_queue": wake_queue}
+        self.config = msgspec.convert({"sessions": sessions}, Config)
+        self.sessions = SessionTable()
+        self.history = EventHistory()
+        self.events: list[tuple[str, str]] = []
+        self.ends: list[tuple[str, str]] = []
+        self.begun: list[str] = []
+        self.gate: anyio.Event | None = None
+        self.hibernation = Hibernation(cast(Keeper, self))
+        self.hibernation.configure()
+
+    def principal(self, name: str) -> PrincipalConfig | None:
+        return PrincipalConfig(name=name)
+
+    def audit(self, kind: str, payload: dict[str, Any]) -> None:
+        pass
+
+    def session_event(self, sid: str, name: str, payload: dict[str, Any]) -> None:
+        self.events.append((sid, name))
+        self.history.record(sid, len(self.events), name, 0.0, payload)
+
+    def soon(self, func: Any, *args: Any) -> None:
+        self.begun.append(args[0].id)
+
+    async def save(self, record: SessionRecord) -> None:
+        if self.gate is not None:
+            await self.gate.wait()
+
+    async def scrub(self, session: Session) -> None:
+        pass
+
+    async def start(self, session: Session, *, resume: bool, initial: str | None) -> int:
+        await self.hibernation.slot_for(session)
+        return 1
+
+    async def ended(self, session: Session, ending: Any, reason: str) -> None:
+        session.move(SessionState.ENDED)
+        self.ends.append((session.id, reason))
+        session.over()
+
+
+def _busy(runner: _Runner) -> None:
+    """A live session holding the only slot, never idle (a turn runs)."""
+    busy = made("busy", proc=_Proc(idle=False))
+    runner.sessions.add(busy)
+    assert runner.hibernation.slots.try_take(busy)
+
+
+async def test_a_stop_while_the_hibernated_record_is_saved_ends_the_session() -> None:
+    runner = _Runner()
+    session = made("s")
+    runner.sessions.add(session)
+    session.hibernate()
+    runner.gate = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(runner.hibernation.hibernated, session)
+        await anyio.sleep(0.01)
+        session.stop()  # the operator's stop lands in the save
+        runner.gate.set()
+    assert session.state is SessionState.ENDED
+    assert runner.ends == [("s", "stopped")]
+    assert ("s", "hibernated") not in runner.events
+
+
+async def test_a_stop_while_a_wake_waits_for_a_slot_ends_the_session() -> None:
+    runner = _Runner(wake_wait=0.1)
+    _busy(runner)
+    session = made("s", state=SessionState.HIBERNATED)
+    session.proc = None
+    runner.sessions.add(session)
+    caught: list[SessionError] = []
+
+    async def send() -> None:
+        try:
+            await runner.hibernation.awake(session)
+        except SessionError as exc:
+            caught.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(send)
+        await anyio.sleep(0.01)
+        assert session.state is SessionState.WAKING
+        session.stop()
+    assert [exc.code for exc in caught] == ["session_ended"]
+    assert session.state is SessionState.ENDED
+    assert session.done.is_set()
+    assert session not in runner.hibernation.slots
+
+
+async def test_a_wake_without_a_slot_says_host_full_once_for_every_sender() -> None:
+    """Senders waiting on the same wake share its failure (not one wake_wait each);
+    nothing was announced, the ring stays bounded, and a later wake tries again."""
+    runner = _Runner(wake_wait=0.2)
+    _busy(runner)
+    session = made("s", state=SessionState.HIBERNATED)
+    session.proc = None
+    runner.sessions.add(session)
+    codes: list[str] = []
+
+    async def send() -> None:
+        try:
+            await runner.hibernation.awake(session)
+        except SessionError as exc:
+            codes.append(exc.code)
+
+    started = anyio.current_time()
+    async with anyio.create_task_group() as tg:
+        for _ in range(3):
+            tg.start_soon(send)
+    assert codes == ["host_full"] * 3
+    assert anyio.current_time() - started < 0.4
+    assert session.state is SessionState.HIBERNATED
+    assert ("s", "waking") not in runner.events  # no "resuming" for a wake that never began
+    assert len(runner.history) == 0
+    runner.hibernation.slots.give_back(runner.sessions["busy"])
+    with anyio.fail_after(5):  # room now: the next send wakes it (no child here: no init)
+        await runner.hibernation._wake(session)
+    assert session.state.value == "waking"
+    assert ("s", "waking") in runner.events
+
+
+async def test_a_request_refused_at_once_puts_nobody_to_sleep() -> None:
+    runner = _Runner(max_live=3, wake_wait=5, wake_queue=1)
+    _busy(runner)
+    for used, sid in enumerate(("i1", "i2")):
+        idle = made(sid, last_active=float(used))
+        runner.sessions.add(idle)
+        runner.hibernation.slots.try_take(idle)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(runner.hibernation.slot_for, made("w1", state=SessionState.STARTING))
+        await anyio.sleep(0.01)
+        with pytest.raises(SessionError) as full:
+            await runner.hibernation.slot_for(made("w2", state=SessionState.STARTING))
+        tg.cancel_scope.cancel()
+    assert full.value.code == "host_full"
+    assert runner.begun == ["i1"]  # for the one that waits; none for the one refused
+
+
+async def test_a_send_on_its_way_keeps_the_session_awake() -> None:
+    session = made("s")
+    assert session.idle
+    session.sending += 1  # between its wake and its turn written
+    assert not session.idle
