@@ -244,7 +244,7 @@ class SpareKeeper:
                 launch = await self.launcher.prepare(warm.session, resume=False, spare=True)
             except (SageError, OSError) as exc:
                 if self.pool.discard(spare, "launch_failed"):
-                    self._failed(spare.principal_id, str(exc))
+                    self._failed(spare, str(exc))
                 return
             binary = self.launcher.binary
             assert binary is not None
@@ -271,12 +271,12 @@ class SpareKeeper:
                 warm.ending = await proc.run()
             except (SageError, OSError) as exc:
                 if self.pool.discard(spare, "start_failed"):
-                    self._failed(spare.principal_id, str(exc))
+                    self._failed(spare, str(exc))
                 return
             except Exception as exc:  # a bug must not take the runner and its sessions down
                 log.exception("spare.failed", session_id=spare.session_id)
                 if self.pool.discard(spare, "failed"):
-                    self._failed(spare.principal_id, type(exc).__name__)
+                    self._failed(spare, type(exc).__name__)
                 return
             if self.pool.discard(spare, "died"):
                 log.warning(
@@ -285,16 +285,23 @@ class SpareKeeper:
                     reason=warm.ending.reason,
                     stderr_tail=warm.ending.stderr_tail[-500:],
                 )
-                self._failed(spare.principal_id, warm.ending.reason)
+                self._failed(spare, warm.ending.reason)
         finally:
             warm.ended.set()
             if spare.state is not SpareState.CLAIMED:  # a taken spare's files are its session's
                 remove_session_files(self.config, spare.session_id)
             self.wake()
 
-    def _failed(self, principal: str, error: str) -> None:
-        pause = self.pool.failed(principal)
-        log.warning("spare.start_failed", principal_id=principal, error=error, retry_in=pause)
+    def _failed(self, spare: Spare[Warm], error: str) -> None:
+        pause = self.pool.failed(spare.principal_id, spare.kind)
+        log.warning(
+            "spare.start_failed",
+            principal_id=spare.principal_id,
+            cwd=spare.cwd,
+            model=spare.model,
+            error=error,
+            retry_in=pause,
+        )
 
     def _stop(self, spare: Spare[Warm]) -> None:
         """End a spare that left the pool unused (its task cleans up)."""

@@ -28,8 +28,8 @@ What a spare is:
 - **Bounded.**  At most ``per_principal`` spares (starting or ready) per
   kind of each eligible principal (:meth:`SparePool.surplus` drops the rest); one older
   than ``max_age`` seconds is discarded, never handed out
-  (:meth:`SparePool.expired`); after a failed start the principal's next
-  spare waits, 1 s doubling to a minute (:meth:`SparePool.failed`).
+  (:meth:`SparePool.expired`); after a failed start the next spare of that
+  principal and kind waits, 1 s doubling to a minute (:meth:`SparePool.failed`).
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ class SparePool(Generic[H]):
     max_age: float
     clock: Callable[[], float]
     _spares: dict[str, Spare[H]] = field(default_factory=dict)
-    _retry: dict[str, tuple[float, float]] = field(default_factory=dict)
+    _retry: dict[tuple[str, Kind], tuple[float, float]] = field(default_factory=dict)
     """Per principal whose last spare failed: (not before, the pause that led there)."""
 
     def __len__(self) -> int:
@@ -192,20 +192,22 @@ class SparePool(Generic[H]):
         now = self.clock()
         out: list[tuple[str, Kind]] = []
         for name, kinds in targets.items():
-            if self._retry.get(name, (0.0, 0.0))[0] > now:
-                continue
             mine = self.of(name)
             for kind in dict.fromkeys(kinds):
+                if self._retry.get((name, kind), (0.0, 0.0))[0] > now:
+                    continue  # its last spare failed: that kind pauses, not the others
                 have = sum(1 for s in mine if s.kind == kind)
                 out += [(name, kind)] * max(0, self.per_principal - have)
         return out
 
-    def failed(self, principal_id: str) -> float:
-        """A spare of ``principal_id`` could not start or died unused: the next one waits
+    def failed(self, principal_id: str, kind: Kind = DEFAULT_KIND) -> float:
+        """A spare of ``principal_id`` and ``kind`` could not start or died unused: the next
+        of that kind waits
         :data:`RETRY_FIRST` seconds, doubling with each failure in a row up to
         :data:`RETRY_MAX`.  Returns the pause."""
-        pause = min(RETRY_MAX, self._retry.get(principal_id, (0.0, RETRY_FIRST / 2))[1] * 2)
-        self._retry[principal_id] = (self.clock() + pause, pause)
+        key = (principal_id, kind)
+        pause = min(RETRY_MAX, self._retry.get(key, (0.0, RETRY_FIRST / 2))[1] * 2)
+        self._retry[key] = (self.clock() + pause, pause)
         return pause
 
     def surplus(self, targets: Targets) -> list[Spare[H]]:
@@ -232,7 +234,7 @@ class SparePool(Generic[H]):
             return False
         spare.inputs = inputs
         spare.move(SpareState.READY)
-        self._retry.pop(spare.principal_id, None)  # it starts: no more pause
+        self._retry.pop((spare.principal_id, spare.kind), None)  # it starts: no more pause
         return True
 
     def claim(self, principal_id: str, cwd: str, model: str) -> Spare[H] | None:

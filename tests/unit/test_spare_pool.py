@@ -339,3 +339,13 @@ def test_each_kind_has_its_own_spares() -> None:
     gone = pool.surplus({"alice": [DEFAULT_KIND]})  # the work kind left the config
     assert [s.session_id for s in gone] == ["s3"]
     assert pool.spares() == [default]
+
+
+def test_a_failing_kind_pauses_only_itself() -> None:
+    """A kind whose spares fail (a folder made unsafe) does not hold up the default one."""
+    pool, _ = _pool(per_principal=1)
+    broken: Kind = ("/srv/unsafe", "")
+    targets = {"alice": [DEFAULT_KIND, broken]}
+    assert pool.failed("alice", broken) == 1.0
+    assert pool.wanted(targets) == [("alice", DEFAULT_KIND)]
+    assert pool.failed("alice", broken) == 2.0
