@@ -15,10 +15,10 @@
     spawn that finds an idle (initialized) session, else at its hibernator's
     next look (0.5 s later): a next batch sent before the last one is up
     would measure that poll, not the spawn path.  On this 2-core machine the
-    10,000 take about 7.5 minutes (about 22 spawns/s; the supervisor's CPU per
-    spawn grows with the sessions in its table, from 12 ms at 1,000 to 25 ms
-    at 10,000), the whole module about 8.5: the real path is affordable, so
-    it is the one measured.
+    10,000 take 7.5 to 10 minutes (17 to 22 spawns/s, with other work on the
+    machine or not; the supervisor's CPU per spawn grows with the sessions
+    in its table, from 11 ms at 1,000 to 25 ms at 10,000), the whole module
+    8.5 to 11: the real path is affordable, so it is the one measured.
 
     All along, a thread samples the supervisor's live ``claude`` children
     every 20 ms (its non-zombie children from /proc that carry the
