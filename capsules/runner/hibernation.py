@@ -188,6 +188,16 @@ class Hibernation:
                 return
             self.begin(victim, "max_live")
 
+    def nudge(self) -> None:
+        """A session may have turned idle (a turn ended): make room for those waiting now,
+        not at the next look.  The session is idle only once the ``done`` event has gone
+        out, so the look runs in a task of its own."""
+        if self.slots.waiting:
+            self.keeper.soon(self._look)
+
+    async def _look(self) -> None:
+        self._make_room()
+
     async def run(self) -> None:
         """Hibernate sessions idle for ``[sessions] hibernate_after``; make room for
         spawns and wakes that wait for a slot when a session turns idle."""

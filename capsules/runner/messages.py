@@ -35,9 +35,13 @@ class SpawnRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class SessionsRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """``sage.v1.request.sessions``: live sessions; ``all`` adds the ended ones kept."""
+    """``sage.v1.request.sessions``: the sessions in the table (hibernated ones too);
+    ``all`` adds the ended ones kept.  One page of ``limit`` rows from ``offset``."""
 
     all: bool = False
+    offset: Annotated[int, msgspec.Meta(ge=0)] = 0
+    limit: Annotated[int, msgspec.Meta(ge=1, le=2000)] = 1000
+    """Rows per page: 1000 rows stay well under the bus's 1 MiB payload limit."""
 
 
 class SessionRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

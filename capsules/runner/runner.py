@@ -225,8 +225,15 @@ class Runner:
         if request.reply_to:
             try:
                 self.ctx.reply(request, reply)
-            except BusError as exc:
+            except BusError as exc:  # (too large, most likely): the caller still hears why
                 log.warning("runner.reply_failed", topic=request.topic, error=str(exc))
+                with contextlib.suppress(BusError):
+                    self.ctx.reply(
+                        request,
+                        replies.error(
+                            "reply_failed", f"the answer could not be sent ({exc.code}): {exc}"
+                        ),
+                    )
 
     def soon(self, func: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> None:
         """Run ``func(*args)`` in a task of the sessions' task group."""
@@ -909,21 +916,34 @@ class Runner:
 
     async def _list(self, request: Envelope) -> dict[str, Any]:
         req = msgspec.json.decode(request.payload or b"{}", type=SessionsRequest)
-        rows = [self._live_row(s) for s in self.sessions.visible_to(request.principal)]
+        live = self.sessions.visible_to(request.principal)
+        ended: list[dict[str, Any]] = []
         if req.all:
             try:
                 stored = await self.ctx.state.items("sessions")
             except SageError as exc:
                 raise SessionError("state_unreadable", str(exc)) from None
-            ended = [
-                _ended_row(msgspec.convert(value, SessionRecord))
-                for _, value in stored
-                if isinstance(value, dict)
-                and value.get("state") == "ended"
-                and request.principal in (None, value.get("principal_id"))
-            ]
-            rows += sorted(ended, key=lambda row: row.get("ended_at") or 0.0, reverse=True)
-        return {"ok": True, "sessions": rows}
+            ended = sorted(
+                (
+                    value
+                    for _, value in stored
+                    if isinstance(value, dict)
+                    and value.get("state") == "ended"
+                    and request.principal in (None, value.get("principal_id"))
+                ),
+                key=lambda value: value.get("ended_at") or 0.0,
+                reverse=True,
+            )
+        # one page: only its rows are built (a host may hold thousands of sessions)
+        total = len(live) + len(ended)
+        start, end = req.offset, req.offset + req.limit
+        rows = [self._live_row(s) for s in live[start:end]]
+        rows += [
+            _ended_row(msgspec.convert(value, SessionRecord))
+            for value in ended[max(0, start - len(live)) : max(0, end - len(live))]
+        ]
+        more = end < total
+        return {"ok": True, "sessions": rows, "total": total, "next_offset": end if more else None}
 
     async def _session(self, request: Envelope) -> dict[str, Any]:
         """One session, live or ended, and its last events (``replay``) for watch."""
@@ -988,6 +1008,8 @@ class Runner:
             payload["tools"] = [f"mcp__sage__{tool.get('name', '')}" for tool in self.mcp.tools]
         if session is not None:
             session.last_active = time.monotonic()
+            if name == "done":  # it may be idle now: a spawn or wake waiting needs no poll
+                self.hibernation.nudge()
             if name == "init":
                 waking = session.state is SessionState.WAKING
                 session.ready()

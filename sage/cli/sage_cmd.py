@@ -469,9 +469,15 @@ def event_line(name: str, ts: float | None, data: Any) -> dict[str, Any]:
 
 
 async def _sessions(args: argparse.Namespace) -> int:
+    rows: list[dict[str, Any]] = []
     async with connect(args) as client:
-        data = await call_runner(client, "sage.v1.request.sessions", {"all": args.all}, 5.0)
-    rows = data["sessions"]
+        offset: int | None = 0
+        while offset is not None:  # page by page: a host may hold thousands
+            data = await call_runner(
+                client, "sage.v1.request.sessions", {"all": args.all, "offset": offset}, 10.0
+            )
+            rows += data["sessions"]
+            offset = data.get("next_offset")
     if args.json:
         print_json(rows)
         return 0

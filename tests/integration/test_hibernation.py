@@ -344,3 +344,49 @@ async def test_a_wake_refused_before_its_child_runs_leaves_the_session_asleep() 
         home.chmod(mode)
         assert await _turn(sage, events, "safe", "after") == "echo: after"
         assert (await _rows(sage))["safe"]["turns"] == 2
+
+
+async def test_thousands_of_sessions_are_listed_page_by_page() -> None:
+    """A listing of every session on a host would pass the bus's 1 MiB payload limit:
+    it comes in pages, and `astrid sage sessions` reads them all."""
+    root = short_dir()
+    config = _config("max_live = 4\n", limits="max_logical_sessions_per_principal = 5000\n")
+    async with running_sage(config, env=ENV, root=root):
+        pass  # the state store exists now
+    db = sqlite3.connect(root / "state" / "state.db")
+    try:
+        rows = [
+            (
+                f"h{i:05d}",
+                msgspec.json.encode(
+                    {
+                        "session_id": f"h{i:05d}",
+                        "principal_id": "alice",
+                        "claude_session": f"00000000-0000-4000-8000-{i:012d}",
+                        "state": "hibernated",
+                        "started_at": 1.0,
+                        "hibernated_at": 2.0,
+                        "cwd": "/" + "x" * 200,  # rows of a realistic size
+                    }
+                ),
+            )
+            for i in range(4500)
+        ]
+        db.executemany(
+            "INSERT INTO kv (namespace, key, value, updated_ns) VALUES ('sessions', ?, ?, 1)",
+            rows,
+        )
+        db.commit()
+    finally:
+        db.close()
+    async with running_sage(config, env=ENV, root=root) as sage:
+        first = await sage.request("sage.v1.request.sessions", {})
+        assert first["ok"], first
+        assert (len(first["sessions"]), first["total"], first["next_offset"]) == (1000, 4500, 1000)
+        last = await sage.request("sage.v1.request.sessions", {"offset": 4000})
+        assert (len(last["sessions"]), last["next_offset"]) == (500, None)
+        code, out, err = await sage.astrid("sage", "sessions", "--json")
+        assert code == 0, err
+        listed = msgspec.json.decode(out)
+        assert len(listed) == 4500
+        assert {row["state"] for row in listed} == {"hibernated"}
