@@ -261,3 +261,53 @@ def test_a_node_cannot_publish_for_another_node_nor_delete_from_the_stream(
     assert code == 2
     failure = nodes["b"]["failure"]
     assert (failure["kind"], failure["where"]) == ("malformed", "stream"), failure
+
+
+@pytest.mark.anyio
+async def test_a_full_queue_is_caught_up_from_sqlite_not_dropped(tmp_path: Path) -> None:
+    """A batch larger than the publisher's queue overflows it: the overflow is counted
+    and the publisher catches up from the SQLite log, so the stream ends up holding every
+    entry once, with the checkpoints, and verifies."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from sage.audit import AuditLog
+    from sage.config import AuditConfig, FleetConfig
+    from sage.fleet import join
+    from sage.fleet.audit_stream import AuditStreamer, read_book
+
+    with NatsCluster(NODES) as cluster:
+        config = FleetConfig(
+            url=cluster.urls,
+            node="a",
+            password_file=str(cluster.password_file("a")),
+            replicas=3,
+        )
+        key = Ed25519PrivateKey.generate()
+        audit_config = AuditConfig(checkpoint_every=16, batch_max=8)
+        path = tmp_path / "audit.db"
+        async with (
+            join(config, Path, started_at=time.time()) as member,
+            AuditLog.open(path, key, audit_config) as audit,
+            anyio.create_task_group() as tg,
+        ):
+            streamer = AuditStreamer(member, path, key.public_key(), queue_max=5)
+            audit.on_commit = streamer.offer_rows
+            audit.on_checkpoint = streamer.offer_checkpoint
+            tg.start_soon(streamer.run)
+            with anyio.fail_after(10):
+                while streamer.behind:  # the first catch-up: nothing to send yet
+                    await anyio.sleep(0.05)
+            receipts = [audit.submit("sage.v1.audit.burst", "", "", {"i": i}) for i in range(150)]
+            last = await receipts[-1].wait()
+            assert last == 150
+            with anyio.fail_after(20):
+                while streamer.sent_seq < last or streamer.behind:
+                    await anyio.sleep(0.05)
+            assert streamer.overflows >= 1
+            assert streamer.catch_ups >= 2
+            book = await read_book(member.jetstream)
+            tg.cancel_scope.cancel()
+        verdict = book.verdict("a")
+        assert verdict.failure is None
+        assert (verdict.entries, verdict.head_seq) == (150, 150)
+        assert verdict.checkpoints >= 9  # one per 16 entries
