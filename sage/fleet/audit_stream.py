@@ -404,7 +404,16 @@ class FleetAudit:
             tg.start_soon(self.answer_verify)
 
     async def answer_verify(self) -> None:
-        """Answer ``sage.fleet.<node>.audit.verify``, one request at a time."""
+        """Answer ``sage.fleet.<node>.audit.verify``, one request at a time, for ever
+        (a failure of the subscription is logged and it is made again)."""
+        while True:
+            try:
+                await self._answer_verify()
+            except Exception as exc:
+                log.warning("fleet.audit_verify_failed", node=self.node, error=_describe(exc))
+            await anyio.sleep(RETRY_EVERY)
+
+    async def _answer_verify(self) -> None:
         sub = await self.member.nats.subscribe(verify_subject(self.node))
         try:
             async for msg in sub.messages:
@@ -480,7 +489,15 @@ async def _ask(member: FleetMember, node: str) -> Comparison | str:
 
 async def verify_fleet_reply(member: FleetMember | None) -> dict[str, Any]:
     """Read the whole stream, verify every node's chain and checkpoints from it, and
-    ask every live node to compare its local log with it."""
+    ask every live node to compare its local log with it (never raises)."""
+    try:
+        return await _verify_fleet(member)
+    except Exception as exc:  # the supervisor's responder must outlive any surprise
+        log.error("fleet.audit_verify_failed", error=_describe(exc))
+        return replies.error("internal_error", f"fleet audit verify failed: {_describe(exc)}")
+
+
+async def _verify_fleet(member: FleetMember | None) -> dict[str, Any]:
     if member is None:
         return replies.from_error(
             NotInFleet("this supervisor is not in a fleet (its config has no [fleet])")

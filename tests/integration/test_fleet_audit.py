@@ -273,6 +273,25 @@ def test_a_nats_outage_then_catch_up_loses_no_entry(
     assert node["stream"]["entries"] == node["stream"]["head_seq"]  # no gap, no duplicate
     assert '"fleet.audit_stream_failed"' in a.log()
     assert '"fleet.audit_caught_up"' in a.log()
+    stream = a.status()["audit"]["stream"]
+    assert stream["catch_ups"] >= 2
+    assert stream["sent_seq"] >= head - 1
+    assert stream["behind"] is False
+
+
+def test_verify_fleet_without_a_fleet_says_so() -> None:
+    """A single host: `astrid audit verify --fleet` exits 1 with not_in_fleet, and
+    --pubkey with --fleet is refused."""
+    daemon = Daemon(short_dir()).start()
+    try:
+        result = daemon.astrid("audit", "verify", "--fleet")
+        assert result.returncode == 1
+        assert result.stderr.startswith("astrid: not_in_fleet: "), result.stderr
+        result = daemon.astrid("audit", "verify", "--fleet", "--pubkey", "/nonexistent")
+        assert result.returncode == 1
+        assert "--pubkey and --fleet" in result.stderr
+    finally:
+        daemon.stop()
 
 
 @pytest.mark.anyio
