@@ -1,7 +1,8 @@
 """The supervisor: boots the parts of sage, serves until told to stop, stops them in order.
 
 Start-up order: state folder (0700), with ``[fleet]`` joining the fleet (sage/fleet:
-a node that cannot join does not start), state store, audit log, bus, socket server, the
+a node that cannot join does not start), state store, audit log (with ``[fleet]`` streamed
+to JetStream: sage/fleet/audit_stream.py), bus, socket server, the
 audit sink (every envelope on ``*.v1.audit.>`` is appended), the status
 responder, capsules (in-process, or child processes for ``[worker]``
 manifests: sage.daemon.workers).  Readiness is reported through ``task_status.started()``
