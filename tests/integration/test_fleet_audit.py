@@ -186,8 +186,13 @@ def test_every_node_streams_verify_passes_then_names_an_altered_row(
         "bus", "pub", "sage.v1.audit.test_secret", json.dumps({"api_token": secret})
     )
     assert result.returncode == 0, result.stderr
+    # larger than one NATS message once streamed (base64): streamed without its payload
+    big = json.dumps({"blob": "x" * 900_000}).encode()
+    result = daemons["c"].astrid("bus", "pub", "sage.v1.audit.test_big", "-", input=big)
+    assert result.returncode == 0, result.stderr
     data = wait_streamed(daemons)
     assert (data["intact"], data["complete"], data["strays"]) == (True, True, [])
+    assert [by_node(data)[n]["stream"]["opaque"] for n in NODES] == [0, 0, 1]
     nodes = by_node(data)
     assert sorted(nodes) == NODES
     for name, node in nodes.items():
