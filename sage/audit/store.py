@@ -31,7 +31,7 @@ import os
 import sqlite3
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, Final
 
@@ -56,7 +56,16 @@ from sage.audit.chain import (
 from sage.config import AuditConfig
 from sage.errors import AuditError
 
-__all__ = ("AuditLog", "AuditReceipt", "LogState", "last_seq", "tail", "verify_audit")
+__all__ = (
+    "AuditLog",
+    "AuditReceipt",
+    "LogState",
+    "last_seq",
+    "read_checkpoints",
+    "read_entries",
+    "tail",
+    "verify_audit",
+)
 
 log = structlog.get_logger("sage.audit")
 
@@ -175,6 +184,11 @@ class AuditLog:
         self._failure: AuditError | None = None
         self._checkpoints_written = 0
         self._batches = 0
+        self.on_commit: Callable[[list[EntryRow]], None] | None = None
+        """Told each committed batch's rows, in order (the fleet's audit stream); it must
+        not block, and what it raises is logged, never the writer's failure."""
+        self.on_checkpoint: Callable[[Checkpoint], None] | None = None
+        """Told each checkpoint once it is written (after the rows it covers)."""
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -388,6 +402,7 @@ class AuditLog:
         self._unsigned += count
         for row, item in zip(rows, items, strict=True):
             item[5]._seq = row[0]  # committed: durable even if the checkpoint below fails
+        self._tell(self.on_commit, rows)
         if self._checkpoint_due(self._unsigned):
             await self._write_checkpoint()
         self._notify()
@@ -400,6 +415,15 @@ class AuditLog:
             await self._fail(AuditError(f"{self._path}: audit checkpoint failed: {exc}"))
             return
         self._checkpoint_written()
+        self._tell(self.on_checkpoint, checkpoint)
+
+    def _tell(self, listener: Callable[[Any], None] | None, what: object) -> None:
+        if listener is None:
+            return
+        try:
+            listener(what)
+        except Exception as exc:  # a listener never fails the log
+            log.error("audit.listener_failed", path=str(self._path), error=str(exc))
 
     def _checkpoint_written(self) -> None:
         self._unsigned = 0
@@ -536,12 +560,30 @@ def last_seq(path: str | os.PathLike[str]) -> int:
     return value
 
 
-def _read_after(path: str | os.PathLike[str], after_seq: int) -> list[EntryRow]:
+def read_entries(
+    path: str | os.PathLike[str], after_seq: int, limit: int = _TAIL_CHUNK
+) -> list[EntryRow]:
+    """Up to ``limit`` entries after ``after_seq``, in seq order (read-only)."""
     conn = _connect_ro(path)
     try:
         rows: list[EntryRow] = conn.execute(
             f"SELECT {_ENTRY_COLUMNS} FROM entries WHERE seq > ? ORDER BY seq LIMIT ?",
-            (after_seq, _TAIL_CHUNK),
+            (after_seq, limit),
+        ).fetchall()
+    except sqlite3.Error as exc:
+        raise AuditError(f"{path}: cannot read the audit log: {exc}") from exc
+    finally:
+        conn.close()
+    return rows
+
+
+def read_checkpoints(path: str | os.PathLike[str], after_size: int = 0) -> list[CheckpointRow]:
+    """The checkpoints covering more than ``after_size`` entries, by size (read-only)."""
+    conn = _connect_ro(path)
+    try:
+        rows: list[CheckpointRow] = conn.execute(
+            "SELECT size, head_hash, signature, ts FROM checkpoints WHERE size > ? ORDER BY size",
+            (after_size,),
         ).fetchall()
     except sqlite3.Error as exc:
         raise AuditError(f"{path}: cannot read the audit log: {exc}") from exc
@@ -560,7 +602,7 @@ async def tail(
     """Yield the entries after ``after_seq``; with ``follow``, keep polling for new ones."""
     last = after_seq
     while True:
-        rows = await anyio.to_thread.run_sync(_read_after, path, last)
+        rows = await anyio.to_thread.run_sync(read_entries, path, last)
         for row in rows:
             last = row[0]
             yield Entry.from_row(row)

@@ -7,6 +7,11 @@ checkpoints hold and 2 with the first broken entry (seq, kind, why);
 ``tail`` prints entries as lines (or one JSON object per line) and can
 follow; ``pubkey`` prints the checkpoint verifying key for safekeeping
 elsewhere, which is what makes a wholesale rewrite of the log detectable.
+``verify --fleet`` is the one that asks the local supervisor: it holds the
+node's NATS credentials, reads every node's streamed audit from JetStream and
+asks each live node to compare its own log with it (sage/fleet/audit_stream.py);
+it exits 0 when every node is intact, 2 with each broken node's first failure,
+and 1 when the stream cannot be read or a live node did not answer.
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import anyio
 import msgspec
 
+from sage import replies
 from sage.audit import (
     Entry,
     VerifyReport,
@@ -31,13 +38,16 @@ from sage.audit import (
     tail,
     verify_audit,
 )
-from sage.cli._common import add_common
-from sage.cli._connect import config_of, print_json
+from sage.cli._common import add_common, printable
+from sage.cli._connect import config_of, connect, print_json
 from sage.errors import AuditError
 
 __all__ = ("register",)
 
 EXIT_BROKEN = 2
+EXIT_UNREADABLE = 1
+VERIFY_FLEET_TOPIC = "sage.v1.request.audit.verify_fleet"  # answered by the supervisor
+FLEET_DEADLINE = 90.0
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -70,6 +80,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help=(
             "verify against this public key (PEM or base64, as `astrid audit pubkey` prints);"
             " default: the key in <state_dir>/keys"
+        ),
+    )
+    verify.add_argument(
+        "--fleet",
+        action="store_true",
+        help=(
+            "verify every node of the fleet from the sage_audit stream, and have each live"
+            " node compare its own log with it (asks the local supervisor; admins)"
         ),
     )
     verify.set_defaults(handler=cmd_verify)
@@ -126,6 +144,13 @@ def _require_log(path: Path) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    if args.fleet:
+        if args.pubkey:
+            raise AuditError(
+                "--pubkey and --fleet: the fleet's keys are the ones each node streamed"
+            )
+        code: int = anyio.run(cmd_verify_fleet, args)
+        return code
     config = config_of(args)
     path = config.audit_path
     _require_log(path)
@@ -248,3 +273,58 @@ def cmd_pubkey(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(public_key_pem(key))
     return 0
+
+
+# --- verify --fleet ----------------------------------------------------------------------
+
+
+async def cmd_verify_fleet(args: argparse.Namespace) -> int:
+    async with connect(args) as client:
+        reply = await client.request(VERIFY_FLEET_TOPIC, {}, deadline=FLEET_DEADLINE)
+    data = replies.parse(reply.payload)  # not_in_fleet, fleet_unavailable: exit 1
+    if args.json:
+        print_json(data)
+    else:
+        print(fleet_report_text(data))
+    if not data.get("intact"):
+        return EXIT_BROKEN
+    return 0 if data.get("complete") else EXIT_UNREADABLE
+
+
+def fleet_report_text(data: dict[str, Any]) -> str:
+    """The reply of ``verify_fleet`` as lines: one per node, its first failure if any."""
+    nodes = data.get("nodes") or []
+    intact = "intact" if data.get("intact") else "BROKEN"
+    lines = [
+        f"fleet audit {intact}: {_count(len(nodes), 'node', 'nodes')},"
+        f" {_count(int(data.get('messages') or 0), 'message', 'messages')} in the stream"
+        f" (asked by node {printable(str(data.get('node')))})"
+    ]
+    for node in nodes:
+        stream = node.get("stream") or {}
+        counts = (
+            f"{_count(stream.get('entries', 0), 'entry', 'entries')} and"
+            f" {_count(stream.get('checkpoints', 0), 'checkpoint', 'checkpoints')} streamed"
+        )
+        local = node.get("local")
+        if local is not None:
+            where = f"local log matches ({local['compared']} compared"
+            where += f", {local['unstreamed']} not streamed yet)" if local["unstreamed"] else ")"
+        elif node.get("local_error"):
+            where = f"local log NOT compared: {printable(str(node['local_error']))}"
+        else:
+            where = "local log not compared (node not live)"
+        failure = node.get("failure")
+        name = printable(str(node.get("node")))
+        if failure is None:
+            lines.append(f"  {name:<20} ok      {counts}; {where}")
+            continue
+        what = f" ({printable(failure['entry_kind'])})" if failure.get("entry_kind") else ""
+        lines.append(
+            f"  {name:<20} BROKEN  at seq {failure['seq']}{what}: {printable(failure['kind'])}"
+            f" in the {failure.get('where', 'stream')} log: {printable(failure['reason'])}"
+            f" [{counts}]"
+        )
+    for stray in data.get("strays") or []:
+        lines.append(f"  stray message {printable(str(stray))}: on no node's audit subject")
+    return "\n".join(lines)

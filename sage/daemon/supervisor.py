@@ -1,7 +1,8 @@
 """The supervisor: boots the parts of sage, serves until told to stop, stops them in order.
 
 Start-up order: state folder (0700), with ``[fleet]`` joining the fleet (sage/fleet:
-a node that cannot join does not start), state store, audit log, bus, socket server, the
+a node that cannot join does not start), state store, audit log (with ``[fleet]`` streamed
+to JetStream: sage/fleet/audit_stream.py), bus, socket server, the
 audit sink (every envelope on ``*.v1.audit.>`` is appended), the status
 responder, capsules (in-process, or child processes for ``[worker]``
 manifests: sage.daemon.workers).  Readiness is reported through ``task_status.started()``
@@ -40,7 +41,7 @@ from bus import (
 from bus.unix import ensure_private_dir
 from bus.wire import Hello
 from sage import replies
-from sage.audit import AuditLog, AuditReceipt, load_signing_key
+from sage.audit import AuditLog, AuditReceipt, load_signing_key, max_unsigned_for
 from sage.capsule.install import installed_folders, worker_manifest
 from sage.config import Config, load_config
 from sage.daemon.capsule_host import CapsuleRunner, capsule_folder, load_manifest
@@ -53,6 +54,7 @@ from sage.daemon.workers import WorkerRunner, WorkerSandbox, capsule_uids
 from sage.errors import AuditError, ConfigError, SageError
 from sage.fleet import STATUS_TOPIC as FLEET_STATUS_TOPIC
 from sage.fleet import FleetMember, join, status_reply
+from sage.fleet.audit_stream import VERIFY_FLEET_TOPIC, FleetAudit, verify_fleet_reply
 from sage.security.denials import DenialLimiter
 from sage.security.runas import SessionUids, access_group
 from sage.security.runas import enabled as runs_children_as_principals
@@ -259,6 +261,8 @@ class Supervisor:
         self.started_at = 0.0
         self.fleet: FleetMember | None = None
         """This node's membership of a fleet (``[fleet]``), once joined; None: a single host."""
+        self.fleet_audit: FleetAudit | None = None
+        """With a fleet: the audit log streamed to JetStream, and the fleet's verify."""
         self.notifier = Notifier()
         self.reloads = 0
         self.session_uids = SessionUids(config)
@@ -431,6 +435,12 @@ class Supervisor:
         ):
             self.state = state
             self.audit = audit
+            if self.fleet is not None:
+                self.fleet_audit = FleetAudit(
+                    self.fleet, config.audit_path, key.public_key(), max_unsigned_for(config.audit)
+                )
+                audit.on_commit = self.fleet_audit.streamer.offer_rows
+                audit.on_checkpoint = self.fleet_audit.streamer.offer_checkpoint
             await self._serve(audit, task_status)
 
     async def _serve(self, audit: AuditLog, task_status: anyio.abc.TaskStatus[None]) -> None:
@@ -468,8 +478,12 @@ class Supervisor:
                     tg.start_soon(self._answer_capsule_requests, changes)
                     fleet_status = self.bus.subscribe(FLEET_STATUS_TOPIC, self.identity)
                     tg.start_soon(self._answer_fleet_status, fleet_status)
+                    verify_fleet = self.bus.subscribe(VERIFY_FLEET_TOPIC, self.identity)
+                    tg.start_soon(self._answer_verify_fleet, verify_fleet)
                     if self.fleet is not None:
                         tg.start_soon(self.fleet.beat_every)
+                    if self.fleet_audit is not None:
+                        tg.start_soon(self.fleet_audit.run)
                     self.capsules.start_all(tg)
                     with anyio.move_on_after(CAPSULE_READY_TIMEOUT):
                         for capsule in self.capsules.runners:
@@ -644,6 +658,11 @@ class Supervisor:
             "audit": {
                 **(audit.stats() if audit is not None else {}),
                 "rate_limited": self.sink.rate_limited if self.sink is not None else 0,
+                **(
+                    {"stream": self.fleet_audit.streamer.stats()}
+                    if self.fleet_audit is not None
+                    else {}
+                ),
             },
             "state_store": str(self.state.path) if self.state is not None else "",
             "reloads": self.reloads,
@@ -662,6 +681,20 @@ class Supervisor:
             if request.reply_to:
                 reply = await status_reply(self.fleet)
                 self.bus.reply(self.identity, request.reply_to, reply)
+
+    async def _answer_verify_fleet(self, requests: Any) -> None:
+        """``sage.v1.request.audit.verify_fleet`` (admins): every node's audit, from the
+        stream and from each live node (sage/fleet/audit_stream.py)."""
+        async for request in requests:
+            if not request.reply_to:
+                continue
+            if request.principal is not None or not request.source.startswith("cli:"):
+                reply = replies.error(
+                    "not_authorized", "only an admin may verify the fleet's audit"
+                )
+            else:
+                reply = await verify_fleet_reply(self.fleet)
+            self.bus.reply(self.identity, request.reply_to, reply)
 
     async def _answer_status(self, requests: Any) -> None:
         async for request in requests:

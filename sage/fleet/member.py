@@ -170,6 +170,15 @@ class FleetMember:
         self.beats = 0
 
     @property
+    def nats(self) -> Nats:
+        """The node's NATS connection (its own user's permissions)."""
+        return self._nc
+
+    @property
+    def jetstream(self) -> JetStreamContext:
+        return self._js
+
+    @property
     def connected(self) -> bool:
         """Whether the NATS connection is up now (nats-py reconnects on its own)."""
         return bool(self._nc.is_connected)

@@ -12,19 +12,36 @@ with exactly them:
   (idempotent: the same config), read its info (which lists the keys), read a
   key's last value (direct get, or the message get when direct is off);
 - replies on an inbox of its own, ``_INBOX.<node>.>`` (the client is told to use
-  that prefix), so one node cannot read the replies meant for another.
+  that prefix), so one node cannot read the replies meant for another;
+- the fleet audit (sage/fleet/audit_stream.py): publish on its own audit subjects
+  only, ``sage.fleet.audit.<node>.entry``, ``.checkpoint`` and ``.key`` (never
+  another node's); create the ``sage_audit`` stream, read its info and last
+  messages, and read it whole through a consumer of its own (create, fetch,
+  delete: no purge, no message delete, no update); ask any node to compare its
+  log (``sage.fleet.*.audit.verify``), take such requests on its own subject
+  only, ``sage.fleet.<node>.audit.verify``, and answer them (``allow_responses``:
+  a reply to a request it received, nothing else).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ("BUCKET", "STREAM", "inbox_prefix", "node_permissions", "server_block")
+__all__ = (
+    "AUDIT_STREAM",
+    "BUCKET",
+    "STREAM",
+    "inbox_prefix",
+    "node_permissions",
+    "server_block",
+)
 
 BUCKET = "sage_nodes"
 """The JetStream key-value bucket holding one heartbeat record per node."""
 STREAM = f"KV_{BUCKET}"
 """The stream behind the bucket (JetStream names a bucket's stream ``KV_<bucket>``)."""
+AUDIT_STREAM = "sage_audit"
+"""The JetStream stream every node streams its audit entries and checkpoints to."""
 
 
 def inbox_prefix(node: str) -> str:
@@ -42,9 +59,21 @@ def node_permissions(node: str) -> dict[str, Any]:
                 f"$JS.API.STREAM.INFO.{STREAM}",
                 f"$JS.API.STREAM.MSG.GET.{STREAM}",
                 f"$JS.API.DIRECT.GET.{STREAM}.>",
+                f"sage.fleet.audit.{node}.entry",
+                f"sage.fleet.audit.{node}.checkpoint",
+                f"sage.fleet.audit.{node}.key",
+                f"$JS.API.STREAM.CREATE.{AUDIT_STREAM}",
+                f"$JS.API.STREAM.INFO.{AUDIT_STREAM}",
+                f"$JS.API.STREAM.MSG.GET.{AUDIT_STREAM}",
+                f"$JS.API.DIRECT.GET.{AUDIT_STREAM}.>",
+                f"$JS.API.CONSUMER.CREATE.{AUDIT_STREAM}.>",
+                f"$JS.API.CONSUMER.MSG.NEXT.{AUDIT_STREAM}.*",
+                f"$JS.API.CONSUMER.DELETE.{AUDIT_STREAM}.*",
+                "sage.fleet.*.audit.verify",
             ]
         },
-        "subscribe": {"allow": [f"{inbox_prefix(node)}.>"]},
+        "subscribe": {"allow": [f"{inbox_prefix(node)}.>", f"sage.fleet.{node}.audit.verify"]},
+        "allow_responses": True,
     }
 
 
@@ -64,12 +93,14 @@ def server_block(node: str, user: str, nkey: str = "") -> str:
 
     return "\n".join(
         [
-            f"# sage fleet node {node!r}: heartbeats in the {BUCKET} bucket, nothing else",
+            f"# sage fleet node {node!r}: heartbeats in the {BUCKET} bucket,"
+            f" its own audit in the {AUDIT_STREAM} stream, nothing else",
             "{",
             *who,
             "  permissions: {",
             f"    publish: {{ allow: [{items(perms['publish']['allow'])}] }}",
             f"    subscribe: {{ allow: [{items(perms['subscribe']['allow'])}] }}",
+            "    allow_responses: true",
             "  }",
             "}",
         ]

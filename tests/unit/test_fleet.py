@@ -237,8 +237,16 @@ def test_a_node_may_publish_its_own_key_only() -> None:
     publish = perms["publish"]["allow"]
     assert f"$KV.{BUCKET}.a" in publish
     assert not any(p.startswith(f"$KV.{BUCKET}.") and p != f"$KV.{BUCKET}.a" for p in publish)
-    assert all(p.endswith("KV_sage_nodes") or ".KV_sage_nodes." in p for p in publish[1:])
-    assert perms["subscribe"]["allow"] == ["_INBOX.a.>"]
+    bucket = [p for p in publish if "sage_audit" not in p and not p.startswith("sage.fleet.")]
+    assert all(p.endswith("KV_sage_nodes") or ".KV_sage_nodes." in p for p in bucket[1:])
+    # the fleet audit's subjects: its own, and the verify requests (test_fleet_audit_check)
+    assert [p for p in publish if p.startswith("sage.fleet.")] == [
+        "sage.fleet.audit.a.entry",
+        "sage.fleet.audit.a.checkpoint",
+        "sage.fleet.audit.a.key",
+        "sage.fleet.*.audit.verify",
+    ]
+    assert perms["subscribe"]["allow"] == ["_INBOX.a.>", "sage.fleet.a.audit.verify"]
     assert "deny" not in perms["publish"]
 
 
