@@ -270,12 +270,15 @@ async def _connect(config: FleetConfig, path_of: Callable[[str], Path]) -> Nats:
     connecting = True
     refused: list[BaseException] = []
     last: list[BaseException] = []
+    tls_failed: list[ssl.SSLError] = []  # any TLS failure while connecting: what to report
     auth_refused = anyio.Event()
     down = False  # each failed reconnect attempt is an error: one warning per outage
 
     async def on_error(exc: Exception) -> None:
         if connecting:
             last[:] = [exc]
+            if isinstance(exc, ssl.SSLError):
+                tls_failed[:] = [exc]
             if _is_auth_refusal(exc):
                 refused.append(exc)
                 auth_refused.set()
@@ -338,9 +341,11 @@ async def _connect(config: FleetConfig, path_of: Callable[[str], Path]) -> Nats:
             else f"user {config.user_name!r}: wrong user or password"
         )
         raise FleetAuthFailed(f"fleet: NATS at {urls} refused {who} ({_describe(refused[0])})")
-    if last and isinstance(last[0], ssl.SSLError):
+    # a server that wants a client certificate may close the link after the handshake:
+    # a later attempt then sees a broken pipe, but the TLS failure is the cause
+    if tls_failed:
         raise FleetError(
-            f"fleet: TLS with NATS at {urls} failed: {_describe(last[0])}",
+            f"fleet: TLS with NATS at {urls} failed: {_describe(tls_failed[0])}",
             code="fleet_tls_failed",
         )
     why = f": {_describe(last[0])}" if last else ""
