@@ -237,9 +237,26 @@ def test_a_node_may_publish_its_own_key_only() -> None:
     publish = perms["publish"]["allow"]
     assert f"$KV.{BUCKET}.a" in publish
     assert not any(p.startswith(f"$KV.{BUCKET}.") and p != f"$KV.{BUCKET}.a" for p in publish)
-    assert all(p.endswith("KV_sage_nodes") or ".KV_sage_nodes." in p for p in publish[1:])
-    assert perms["subscribe"]["allow"] == ["_INBOX.a.>"]
+    nodes_api = [p for p in publish if "KV_sage_nodes" in p]
+    assert len(nodes_api) == 4
+    assert perms["subscribe"]["allow"] == [
+        "_INBOX.a.>",
+        "sage.fleet.a.request.>",  # its own requests only
+        "sage.fleet.*.event.>",
+    ]
+    assert "sage.fleet.*.request.>" in publish
+    assert "sage.fleet.a.event.>" in publish  # its own sessions' events only
+    assert not any(
+        p.startswith("sage.fleet.") and ".event." in p and p != "sage.fleet.a.event.>"
+        for p in publish
+    )
+    assert perms["allow_responses"] is True
     assert "deny" not in perms["publish"]
+
+
+def test_peers_bound_where_a_node_may_forward() -> None:
+    publish = node_permissions("a", ["b", "a"])["publish"]["allow"]
+    assert [p for p in publish if ".request." in p] == ["sage.fleet.b.request.>"]
 
 
 def test_the_server_block_carries_no_password(capsys: pytest.CaptureFixture[str]) -> None:
