@@ -1,0 +1,296 @@
+"""Sessions anywhere: three supervisors over a real 3-server NATS cluster, the CLI double.
+
+Each node is a real supervisor process with the session runner (the Claude Code
+double, tests/support/fake_claude.py), its own state folder and socket; the NATS
+users hold exactly the permissions ``astrid fleet permissions`` prints.  Every step
+is the ``astrid`` CLI on some node's socket, as a user would type it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import pytest
+
+from tests.support import FAKE_CLAUDE
+from tests.support.daemon import ASTRID, Daemon, short_dir
+from tests.support.nats_cluster import NatsCluster
+
+NODES = ["a", "b", "c"]
+HEARTBEAT = 0.4
+LOST_AFTER = 1.5
+
+
+def fleet_section(cluster: NatsCluster, node: str) -> str:
+    urls = ", ".join(f'"{url}"' for url in cluster.urls)
+    return (
+        f'[fleet]\nurl = [{urls}]\nnode = "{node}"\n'
+        f'password_file = "{cluster.password_file(node)}"\n'
+        f"heartbeat = {HEARTBEAT}\nlost_after = {LOST_AFTER}\nconnect_timeout = 5.0\nreplicas = 3\n"
+    )
+
+
+def node_config(cluster: NatsCluster, node: str) -> str:
+    """The runner with the double; principals alice and bob both the test's uid (an
+    admin's connection names which one it acts for with --principal)."""
+    uid = os.getuid()
+    return (
+        'capsules = ["runner"]\n'
+        f'[claude]\nbinary = "{FAKE_CLAUDE}"\nenv = {{ FAKE_CLAUDE_MODE = "" }}\n'
+        "[limits]\nstop_grace = 2.0\n"
+        + fleet_section(cluster, node)
+        + f'[[principals]]\nname = "alice"\nuids = [{uid}]\noperator_key = true\n'
+        + f'[[principals]]\nname = "bob"\nuids = [{uid}]\noperator_key = true\n'
+    )
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[tuple[NatsCluster, dict[str, Daemon]]]:
+    # "d" is a NATS user of the cluster with no supervisor: it may forward to b only
+    with NatsCluster([*NODES, "d"], peers={"d": ["b"]}) as cluster:
+        env = {"ANTHROPIC_API_KEY": "sk-double"}
+        daemons = {node: Daemon(short_dir(), node_config(cluster, node), env=env) for node in NODES}
+        try:
+            for daemon in daemons.values():
+                daemon.launch()
+            for daemon in daemons.values():
+                daemon.wait_ready(30.0)
+            yield cluster, daemons
+        finally:
+            for daemon in daemons.values():
+                daemon.stop()
+
+
+def astrid(daemon: Daemon, *args: str, principal: str = "alice") -> Any:
+    result = daemon.astrid(*args, "--principal", principal, timeout=30.0)
+    return result
+
+
+def ok_json(daemon: Daemon, *args: str, principal: str = "alice") -> Any:
+    result = astrid(daemon, *args, "--json", principal=principal)
+    assert result.returncode == 0, (args, result.stdout, result.stderr)
+    return json.loads(result.stdout)
+
+
+def rows(daemon: Daemon, principal: str = "alice") -> dict[str, dict[str, Any]]:
+    return {
+        row["session_id"]: row for row in ok_json(daemon, "sage", "sessions", principal=principal)
+    }
+
+
+def raw_request(daemon: Daemon, topic: str, payload: Any, principal: str) -> Any:
+    """One request on ``daemon``'s socket acting for ``principal``, as any client may."""
+
+    async def main() -> Any:
+        from bus.client import BusClient
+
+        async with BusClient.connect(
+            daemon.socket, role="cli", name="test", principal=principal
+        ) as client:
+            reply = await client.request(topic, payload, deadline=10.0)
+            return json.loads(reply.payload)
+
+    return anyio.run(main)
+
+
+def read_events_until(proc: subprocess.Popen[str], name: str, within: float) -> list[Any]:
+    """The JSON lines ``proc`` prints, up to the first event ``name`` (read in a thread)."""
+    import queue
+    import threading
+
+    lines: queue.Queue[str] = queue.Queue()
+    stdout = proc.stdout
+    assert stdout is not None
+    threading.Thread(target=lambda: [lines.put(line) for line in stdout], daemon=True).start()
+    events: list[Any] = []
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=max(0.01, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        events.append(json.loads(line))
+        if events[-1]["event"] == name:
+            return events
+    raise AssertionError(f"no {name} event within {within} s: {events}")
+
+
+def wait_for(check: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(0.1)
+    raise AssertionError(f"{what}: not within {timeout} s (last: {last})")
+
+
+def test_sessions_anywhere(fleet: tuple[NatsCluster, dict[str, Daemon]]) -> None:
+    """Spawn on a from b's socket; send and watch from c; another principal on c finds
+    nothing; the listing on every node shows the node; stop from b."""
+    _, daemons = fleet
+    a, b, c = daemons["a"], daemons["b"], daemons["c"]
+
+    spawned = ok_json(b, "sage", "spawn", "alice", "--node", "a", "--session", "s1")
+    assert spawned["session_id"] == "s1"
+    assert spawned["node"] == "a"
+    pid = spawned["pid"]
+    # it runs on a: a's own runner lists it (the local path, unchanged)
+    assert rows(a)["s1"]["pid"] == pid
+
+    # the registry is written from a's spawned event: every node finds it
+    def listed_everywhere() -> bool:
+        return all(rows(d).get("s1", {}).get("node") == "a" for d in daemons.values())
+
+    wait_for(listed_everywhere, 5.0, "s1 listed with node a on every node")
+
+    # send from c: the reply streams through c's socket
+    sent = astrid(c, "sage", "send", "s1", "hello from c", "--timeout", "20")
+    assert sent.returncode == 0, sent.stderr
+    assert "echo: hello from c" in sent.stdout  # the double echoes the turn
+
+    # watch from c: replay of the earlier events
+    watched = astrid(c, "sage", "watch", "s1", "--replay", "3", "-n", "3")
+    assert watched.returncode == 0, watched.stderr
+    events = [json.loads(line) for line in watched.stdout.splitlines()]
+    assert len(events) == 3
+    assert events[-1]["event"] == "done"
+    # and live: a watch on c follows a turn sent on a's own socket
+    watch = subprocess.Popen(
+        [*ASTRID, "sage", "watch", "s1", "--principal", "alice", "--config", str(c.config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=c.env,
+    )
+    try:
+        wait_for(lambda: a.log().count('"verb": "session"') >= 2, 10.0, "the watch asked a")
+        assert astrid(a, "sage", "send", "s1", "live turn", "--timeout", "20").returncode == 0
+        live = read_events_until(watch, "done", 10.0)
+    finally:
+        watch.kill()
+        watch.communicate()
+    text = "".join(e["data"].get("delta", "") for e in live if e["event"] == "text")
+    assert text == "echo: live turn", live
+    # another principal on c: the same answer as for a session that is not there
+    for verb in ("stop", "interrupt"):
+        refused = astrid(c, "sage", verb, "s1", principal="bob")
+        assert refused.returncode == 1
+        assert "unknown_session" in refused.stderr, refused.stderr
+    refused = astrid(c, "sage", "send", "s1", "hi", principal="bob")
+    assert "unknown_session: no session 's1'" in refused.stderr
+    assert "s1" not in rows(c, principal="bob")
+    # a payload that names a principal changes nothing: only c's bus decides who asks
+    forged = raw_request(
+        c, "sage.v1.request.fleet.stop.s1", {"origin": "a", "principal": "alice"}, "bob"
+    )
+    assert forged["error"] == "unknown_session", forged
+    # the principal crosses with the request: bob may not spawn for alice on a
+    refused = astrid(b, "sage", "spawn", "alice", "--node", "a", principal="bob")
+    assert refused.returncode == 1
+    assert "not_authorized" in refused.stderr, refused.stderr
+
+    # stop from b
+    stopped = astrid(b, "sage", "stop", "s1")
+    assert stopped.returncode == 0, stopped.stderr
+    wait_for(lambda: "s1" not in rows(c), 5.0, "s1 gone from the listing")
+    gone = astrid(c, "sage", "stop", "s1")
+    assert gone.returncode == 1
+    assert "unknown_session" in gone.stderr or "session_ended" in gone.stderr
+
+
+def test_bad_routes_are_refused_before_any_subject(
+    fleet: tuple[NatsCluster, dict[str, Daemon]],
+) -> None:
+    """A node name or session id with wildcards or dots never reaches a NATS subject."""
+    _, daemons = fleet
+    b = daemons["b"]
+    for bad in ("*", ">", "a.b", "a b"):
+        result = astrid(b, "sage", "spawn", "alice", "--node", bad)
+        assert result.returncode == 1
+        assert "invalid_session_id" in result.stderr or "bad_request" in result.stderr, (
+            bad,
+            result.stderr,
+        )
+    result = astrid(b, "sage", "spawn", "alice", "--node", "nosuchnode")
+    assert result.returncode == 1
+    assert "fleet_unavailable" in result.stderr
+    assert "'nosuchnode'" in result.stderr
+
+
+def test_a_node_may_not_publish_on_a_peer_it_was_not_given(
+    fleet: tuple[NatsCluster, dict[str, Daemon]],
+) -> None:
+    """NATS user d may forward to b only: the server refuses its request to a, and its
+    subscription to a's requests; a never sees it."""
+    cluster, daemons = fleet
+    ok_json(daemons["a"], "sage", "spawn", "alice", "--session", "s2")
+    errors: list[str] = []
+
+    async def main() -> None:
+        from nats.aio.client import Client
+
+        async def on_error(exc: Exception) -> None:
+            errors.append(str(exc))
+
+        nc = Client()
+        await nc.connect(
+            servers=cluster.urls,
+            user="d",
+            password=cluster.passwords["d"],
+            inbox_prefix="_INBOX.d",
+            error_cb=on_error,
+            allow_reconnect=False,
+        )
+        try:
+            payload = json.dumps({"origin": "b", "principal": None, "payload": {}}).encode()
+            await nc.publish("sage.fleet.a.request.stop.s2", payload, reply="_INBOX.d.x")
+            await nc.subscribe("sage.fleet.a.request.>")
+            await nc.flush()
+            await anyio.sleep(0.5)
+        finally:
+            await nc.close()
+
+    anyio.run(main)
+    assert any(
+        "permissions violation for publish" in e.lower() and "sage.fleet.a.request" in e
+        for e in errors
+    ), errors
+    assert any("permissions violation for subscription" in e.lower() for e in errors), errors
+    assert rows(daemons["a"])["s2"]["state"] != "ended"  # not stopped
+    assert not [
+        line
+        for line in daemons["a"].log().splitlines()
+        if '"fleet.forwarded_in"' in line and '"s2"' in line
+    ]
+    ok_json(daemons["a"], "sage", "stop", "s2")
+
+
+def test_a_killed_node_shows_its_sessions_lost(
+    fleet: tuple[NatsCluster, dict[str, Daemon]],
+) -> None:
+    """SIGKILL c with a session: the other nodes list it lost, with its node; requests
+    for it say fleet_unavailable; their own sessions go on."""
+    _, daemons = fleet
+    a, b, c = daemons["a"], daemons["b"], daemons["c"]
+    ok_json(c, "sage", "spawn", "alice", "--session", "s3")
+    ok_json(b, "sage", "spawn", "alice", "--session", "s4")
+    wait_for(lambda: rows(a).get("s3", {}).get("node") == "c", 5.0, "s3 listed on a")
+    c.signal(signal.SIGKILL)
+    c.proc.wait()  # type: ignore[union-attr]
+    wait_for(lambda: rows(a).get("s3", {}).get("state") == "lost", LOST_AFTER + 4, "s3 lost")
+    row = rows(b)["s3"]
+    assert (row["node"], row["state"]) == ("c", "lost")
+    assert rows(b)["s4"]["state"] not in ("lost", "ended")
+    result = astrid(a, "sage", "stop", "s3")
+    assert result.returncode == 1
+    assert "fleet_unavailable" in result.stderr, result.stderr
+    ok_json(b, "sage", "stop", "s4")
