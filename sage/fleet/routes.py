@@ -177,7 +177,7 @@ def decode_entry(sid: str, data: bytes) -> SessionEntry | None:
 
 def local_topic(verb: str, sid: str | None) -> str:
     """The runner's own request topic for ``verb`` (what a forwarded request becomes)."""
-    return f"sage.v1.request.{verb}" + (f".{check_name(sid, 'session id')}" if sid else "")
+    return f"sage.v1.request.{verb}" + ("" if sid is None else f".{check_name(sid, 'session id')}")
 
 
 def event_of(topic: str) -> tuple[str, str] | None:

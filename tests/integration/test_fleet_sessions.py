@@ -294,3 +294,31 @@ def test_a_killed_node_shows_its_sessions_lost(
     assert result.returncode == 1
     assert "fleet_unavailable" in result.stderr, result.stderr
     ok_json(b, "sage", "stop", "s4")
+
+
+def test_with_nats_gone_local_sessions_go_on_and_remote_ones_say_so(
+    fleet: tuple[NatsCluster, dict[str, Daemon]],
+) -> None:
+    """Every NATS server killed: a's own session takes a turn as before, a request for
+    b's session answers fleet_unavailable, the listing shows a's sessions with a warning."""
+    cluster, daemons = fleet
+    a, b = daemons["a"], daemons["b"]
+    ok_json(a, "sage", "spawn", "alice", "--session", "s5")
+    ok_json(b, "sage", "spawn", "alice", "--session", "s6")
+    wait_for(lambda: "s6" in rows(a), 5.0, "s6 listed on a")
+    for index in range(cluster.size):
+        cluster.kill(index)
+    wait_for(lambda: '"fleet.disconnected"' in a.log(), 10.0, "a sees NATS gone")
+    sent = astrid(a, "sage", "send", "s5", "still here", "--timeout", "20")
+    assert sent.returncode == 0, sent.stderr
+    assert "echo: still here" in sent.stdout
+    remote = astrid(a, "sage", "send", "s6", "hello")
+    assert remote.returncode == 1
+    assert "fleet_unavailable" in remote.stderr, remote.stderr
+    assert "NATS is not connected" in remote.stderr
+    listing = astrid(a, "sage", "sessions")
+    assert listing.returncode == 0, listing.stderr
+    assert "s5" in listing.stdout
+    assert "s6" not in listing.stdout
+    assert "this node's sessions only: NATS is not connected" in listing.stderr
+    ok_json(a, "sage", "stop", "s5")
