@@ -36,14 +36,16 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.abc
 import msgspec
-from anyio.streams.memory import MemoryObjectSendStream
 import structlog
+from anyio.streams.memory import MemoryObjectSendStream
 
 from bus import Bus, BusError, Envelope, Identity, NoResponders
 from sage import replies
 from sage.fleet.member import FleetMember
 from sage.fleet.nodes import NodeState
 from sage.fleet.routes import (
+    REGISTRY,
+    REGISTRY_STREAM,
     SESSION_VERBS,
     BadRoute,
     Forwarded,
@@ -57,6 +59,7 @@ from sage.fleet.routes import (
     event_pattern,
     event_subject,
     local_topic,
+    parse_event_subject,
     parse_request_subject,
     request_subject,
     row_of,
@@ -199,8 +202,6 @@ class Router:
         """Every session of the registry (id -> entry)."""
         from nats.js.errors import KeyNotFoundError
 
-        from sage.fleet.routes import REGISTRY, REGISTRY_STREAM
-
         registry = self.member.registry
         assert registry is not None
         prefix = f"$KV.{REGISTRY}."
@@ -244,14 +245,17 @@ class Router:
             reply = await self._ask_runner(
                 identity, local_topic(verb, sid), payload, forwarded.principal, verb
             )
-        log.info(
-            "fleet.forwarded_in",
-            origin=forwarded.origin,
-            verb=verb,
-            session_id=sid,
-            principal_id=forwarded.principal,
-            ok=reply.get("ok"),
-        )
+        what = {
+            "origin": forwarded.origin,
+            "verb": verb,
+            "session_id": sid,
+            "principal_id": forwarded.principal,
+            "ok": reply.get("ok"),
+        }
+        log.info("fleet.forwarded_in", **what)
+        if verb != "sessions":  # who vouched for whom, in this node's chain
+            with contextlib.suppress(BusError):
+                self.bus.publish(self.identity, "sage.v1.audit.fleet_request", what)
         await _respond(msg, reply)
 
     async def _ask_runner(
@@ -462,7 +466,7 @@ class Router:
 
         async def republish(msg: Msg) -> None:
             try:
-                _, event_sid, name = _event_parts(msg.subject)
+                _, event_sid, name = parse_event_subject(msg.subject)
                 event = decode_event(msg.data)
             except BadRoute:
                 return
@@ -502,12 +506,6 @@ class Router:
                 topic = f"sage.v1.event.{sid}.exited"
                 if relay.ended or not self.bus.has_subscribers(topic, besides=self.identity):
                     self._drop_relay_soon(sid)
-
-
-def _event_parts(subject: str) -> tuple[str, str, str]:
-    from sage.fleet.routes import parse_event_subject
-
-    return parse_event_subject(subject)
 
 
 async def _unsubscribe(sub: NatsSubscription) -> None:

@@ -27,6 +27,7 @@ from sage.config import NAME_PATTERN
 from sage.errors import SageError
 
 __all__ = (
+    "NODE_VERBS",
     "REGISTRY",
     "REGISTRY_STREAM",
     "SESSION_VERBS",
@@ -35,11 +36,18 @@ __all__ = (
     "ForwardedEvent",
     "SessionEntry",
     "check_name",
+    "decode_entry",
+    "decode_event",
+    "decode_forwarded",
+    "event_of",
     "event_pattern",
     "event_subject",
+    "local_topic",
     "parse_event_subject",
     "parse_request_subject",
     "request_subject",
+    "row_of",
+    "visible",
 )
 
 REGISTRY = "sage_sessions"

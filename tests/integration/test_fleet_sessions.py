@@ -108,7 +108,12 @@ def read_events_until(proc: subprocess.Popen[str], name: str, within: float) -> 
     lines: queue.Queue[str] = queue.Queue()
     stdout = proc.stdout
     assert stdout is not None
-    threading.Thread(target=lambda: [lines.put(line) for line in stdout], daemon=True).start()
+
+    def pump() -> None:
+        for line in stdout:
+            lines.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
     events: list[Any] = []
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
@@ -120,6 +125,18 @@ def read_events_until(proc: subprocess.Popen[str], name: str, within: float) -> 
         if events[-1]["event"] == name:
             return events
     raise AssertionError(f"no {name} event within {within} s: {events}")
+
+
+def audit_rows(daemon: Daemon, kind: str) -> list[dict[str, Any]]:
+    """The payloads of ``daemon``'s audit entries of ``kind``."""
+    import sqlite3
+
+    db = sqlite3.connect(f"file:{daemon.root / 'state' / 'audit.db'}?mode=ro", uri=True)
+    try:
+        found = db.execute("SELECT payload FROM entries WHERE kind = ?", (kind,)).fetchall()
+    finally:
+        db.close()
+    return [json.loads(payload)["payload"] for (payload,) in found]
 
 
 def wait_for(check: Any, timeout: float, what: str) -> Any:
@@ -198,6 +215,13 @@ def test_sessions_anywhere(fleet: tuple[NatsCluster, dict[str, Daemon]]) -> None
     assert refused.returncode == 1
     assert "not_authorized" in refused.stderr, refused.stderr
 
+    # a keeps who vouched for whom: b spawned for alice, c sent for her; bob got nothing
+    vouched = {
+        (row["origin"], row["verb"], row["principal_id"], row["ok"])
+        for row in audit_rows(a, "sage.v1.audit.fleet_request")
+    }
+    assert {("b", "spawn", "alice", True), ("c", "send", "alice", True)} <= vouched
+    assert ("b", "spawn", "bob", False) in vouched
     # stop from b
     stopped = astrid(b, "sage", "stop", "s1")
     assert stopped.returncode == 0, stopped.stderr
