@@ -219,7 +219,9 @@ async def _in_fleet(client: Any, verb: str, payload: Any, deadline: float) -> di
     try:
         reply = await client.request(f"sage.v1.request.fleet.{verb}", payload, deadline=deadline)
     except NoResponders:
-        raise _NoFleet("this supervisor is not in a fleet (its config has no [fleet])") from None
+        raise _NoFleet(
+            "not_in_fleet: this supervisor is not in a fleet (its config has no [fleet])"
+        ) from None
     return replies.parse(reply.payload)
 
 

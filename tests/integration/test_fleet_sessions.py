@@ -168,6 +168,11 @@ def test_sessions_anywhere(fleet: tuple[NatsCluster, dict[str, Daemon]]) -> None
         return all(rows(d).get("s1", {}).get("node") == "a" for d in daemons.values())
 
     wait_for(listed_everywhere, 5.0, "s1 listed with node a on every node")
+    table = astrid(c, "sage", "sessions")
+    assert table.returncode == 0, table.stderr
+    header, *lines = table.stdout.splitlines()
+    assert header.split()[:2] == ["NODE", "SESSION"]
+    assert any(line.split()[:2] == ["a", "s1"] for line in lines), table.stdout
 
     # send from c: the reply streams through c's socket
     sent = astrid(c, "sage", "send", "s1", "hello from c", "--timeout", "20")
@@ -346,3 +351,32 @@ def test_with_nats_gone_local_sessions_go_on_and_remote_ones_say_so(
     assert "s6" not in listing.stdout
     assert "this node's sessions only: NATS is not connected" in listing.stderr
     ok_json(a, "sage", "stop", "s5")
+
+
+def test_without_a_fleet_nothing_changes() -> None:
+    """A single host: the runner's answers stand, --node says there is no fleet, the
+    listing has no node column."""
+    uid = os.getuid()
+    config = (
+        f'capsules = ["runner"]\n[claude]\nbinary = "{FAKE_CLAUDE}"\n'
+        f'[[principals]]\nname = "alice"\nuids = [{uid}]\noperator_key = true\n'
+    )
+    daemon = Daemon(short_dir(), config, env={"ANTHROPIC_API_KEY": "sk-double"}).start()
+    try:
+        result = daemon.astrid("sage", "spawn", "alice", "--node", "a")
+        assert (result.returncode, result.stderr) == (
+            1,
+            "astrid: not_in_fleet: this supervisor is not in a fleet (its config has no [fleet])\n",
+        )
+        result = daemon.astrid("sage", "stop", "nope")
+        assert (result.returncode, result.stderr) == (
+            1,
+            "astrid: unknown_session: no session 'nope'\n",
+        )
+        assert daemon.astrid("sage", "spawn", "alice", "--session", "here").returncode == 0
+        listing = daemon.astrid("sage", "sessions")
+        assert listing.returncode == 0, listing.stderr
+        assert listing.stdout.startswith("SESSION ")
+        assert "here" in listing.stdout
+    finally:
+        daemon.stop()
