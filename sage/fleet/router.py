@@ -83,6 +83,7 @@ DEFAULT_DEADLINE = 10.0
 NETWORK_SLACK = 2.0
 RELAY_CHECK = 1.0  # seconds between two looks at whether a relayed session is still watched
 LISTING_DEADLINE = 3.0
+RESYNC_CHECK = 1.0  # seconds between two looks at whether the registry needs a resync
 
 
 def unavailable(message: str) -> dict[str, Any]:
@@ -132,6 +133,7 @@ class Router:
                 for sub in local:
                     tg.start_soon(self._serve_local, sub)
                 tg.start_soon(self._prune_relays)
+                tg.start_soon(self._keep_registry)
                 task_status.started()
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
@@ -185,6 +187,53 @@ class Router:
                         await registry.put(sid, entry.encode())
             except Exception as exc:
                 log.warning("fleet.registry_write_failed", session_id=sid, error=_describe(exc))
+
+    async def _keep_registry(self) -> None:
+        """Make the registry agree with the runner at start and after each outage: a
+        spawn or an end whose write was lost meanwhile (or a restart that ended
+        sessions without ``exited``) is written again."""
+        synced = False
+        while True:
+            connected = self.member.connected
+            if connected and not synced:
+                synced = await self._resync()
+            elif not connected:
+                synced = False
+            await anyio.sleep(RESYNC_CHECK)
+
+    async def _resync(self) -> bool:
+        """One pass (False: the runner or the registry could not be read; try again)."""
+        since = time.time()
+        listing = await self._ask_runner(
+            self.identity, "sage.v1.request.sessions", b"{}", None, "sessions"
+        )
+        if not listing.get("ok"):
+            return False  # no runner yet (it starts after the router), or none at all
+        live = {
+            str(row["session_id"]): str(row.get("principal_id") or "")
+            for row in listing.get("sessions") or []
+            if isinstance(row, dict) and row.get("state") != "ended"
+        }
+        try:
+            with anyio.fail_after(LISTING_DEADLINE):
+                entries = await self.entries()
+        except Exception as exc:
+            log.warning("fleet.registry_unreadable", error=_describe(exc))
+            return False
+        put = delete = 0
+        for sid, principal in sorted(live.items()):
+            entry = entries.get(sid)
+            if principal and (entry is None or entry.node != self.node):
+                self._note(sid, SessionEntry(node=self.node, principal_id=principal, at=since))
+                put += 1
+        for sid, entry in sorted(entries.items()):
+            # an entry written after the listing was taken is a spawn's: left alone
+            if entry.node == self.node and sid not in live and entry.at < since:
+                self._note(sid, None)
+                delete += 1
+        if put or delete:
+            log.info("fleet.registry_resynced", put=put, deleted=delete)
+        return True
 
     async def lookup(self, sid: str) -> SessionEntry | None:
         """The registry's entry for ``sid`` (raises what nats-py raised when it cannot ask)."""

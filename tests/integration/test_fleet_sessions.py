@@ -351,6 +351,19 @@ def test_with_nats_gone_local_sessions_go_on_and_remote_ones_say_so(
     assert "s6" not in listing.stdout
     assert "this node's sessions only: NATS is not connected" in listing.stderr
     ok_json(a, "sage", "stop", "s5")
+    # spawned while NATS is away: its registry write is made again once it is back
+    ok_json(a, "sage", "spawn", "alice", "--session", "s7")
+    for index in range(cluster.size):
+        cluster.launch(index)
+    cluster.wait_meta_leader()
+    wait_for(lambda: '"fleet.registry_resynced"' in a.log(), 20.0, "a resyncs the registry")
+
+    def sent_from_b() -> bool:
+        result = astrid(b, "sage", "send", "s7", "back again", "--timeout", "10")
+        return result.returncode == 0 and "echo: back again" in result.stdout
+
+    wait_for(sent_from_b, 15.0, "b reaches s7 through the registry")
+    ok_json(b, "sage", "stop", "s7")
 
 
 def test_without_a_fleet_nothing_changes() -> None:
