@@ -228,14 +228,14 @@ async def _in_fleet(client: Any, verb: str, payload: Any, deadline: float) -> di
 async def call_session(
     client: Any, verb: str, sid: str, payload: Any, deadline: float
 ) -> dict[str, Any]:
-    """A request about session ``sid``: the local runner first, as on a single host; a
-    session it does not know (``unknown_session``) is looked for in the fleet, whose
-    router forwards the request to the node that runs it.  Not in a fleet: the runner's
-    answer stands."""
+    """A request about session ``sid`` (or approval, for ``approve``): the local runner
+    first, as on a single host; one it does not know (``unknown_session``,
+    ``unknown_approval``) is looked for in the fleet, whose router forwards the request
+    to the node that holds it.  Not in a fleet: the runner's answer stands."""
     try:
         return await call_runner(client, f"sage.v1.request.{verb}.{sid}", payload, deadline)
     except ReplyError as exc:
-        if exc.code != "unknown_session":
+        if exc.code not in ("unknown_session", "unknown_approval"):
             raise
         try:
             return await _in_fleet(client, f"{verb}.{sid}", payload, deadline + 5.0)
@@ -605,18 +605,28 @@ async def _approvals(args: argparse.Namespace) -> int:
     async with connect(args) as client:
         if args.watch:
             return await _watch_approvals(client)
-        data = await call_runner(client, "sage.v1.request.approvals", {}, 10.0)
+        try:  # in a fleet: every node's (sage/fleet/router.py)
+            data = await _in_fleet(client, "approvals", {}, 10.0)
+        except _NoFleet:
+            data = await call_runner(client, "sage.v1.request.approvals", {}, 10.0)
     rows = data["approvals"]
+    if data.get("warning"):
+        print(f"astrid: {data['warning']}", file=sys.stderr)
     if args.json:
         print_json(rows)
         return 0
     if not rows:
         print("no pending approvals")
         return 0
-    print(f"{'ID':<32}  {'SESSION':<14} {'PRINCIPAL':<12} {'AGE':>5} {'LEFT':>5}  TOOL")
+    fleet = any("node" in row for row in rows)
+    print(
+        (f"{'NODE':<10} " if fleet else "")
+        + f"{'ID':<32}  {'SESSION':<14} {'PRINCIPAL':<12} {'AGE':>5} {'LEFT':>5}  TOOL"
+    )
     for row in rows:
         print(
-            f"{row['approval_id']:<32}  {row['session_id']:<14} {row['principal_id']:<12}"
+            (f"{row.get('node', ''):<10} " if fleet else "")
+            + f"{row['approval_id']:<32}  {row['session_id']:<14} {row['principal_id']:<12}"
             f" {row['age_s']:>4.0f}s {row['expires_in_s']:>4.0f}s  {row['tool_name']}"
             f" {_short(row.get('arguments', {}))}"
         )
@@ -651,9 +661,7 @@ async def _decide(args: argparse.Namespace) -> int:
         if args.rule:
             answer["rule"] = args.rule
     async with connect(args) as client:
-        data = await call_runner(
-            client, f"sage.v1.request.approve.{args.approval_id}", answer, 10.0
-        )
+        data = await call_session(client, "approve", args.approval_id, answer, 10.0)
     if args.json:
         print_json(data)
     else:

@@ -44,6 +44,7 @@ from sage import replies
 from sage.fleet.member import FleetMember
 from sage.fleet.nodes import NodeState
 from sage.fleet.routes import (
+    APPROVAL_VERBS,
     REGISTRY,
     REGISTRY_STREAM,
     SESSION_VERBS,
@@ -74,9 +75,14 @@ __all__ = ("LOCAL_REQUESTS", "Router")
 
 log = structlog.get_logger("sage.fleet.router")
 
-LOCAL_REQUESTS = ("sage.v1.request.fleet.*.*", "sage.v1.request.fleet.spawn")
+LOCAL_REQUESTS = (
+    "sage.v1.request.fleet.*.*",
+    "sage.v1.request.fleet.spawn",
+    "sage.v1.request.fleet.approvals",
+)
 """What the router answers on the local bus (``sessions`` too, see :data:`LISTING`)."""
 LISTING = "sage.v1.request.fleet.sessions"
+APPROVALS_LISTING = "sage.v1.request.fleet.approvals"
 DEADLINES = {"spawn": 30.0, "send": 120.0, "wake": 120.0, "stop": 30.0}
 """Seconds a forwarded request may take at its owner (others: :data:`DEFAULT_DEADLINE`)."""
 DEFAULT_DEADLINE = 10.0
@@ -288,8 +294,8 @@ class Router:
     ) -> None:
         identity = Identity(f"fleet:{forwarded.origin}")
         payload = bytes(forwarded.payload)
-        if verb == "sessions":
-            reply = await self._local_listing(payload, forwarded.principal, identity)
+        if verb in ("sessions", "approvals"):
+            reply = await self._local_listing(payload, forwarded.principal, identity, verb)
         else:
             reply = await self._ask_runner(
                 identity, local_topic(verb, sid), payload, forwarded.principal, verb
@@ -302,7 +308,7 @@ class Router:
             "ok": reply.get("ok"),
         }
         log.info("fleet.forwarded_in", **what)
-        if verb != "sessions":  # who vouched for whom, in this node's chain
+        if verb not in ("sessions", "approvals"):  # who vouched for whom, in this node's chain
             with contextlib.suppress(BusError):
                 self.bus.publish(self.identity, "sage.v1.audit.fleet_request", what)
         await _respond(msg, reply)
@@ -329,12 +335,13 @@ class Router:
         return data if isinstance(data, dict) else replies.error("internal_error", "bad reply")
 
     async def _local_listing(
-        self, payload: bytes, principal: str | None, identity: Identity
+        self, payload: bytes, principal: str | None, identity: Identity, verb: str = "sessions"
     ) -> dict[str, Any]:
+        """This node's ``sessions`` (or ``approvals``), each row with its ``node``."""
         reply = await self._ask_runner(
-            identity, "sage.v1.request.sessions", payload, principal, "sessions"
+            identity, f"sage.v1.request.{verb}", payload, principal, verb
         )
-        for row in reply.get("sessions") or []:
+        for row in reply.get(verb) or []:
             if isinstance(row, dict):
                 row["node"] = self.node
         return reply
@@ -363,6 +370,10 @@ class Router:
         verb = parts[4] if len(parts) > 4 else ""
         if request.topic == LISTING:
             return await self._listing(request)
+        if request.topic == APPROVALS_LISTING:
+            return await self._approvals(request)
+        if verb in APPROVAL_VERBS and len(parts) == 6:
+            return await self._approve(request, verb, check_name(parts[5], "approval id"))
         if verb == "spawn" and len(parts) == 5:
             return await self._spawn(request)
         if verb not in SESSION_VERBS or len(parts) != 6:
@@ -451,6 +462,71 @@ class Router:
         if not isinstance(data, dict) or not isinstance(data.get("ok"), bool):
             return replies.error("internal_error", f"node {node!r} broke the reply contract")
         return data
+
+    # -- approvals on other nodes ------------------------------------------------
+
+    async def _live_peers(self) -> list[str]:
+        with anyio.fail_after(LISTING_DEADLINE):
+            nodes = await self.member.nodes()
+        return [v.node for v in nodes if v.node != self.node and v.state is NodeState.LIVE]
+
+    async def _approve(self, request: Envelope, verb: str, cid: str) -> dict[str, Any]:
+        """An approval the local runner does not hold: asked of every live node; the one
+        that holds it answers (for the caller's principal, as locally)."""
+        if not self.member.connected:
+            return unavailable(
+                f"approval {cid!r} is not on node {self.node!r}, and the fleet cannot be asked"
+                " now: NATS is not connected"
+            )
+        try:
+            peers = await self._live_peers()
+        except Exception as exc:
+            return unavailable(f"cannot read the node bucket now: {_describe(exc)}")
+        answers: list[dict[str, Any]] = []
+
+        async def ask(node: str) -> None:
+            answers.append(await self._forward(node, verb, cid, request))
+
+        async with anyio.create_task_group() as tg:
+            for node in peers:
+                tg.start_soon(ask, node)
+        for reply in answers:
+            if reply.get("ok") or reply.get("error") not in (
+                "unknown_approval",
+                "fleet_unavailable",
+            ):
+                return reply
+        down = [r for r in answers if r.get("error") == "fleet_unavailable"]
+        if down:
+            return down[0]
+        return replies.error(
+            "unknown_approval", f"no pending approval {cid!r} (unknown, decided or expired)"
+        )
+
+    async def _approvals(self, request: Envelope) -> dict[str, Any]:
+        """Every live node's pending approvals the caller may answer, with their node."""
+        reply = await self._local_listing(
+            request.payload or b"{}", request.principal, self.identity, "approvals"
+        )
+        if not reply.get("ok") or not self.member.connected:
+            return reply
+        try:
+            peers = await self._live_peers()
+        except Exception as exc:
+            reply["warning"] = f"this node's approvals only: {_describe(exc)}"
+            return reply
+        rows: list[dict[str, Any]] = list(reply.get("approvals") or [])
+
+        async def ask(node: str) -> None:
+            with anyio.move_on_after(LISTING_DEADLINE):
+                data = await self._forward(node, "approvals", None, request)
+                rows.extend(r for r in data.get("approvals") or [] if isinstance(r, dict))
+
+        async with anyio.create_task_group() as tg:
+            for node in peers:
+                tg.start_soon(ask, node)
+        reply["approvals"] = rows
+        return reply
 
     # -- the fleet-wide listing --------------------------------------------------
 

@@ -27,6 +27,8 @@ from sage.config import NAME_PATTERN
 from sage.errors import SageError
 
 __all__ = (
+    "APPROVAL_VERBS",
+    "KEYED_VERBS",
     "NODE_VERBS",
     "REGISTRY",
     "REGISTRY_STREAM",
@@ -56,7 +58,11 @@ REGISTRY_STREAM = f"KV_{REGISTRY}"
 
 SESSION_VERBS = frozenset({"send", "stop", "interrupt", "session", "wake"})
 """Requests about one session, routed to the node that owns it."""
-NODE_VERBS = frozenset({"spawn", "sessions"})
+APPROVAL_VERBS = frozenset({"approve"})
+"""Requests about one pending approval (``<cid>`` in place of the session id): asked of
+every live node, since no registry says where an approval waits."""
+KEYED_VERBS = SESSION_VERBS | APPROVAL_VERBS
+NODE_VERBS = frozenset({"spawn", "sessions", "approvals"})
 """Requests to a node, about none of its sessions in particular."""
 
 _NAME = re.compile(NAME_PATTERN)
@@ -77,9 +83,9 @@ def check_name(value: str, what: str) -> str:
 
 def request_subject(node: str, verb: str, sid: str | None = None) -> str:
     check_name(node, "node")
-    if verb in SESSION_VERBS:
+    if verb in KEYED_VERBS:
         if sid is None:
-            raise BadRoute(f"{verb} names a session")
+            raise BadRoute(f"{verb} names a session or an approval")
         return f"sage.fleet.{node}.request.{verb}.{check_name(sid, 'session id')}"
     if verb in NODE_VERBS and sid is None:
         return f"sage.fleet.{node}.request.{verb}"

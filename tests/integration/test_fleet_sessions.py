@@ -303,6 +303,51 @@ def test_a_node_may_not_publish_on_a_peer_it_was_not_given(
     ok_json(daemons["a"], "sage", "stop", "s2")
 
 
+ASK = '/fault ask mcp__sage__greet {"name":"Ada"}'
+
+
+def alice_on(daemon: Daemon) -> list[str]:
+    return ["--principal", "alice", "--config", str(daemon.config)]
+
+
+def test_an_approval_is_answered_from_another_node(
+    fleet: tuple[NatsCluster, dict[str, Daemon]],
+) -> None:
+    """A tool call of a session on a waits (send --approve ask on a); b lists it with its
+    node and approves it; bob on b cannot."""
+    _, daemons = fleet
+    a, b = daemons["a"], daemons["b"]
+    ok_json(a, "sage", "spawn", "alice", "--session", "s8")
+    send = subprocess.Popen(
+        [*ASTRID, "sage", "send", "s8", ASK, "--approve", "ask", *alice_on(a)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=a.env,
+    )
+    try:
+
+        def pending() -> list[Any]:
+            found: list[Any] = ok_json(b, "sage", "approvals")
+            return found
+
+        (row,) = wait_for(pending, 10.0, "b lists the approval waiting on a")
+        assert (row["node"], row["session_id"], row["tool_name"]) == ("a", "s8", "mcp__sage__greet")
+        assert ok_json(b, "sage", "approvals", principal="bob") == []
+        refused = astrid(b, "sage", "approve", row["approval_id"], principal="bob")
+        assert refused.returncode == 1
+        assert "unknown_approval" in refused.stderr, refused.stderr
+        approved = astrid(b, "sage", "approve", row["approval_id"])
+        assert approved.returncode == 0, approved.stderr
+        assert approved.stdout == "allowed: mcp__sage__greet in session s8\n"
+        out, err = send.communicate(timeout=15)
+    finally:
+        send.kill()
+        send.communicate()
+    assert (send.returncode, out) == (0, "allowed\n"), err
+    ok_json(a, "sage", "stop", "s8")
+
+
 def test_a_killed_node_shows_its_sessions_lost(
     fleet: tuple[NatsCluster, dict[str, Daemon]],
 ) -> None:
