@@ -89,6 +89,7 @@ DEFAULT_DEADLINE = 10.0
 NETWORK_SLACK = 2.0
 RELAY_CHECK = 1.0  # seconds between two looks at whether a relayed session is still watched
 LISTING_DEADLINE = 3.0
+IDS_KEPT = 512  # republished events whose owner's id a relay remembers (watch --replay: 256)
 RESYNC_CHECK = 1.0  # seconds between two looks at whether the registry needs a resync
 
 
@@ -99,10 +100,13 @@ def unavailable(message: str) -> dict[str, Any]:
 class _Relay:
     """A remote session's events, republished locally while someone here watches."""
 
-    def __init__(self, node: str, sub: NatsSubscription) -> None:
+    def __init__(self, node: str, sub: NatsSubscription, ids: dict[int, int]) -> None:
         self.node = node
         self.sub = sub
         self.ended = False
+        self.ids = ids
+        """The owner's envelope id -> this bus's, of the events republished (the last
+        :data:`IDS_KEPT`): a watch's replay and its live events then share one order."""
 
 
 class Router:
@@ -170,7 +174,10 @@ class Router:
             if not nc.is_connected:
                 continue  # the fleet is away: local watchers still have them
             event = ForwardedEvent(
-                principal=envelope.principal, ts=envelope.ts, payload=msgspec.Raw(envelope.payload)
+                principal=envelope.principal,
+                ts=envelope.ts,
+                payload=msgspec.Raw(envelope.payload),
+                id=envelope.id,
             )
             with contextlib.suppress(Exception):
                 await nc.publish(event_subject(self.node, sid, name), event.encode())
@@ -397,9 +404,11 @@ class Router:
             relay = await self._relay(entry.node, sid)
         reply = await self._forward(entry.node, verb, sid, request)
         if verb == "session":
+            ids = relay.ids if relay is not None else {}
             for event in reply.get("events") or []:
-                if isinstance(event, dict):
-                    event["id"] = 0  # the owner's envelope ids: not this bus's
+                if isinstance(event, dict):  # the owner's envelope ids, made this bus's
+                    owner_id = event.get("id")
+                    event["id"] = ids.get(owner_id, 0) if isinstance(owner_id, int) else 0
             if isinstance(reply.get("session"), dict):
                 reply["session"]["node"] = entry.node
         if relay is not None and not reply.get("ok"):
@@ -588,6 +597,7 @@ class Router:
         if relay is not None:
             self._drop_relay_soon(sid)
         source = Identity(f"fleet:{node}")
+        ids: dict[int, int] = {}
 
         async def republish(msg: Msg) -> None:
             try:
@@ -598,12 +608,16 @@ class Router:
             if event_sid != sid:
                 return
             with contextlib.suppress(BusError):
-                self.bus.publish_raw(
+                local = self.bus.publish_raw(
                     source,
                     f"sage.v1.event.{sid}.{name}",
                     bytes(event.payload),
                     on_behalf_of=event.principal,
                 )
+                if event.id:
+                    ids[event.id] = local.id
+                    if len(ids) > IDS_KEPT:
+                        del ids[next(iter(ids))]
             if name == "exited":
                 current = self._relays.get(sid)
                 if current is not None:
@@ -615,7 +629,7 @@ class Router:
         except Exception as exc:
             log.warning("fleet.relay_failed", node=node, session_id=sid, error=_describe(exc))
             return None
-        relay = self._relays[sid] = _Relay(node, sub)
+        relay = self._relays[sid] = _Relay(node, sub, ids)
         return relay
 
     def _drop_relay_soon(self, sid: str) -> None:

@@ -138,11 +138,13 @@ class Forwarded(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ForwardedEvent(msgspec.Struct, frozen=True, kw_only=True):
-    """A session event as the owning node forwards it: its principal, time and payload."""
+    """A session event as the owning node forwards it: its principal, time, payload, and
+    its envelope id on the owner's bus (what the owner's ``watch --replay`` rows carry)."""
 
     principal: str | None
     ts: float
     payload: msgspec.Raw
+    id: int = 0
 
     def encode(self) -> bytes:
         return msgspec.json.encode(self)

@@ -100,6 +100,38 @@ def raw_request(daemon: Daemon, topic: str, payload: Any, principal: str) -> Any
     return anyio.run(main)
 
 
+def relayed_ids(watcher: Daemon, owner: Daemon, sid: str) -> tuple[list[int], list[int]]:
+    """On ``watcher``'s socket: follow ``sid`` through the router while a turn is sent on
+    ``owner``'s; the ids of the live envelopes, and of a replay of the last three."""
+
+    async def main() -> tuple[list[int], list[int]]:
+        from bus.client import BusClient
+
+        async with BusClient.connect(
+            watcher.socket, role="cli", name="test", principal="alice"
+        ) as client:
+            events = await client.subscribe(f"sage.v1.event.{sid}.>")
+            topic = f"sage.v1.request.fleet.session.{sid}"
+            await client.request(topic, {"replay": 0}, deadline=10.0)
+            result = await anyio.run_process(
+                [*ASTRID, "sage", "send", sid, "numbered", *alice_on(owner)],
+                check=False,
+                env=owner.env,
+            )
+            assert result.returncode == 0, result.stderr
+            ids = []
+            with anyio.fail_after(10):
+                async for envelope in events:
+                    ids.append(envelope.id)
+                    if envelope.topic.endswith(".done"):
+                        break
+            reply = await client.request(topic, {"replay": 3}, deadline=10.0)
+            replay = [event["id"] for event in json.loads(reply.payload)["events"]]
+            return ids, replay
+
+    return anyio.run(main)
+
+
 def read_events_until(proc: subprocess.Popen[str], name: str, within: float) -> list[Any]:
     """The JSON lines ``proc`` prints, up to the first event ``name`` (read in a thread)."""
     import queue
@@ -202,6 +234,12 @@ def test_sessions_anywhere(fleet: tuple[NatsCluster, dict[str, Daemon]]) -> None
         watch.communicate()
     text = "".join(e["data"].get("delta", "") for e in live if e["event"] == "text")
     assert text == "echo: live turn", live
+    # a replay through the router names the events by this bus's ids: a watch's dedupe
+    # of replayed and live events holds across nodes
+    live_ids, replayed = relayed_ids(c, a, "s1")
+    assert len(replayed) == 3, replayed
+    assert replayed == live_ids[-3:], (replayed, live_ids)
+
     # another principal on c: the same answer as for a session that is not there
     for verb in ("stop", "interrupt"):
         refused = astrid(c, "sage", verb, "s1", principal="bob")
