@@ -39,7 +39,7 @@ import msgspec
 import structlog
 from anyio.streams.memory import MemoryObjectSendStream
 
-from bus import Bus, BusError, Envelope, Identity, NoResponders
+from bus import Bus, BusError, Envelope, Identity, NoResponders, Subscription
 from sage import replies
 from sage.fleet.member import FleetMember
 from sage.fleet.nodes import NodeState
@@ -89,6 +89,7 @@ DEFAULT_DEADLINE = 10.0
 NETWORK_SLACK = 2.0
 RELAY_CHECK = 1.0  # seconds between two looks at whether a relayed session is still watched
 LISTING_DEADLINE = 3.0
+APPROVER_FOR = 3.0  # seconds an approver presence told to the owner lasts (renewed each second)
 IDS_KEPT = 512  # republished events whose owner's id a relay remembers (watch --replay: 256)
 RESYNC_CHECK = 1.0  # seconds between two looks at whether the registry needs a resync
 
@@ -100,10 +101,16 @@ def unavailable(message: str) -> dict[str, Any]:
 class _Relay:
     """A remote session's events, republished locally while someone here watches."""
 
-    def __init__(self, node: str, sub: NatsSubscription, ids: dict[int, int]) -> None:
+    def __init__(
+        self, node: str, sub: NatsSubscription, ids: dict[int, int], principal: str | None
+    ) -> None:
         self.node = node
         self.sub = sub
         self.ended = False
+        self.principal = principal
+        """Whose session it is, as the caller that opened the relay was established."""
+        self.approver = False
+        """Whether a local client answers its approvals (told to the owner every second)."""
         self.ids = ids
         """The owner's envelope id -> this bus's, of the events republished (the last
         :data:`IDS_KEPT`): a watch's replay and its live events then share one order."""
@@ -118,6 +125,8 @@ class Router:
         self.node = member.node
         self.identity = Identity("fleet")
         self._relays: dict[str, _Relay] = {}
+        self._stand_ins: dict[str, tuple[Subscription, float]] = {}
+        """sid -> this bus's approver subscription for a client on another node, and until when."""
         self._registry_writes: MemoryObjectSendStream[tuple[str, SessionEntry | None]]
         self._tg: anyio.abc.TaskGroup | None = None
 
@@ -303,6 +312,13 @@ class Router:
         payload = bytes(forwarded.payload)
         if verb in ("sessions", "approvals"):
             reply = await self._local_listing(payload, forwarded.principal, identity, verb)
+        elif verb == "approver":
+            assert sid is not None
+            reply = await self._stand_in(sid, forwarded.principal, payload)
+            if not reply.get("ok"):
+                log.info("fleet.approver_refused", origin=forwarded.origin, session_id=sid)
+            await _respond(msg, reply)
+            return
         else:
             reply = await self._ask_runner(
                 identity, local_topic(verb, sid), payload, forwarded.principal, verb
@@ -401,7 +417,10 @@ class Router:
             return replies.error("unknown_session", f"no session {sid!r}")
         relay = None
         if verb in ("send", "session", "wake"):  # the caller follows the events
-            relay = await self._relay(entry.node, sid)
+            relay = await self._relay(entry.node, sid, request.principal)
+            if relay is not None and verb == "send" and self._approver_here(sid):
+                relay.approver = True  # before the turn: its first tool call may need us
+                await self._tell_approver(entry.node, sid, relay)
         reply = await self._forward(entry.node, verb, sid, request)
         if verb == "session":
             ids = relay.ids if relay is not None else {}
@@ -590,7 +609,7 @@ class Router:
 
     # -- events of remote sessions, republished here -------------------------------
 
-    async def _relay(self, node: str, sid: str) -> _Relay | None:
+    async def _relay(self, node: str, sid: str, principal: str | None) -> _Relay | None:
         relay = self._relays.get(sid)
         if relay is not None and relay.node == node and not relay.ended:
             return relay
@@ -629,7 +648,7 @@ class Router:
         except Exception as exc:
             log.warning("fleet.relay_failed", node=node, session_id=sid, error=_describe(exc))
             return None
-        relay = self._relays[sid] = _Relay(node, sub, ids)
+        relay = self._relays[sid] = _Relay(node, sub, ids, principal)
         return relay
 
     def _drop_relay_soon(self, sid: str) -> None:
@@ -638,13 +657,55 @@ class Router:
             self._tg.start_soon(_unsubscribe, relay.sub)
 
     async def _prune_relays(self) -> None:
-        """A relay lives while a local client (not the router) subscribes to its events."""
+        """A relay lives while a local client (not the router) subscribes to its events;
+        while one answers its approvals too, the owner is told so every second."""
         while True:
             await anyio.sleep(RELAY_CHECK)
             for sid, relay in list(self._relays.items()):
                 topic = f"sage.v1.event.{sid}.exited"
                 if relay.ended or not self.bus.has_subscribers(topic, besides=self.identity):
                     self._drop_relay_soon(sid)
+                elif relay.approver and self._approver_here(sid):
+                    assert self._tg is not None
+                    self._tg.start_soon(self._tell_approver, relay.node, sid, relay)
+            now = anyio.current_time()
+            for sid, (stand_in, until) in list(self._stand_ins.items()):
+                if until <= now:
+                    del self._stand_ins[sid]
+                    stand_in.close()
+
+    def _approver_here(self, sid: str) -> bool:
+        return self.bus.has_subscribers(f"sage.v1.approver.{sid}", besides=self.identity)
+
+    async def _tell_approver(self, node: str, sid: str, relay: _Relay) -> None:
+        """Tell ``node`` that a client here answers ``sid``'s approvals for a while."""
+        request = Envelope(0, "", b"", self.identity.source, relay.principal)
+        payload = msgspec.json.encode({"seconds": APPROVER_FOR})
+        reply = await self._forward(node, "approver", sid, request, payload)
+        if not reply.get("ok"):
+            log.warning("fleet.approver_not_told", node=node, session_id=sid, reply=reply)
+
+    async def _stand_in(self, sid: str, principal: str | None, payload: bytes) -> dict[str, Any]:
+        """An approver on another node answers ``sid``'s approvals: be present for it on
+        this bus (``sage.v1.approver.<sid>``) for the seconds asked (at most 10), if the
+        session is that principal's."""
+        try:
+            seconds = float(msgspec.json.decode(payload).get("seconds", 0))
+        except (msgspec.DecodeError, AttributeError, TypeError, ValueError):
+            return replies.error("bad_request", "approver: {seconds} expected")
+        seen = await self._ask_runner(
+            self.identity, local_topic("session", sid), b"{}", principal, "session"
+        )
+        if not seen.get("ok"):
+            return seen  # unknown_session: another principal's, or none
+        until = anyio.current_time() + max(0.0, min(seconds, 10.0))
+        held = self._stand_ins.get(sid)
+        if held is None:
+            stand_in = self.bus.subscribe(f"sage.v1.approver.{sid}", self.identity, limit=1)
+            self._stand_ins[sid] = (stand_in, until)
+        else:
+            self._stand_ins[sid] = (held[0], until)
+        return replies.ok(session_id=sid)
 
 
 async def _unsubscribe(sub: NatsSubscription) -> None:

@@ -30,6 +30,7 @@ __all__ = (
     "APPROVAL_VERBS",
     "KEYED_VERBS",
     "NODE_VERBS",
+    "PRESENCE_VERBS",
     "REGISTRY",
     "REGISTRY_STREAM",
     "SESSION_VERBS",
@@ -61,7 +62,10 @@ SESSION_VERBS = frozenset({"send", "stop", "interrupt", "session", "wake"})
 APPROVAL_VERBS = frozenset({"approve"})
 """Requests about one pending approval (``<cid>`` in place of the session id): asked of
 every live node, since no registry says where an approval waits."""
-KEYED_VERBS = SESSION_VERBS | APPROVAL_VERBS
+PRESENCE_VERBS = frozenset({"approver"})
+"""``approver.<sid>`` ``{seconds}``: someone on the sending node answers this session's
+approvals for that long (its router stands in for them on the owner's bus)."""
+KEYED_VERBS = SESSION_VERBS | APPROVAL_VERBS | PRESENCE_VERBS
 NODE_VERBS = frozenset({"spawn", "sessions", "approvals"})
 """Requests to a node, about none of its sessions in particular."""
 

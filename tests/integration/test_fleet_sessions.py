@@ -386,6 +386,39 @@ def test_an_approval_is_answered_from_another_node(
     ok_json(a, "sage", "stop", "s8")
 
 
+def test_a_send_on_another_node_is_the_approver(
+    fleet: tuple[NatsCluster, dict[str, Daemon]],
+) -> None:
+    """send --approve ask on c for a session on a: the call waits for an answer (c's
+    router stands in as the approver on a) and one from b allows it; --approve deny
+    (no approver anywhere) is denied at once, as on one node."""
+    _, daemons = fleet
+    a, b, c = daemons["a"], daemons["b"], daemons["c"]
+    ok_json(a, "sage", "spawn", "alice", "--session", "s9")
+    wait_for(lambda: "s9" in rows(c), 5.0, "s9 listed on c")
+    denied = astrid(c, "sage", "send", "s9", ASK)  # off a terminal: deny
+    assert denied.stdout == "denied: no approver is listening\n", denied.stderr
+    send = subprocess.Popen(
+        [*ASTRID, "sage", "send", "s9", ASK, "--approve", "ask", *alice_on(c)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=c.env,
+    )
+    try:
+        (row,) = wait_for(lambda: ok_json(b, "sage", "approvals"), 10.0, "the call waits")
+        assert (row["node"], row["session_id"]) == ("a", "s9")
+        approved = astrid(b, "sage", "approve", row["approval_id"])
+        assert approved.returncode == 0, approved.stderr
+        out, err = send.communicate(timeout=15)
+    finally:
+        send.kill()
+        send.communicate()
+    assert (send.returncode, out) == (0, "allowed\n"), err
+    assert "[approval] waiting: `astrid sage approve" in err
+    ok_json(a, "sage", "stop", "s9")
+
+
 def test_a_killed_node_shows_its_sessions_lost(
     fleet: tuple[NatsCluster, dict[str, Daemon]],
 ) -> None:
