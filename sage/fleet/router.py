@@ -141,12 +141,13 @@ class Router:
         ]
         send, receive = anyio.create_memory_object_stream[tuple[str, SessionEntry | None]](1024)
         self._registry_writes = send
-        nats_sub = await self.member.nc.subscribe(
-            f"sage.fleet.{self.node}.request.>", cb=self._forwarded_in
-        )
+        nats_sub: NatsSubscription | None = None
         try:
             async with anyio.create_task_group() as tg:
-                self._tg = tg
+                self._tg = tg  # before the first forwarded request can come in
+                nats_sub = await self.member.nc.subscribe(
+                    f"sage.fleet.{self.node}.request.>", cb=self._forwarded_in
+                )
                 tg.start_soon(self._events_out, events)
                 tg.start_soon(self._write_registry, receive)
                 for sub in local:
@@ -156,8 +157,9 @@ class Router:
                 task_status.started()
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
-                with contextlib.suppress(Exception):
-                    await nats_sub.unsubscribe()
+                if nats_sub is not None:
+                    with contextlib.suppress(Exception):
+                        await nats_sub.unsubscribe()
                 for relay in self._relays.values():
                     with contextlib.suppress(Exception):
                         await relay.sub.unsubscribe()
@@ -167,7 +169,7 @@ class Router:
     async def _events_out(self, events: Any) -> None:
         nc = self.member.nc
         async for envelope in events:
-            if envelope.source.startswith("fleet"):
+            if envelope.source.startswith("fleet:"):
                 continue  # another node's event, republished here: not ours to send on
             found = event_of(envelope.topic)
             if found is None:
