@@ -79,7 +79,7 @@ async def _status(args: argparse.Namespace) -> int:
         print(
             f"  {printable(node['node']):<20} {printable(node['state']):<8}"
             f" last heartbeat {age:6.1f} s ago  host {printable(node['host'])}"
-            f"  pid {node['pid']}  up {up:.0f} s"
+            f"  pid {node['pid']}  up {up:.0f} s  sessions {node.get('sessions', 0)}"
         )
     return 0
 

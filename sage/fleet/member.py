@@ -35,7 +35,7 @@ from sage.errors import SageError
 from sage.files import read_private
 from sage.fleet.nodes import NodeRecord, NodeTable, NodeView
 from sage.fleet.permissions import BUCKET, STREAM, inbox_prefix
-from sage.fleet.routes import REGISTRY
+from sage.fleet.routes import REGISTRY, REGISTRY_STREAM, SessionEntry, decode_entry
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as Nats
@@ -249,6 +249,27 @@ class FleetMember:
             log.warning("fleet.record_ignored", key=key, reason=why)
         return table.verdicts(time.time() if now is None else now)
 
+    async def sessions(self) -> dict[str, SessionEntry]:
+        """Every session of the registry (id -> entry); unusable entries are left out."""
+        from nats.js.errors import KeyNotFoundError
+
+        registry = self.registry
+        if registry is None:
+            return {}
+        prefix = f"$KV.{REGISTRY}."
+        info = await self._js.stream_info(REGISTRY_STREAM, subjects_filter=f"{prefix}>")
+        out: dict[str, SessionEntry] = {}
+        for subject in sorted(info.state.subjects or {}):
+            sid = subject.removeprefix(prefix)
+            try:
+                value = await registry.get(sid)
+            except KeyNotFoundError:  # deleted (a delete marker)
+                continue
+            entry = decode_entry(sid, value.value or b"")
+            if entry is not None:
+                out[sid] = entry
+        return out
+
     async def leave(self) -> None:
         """Say this node stopped (best effort, NATS may be gone), then close the connection;
         each step within LEAVE_STEP seconds."""
@@ -439,12 +460,16 @@ async def status_reply(member: FleetMember | None, deadline: float = 3.0) -> dic
     try:
         with anyio.fail_after(deadline):
             nodes = await member.nodes()
+            sessions = await member.sessions()
     except Exception as exc:
         return replies.error(
             "fleet_unavailable", f"cannot read the {BUCKET} bucket now: {_describe(exc)}"
         )
+    per_node: dict[str, int] = {}
+    for entry in sessions.values():
+        per_node[entry.node] = per_node.get(entry.node, 0) + 1
     return replies.ok(
         node=member.node,
         lost_after=member.config.lost_after,
-        nodes=[view.to_builtins() for view in nodes],
+        nodes=[{**view.to_builtins(), "sessions": per_node.get(view.node, 0)} for view in nodes],
     )

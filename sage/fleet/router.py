@@ -45,8 +45,6 @@ from sage.fleet.member import FleetMember
 from sage.fleet.nodes import NodeState
 from sage.fleet.routes import (
     APPROVAL_VERBS,
-    REGISTRY,
-    REGISTRY_STREAM,
     SESSION_VERBS,
     BadRoute,
     Forwarded,
@@ -240,7 +238,7 @@ class Router:
         }
         try:
             with anyio.fail_after(LISTING_DEADLINE):
-                entries = await self.entries()
+                entries = await self.member.sessions()
         except Exception as exc:
             log.warning("fleet.registry_unreadable", error=_describe(exc))
             return False
@@ -270,26 +268,6 @@ class Router:
         except KeyNotFoundError:
             return None
         return decode_entry(sid, entry.value or b"")
-
-    async def entries(self) -> dict[str, SessionEntry]:
-        """Every session of the registry (id -> entry)."""
-        from nats.js.errors import KeyNotFoundError
-
-        registry = self.member.registry
-        assert registry is not None
-        prefix = f"$KV.{REGISTRY}."
-        info = await self.member.js.stream_info(REGISTRY_STREAM, subjects_filter=f"{prefix}>")
-        out: dict[str, SessionEntry] = {}
-        for subject in sorted(info.state.subjects or {}):
-            sid = subject.removeprefix(prefix)
-            try:
-                value = await registry.get(sid)
-            except KeyNotFoundError:
-                continue
-            entry = decode_entry(sid, value.value or b"")
-            if entry is not None:
-                out[sid] = entry
-        return out
 
     # -- requests in (from other nodes) ----------------------------------------
 
@@ -572,7 +550,7 @@ class Router:
         try:
             with anyio.fail_after(LISTING_DEADLINE):
                 nodes = await self.member.nodes()
-                entries = await self.entries()
+                entries = await self.member.sessions()
         except Exception as exc:
             reply["warning"] = f"this node's sessions only: {_describe(exc)}"
             return reply

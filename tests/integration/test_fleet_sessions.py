@@ -200,6 +200,11 @@ def test_sessions_anywhere(fleet: tuple[NatsCluster, dict[str, Daemon]]) -> None
         return all(rows(d).get("s1", {}).get("node") == "a" for d in daemons.values())
 
     wait_for(listed_everywhere, 5.0, "s1 listed with node a on every node")
+    load = {
+        n["node"]: n["sessions"]
+        for n in json.loads(b.astrid("fleet", "status", "--json").stdout)["nodes"]
+    }
+    assert load == {"a": 1, "b": 0, "c": 0}, load  # from the registry
     table = astrid(c, "sage", "sessions")
     assert table.returncode == 0, table.stderr
     header, *lines = table.stdout.splitlines()
