@@ -424,10 +424,11 @@ class Router:
         node = check_name(str(body.pop("node", "")), "node")
         payload = msgspec.json.encode(body)
         if node == self.node:
-            return await self._ask_runner(
+            reply = await self._ask_runner(
                 self.identity, "sage.v1.request.spawn", payload, request.principal, "spawn"
             )
-        reply = await self._forward(node, "spawn", None, request, payload)
+        else:
+            reply = await self._forward(node, "spawn", None, request, payload)
         if reply.get("ok"):
             reply["node"] = node
         return reply

@@ -81,7 +81,8 @@ class BadRoute(SageError):
 def check_name(value: str, what: str) -> str:
     """``value`` if it is a node name or session id (1-64 of [A-Za-z0-9_-]), else BadRoute."""
     if not isinstance(value, str) or _NAME.match(value) is None:
-        raise BadRoute(f"{what} {value!r}: 1-64 of [A-Za-z0-9_-]", code="invalid_session_id")
+        code = "invalid_session_id" if what == "session id" else "bad_request"
+        raise BadRoute(f"{what} {value!r}: 1-64 of [A-Za-z0-9_-]", code=code)
     return value
 
 

@@ -288,10 +288,7 @@ def test_bad_routes_are_refused_before_any_subject(
     for bad in ("*", ">", "a.b", "a b"):
         result = astrid(b, "sage", "spawn", "alice", "--node", bad)
         assert result.returncode == 1
-        assert "invalid_session_id" in result.stderr or "bad_request" in result.stderr, (
-            bad,
-            result.stderr,
-        )
+        assert f"bad_request: node {bad!r}: 1-64 of [A-Za-z0-9_-]" in result.stderr, result.stderr
     result = astrid(b, "sage", "spawn", "alice", "--node", "nosuchnode")
     assert result.returncode == 1
     assert "fleet_unavailable" in result.stderr
