@@ -289,6 +289,9 @@ def test_bad_routes_are_refused_before_any_subject(
         result = astrid(b, "sage", "spawn", "alice", "--node", bad)
         assert result.returncode == 1
         assert f"bad_request: node {bad!r}: 1-64 of [A-Za-z0-9_-]" in result.stderr, result.stderr
+    here = ok_json(b, "sage", "spawn", "alice", "--node", "b", "--session", "s0")
+    assert (here["session_id"], here["node"]) == ("s0", "b")
+    ok_json(b, "sage", "stop", "s0")
     result = astrid(b, "sage", "spawn", "alice", "--node", "nosuchnode")
     assert result.returncode == 1
     assert "fleet_unavailable" in result.stderr
