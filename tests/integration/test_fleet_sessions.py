@@ -8,18 +8,22 @@ is the ``astrid`` CLI on some node's socket, as a user would type it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
 from tests.support import FAKE_CLAUDE
+from tests.support.as_uid import NOGROUP
 from tests.support.daemon import ASTRID, Daemon, short_dir
 from tests.support.nats_cluster import NatsCluster
 
@@ -37,18 +41,26 @@ def fleet_section(cluster: NatsCluster, node: str) -> str:
     )
 
 
+ALICE_UID, BOB_UID = 65533, 65534
+
+
 def node_config(cluster: NatsCluster, node: str) -> str:
-    """The runner with the double; principals alice and bob both the test's uid (an
-    admin's connection names which one it acts for with --principal)."""
-    uid = os.getuid()
+    """The runner with the double; principals alice and bob, each a uid of its own (the
+    test, an admin, acts for either with --principal)."""
     return (
         'capsules = ["runner"]\n'
         f'[claude]\nbinary = "{FAKE_CLAUDE}"\nenv = {{ FAKE_CLAUDE_MODE = "" }}\n'
-        "[limits]\nstop_grace = 2.0\n"
+        '[limits]\nstop_grace = 2.0\n[socket]\ngroup = "nogroup"\n'
         + fleet_section(cluster, node)
-        + f'[[principals]]\nname = "alice"\nuids = [{uid}]\noperator_key = true\n'
-        + f'[[principals]]\nname = "bob"\nuids = [{uid}]\noperator_key = true\n'
+        + f'[[principals]]\nname = "alice"\nuids = [{ALICE_UID}]\noperator_key = true\n'
+        + f'[[principals]]\nname = "bob"\nuids = [{BOB_UID}]\noperator_key = true\n'
     )
+
+
+def node_root() -> Path:
+    root = short_dir()
+    root.chmod(0o755)  # other uids reach the socket's folder (group nogroup) through it
+    return root
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +68,7 @@ def fleet() -> Iterator[tuple[NatsCluster, dict[str, Daemon]]]:
     # "d" is a NATS user of the cluster with no supervisor: it may forward to b only
     with NatsCluster([*NODES, "d"], peers={"d": ["b"]}) as cluster:
         env = {"ANTHROPIC_API_KEY": "sk-double"}
-        daemons = {node: Daemon(short_dir(), node_config(cluster, node), env=env) for node in NODES}
+        daemons = {node: Daemon(node_root(), node_config(cluster, node), env=env) for node in NODES}
         try:
             for daemon in daemons.values():
                 daemon.launch()
@@ -422,6 +434,68 @@ def test_a_send_on_another_node_is_the_approver(
     assert (send.returncode, out) == (0, "allowed\n"), err
     assert "[approval] waiting: `astrid sage approve" in err
     ok_json(a, "sage", "stop", "s9")
+
+
+def astrid_as(uid: int, daemon: Daemon, *args: str) -> dict[str, Any]:
+    """``astrid sage ARGS`` as ``uid`` (no admin, no --principal: its own principal): the
+    CLI's own code in a forked child (other uids cannot start this interpreter)."""
+    import grp  # noqa: F401 - what the CLI imports late, loaded while the stdlib is ours
+    import pwd  # noqa: F401
+    import urllib.parse  # noqa: F401
+
+    import sage.cli
+
+    sage.cli.build_parser()  # imports every command module
+
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            os.close(out_r)
+            os.close(err_r)
+            os.setgroups([])
+            os.setgid(NOGROUP)
+            os.setuid(uid)
+            os.dup2(out_w, 1)
+            os.dup2(err_w, 2)
+            sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 - pytest's capture is not ours
+            sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+            code = sage.cli.main(["sage", *args, "--config", str(daemon.config)])
+        except BaseException as exc:
+            os.write(2, f"child: {exc!r}\n".encode())
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(code)
+    os.close(out_w)
+    os.close(err_w)
+    with os.fdopen(out_r) as out, os.fdopen(err_r) as err:
+        found = {"out": out.read(), "err": err.read()}
+    _, status = os.waitpid(pid, 0)
+    return {"code": os.waitstatus_to_exitcode(status), **found}
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as two other uids")
+def test_real_users_on_another_node(fleet: tuple[NatsCluster, dict[str, Daemon]]) -> None:
+    """Real uids on c's socket, not admins: alice's send to her session on a streams
+    back to her; bob's stop of it and his listing find nothing."""
+    _, daemons = fleet
+    a, c = daemons["a"], daemons["c"]
+    ok_json(a, "sage", "spawn", "alice", "--session", "s10")
+    wait_for(lambda: "s10" in rows(c), 5.0, "s10 listed on c")
+    sent = astrid_as(ALICE_UID, c, "send", "s10", "as myself", "--timeout", "20")
+    assert (sent["code"], sent["out"]) == (0, "echo: as myself\n"), sent["err"]
+    listed = astrid_as(ALICE_UID, c, "sessions", "--json")
+    assert [(r["session_id"], r["node"]) for r in json.loads(listed["out"])] == [("s10", "a")]
+    stop = astrid_as(BOB_UID, c, "stop", "s10")
+    assert (stop["code"], stop["err"]) == (1, "astrid: unknown_session: no session 's10'\n")
+    assert json.loads(astrid_as(BOB_UID, c, "sessions", "--json")["out"]) == []
+    assert rows(a)["s10"]["state"] != "ended"
+    stopped = astrid_as(ALICE_UID, c, "stop", "s10")
+    assert stopped["code"] == 0, stopped["err"]
 
 
 def test_a_killed_node_shows_its_sessions_lost(
