@@ -345,10 +345,15 @@ class Bus:
             raise AclDenied(f"{owner.source} may not publish to {topic!r}")
         _check_size(payload, self.max_payload)
 
-    def has_subscribers(self, topic: str, *, principal: str | None = None) -> bool:
+    def has_subscribers(
+        self, topic: str, *, principal: str | None = None, besides: Identity | None = None
+    ) -> bool:
         """Whether anyone subscribes to ``topic``; with ``principal``, anyone who would
-        receive an envelope of that principal (another principal's user does not)."""
+        receive an envelope of that principal (another principal's user does not);
+        ``besides``: anyone but that owner."""
         subs = self._trie.match(topic)
+        if besides is not None:
+            subs = tuple(sub for sub in subs if sub.owner != besides)
         if principal is None:
             return bool(subs)
         return any(

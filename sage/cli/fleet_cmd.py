@@ -38,8 +38,11 @@ def register(sub: Any) -> None:
         help="the NATS authorization entry a node's user needs (subject permissions)",
         description=(
             "Print a user entry for the NATS server's `authorization { users = [...] }`: the"
-            " node may put its own heartbeat key only, read the sage_nodes bucket, and receive"
-            " replies on its own inboxes. The password is a $VARIABLE the server reads from its"
+            " node may put its own heartbeat key only, read the sage_nodes bucket, write the"
+            " sage_sessions registry, forward requests to its peers' prefixes"
+            " (sage.fleet.<peer>.request.>) and answer those on its own, publish its own"
+            " sessions' events and read every node's, and receive replies on its own"
+            " inboxes. The password is a $VARIABLE the server reads from its"
             " environment; put a bcrypt hash there (`nats server passwd`)."
         ),
     )
@@ -47,6 +50,12 @@ def register(sub: Any) -> None:
     permissions.add_argument("--user", default="", help="its NATS user (default: the node name)")
     permissions.add_argument(
         "--nkey", default="", help="its NKey's public key (U...), for a node with [fleet] nkey_seed"
+    )
+    permissions.add_argument(
+        "--peers",
+        default="",
+        metavar="A,B",
+        help="the nodes it may forward requests to (default: every node)",
     )
     permissions.add_argument("--json", action="store_true", help="only the permissions, as JSON")
     permissions.set_defaults(handler=_permissions)
@@ -70,7 +79,7 @@ async def _status(args: argparse.Namespace) -> int:
         print(
             f"  {printable(node['node']):<20} {printable(node['state']):<8}"
             f" last heartbeat {age:6.1f} s ago  host {printable(node['host'])}"
-            f"  pid {node['pid']}  up {up:.0f} s"
+            f"  pid {node['pid']}  up {up:.0f} s  sessions {node.get('sessions', 0)}"
         )
     return 0
 
@@ -92,8 +101,12 @@ def _permissions(args: argparse.Namespace) -> int:
         )
     if args.nkey and args.user:
         raise SageError("--nkey and --user: an NKey user has no name; give one", code="bad_nkey")
+    peers = [peer.strip() for peer in args.peers.split(",") if peer.strip()]
+    for peer in peers:
+        if not re.match(NAME_PATTERN, peer):
+            raise SageError(f"--peers: {peer!r} is not a node name", code="bad_node_name")
     if args.json:
-        print_json(node_permissions(args.node))
+        print_json(node_permissions(args.node, peers))
         return 0
-    print(server_block(args.node, args.user or args.node, args.nkey))
+    print(server_block(args.node, args.user or args.node, args.nkey, peers))
     return 0

@@ -19,12 +19,14 @@ from typing import Any
 import anyio
 import msgspec
 
-from bus import BusError
+from bus import BusError, NoResponders
+from sage import replies
 from sage.cli._common import add_common, call_runner
 from sage.cli._connect import connect, print_json
 from sage.errors import SageError
+from sage.replies import ReplyError
 
-__all__ = ("register",)
+__all__ = ("call_session", "register")
 
 SPAWN_TIMEOUT = 30.0
 WAKE_TIMEOUT = 180.0
@@ -54,6 +56,11 @@ def register(sub: Any) -> None:
         metavar="DIR",
         help="the session's working folder: inside the principal's home or one of its"
         " [[principals]] work_roots (default: the home)",
+    )
+    spawn.add_argument(
+        "--node",
+        metavar="NAME",
+        help="start it on this node of the fleet (default: the node asked)",
     )
     spawn.add_argument(
         "--model",
@@ -202,6 +209,41 @@ def register(sub: Any) -> None:
         cmd.set_defaults(handler=_simple, verb=name)
 
 
+class _NoFleet(SageError):
+    """The supervisor asked is not in a fleet (nobody answers its fleet requests)."""
+
+    code = "not_in_fleet"
+
+
+async def _in_fleet(client: Any, verb: str, payload: Any, deadline: float) -> dict[str, Any]:
+    """Ask the fleet's router of the local supervisor (``sage.v1.request.fleet.<verb>``)."""
+    try:
+        reply = await client.request(f"sage.v1.request.fleet.{verb}", payload, deadline=deadline)
+    except NoResponders:
+        raise _NoFleet(
+            "not_in_fleet: this supervisor is not in a fleet (its config has no [fleet])"
+        ) from None
+    return replies.parse(reply.payload)
+
+
+async def call_session(
+    client: Any, verb: str, sid: str, payload: Any, deadline: float
+) -> dict[str, Any]:
+    """A request about session ``sid`` (or approval, for ``approve``): the local runner
+    first, as on a single host; one it does not know (``unknown_session``,
+    ``unknown_approval``) is looked for in the fleet, whose router forwards the request
+    to the node that holds it.  Not in a fleet: the runner's answer stands."""
+    try:
+        return await call_runner(client, f"sage.v1.request.{verb}.{sid}", payload, deadline)
+    except ReplyError as exc:
+        if exc.code not in ("unknown_session", "unknown_approval"):
+            raise
+        try:
+            return await _in_fleet(client, f"{verb}.{sid}", payload, deadline + 5.0)
+        except _NoFleet:
+            raise exc from None
+
+
 def _common(parser: argparse.ArgumentParser, add_common: Any, *, json_output: bool = True) -> None:
     parser.add_argument("--principal", default=None, help="act for this principal")
     add_common(parser, json_output=json_output)
@@ -218,7 +260,10 @@ async def _spawn(args: argparse.Namespace) -> int:
     if args.model is not None:
         payload["model"] = args.model
     async with connect(args) as client:
-        data = await call_runner(client, "sage.v1.request.spawn", payload, SPAWN_TIMEOUT)
+        if args.node:  # the fleet's router forwards it to that node (sage/fleet/router.py)
+            data = await _in_fleet(client, "spawn", {**payload, "node": args.node}, SPAWN_TIMEOUT)
+        else:
+            data = await call_runner(client, "sage.v1.request.spawn", payload, SPAWN_TIMEOUT)
     if args.json:
         print_json(data)
     else:
@@ -236,9 +281,7 @@ async def _send(args: argparse.Namespace) -> int:
             await client.subscribe(f"sage.v1.approver.{sid}")
         # Ctrl-C is ours from before the turn is sent: its first text may already be here
         with anyio.open_signal_receiver(signal.SIGINT) as signals:
-            sent = await call_runner(
-                client, f"sage.v1.request.send.{sid}", {"text": text}, WAKE_TIMEOUT
-            )
+            sent = await call_session(client, "send", sid, {"text": text}, WAKE_TIMEOUT)
             turn = _Turn(client, sid, int(sent.get("turn") or 0), json_output=args.json)
             turn.approve = approve
             with anyio.fail_after(args.timeout or None):
@@ -458,7 +501,7 @@ class _Turn:
 
     async def _interrupt(self) -> None:
         try:
-            await call_runner(self.client, f"sage.v1.request.interrupt.{self.sid}", {}, 10.0)
+            await call_session(self.client, "interrupt", self.sid, {}, 10.0)
         except (SageError, BusError) as exc:
             print(f"astrid: interrupt failed: {exc}", file=sys.stderr)
 
@@ -471,25 +514,35 @@ def event_line(name: str, ts: float | None, data: Any) -> dict[str, Any]:
 async def _sessions(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     async with connect(args) as client:
-        offset: int | None = 0
-        while offset is not None:  # page by page: a host may hold thousands
-            data = await call_runner(
-                client, "sage.v1.request.sessions", {"all": args.all, "offset": offset}, 10.0
-            )
-            rows += data["sessions"]
-            offset = data.get("next_offset")
+        try:  # in a fleet: every node's sessions (sage/fleet/router.py)
+            data = await _in_fleet(client, "sessions", {"all": args.all}, 8.0)
+            rows = data["sessions"]
+        except _NoFleet:
+            data = {}
+            offset: int | None = 0
+            while offset is not None:  # page by page: a host may hold thousands
+                page = await call_runner(
+                    client, "sage.v1.request.sessions", {"all": args.all, "offset": offset}, 10.0
+                )
+                rows += page["sessions"]
+                offset = page.get("next_offset")
+    if data.get("warning"):
+        print(f"astrid: {data['warning']}", file=sys.stderr)
     if args.json:
         print_json(rows)
         return 0
     if not rows:
         print("no sessions")
         return 0
+    fleet = any("node" in row for row in rows)
     print(
-        f"{'SESSION':<20} {'PRINCIPAL':<12} {'PID':>8} {'STATE':<11} {'AGE':>8} {'TURNS':>5} COST"
+        (f"{'NODE':<10} " if fleet else "")
+        + f"{'SESSION':<20} {'PRINCIPAL':<12} {'PID':>8} {'STATE':<11} {'AGE':>8} {'TURNS':>5} COST"
     )
     for row in rows:
         print(
-            f"{row['session_id']:<20} {row.get('principal_id', ''):<12} "
+            (f"{row.get('node', ''):<10} " if fleet else "")
+            + f"{row['session_id']:<20} {row.get('principal_id', ''):<12} "
             f"{row.get('pid') or '-':>8} {row['state']:<11} {_age(_row_age(row)):>8} "
             f"{row.get('turns', 0):>5} ${row.get('cost_usd', 0.0):.4f}"
             + (f"  {_how(row)}" if row["state"] == "ended" else "")
@@ -527,11 +580,8 @@ async def _watch(args: argparse.Namespace) -> int:
     async with connect(args) as client:
         events = await client.subscribe(f"sage.v1.event.{args.session}.>")
         # after subscribing: nothing between the replay and the live events is lost
-        found = await call_runner(
-            client,
-            f"sage.v1.request.session.{args.session}",
-            {"replay": max(0, min(args.replay, 256))},
-            10.0,
+        found = await call_session(
+            client, "session", args.session, {"replay": max(0, min(args.replay, 256))}, 10.0
         )
         last_id = 0
         for old in found.get("events", []):
@@ -545,7 +595,7 @@ async def _watch(args: argparse.Namespace) -> int:
         if args.count and seen >= args.count:
             return 0
         if args.wake and row.get("state") in ("hibernated", "hibernating"):
-            await call_runner(client, f"sage.v1.request.wake.{args.session}", {}, WAKE_TIMEOUT)
+            await call_session(client, "wake", args.session, {}, WAKE_TIMEOUT)
         try:
             async for envelope in events:
                 if envelope.id <= last_id:
@@ -564,18 +614,28 @@ async def _approvals(args: argparse.Namespace) -> int:
     async with connect(args) as client:
         if args.watch:
             return await _watch_approvals(client)
-        data = await call_runner(client, "sage.v1.request.approvals", {}, 10.0)
+        try:  # in a fleet: every node's (sage/fleet/router.py)
+            data = await _in_fleet(client, "approvals", {}, 10.0)
+        except _NoFleet:
+            data = await call_runner(client, "sage.v1.request.approvals", {}, 10.0)
     rows = data["approvals"]
+    if data.get("warning"):
+        print(f"astrid: {data['warning']}", file=sys.stderr)
     if args.json:
         print_json(rows)
         return 0
     if not rows:
         print("no pending approvals")
         return 0
-    print(f"{'ID':<32}  {'SESSION':<14} {'PRINCIPAL':<12} {'AGE':>5} {'LEFT':>5}  TOOL")
+    fleet = any("node" in row for row in rows)
+    print(
+        (f"{'NODE':<10} " if fleet else "")
+        + f"{'ID':<32}  {'SESSION':<14} {'PRINCIPAL':<12} {'AGE':>5} {'LEFT':>5}  TOOL"
+    )
     for row in rows:
         print(
-            f"{row['approval_id']:<32}  {row['session_id']:<14} {row['principal_id']:<12}"
+            (f"{row.get('node', ''):<10} " if fleet else "")
+            + f"{row['approval_id']:<32}  {row['session_id']:<14} {row['principal_id']:<12}"
             f" {row['age_s']:>4.0f}s {row['expires_in_s']:>4.0f}s  {row['tool_name']}"
             f" {_short(row.get('arguments', {}))}"
         )
@@ -610,9 +670,7 @@ async def _decide(args: argparse.Namespace) -> int:
         if args.rule:
             answer["rule"] = args.rule
     async with connect(args) as client:
-        data = await call_runner(
-            client, f"sage.v1.request.approve.{args.approval_id}", answer, 10.0
-        )
+        data = await call_session(client, "approve", args.approval_id, answer, 10.0)
     if args.json:
         print_json(data)
     else:
@@ -674,7 +732,7 @@ async def _settings(args: argparse.Namespace) -> int:
 
 async def _simple(args: argparse.Namespace) -> int:
     async with connect(args) as client:
-        data = await call_runner(client, f"sage.v1.request.{args.verb}.{args.session}", {}, 30.0)
+        data = await call_session(client, args.verb, args.session, {}, 30.0)
     if args.json:
         print_json(data)
     else:

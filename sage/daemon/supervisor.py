@@ -4,7 +4,7 @@ Start-up order: state folder (0700), with ``[fleet]`` joining the fleet (sage/fl
 a node that cannot join does not start), state store, audit log (with ``[fleet]`` streamed
 to JetStream: sage/fleet/audit_stream.py), bus, socket server, the
 audit sink (every envelope on ``*.v1.audit.>`` is appended), the status
-responder, capsules (in-process, or child processes for ``[worker]``
+responder, in a fleet the session router (sage/fleet/router.py), capsules (in-process, or child processes for ``[worker]``
 manifests: sage.daemon.workers).  Readiness is reported through ``task_status.started()``
 and sd_notify ``READY=1``.  SIGTERM or SIGINT stops everything within
 ``shutdown_grace`` seconds (``STOPPING=1``), removing the socket; SIGHUP
@@ -55,6 +55,7 @@ from sage.errors import AuditError, ConfigError, SageError
 from sage.fleet import STATUS_TOPIC as FLEET_STATUS_TOPIC
 from sage.fleet import FleetMember, join, status_reply
 from sage.fleet.audit_stream import VERIFY_FLEET_TOPIC, FleetAudit, verify_fleet_reply
+from sage.fleet.router import Router
 from sage.security.denials import DenialLimiter
 from sage.security.runas import SessionUids, access_group
 from sage.security.runas import enabled as runs_children_as_principals
@@ -482,6 +483,8 @@ class Supervisor:
                     tg.start_soon(self._answer_verify_fleet, verify_fleet)
                     if self.fleet is not None:
                         tg.start_soon(self.fleet.beat_every)
+                        # sessions anywhere: the registry, forwarded requests, relayed events
+                        await tg.start(Router(self.bus, self.fleet).run)
                     if self.fleet_audit is not None:
                         tg.start_soon(self.fleet_audit.run)
                     self.capsules.start_all(tg)

@@ -2,7 +2,7 @@
 
 Each node streams its audit log to the JetStream stream ``sage_audit``
 (sage/fleet/audit_stream.py is the shell): every entry on
-``sage.fleet.audit.<node>.entry``, every signed checkpoint on
+``sage.audit.<node>.entry``, every signed checkpoint on
 ``...<node>.checkpoint`` and its checkpoint public key on ``...<node>.key``.
 The server lets a node publish on its own three subjects only
 (sage/fleet/permissions.py), so the subject names the node and the body never
@@ -51,7 +51,7 @@ __all__ = (
     "verify_subject",
 )
 
-AUDIT_PREFIX: Final = "sage.fleet.audit"
+AUDIT_PREFIX: Final = "sage.audit"
 AUDIT_SUBJECTS: Final = tuple(f"{AUDIT_PREFIX}.*.{what}" for what in ("entry", "checkpoint", "key"))
 """The stream's subjects: ``<node>`` is one token."""
 

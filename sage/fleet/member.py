@@ -35,6 +35,7 @@ from sage.errors import SageError
 from sage.files import read_private
 from sage.fleet.nodes import NodeRecord, NodeTable, NodeView
 from sage.fleet.permissions import BUCKET, STREAM, inbox_prefix
+from sage.fleet.routes import REGISTRY, REGISTRY_STREAM, SessionEntry, decode_entry
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as Nats
@@ -158,10 +159,20 @@ class FleetMember:
     """This node's place in the fleet, once joined (see :func:`join`)."""
 
     def __init__(
-        self, nc: Nats, js: JetStreamContext, kv: KeyValue, config: FleetConfig, started_at: float
+        self,
+        nc: Nats,
+        js: JetStreamContext,
+        kv: KeyValue,
+        config: FleetConfig,
+        started_at: float,
+        registry: KeyValue | None = None,
     ) -> None:
         self.config = config
         self.node = config.node
+        self.nc = nc
+        self.js = js
+        self.registry = registry
+        """The ``sage_sessions`` bucket: session id -> node (sage/fleet/routes.py)."""
         self._nc = nc
         self._js = js
         self._kv = kv
@@ -246,6 +257,27 @@ class FleetMember:
         for key, why in sorted(table.ignored.items()):
             log.warning("fleet.record_ignored", key=key, reason=why)
         return table.verdicts(time.time() if now is None else now)
+
+    async def sessions(self) -> dict[str, SessionEntry]:
+        """Every session of the registry (id -> entry); unusable entries are left out."""
+        from nats.js.errors import KeyNotFoundError
+
+        registry = self.registry
+        if registry is None:
+            return {}
+        prefix = f"$KV.{REGISTRY}."
+        info = await self._js.stream_info(REGISTRY_STREAM, subjects_filter=f"{prefix}>")
+        out: dict[str, SessionEntry] = {}
+        for subject in sorted(info.state.subjects or {}):
+            sid = subject.removeprefix(prefix)
+            try:
+                value = await registry.get(sid)
+            except KeyNotFoundError:  # deleted (a delete marker)
+                continue
+            entry = decode_entry(sid, value.value or b"")
+            if entry is not None:
+                out[sid] = entry
+        return out
 
     async def leave(self) -> None:
         """Say this node stopped (best effort, NATS may be gone), then close the connection;
@@ -359,7 +391,9 @@ def _netloc(nc: Nats) -> str:
     return where.netloc if where else ""
 
 
-async def _open_bucket(nc: Nats, config: FleetConfig) -> tuple[JetStreamContext, KeyValue]:
+async def _open_bucket(
+    nc: Nats, config: FleetConfig, bucket: str = BUCKET
+) -> tuple[JetStreamContext, KeyValue]:
     """Open (or create) the bucket.  JetStream that is not ready yet (a cluster that
     just started or lost its leader: a timeout, no responders, unavailable) is asked
     again for up to :data:`BUCKET_WAIT` x ``connect_timeout``; a refusal fails at once."""
@@ -374,12 +408,12 @@ async def _open_bucket(nc: Nats, config: FleetConfig) -> tuple[JetStreamContext,
             while True:
                 try:
                     try:
-                        kv = await js.key_value(BUCKET)
+                        kv = await js.key_value(bucket)
                     except BucketNotFoundError:
                         kv = await js.create_key_value(
-                            bucket=BUCKET, history=1, replicas=config.replicas
+                            bucket=bucket, history=1, replicas=config.replicas
                         )
-                        log.info("fleet.bucket_created", bucket=BUCKET, replicas=config.replicas)
+                        log.info("fleet.bucket_created", bucket=bucket, replicas=config.replicas)
                     break
                 except (TimeoutError, NoRespondersError, ServiceUnavailableError) as exc:
                     if not waited:
@@ -388,7 +422,7 @@ async def _open_bucket(nc: Nats, config: FleetConfig) -> tuple[JetStreamContext,
                     await anyio.sleep(0.5)
     except (NatsError, TimeoutError) as exc:
         raise FleetError(
-            f"fleet: cannot open the {BUCKET} bucket (JetStream on, and the node's"
+            f"fleet: cannot open the {bucket} bucket (JetStream on, and the node's"
             f" permissions from `astrid fleet permissions --node {config.node}`?):"
             f" {_describe(exc) or type(exc).__name__}",
             code="fleet_bucket_failed",
@@ -404,7 +438,8 @@ async def join(
     nc = await _connect(config, path_of)
     try:
         js, kv = await _open_bucket(nc, config)
-        member = FleetMember(nc, js, kv, config, started_at)
+        _, registry = await _open_bucket(nc, config, REGISTRY)
+        member = FleetMember(nc, js, kv, config, started_at, registry)
         try:
             await member.first_beat(max(1.0, config.connect_timeout))
         except Exception as exc:
@@ -439,12 +474,16 @@ async def status_reply(member: FleetMember | None, deadline: float = 3.0) -> dic
     try:
         with anyio.fail_after(deadline):
             nodes = await member.nodes()
+            sessions = await member.sessions()
     except Exception as exc:
         return replies.error(
             "fleet_unavailable", f"cannot read the {BUCKET} bucket now: {_describe(exc)}"
         )
+    per_node: dict[str, int] = {}
+    for entry in sessions.values():
+        per_node[entry.node] = per_node.get(entry.node, 0) + 1
     return replies.ok(
         node=member.node,
         lost_after=member.config.lost_after,
-        nodes=[view.to_builtins() for view in nodes],
+        nodes=[{**view.to_builtins(), "sessions": per_node.get(view.node, 0)} for view in nodes],
     )

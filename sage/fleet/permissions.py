@@ -13,8 +13,16 @@ with exactly them:
   key's last value (direct get, or the message get when direct is off);
 - replies on an inbox of its own, ``_INBOX.<node>.>`` (the client is told to use
   that prefix), so one node cannot read the replies meant for another;
+- the session registry, the ``sage_sessions`` bucket: put and delete any session
+  id's key (an id is not a node's), read it, its stream's info;
+- forwarded requests (sage/fleet/routes.py): publish on the peers' request
+  prefixes ``sage.fleet.<peer>.request.>`` (every node's, or the ``peers`` named),
+  subscribe to its own only, and answer them (``allow_responses``, the reply
+  subjects of requests it received and nothing else);
+- session events: publish its own sessions' events, ``sage.fleet.<node>.event.>``,
+  subscribe to every node's (``sage.fleet.*.event.>``) while a local client watches.
 - the fleet audit (sage/fleet/audit_stream.py): publish on its own audit subjects
-  only, ``sage.fleet.audit.<node>.entry``, ``.checkpoint`` and ``.key`` (never
+  only, ``sage.audit.<node>.entry``, ``.checkpoint`` and ``.key`` (never
   another node's); create the ``sage_audit`` stream, read its info and last
   messages, and read it whole through a consumer of its own (create, fetch,
   delete: no purge, no message delete, no update); ask any node to compare its
@@ -25,7 +33,10 @@ with exactly them:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+
+from sage.fleet.routes import REGISTRY, REGISTRY_STREAM
 
 __all__ = (
     "AUDIT_STREAM",
@@ -49,8 +60,13 @@ def inbox_prefix(node: str) -> str:
     return f"_INBOX.{node}"
 
 
-def node_permissions(node: str) -> dict[str, Any]:
-    """The ``permissions`` of a node's NATS user, as the server config spells them."""
+def node_permissions(node: str, peers: Sequence[str] = ()) -> dict[str, Any]:
+    """The ``permissions`` of a node's NATS user, as the server config spells them.
+
+    ``peers``: the nodes it may forward requests to (none named: every node)."""
+    targets = [f"sage.fleet.{peer}.request.>" for peer in peers if peer != node] or [
+        "sage.fleet.*.request.>"
+    ]
     return {
         "publish": {
             "allow": [
@@ -59,9 +75,16 @@ def node_permissions(node: str) -> dict[str, Any]:
                 f"$JS.API.STREAM.INFO.{STREAM}",
                 f"$JS.API.STREAM.MSG.GET.{STREAM}",
                 f"$JS.API.DIRECT.GET.{STREAM}.>",
-                f"sage.fleet.audit.{node}.entry",
-                f"sage.fleet.audit.{node}.checkpoint",
-                f"sage.fleet.audit.{node}.key",
+                f"$KV.{REGISTRY}.>",
+                f"$JS.API.STREAM.CREATE.{REGISTRY_STREAM}",
+                f"$JS.API.STREAM.INFO.{REGISTRY_STREAM}",
+                f"$JS.API.STREAM.MSG.GET.{REGISTRY_STREAM}",
+                f"$JS.API.DIRECT.GET.{REGISTRY_STREAM}.>",
+                *targets,
+                f"sage.fleet.{node}.event.>",
+                f"sage.audit.{node}.entry",
+                f"sage.audit.{node}.checkpoint",
+                f"sage.audit.{node}.key",
                 f"$JS.API.STREAM.CREATE.{AUDIT_STREAM}",
                 f"$JS.API.STREAM.INFO.{AUDIT_STREAM}",
                 f"$JS.API.STREAM.MSG.GET.{AUDIT_STREAM}",
@@ -72,19 +95,26 @@ def node_permissions(node: str) -> dict[str, Any]:
                 "sage.fleet.*.audit.verify",
             ]
         },
-        "subscribe": {"allow": [f"{inbox_prefix(node)}.>", f"sage.fleet.{node}.audit.verify"]},
+        "subscribe": {
+            "allow": [
+                f"{inbox_prefix(node)}.>",
+                f"sage.fleet.{node}.request.>",
+                "sage.fleet.*.event.>",
+                f"sage.fleet.{node}.audit.verify",
+            ]
+        },
         "allow_responses": True,
     }
 
 
-def server_block(node: str, user: str, nkey: str = "") -> str:
+def server_block(node: str, user: str, nkey: str = "", peers: Sequence[str] = ()) -> str:
     """A user entry for the server's ``authorization { users = [...] }``.
 
     With ``nkey`` (the node's public key, ``U...``) the entry names the key and
     holds no secret at all; else the password is not in it either: ``$<VAR>``
     makes the server read it from its own environment (a bcrypt hash from
     ``nats server passwd`` is the better value)."""
-    perms = node_permissions(node)
+    perms = node_permissions(node, peers)
     variable = "SAGE_NODE_" + "".join(c if c.isalnum() else "_" for c in node).upper()
     who = [f'  nkey: "{nkey}"'] if nkey else [f'  user: "{user}"', f"  password: ${variable}"]
 
@@ -93,8 +123,8 @@ def server_block(node: str, user: str, nkey: str = "") -> str:
 
     return "\n".join(
         [
-            f"# sage fleet node {node!r}: heartbeats in the {BUCKET} bucket,"
-            f" its own audit in the {AUDIT_STREAM} stream, nothing else",
+            f"# sage fleet node {node!r}: its heartbeats, the session registry, its"
+            f" sessions' requests and events, its own audit in the {AUDIT_STREAM} stream",
             "{",
             *who,
             "  permissions: {",

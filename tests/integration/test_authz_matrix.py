@@ -81,10 +81,11 @@ ANSWERED_IN_PROCESS = (
     "sage.v1.request.status",
     "sage.v1.request.capsule.*",
     "sage.v1.request.fleet.status",
+    "sage.v1.request.audit.verify_fleet",
 )
 """Patterns of the requests the supervisor itself answers (no capsule runs in this test):
-the status, the fleet status, and every ``capsule.<verb>`` (an unknown verb is answered
-``unknown_request``)."""
+the status, the fleet status, the fleet audit's verify, and every ``capsule.<verb>`` (an
+unknown verb is answered ``unknown_request``)."""
 PROBE_MODULE = "tests.integration.test_authz_matrix"
 EXTRA_TOPICS = ("demo.v1.audit.x1",)
 """Not in docs/topics.md as a v1 topic: ``demo.>`` (Free topics) covering an audit topic."""

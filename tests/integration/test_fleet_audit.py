@@ -207,7 +207,7 @@ def test_every_node_streams_verify_passes_then_names_an_altered_row(
 
     errors = anyio.run(forge_as_b, cluster, secret)
     assert any(
-        "permissions violation for publish" in e.lower() and "sage.fleet.audit.a.entry" in e
+        "permissions violation for publish" in e.lower() and "sage.audit.a.entry" in e
         for e in errors
     ), errors
     code, data, result = verify(daemons["c"])

@@ -79,7 +79,10 @@ class NatsCluster:
         nkey_nodes: tuple[str, ...] = (),
         size: int = 3,
         tls: TlsFiles | None = None,
+        peers: dict[str, list[str]] | None = None,
     ) -> None:
+        self.peers = peers or {}
+        """Per node user: the only nodes it may forward requests to (default: all)."""
         self.tls = tls
         """Client connections need TLS with a client certificate of this CA (``verify``)."""
         self.nodes = nodes
@@ -121,7 +124,7 @@ class NatsCluster:
                 {
                     "user": node,
                     "password": self.passwords[node],
-                    "permissions": node_permissions(node),
+                    "permissions": node_permissions(node, self.peers.get(node, ())),
                 }
             )
         for node in self.nkey_nodes:

@@ -527,3 +527,19 @@ async def test_a_request_only_users_could_see_but_not_answer_has_no_responders()
         await bus.request(Identity("cli:0", principal="bob", uid=0), "demo.q", {}, deadline=5)
     assert [e.reply_to for e in seen.drain()] == [None]
     assert bus.no_responders == 1
+
+
+def test_has_subscribers_besides_one_owner() -> None:
+    """A part that follows every event (the fleet router) can ask whether anyone else
+    still follows one session's."""
+    bus = Bus()
+    router = Identity("fleet")
+    everything = bus.subscribe("sage.v1.event.>", router)
+    assert bus.has_subscribers("sage.v1.event.s1.exited")
+    assert not bus.has_subscribers("sage.v1.event.s1.exited", besides=router)
+    watcher = bus.subscribe("sage.v1.event.s1.>", Identity("cli:0"))
+    assert bus.has_subscribers("sage.v1.event.s1.exited", besides=router)
+    assert not bus.has_subscribers("sage.v1.event.s2.exited", besides=router)
+    watcher.close()
+    everything.close()
+    assert not bus.has_subscribers("sage.v1.event.s1.exited")

@@ -237,17 +237,34 @@ def test_a_node_may_publish_its_own_key_only() -> None:
     publish = perms["publish"]["allow"]
     assert f"$KV.{BUCKET}.a" in publish
     assert not any(p.startswith(f"$KV.{BUCKET}.") and p != f"$KV.{BUCKET}.a" for p in publish)
-    bucket = [p for p in publish if "sage_audit" not in p and not p.startswith("sage.fleet.")]
-    assert all(p.endswith("KV_sage_nodes") or ".KV_sage_nodes." in p for p in bucket[1:])
+    nodes_api = [p for p in publish if "KV_sage_nodes" in p]
+    assert len(nodes_api) == 4
     # the fleet audit's subjects: its own, and the verify requests (test_fleet_audit_check)
-    assert [p for p in publish if p.startswith("sage.fleet.")] == [
-        "sage.fleet.audit.a.entry",
-        "sage.fleet.audit.a.checkpoint",
-        "sage.fleet.audit.a.key",
-        "sage.fleet.*.audit.verify",
+    assert [p for p in publish if p.startswith("sage.audit.")] == [
+        "sage.audit.a.entry",
+        "sage.audit.a.checkpoint",
+        "sage.audit.a.key",
     ]
-    assert perms["subscribe"]["allow"] == ["_INBOX.a.>", "sage.fleet.a.audit.verify"]
+    assert "sage.fleet.*.audit.verify" in publish
+    assert perms["subscribe"]["allow"] == [
+        "_INBOX.a.>",
+        "sage.fleet.a.request.>",  # its own requests only
+        "sage.fleet.*.event.>",
+        "sage.fleet.a.audit.verify",
+    ]
+    assert "sage.fleet.*.request.>" in publish
+    assert "sage.fleet.a.event.>" in publish  # its own sessions' events only
+    assert not any(
+        p.startswith("sage.fleet.") and ".event." in p and p != "sage.fleet.a.event.>"
+        for p in publish
+    )
+    assert perms["allow_responses"] is True
     assert "deny" not in perms["publish"]
+
+
+def test_peers_bound_where_a_node_may_forward() -> None:
+    publish = node_permissions("a", ["b", "a"])["publish"]["allow"]
+    assert [p for p in publish if ".request." in p] == ["sage.fleet.b.request.>"]
 
 
 def test_the_server_block_carries_no_password(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,704 @@
+"""Sessions anywhere: the registry, forwarded requests and relayed events (the async shell).
+
+One :class:`Router` per node in a fleet, run by the supervisor beside the
+session runner, which knows nothing of it:
+
+- **Registry.** It follows the local bus's session events; a ``spawned``
+  puts ``{node, principal_id, state}`` under the session id in the
+  ``sage_sessions`` bucket, an ``exited`` deletes it.
+- **Events out.** Every local session event is published on NATS as
+  ``sage.fleet.<node>.event.<sid>.<name>`` with its principal (a
+  :class:`~sage.fleet.routes.ForwardedEvent`).
+- **Requests in.** A request on the node's own prefix
+  ``sage.fleet.<node>.request.<verb>[.<sid>]`` becomes the runner's own local
+  request, made on behalf of the principal the sending node established; the
+  runner's reply goes back as it is.
+- **Requests out.** The CLI asks the local runner first, as it always did; only
+  when the runner does not know the session (``unknown_session``), or for
+  ``spawn --node`` and the fleet-wide listing, it asks the router on
+  ``sage.v1.request.fleet.<verb>[.<sid>]``.  The router finds the owner in the
+  registry and forwards; while a local client watches that session, the
+  owner's events are republished on the local bus (``sage.v1.event.<sid>.<name>``,
+  on behalf of the session's principal), so ``send`` and ``watch`` work
+  unchanged.  The local path is the same as on a single host.
+
+The principal a forwarded request carries is the local envelope's, which the
+bus set from the caller's connection (SO_PEERCRED): nothing in the caller's
+payload can name another (docs/security.md, "Fleet trust model").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.abc
+import msgspec
+import structlog
+from anyio.streams.memory import MemoryObjectSendStream
+
+from bus import Bus, BusError, Envelope, Identity, NoResponders, Subscription
+from sage import replies
+from sage.fleet.member import FleetMember
+from sage.fleet.nodes import NodeState
+from sage.fleet.routes import (
+    APPROVAL_VERBS,
+    SESSION_VERBS,
+    BadRoute,
+    Forwarded,
+    ForwardedEvent,
+    SessionEntry,
+    check_name,
+    decode_entry,
+    decode_event,
+    decode_forwarded,
+    event_of,
+    event_pattern,
+    event_subject,
+    local_topic,
+    parse_event_subject,
+    parse_request_subject,
+    request_subject,
+    row_of,
+    visible,
+)
+
+if TYPE_CHECKING:
+    from nats.aio.msg import Msg
+    from nats.aio.subscription import Subscription as NatsSubscription
+
+__all__ = ("LOCAL_REQUESTS", "Router")
+
+log = structlog.get_logger("sage.fleet.router")
+
+LOCAL_REQUESTS = (
+    "sage.v1.request.fleet.*.*",
+    "sage.v1.request.fleet.spawn",
+    "sage.v1.request.fleet.approvals",
+)
+"""What the router answers on the local bus (``sessions`` too, see :data:`LISTING`)."""
+LISTING = "sage.v1.request.fleet.sessions"
+APPROVALS_LISTING = "sage.v1.request.fleet.approvals"
+DEADLINES = {"spawn": 30.0, "send": 120.0, "wake": 120.0, "stop": 30.0}
+"""Seconds a forwarded request may take at its owner (others: :data:`DEFAULT_DEADLINE`)."""
+DEFAULT_DEADLINE = 10.0
+NETWORK_SLACK = 2.0
+RELAY_CHECK = 1.0  # seconds between two looks at whether a relayed session is still watched
+LISTING_DEADLINE = 3.0
+APPROVER_FOR = 3.0  # seconds an approver presence told to the owner lasts (renewed each second)
+IDS_KEPT = 512  # republished events whose owner's id a relay remembers (watch --replay: 256)
+RESYNC_CHECK = 1.0  # seconds between two looks at whether the registry needs a resync
+
+
+def unavailable(message: str) -> dict[str, Any]:
+    return replies.error("fleet_unavailable", message)
+
+
+class _Relay:
+    """A remote session's events, republished locally while someone here watches."""
+
+    def __init__(
+        self, node: str, sub: NatsSubscription, ids: dict[int, int], principal: str | None
+    ) -> None:
+        self.node = node
+        self.sub = sub
+        self.ended = False
+        self.principal = principal
+        """Whose session it is, as the caller that opened the relay was established."""
+        self.approver = False
+        """Whether a local client answers its approvals (told to the owner every second)."""
+        self.ids = ids
+        """The owner's envelope id -> this bus's, of the events republished (the last
+        :data:`IDS_KEPT`): a watch's replay and its live events then share one order."""
+
+
+class Router:
+    """This node's side of sessions anywhere (see the module docstring)."""
+
+    def __init__(self, bus: Bus, member: FleetMember) -> None:
+        self.bus = bus
+        self.member = member
+        self.node = member.node
+        self.identity = Identity("fleet")
+        self._relays: dict[str, _Relay] = {}
+        self._stand_ins: dict[str, tuple[Subscription, float]] = {}
+        """sid -> this bus's approver subscription for a client on another node, and until when."""
+        self._registry_writes: MemoryObjectSendStream[tuple[str, SessionEntry | None]]
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    # -- life -----------------------------------------------------------------
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        events = self.bus.subscribe("sage.v1.event.>", self.identity, limit=8192)
+        local = [
+            self.bus.subscribe(pattern, self.identity) for pattern in (*LOCAL_REQUESTS, LISTING)
+        ]
+        send, receive = anyio.create_memory_object_stream[tuple[str, SessionEntry | None]](1024)
+        self._registry_writes = send
+        nats_sub: NatsSubscription | None = None
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg  # before the first forwarded request can come in
+                nats_sub = await self.member.nc.subscribe(
+                    f"sage.fleet.{self.node}.request.>", cb=self._forwarded_in
+                )
+                tg.start_soon(self._events_out, events)
+                tg.start_soon(self._write_registry, receive)
+                for sub in local:
+                    tg.start_soon(self._serve_local, sub)
+                tg.start_soon(self._prune_relays)
+                tg.start_soon(self._keep_registry)
+                task_status.started()
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
+                if nats_sub is not None:
+                    with contextlib.suppress(Exception):
+                        await nats_sub.unsubscribe()
+                for relay in self._relays.values():
+                    with contextlib.suppress(Exception):
+                        await relay.sub.unsubscribe()
+
+    # -- registry and events out -----------------------------------------------
+
+    async def _events_out(self, events: Any) -> None:
+        nc = self.member.nc
+        async for envelope in events:
+            if envelope.source.startswith("fleet:"):
+                continue  # another node's event, republished here: not ours to send on
+            found = event_of(envelope.topic)
+            if found is None:
+                continue
+            sid, name = found
+            if name == "spawned" and envelope.principal:
+                entry = SessionEntry(
+                    node=self.node, principal_id=envelope.principal, at=time.time()
+                )
+                self._note(sid, entry)
+            elif name == "exited":
+                self._note(sid, None)
+            if not nc.is_connected:
+                continue  # the fleet is away: local watchers still have them
+            event = ForwardedEvent(
+                principal=envelope.principal,
+                ts=envelope.ts,
+                payload=msgspec.Raw(envelope.payload),
+                id=envelope.id,
+            )
+            with contextlib.suppress(Exception):
+                await nc.publish(event_subject(self.node, sid, name), event.encode())
+
+    def _note(self, sid: str, entry: SessionEntry | None) -> None:
+        try:
+            self._registry_writes.send_nowait((sid, entry))
+        except anyio.WouldBlock:
+            log.warning("fleet.registry_write_dropped", session_id=sid)
+
+    async def _write_registry(self, writes: Any) -> None:
+        registry = self.member.registry
+        assert registry is not None
+        async for sid, entry in writes:
+            try:
+                with anyio.fail_after(5.0):
+                    if entry is None:
+                        await registry.delete(sid)
+                    else:
+                        await registry.put(sid, entry.encode())
+            except Exception as exc:
+                log.warning("fleet.registry_write_failed", session_id=sid, error=_describe(exc))
+
+    async def _keep_registry(self) -> None:
+        """Make the registry agree with the runner at start and after each outage: a
+        spawn or an end whose write was lost meanwhile (or a restart that ended
+        sessions without ``exited``) is written again."""
+        synced = False
+        while True:
+            connected = self.member.connected
+            if connected and not synced:
+                synced = await self._resync()
+            elif not connected:
+                synced = False
+            await anyio.sleep(RESYNC_CHECK)
+
+    async def _resync(self) -> bool:
+        """One pass (False: the runner or the registry could not be read; try again)."""
+        since = time.time()
+        listing = await self._ask_runner(
+            self.identity, "sage.v1.request.sessions", b"{}", None, "sessions"
+        )
+        if not listing.get("ok"):
+            return False  # no runner yet (it starts after the router), or none at all
+        live = {
+            str(row["session_id"]): str(row.get("principal_id") or "")
+            for row in listing.get("sessions") or []
+            if isinstance(row, dict) and row.get("state") != "ended"
+        }
+        try:
+            with anyio.fail_after(LISTING_DEADLINE):
+                entries = await self.member.sessions()
+        except Exception as exc:
+            log.warning("fleet.registry_unreadable", error=_describe(exc))
+            return False
+        put = delete = 0
+        for sid, principal in sorted(live.items()):
+            entry = entries.get(sid)
+            if principal and (entry is None or entry.node != self.node):
+                self._note(sid, SessionEntry(node=self.node, principal_id=principal, at=since))
+                put += 1
+        for sid, entry in sorted(entries.items()):
+            # an entry written after the listing was taken is a spawn's: left alone
+            if entry.node == self.node and sid not in live and entry.at < since:
+                self._note(sid, None)
+                delete += 1
+        if put or delete:
+            log.info("fleet.registry_resynced", put=put, deleted=delete)
+        return True
+
+    async def lookup(self, sid: str) -> SessionEntry | None:
+        """The registry's entry for ``sid`` (raises what nats-py raised when it cannot ask)."""
+        from nats.js.errors import KeyNotFoundError
+
+        registry = self.member.registry
+        assert registry is not None
+        try:
+            entry = await registry.get(check_name(sid, "session id"))
+        except KeyNotFoundError:
+            return None
+        return decode_entry(sid, entry.value or b"")
+
+    # -- requests in (from other nodes) ----------------------------------------
+
+    async def _forwarded_in(self, msg: Msg) -> None:
+        """A request on this node's own prefix: the runner answers it as for a local caller
+        of the principal the sending node established."""
+        if not msg.reply:
+            return
+        try:
+            verb, sid = parse_request_subject(self.node, msg.subject)
+            forwarded = decode_forwarded(msg.data)
+        except BadRoute as exc:
+            await _respond(msg, replies.from_error(exc))
+            return
+        assert self._tg is not None
+        self._tg.start_soon(self._answer_forwarded, msg, verb, sid, forwarded)
+
+    async def _answer_forwarded(
+        self, msg: Msg, verb: str, sid: str | None, forwarded: Forwarded
+    ) -> None:
+        identity = Identity(f"fleet:{forwarded.origin}")
+        payload = bytes(forwarded.payload)
+        if verb in ("sessions", "approvals"):
+            reply = await self._local_listing(payload, forwarded.principal, identity, verb)
+        elif verb == "approver":
+            assert sid is not None
+            reply = await self._stand_in(sid, forwarded.principal, payload)
+            if not reply.get("ok"):
+                log.info("fleet.approver_refused", origin=forwarded.origin, session_id=sid)
+            await _respond(msg, reply)
+            return
+        else:
+            reply = await self._ask_runner(
+                identity, local_topic(verb, sid), payload, forwarded.principal, verb
+            )
+        what = {
+            "origin": forwarded.origin,
+            "verb": verb,
+            "session_id": sid,
+            "principal_id": forwarded.principal,
+            "ok": reply.get("ok"),
+        }
+        log.info("fleet.forwarded_in", **what)
+        if verb not in ("sessions", "approvals"):  # who vouched for whom, in this node's chain
+            with contextlib.suppress(BusError):
+                self.bus.publish(self.identity, "sage.v1.audit.fleet_request", what)
+        await _respond(msg, reply)
+
+    async def _ask_runner(
+        self, identity: Identity, topic: str, payload: bytes, principal: str | None, verb: str
+    ) -> dict[str, Any]:
+        try:
+            answer = await self.bus.request_raw(
+                identity,
+                topic,
+                payload,
+                deadline=DEADLINES.get(verb, DEFAULT_DEADLINE),
+                on_behalf_of=principal,
+            )
+        except NoResponders:
+            return replies.error("no_runner", f"node {self.node!r} runs no session runner")
+        except BusError as exc:
+            return replies.error("fleet_unavailable", f"node {self.node!r}: {exc}")
+        try:
+            data = msgspec.json.decode(answer.payload)
+        except msgspec.DecodeError:
+            return replies.error("internal_error", f"node {self.node!r}: a reply that is not JSON")
+        return data if isinstance(data, dict) else replies.error("internal_error", "bad reply")
+
+    async def _local_listing(
+        self, payload: bytes, principal: str | None, identity: Identity, verb: str = "sessions"
+    ) -> dict[str, Any]:
+        """This node's ``sessions`` (or ``approvals``), each row with its ``node``."""
+        reply = await self._ask_runner(
+            identity, f"sage.v1.request.{verb}", payload, principal, verb
+        )
+        for row in reply.get(verb) or []:
+            if isinstance(row, dict):
+                row["node"] = self.node
+        return reply
+
+    # -- requests out (from local clients) -------------------------------------
+
+    async def _serve_local(self, requests: Any) -> None:
+        async for request in requests:
+            if request.reply_to:
+                assert self._tg is not None
+                self._tg.start_soon(self._answer_local, request)
+
+    async def _answer_local(self, request: Envelope) -> None:
+        try:
+            reply = await self._route(request)
+        except BadRoute as exc:
+            reply = replies.from_error(exc)
+        except Exception as exc:  # a bug must not take the supervisor down
+            log.exception("fleet.route_failed", topic=request.topic)
+            reply = replies.error("internal_error", f"fleet routing failed ({type(exc).__name__})")
+        with contextlib.suppress(BusError):
+            self.bus.reply(self.identity, request.reply_to or "", reply)
+
+    async def _route(self, request: Envelope) -> dict[str, Any]:
+        parts = request.topic.split(".")
+        verb = parts[4] if len(parts) > 4 else ""
+        if request.topic == LISTING:
+            return await self._listing(request)
+        if request.topic == APPROVALS_LISTING:
+            return await self._approvals(request)
+        if verb in APPROVAL_VERBS and len(parts) == 6:
+            return await self._approve(request, verb, check_name(parts[5], "approval id"))
+        if verb == "spawn" and len(parts) == 5:
+            return await self._spawn(request)
+        if verb not in SESSION_VERBS or len(parts) != 6:
+            return replies.error("bad_request", f"no fleet request {request.topic!r}")
+        sid = check_name(parts[5], "session id")
+        if not self.member.connected:
+            return unavailable(
+                f"session {sid!r} is not on node {self.node!r}, and the fleet cannot be asked"
+                " now: NATS is not connected"
+            )
+        try:
+            with anyio.fail_after(LISTING_DEADLINE):
+                entry = await self.lookup(sid)
+        except Exception as exc:
+            return unavailable(f"cannot read the session registry now: {_describe(exc)}")
+        if entry is None or entry.node == self.node or not visible(entry, request.principal):
+            # another principal's session looks the same as none, as on one node
+            return replies.error("unknown_session", f"no session {sid!r}")
+        relay = None
+        if verb in ("send", "session", "wake"):  # the caller follows the events
+            relay = await self._relay(entry.node, sid, request.principal)
+            if relay is not None and verb == "send" and self._approver_here(sid):
+                relay.approver = True  # before the turn: its first tool call may need us
+                await self._tell_approver(entry.node, sid, relay)
+        reply = await self._forward(entry.node, verb, sid, request)
+        if verb == "session":
+            ids = relay.ids if relay is not None else {}
+            for event in reply.get("events") or []:
+                if isinstance(event, dict):  # the owner's envelope ids, made this bus's
+                    owner_id = event.get("id")
+                    event["id"] = ids.get(owner_id, 0) if isinstance(owner_id, int) else 0
+            if isinstance(reply.get("session"), dict):
+                reply["session"]["node"] = entry.node
+        if relay is not None and not reply.get("ok"):
+            self._drop_relay_soon(sid)
+        return reply
+
+    async def _spawn(self, request: Envelope) -> dict[str, Any]:
+        try:
+            body = msgspec.json.decode(request.payload or b"{}")
+        except msgspec.DecodeError as exc:
+            return replies.error("bad_request", f"not JSON: {exc}")
+        if not isinstance(body, dict):
+            return replies.error("bad_request", "a spawn is a JSON object")
+        node = check_name(str(body.pop("node", "")), "node")
+        payload = msgspec.json.encode(body)
+        if node == self.node:
+            reply = await self._ask_runner(
+                self.identity, "sage.v1.request.spawn", payload, request.principal, "spawn"
+            )
+        else:
+            reply = await self._forward(node, "spawn", None, request, payload)
+        if reply.get("ok"):
+            reply["node"] = node
+        return reply
+
+    async def _forward(
+        self,
+        node: str,
+        verb: str,
+        sid: str | None,
+        request: Envelope,
+        payload: bytes | None = None,
+    ) -> dict[str, Any]:
+        """Ask ``node``'s router; the reply as its runner gave it, or fleet_unavailable."""
+        from nats.errors import NoRespondersError
+        from nats.errors import TimeoutError as NatsTimeout
+
+        if not self.member.connected:
+            return unavailable(f"cannot reach node {node!r}: NATS is not connected")
+        subject = request_subject(node, verb, sid)
+        forwarded = Forwarded(
+            origin=self.node,
+            principal=request.principal,  # the bus's, from the caller's connection
+            payload=msgspec.Raw(request.payload if payload is None else payload),
+        )
+        deadline = DEADLINES.get(verb, DEFAULT_DEADLINE) + NETWORK_SLACK
+        try:
+            msg = await self.member.nc.request(subject, forwarded.encode(), timeout=deadline)
+        except NoRespondersError:
+            return unavailable(f"node {node!r} does not answer (no responders: is it running?)")
+        except NatsTimeout:
+            return unavailable(f"node {node!r} did not answer within {deadline:g} s")
+        except Exception as exc:
+            return unavailable(f"cannot reach node {node!r}: {_describe(exc)}")
+        try:
+            data = msgspec.json.decode(msg.data)
+        except msgspec.DecodeError:
+            return replies.error(
+                "internal_error", f"node {node!r} answered with something not JSON"
+            )
+        if not isinstance(data, dict) or not isinstance(data.get("ok"), bool):
+            return replies.error("internal_error", f"node {node!r} broke the reply contract")
+        return data
+
+    # -- approvals on other nodes ------------------------------------------------
+
+    async def _live_peers(self) -> list[str]:
+        with anyio.fail_after(LISTING_DEADLINE):
+            nodes = await self.member.nodes()
+        return [v.node for v in nodes if v.node != self.node and v.state is NodeState.LIVE]
+
+    async def _approve(self, request: Envelope, verb: str, cid: str) -> dict[str, Any]:
+        """An approval the local runner does not hold: asked of every live node; the one
+        that holds it answers (for the caller's principal, as locally)."""
+        if not self.member.connected:
+            return unavailable(
+                f"approval {cid!r} is not on node {self.node!r}, and the fleet cannot be asked"
+                " now: NATS is not connected"
+            )
+        try:
+            peers = await self._live_peers()
+        except Exception as exc:
+            return unavailable(f"cannot read the node bucket now: {_describe(exc)}")
+        answers: list[dict[str, Any]] = []
+
+        async def ask(node: str) -> None:
+            answers.append(await self._forward(node, verb, cid, request))
+
+        async with anyio.create_task_group() as tg:
+            for node in peers:
+                tg.start_soon(ask, node)
+        for reply in answers:
+            if reply.get("ok") or reply.get("error") not in (
+                "unknown_approval",
+                "fleet_unavailable",
+            ):
+                return reply
+        down = [r for r in answers if r.get("error") == "fleet_unavailable"]
+        if down:
+            return down[0]
+        return replies.error(
+            "unknown_approval", f"no pending approval {cid!r} (unknown, decided or expired)"
+        )
+
+    async def _approvals(self, request: Envelope) -> dict[str, Any]:
+        """Every live node's pending approvals the caller may answer, with their node."""
+        reply = await self._local_listing(
+            request.payload or b"{}", request.principal, self.identity, "approvals"
+        )
+        if not reply.get("ok") or not self.member.connected:
+            return reply
+        try:
+            peers = await self._live_peers()
+        except Exception as exc:
+            reply["warning"] = f"this node's approvals only: {_describe(exc)}"
+            return reply
+        rows: list[dict[str, Any]] = list(reply.get("approvals") or [])
+
+        async def ask(node: str) -> None:
+            with anyio.move_on_after(LISTING_DEADLINE):
+                data = await self._forward(node, "approvals", None, request)
+                rows.extend(r for r in data.get("approvals") or [] if isinstance(r, dict))
+
+        async with anyio.create_task_group() as tg:
+            for node in peers:
+                tg.start_soon(ask, node)
+        reply["approvals"] = rows
+        return reply
+
+    # -- the fleet-wide listing --------------------------------------------------
+
+    async def _listing(self, request: Envelope) -> dict[str, Any]:
+        principal = request.principal
+        reply = await self._local_listing(request.payload or b"{}", principal, self.identity)
+        if not reply.get("ok"):
+            return reply
+        rows: list[dict[str, Any]] = list(reply.get("sessions") or [])
+        if not self.member.connected:
+            reply["warning"] = "this node's sessions only: NATS is not connected"
+            return reply
+        try:
+            with anyio.fail_after(LISTING_DEADLINE):
+                nodes = await self.member.nodes()
+                entries = await self.member.sessions()
+        except Exception as exc:
+            reply["warning"] = f"this node's sessions only: {_describe(exc)}"
+            return reply
+        states = {view.node: view.state for view in nodes}
+        answers: dict[str, list[dict[str, Any]] | None] = {}
+
+        async def ask(node: str) -> None:
+            with anyio.move_on_after(LISTING_DEADLINE):
+                data = await self._forward(node, "sessions", None, request)
+                if data.get("ok"):
+                    answers[node] = [r for r in data.get("sessions") or [] if isinstance(r, dict)]
+                    return
+            answers[node] = None
+
+        async with anyio.create_task_group() as tg:
+            for node, state in states.items():
+                if node != self.node and state is NodeState.LIVE:
+                    tg.start_soon(ask, node)
+        for node in sorted(states):
+            if node == self.node:
+                continue
+            answered = answers.get(node)
+            if answered is not None:
+                rows += answered
+                continue
+            # the node cannot say: what the registry knows, with the node's state
+            shown = "unreachable" if states[node] is NodeState.LIVE else states[node].value
+            rows += [
+                row_of(sid, entry, "lost" if shown == "lost" else shown)
+                for sid, entry in sorted(entries.items())
+                if entry.node == node and visible(entry, principal)
+            ]
+        reply["sessions"] = rows
+        reply["nodes"] = {node: state.value for node, state in sorted(states.items())}
+        return reply
+
+    # -- events of remote sessions, republished here -------------------------------
+
+    async def _relay(self, node: str, sid: str, principal: str | None) -> _Relay | None:
+        relay = self._relays.get(sid)
+        if relay is not None and relay.node == node and not relay.ended:
+            return relay
+        if relay is not None:
+            self._drop_relay_soon(sid)
+        source = Identity(f"fleet:{node}")
+        ids: dict[int, int] = {}
+
+        async def republish(msg: Msg) -> None:
+            try:
+                _, event_sid, name = parse_event_subject(msg.subject)
+                event = decode_event(msg.data)
+            except BadRoute:
+                return
+            if event_sid != sid:
+                return
+            with contextlib.suppress(BusError):
+                local = self.bus.publish_raw(
+                    source,
+                    f"sage.v1.event.{sid}.{name}",
+                    bytes(event.payload),
+                    on_behalf_of=event.principal,
+                )
+                if event.id:
+                    ids[event.id] = local.id
+                    if len(ids) > IDS_KEPT:
+                        del ids[next(iter(ids))]
+            if name == "exited":
+                current = self._relays.get(sid)
+                if current is not None:
+                    current.ended = True
+
+        try:
+            sub = await self.member.nc.subscribe(event_pattern(node, sid), cb=republish)
+            await self.member.nc.flush(timeout=2)  # subscribed at the servers before the request
+        except Exception as exc:
+            log.warning("fleet.relay_failed", node=node, session_id=sid, error=_describe(exc))
+            return None
+        relay = self._relays[sid] = _Relay(node, sub, ids, principal)
+        return relay
+
+    def _drop_relay_soon(self, sid: str) -> None:
+        relay = self._relays.pop(sid, None)
+        if relay is not None and self._tg is not None:
+            self._tg.start_soon(_unsubscribe, relay.sub)
+
+    async def _prune_relays(self) -> None:
+        """A relay lives while a local client (not the router) subscribes to its events;
+        while one answers its approvals too, the owner is told so every second."""
+        while True:
+            await anyio.sleep(RELAY_CHECK)
+            for sid, relay in list(self._relays.items()):
+                topic = f"sage.v1.event.{sid}.exited"
+                if relay.ended or not self.bus.has_subscribers(topic, besides=self.identity):
+                    self._drop_relay_soon(sid)
+                elif relay.approver and self._approver_here(sid):
+                    assert self._tg is not None
+                    self._tg.start_soon(self._tell_approver, relay.node, sid, relay)
+            now = anyio.current_time()
+            for sid, (stand_in, until) in list(self._stand_ins.items()):
+                if until <= now:
+                    del self._stand_ins[sid]
+                    stand_in.close()
+
+    def _approver_here(self, sid: str) -> bool:
+        return self.bus.has_subscribers(f"sage.v1.approver.{sid}", besides=self.identity)
+
+    async def _tell_approver(self, node: str, sid: str, relay: _Relay) -> None:
+        """Tell ``node`` that a client here answers ``sid``'s approvals for a while."""
+        request = Envelope(0, "", b"", self.identity.source, relay.principal)
+        payload = msgspec.json.encode({"seconds": APPROVER_FOR})
+        reply = await self._forward(node, "approver", sid, request, payload)
+        if not reply.get("ok"):
+            log.warning("fleet.approver_not_told", node=node, session_id=sid, reply=reply)
+
+    async def _stand_in(self, sid: str, principal: str | None, payload: bytes) -> dict[str, Any]:
+        """An approver on another node answers ``sid``'s approvals: be present for it on
+        this bus (``sage.v1.approver.<sid>``) for the seconds asked (at most 10), if the
+        session is that principal's."""
+        try:
+            seconds = float(msgspec.json.decode(payload).get("seconds", 0))
+        except (msgspec.DecodeError, AttributeError, TypeError, ValueError):
+            return replies.error("bad_request", "approver: {seconds} expected")
+        seen = await self._ask_runner(
+            self.identity, local_topic("session", sid), b"{}", principal, "session"
+        )
+        if not seen.get("ok"):
+            return seen  # unknown_session: another principal's, or none
+        until = anyio.current_time() + max(0.0, min(seconds, 10.0))
+        held = self._stand_ins.get(sid)
+        if held is None:
+            stand_in = self.bus.subscribe(f"sage.v1.approver.{sid}", self.identity, limit=1)
+            self._stand_ins[sid] = (stand_in, until)
+        else:
+            self._stand_ins[sid] = (held[0], until)
+        return replies.ok(session_id=sid)
+
+
+async def _unsubscribe(sub: NatsSubscription) -> None:
+    with contextlib.suppress(Exception), anyio.move_on_after(1.0):
+        await sub.unsubscribe()
+
+
+async def _respond(msg: Msg, reply: dict[str, Any]) -> None:
+    with contextlib.suppress(Exception):
+        await msg.respond(msgspec.json.encode(reply))
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:300]

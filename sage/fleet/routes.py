@@ -1,0 +1,228 @@
+"""Sessions anywhere: the subjects, records and checks of routing between nodes (sans-IO).
+
+A request a node cannot answer from its own runner (a session another node
+owns, ``spawn --node``) is forwarded over NATS to the owner, on the owner's
+own subject prefix::
+
+    sage.fleet.<node>.request.<verb>[.<sid>]    a Forwarded request, answered in
+                                                the runner's reply shape
+    sage.fleet.<node>.event.<sid>.<name>        a ForwardedEvent: each session
+                                                event of the node's sessions
+
+The session registry (the ``sage_sessions`` key-value bucket) maps a session
+id to a :class:`SessionEntry`.  Everything a subject is built from is checked
+here first (node names and session ids are ``[A-Za-z0-9_-]{1,64}``), so no
+``.``, ``*`` or ``>`` from a caller ever reaches a subject.  Nothing here
+touches a socket: sage/fleet/router.py is the shell.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+
+from sage.config import NAME_PATTERN
+from sage.errors import SageError
+
+__all__ = (
+    "APPROVAL_VERBS",
+    "KEYED_VERBS",
+    "NODE_VERBS",
+    "PRESENCE_VERBS",
+    "REGISTRY",
+    "REGISTRY_STREAM",
+    "SESSION_VERBS",
+    "BadRoute",
+    "Forwarded",
+    "ForwardedEvent",
+    "SessionEntry",
+    "check_name",
+    "decode_entry",
+    "decode_event",
+    "decode_forwarded",
+    "event_of",
+    "event_pattern",
+    "event_subject",
+    "local_topic",
+    "parse_event_subject",
+    "parse_request_subject",
+    "request_subject",
+    "row_of",
+    "visible",
+)
+
+REGISTRY = "sage_sessions"
+"""The key-value bucket: session id -> the node that runs it, and whose it is."""
+REGISTRY_STREAM = f"KV_{REGISTRY}"
+
+SESSION_VERBS = frozenset({"send", "stop", "interrupt", "session", "wake"})
+"""Requests about one session, routed to the node that owns it."""
+APPROVAL_VERBS = frozenset({"approve"})
+"""Requests about one pending approval (``<cid>`` in place of the session id): asked of
+every live node, since no registry says where an approval waits."""
+PRESENCE_VERBS = frozenset({"approver"})
+"""``approver.<sid>`` ``{seconds}``: someone on the sending node answers this session's
+approvals for that long (its router stands in for them on the owner's bus)."""
+KEYED_VERBS = SESSION_VERBS | APPROVAL_VERBS | PRESENCE_VERBS
+NODE_VERBS = frozenset({"spawn", "sessions", "approvals"})
+"""Requests to a node, about none of its sessions in particular."""
+
+_NAME = re.compile(NAME_PATTERN)
+
+
+class BadRoute(SageError):
+    """A node name, session id or subject that must not be routed."""
+
+    code = "bad_request"
+
+
+def check_name(value: str, what: str) -> str:
+    """``value`` if it is a node name or session id (1-64 of [A-Za-z0-9_-]), else BadRoute."""
+    if not isinstance(value, str) or _NAME.match(value) is None:
+        code = "invalid_session_id" if what == "session id" else "bad_request"
+        raise BadRoute(f"{what} {value!r}: 1-64 of [A-Za-z0-9_-]", code=code)
+    return value
+
+
+def request_subject(node: str, verb: str, sid: str | None = None) -> str:
+    check_name(node, "node")
+    if verb in KEYED_VERBS:
+        if sid is None:
+            raise BadRoute(f"{verb} names a session or an approval")
+        return f"sage.fleet.{node}.request.{verb}.{check_name(sid, 'session id')}"
+    if verb in NODE_VERBS and sid is None:
+        return f"sage.fleet.{node}.request.{verb}"
+    raise BadRoute(f"no fleet request {verb!r}")
+
+
+def parse_request_subject(node: str, subject: str) -> tuple[str, str | None]:
+    """``(verb, sid)`` of a request on ``node``'s own prefix; BadRoute for anything else
+    (another node's prefix, an unknown verb, a bad session id)."""
+    parts = subject.split(".")
+    if parts[:4] != ["sage", "fleet", node, "request"] or len(parts) not in (5, 6):
+        raise BadRoute(f"not a request for node {node!r}: {subject!r}")
+    verb = parts[4]
+    sid = parts[5] if len(parts) == 6 else None
+    if request_subject(node, verb, sid) != subject:  # checks the verb and the id
+        raise BadRoute(f"not a request subject: {subject!r}")
+    return verb, sid
+
+
+def event_subject(node: str, sid: str, name: str) -> str:
+    return f"sage.fleet.{check_name(node, 'node')}.event.{check_name(sid, 'session id')}.{check_name(name, 'event')}"
+
+
+def event_pattern(node: str, sid: str) -> str:
+    return f"sage.fleet.{check_name(node, 'node')}.event.{check_name(sid, 'session id')}.*"
+
+
+def parse_event_subject(subject: str) -> tuple[str, str, str]:
+    """``(node, sid, name)`` of a forwarded event subject (BadRoute if it is not one)."""
+    parts = subject.split(".")
+    if len(parts) != 6 or parts[:2] != ["sage", "fleet"] or parts[3] != "event":
+        raise BadRoute(f"not an event subject: {subject!r}")
+    node, sid, name = parts[2], parts[4], parts[5]
+    return check_name(node, "node"), check_name(sid, "session id"), check_name(name, "event")
+
+
+class Forwarded(msgspec.Struct, frozen=True, kw_only=True):
+    """A request one node forwards to another.
+
+    ``principal`` is the one the sending node's bus established for the caller
+    (SO_PEERCRED there; ``None``: an admin of that node), never a field the
+    caller wrote: the router takes it from the local envelope."""
+
+    origin: str
+    principal: str | None
+    payload: msgspec.Raw = msgspec.Raw(b"{}")
+
+    def encode(self) -> bytes:
+        return msgspec.json.encode(self)
+
+
+class ForwardedEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """A session event as the owning node forwards it: its principal, time, payload, and
+    its envelope id on the owner's bus (what the owner's ``watch --replay`` rows carry)."""
+
+    principal: str | None
+    ts: float
+    payload: msgspec.Raw
+    id: int = 0
+
+    def encode(self) -> bytes:
+        return msgspec.json.encode(self)
+
+
+class SessionEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
+    """The registry's value for one session id."""
+
+    node: str
+    principal_id: str
+    state: str = "running"
+    at: float = 0.0
+    """Wall-clock seconds of the write, by the owner's clock."""
+
+    def encode(self) -> bytes:
+        return msgspec.json.encode(self)
+
+
+def decode_forwarded(data: bytes) -> Forwarded:
+    try:
+        forwarded = msgspec.json.decode(data, type=Forwarded)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise BadRoute(f"not a forwarded request: {exc}") from None
+    check_name(forwarded.origin, "node")
+    if forwarded.principal is not None:
+        check_name(forwarded.principal, "principal")
+    return forwarded
+
+
+def decode_event(data: bytes) -> ForwardedEvent:
+    try:
+        return msgspec.json.decode(data, type=ForwardedEvent)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise BadRoute(f"not a forwarded event: {exc}") from None
+
+
+def decode_entry(sid: str, data: bytes) -> SessionEntry | None:
+    """The registry entry of ``sid``, or None when it cannot be used."""
+    try:
+        entry = msgspec.json.decode(data, type=SessionEntry)
+        check_name(entry.node, "node")
+    except (msgspec.DecodeError, msgspec.ValidationError, BadRoute):
+        return None
+    return entry
+
+
+def local_topic(verb: str, sid: str | None) -> str:
+    """The runner's own request topic for ``verb`` (what a forwarded request becomes)."""
+    return f"sage.v1.request.{verb}" + ("" if sid is None else f".{check_name(sid, 'session id')}")
+
+
+def event_of(topic: str) -> tuple[str, str] | None:
+    """``(sid, name)`` of a local session event topic ``sage.v1.event.<sid>.<name>``."""
+    parts = topic.split(".")
+    if len(parts) != 5 or parts[:3] != ["sage", "v1", "event"]:
+        return None
+    if _NAME.match(parts[3]) is None or _NAME.match(parts[4]) is None:
+        return None
+    return parts[3], parts[4]
+
+
+def visible(entry: SessionEntry, principal: str | None) -> bool:
+    """Whether a caller acting for ``principal`` (None: an admin) may know of it."""
+    return principal is None or principal == entry.principal_id
+
+
+def row_of(sid: str, entry: SessionEntry, state: str) -> dict[str, Any]:
+    """A listing row for a session known only from the registry (its node cannot answer)."""
+    return {
+        "session_id": sid,
+        "principal_id": entry.principal_id,
+        "pid": None,
+        "state": state,
+        "node": entry.node,
+        "started_at": entry.at,
+    }

@@ -1,0 +1,82 @@
+"""The subjects of sessions anywhere: nothing a caller sends reaches a NATS subject unchecked."""
+
+from __future__ import annotations
+
+import pytest
+
+from sage.fleet.routes import (
+    BadRoute,
+    Forwarded,
+    decode_entry,
+    decode_forwarded,
+    event_of,
+    event_pattern,
+    event_subject,
+    local_topic,
+    parse_event_subject,
+    parse_request_subject,
+    request_subject,
+)
+
+BAD = ["*", ">", ".", "a.b", "a.*", "a.>", "", "a b", "x" * 65, "a\n"]
+
+
+def test_request_subjects_are_per_node() -> None:
+    assert request_subject("a", "send", "s1") == "sage.fleet.a.request.send.s1"
+    assert request_subject("a", "spawn") == "sage.fleet.a.request.spawn"
+    assert request_subject("a", "sessions") == "sage.fleet.a.request.sessions"
+    assert parse_request_subject("a", "sage.fleet.a.request.stop.s-1") == ("stop", "s-1")
+    assert parse_request_subject("a", "sage.fleet.a.request.spawn") == ("spawn", None)
+
+
+@pytest.mark.parametrize("bad", BAD)
+def test_wildcards_dots_and_junk_never_make_a_subject(bad: str) -> None:
+    with pytest.raises(BadRoute):
+        request_subject("a", "send", bad)
+    with pytest.raises(BadRoute):
+        request_subject(bad, "spawn")
+    with pytest.raises(BadRoute):
+        event_subject("a", bad, "text")
+    with pytest.raises(BadRoute):
+        event_pattern(bad, "s1")
+    with pytest.raises(BadRoute):
+        local_topic("send", bad)
+
+
+@pytest.mark.parametrize(
+    "subject",
+    [
+        "sage.fleet.b.request.send.s1",  # another node's prefix
+        "sage.fleet.a.request.install",  # not a routed verb
+        "sage.fleet.a.request.send",  # a session verb without a session
+        "sage.fleet.a.request.spawn.s1",
+        "sage.fleet.a.request.send.s1.x",
+        "sage.fleet.a.event.s1.text",
+    ],
+)
+def test_a_node_takes_requests_on_its_own_prefix_only(subject: str) -> None:
+    with pytest.raises(BadRoute):
+        parse_request_subject("a", subject)
+
+
+def test_a_forwarded_request_is_checked() -> None:
+    good = Forwarded(origin="b", principal="alice").encode()
+    assert decode_forwarded(good).principal == "alice"
+    for bad in (
+        b"nope",
+        b'{"origin": "b.c", "principal": null}',
+        b'{"origin": "b", "principal": "*"}',
+    ):
+        with pytest.raises(BadRoute):
+            decode_forwarded(bad)
+
+
+def test_events_and_entries() -> None:
+    assert event_of("sage.v1.event.s1.text") == ("s1", "text")
+    assert event_of("sage.v1.event.session_rejected") is None
+    assert parse_event_subject("sage.fleet.a.event.s1.done") == ("a", "s1", "done")
+    with pytest.raises(BadRoute):
+        parse_event_subject("sage.fleet.a.request.s1.done")
+    assert decode_entry("s1", b'{"node": "a", "principal_id": "alice"}') is not None
+    assert decode_entry("s1", b'{"node": "a.>", "principal_id": "alice"}') is None
+    assert decode_entry("s1", b"garbage") is None
