@@ -284,11 +284,17 @@ async def _send(args: argparse.Namespace) -> int:
             sent = await call_session(client, "send", sid, {"text": text}, WAKE_TIMEOUT)
             turn = _Turn(client, sid, int(sent.get("turn") or 0), json_output=args.json)
             turn.approve = approve
-            with anyio.fail_after(args.timeout or None):
+            with anyio.move_on_after(args.timeout or None) as waited:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(turn.watch_interrupts, signals)
                     code = await turn.follow(events)
                     tg.cancel_scope.cancel()
+        if waited.cancelled_caught:
+            print(
+                f"\nastrid: the turn did not end within {args.timeout:g} s; session {sid} goes on",
+                file=sys.stderr,
+            )
+            return 124  # as timeout(1)
         return code
 
 

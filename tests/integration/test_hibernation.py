@@ -390,3 +390,13 @@ async def test_thousands_of_sessions_are_listed_page_by_page() -> None:
         listed = msgspec.json.decode(out)
         assert len(listed) == 4500
         assert {row["state"] for row in listed} == {"hibernated"}
+
+
+async def test_send_past_its_timeout_says_so_and_leaves_the_turn() -> None:
+    async with running_sage(_config(), env=ENV) as sage:
+        await sage.ready("slow")
+        code, _, err = await sage.astrid("sage", "send", "slow", "/fault hang", "--timeout", "1")
+        assert code == 124, err
+        assert "did not end within 1 s; session slow goes on" in err
+        assert "Traceback" not in err
+        assert (await _rows(sage))["slow"]["state"] == "busy"
