@@ -232,14 +232,18 @@ async def test_without_a_membership_the_reply_is_not_in_fleet() -> None:
 
 
 def test_a_node_may_publish_its_own_key_only() -> None:
-    """No wildcard reaches another node's key; replies come to its own inboxes."""
+    """No wildcard reaches another node's heartbeat or catalogue key; replies come to its own
+    inboxes; tool calls go to other nodes only, and come in on its own subject only."""
     perms = node_permissions("a")
     publish = perms["publish"]["allow"]
     assert f"$KV.{BUCKET}.a" in publish
     assert not any(p.startswith(f"$KV.{BUCKET}.") and p != f"$KV.{BUCKET}.a" for p in publish)
-    assert all(p.endswith("KV_sage_nodes") or ".KV_sage_nodes." in p for p in publish[1:])
-    assert perms["subscribe"]["allow"] == ["_INBOX.a.>"]
-    assert "deny" not in perms["publish"]
+    assert "$KV.sage_tools.a" in publish
+    assert not any(p.startswith("$KV.sage_tools.") and p != "$KV.sage_tools.a" for p in publish)
+    assert [p for p in publish if not p.startswith("$")] == ["sage.fleet.*.tool.call"]
+    assert perms["publish"]["deny"] == ["sage.fleet.a.tool.call"]
+    assert perms["subscribe"]["allow"] == ["_INBOX.a.>", "sage.fleet.a.tool.call"]
+    assert perms["allow_responses"] is True
 
 
 def test_the_server_block_carries_no_password(capsys: pytest.CaptureFixture[str]) -> None:
