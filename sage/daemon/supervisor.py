@@ -53,6 +53,7 @@ from sage.daemon.workers import WorkerRunner, WorkerSandbox, capsule_uids
 from sage.errors import AuditError, ConfigError, SageError
 from sage.fleet import STATUS_TOPIC as FLEET_STATUS_TOPIC
 from sage.fleet import FleetMember, join, status_reply
+from sage.fleet.tools import FleetTools
 from sage.security.denials import DenialLimiter
 from sage.security.runas import SessionUids, access_group
 from sage.security.runas import enabled as runs_children_as_principals
@@ -470,6 +471,7 @@ class Supervisor:
                     tg.start_soon(self._answer_fleet_status, fleet_status)
                     if self.fleet is not None:
                         tg.start_soon(self.fleet.beat_every)
+                        await tg.start(self._fleet_tools(self.fleet).run)
                     self.capsules.start_all(tg)
                     with anyio.move_on_after(CAPSULE_READY_TIMEOUT):
                         for capsule in self.capsules.runners:
@@ -655,6 +657,12 @@ class Supervisor:
             reply = await self.capsules.answer(request)
             if request.reply_to:
                 self.bus.reply(self.identity, request.reply_to, reply)
+
+    def _fleet_tools(self, member: FleetMember) -> FleetTools:
+        """Tools anywhere (sage/fleet/tools.py): this node's catalogue out, others' in."""
+        return FleetTools(
+            member, self.bus, self.identity, lambda: self.config.limits.execute_deadline
+        )
 
     async def _answer_fleet_status(self, requests: Any) -> None:
         """``sage.v1.request.fleet.status``: the nodes of the fleet (sage/fleet/)."""
