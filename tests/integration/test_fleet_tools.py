@@ -91,6 +91,12 @@ def wait_for(check: Any, timeout: float, what: str) -> Any:
 GREET = "mcp__sage__greet"
 
 
+def listed_on(daemon: Daemon) -> dict[str, Any]:
+    """greet as ``daemon``'s catalogue lists it, once it does."""
+    found: dict[str, Any] = wait_for(lambda: tools(daemon).get(GREET), 10.0, "greet listed")
+    return found
+
+
 async def call_greet(sage: Sage, sid: str, name: str) -> str:
     events = await sage.ready(sid)
     reply = await sage.send(sid, f'/fault tool greet {{"name":"{name}"}}')
@@ -110,9 +116,7 @@ async def test_a_session_on_a_calls_a_tool_of_b_then_b_is_killed(
     _, daemons = fleet
     a, b, c = daemons["a"], daemons["b"], daemons["c"]
     for daemon in (a, c):
-        listed = await anyio.to_thread.run_sync(
-            lambda d=daemon: wait_for(lambda: tools(d).get(GREET), 10.0, "b's greet listed")
-        )
+        listed = await anyio.to_thread.run_sync(listed_on, daemon)
         assert (listed["node"], listed["capsule"]) == ("b", "greeter")
     assert tools(b)[GREET]["node"] == "b"
     shown = a.astrid("tools", "list")
