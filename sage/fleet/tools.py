@@ -127,6 +127,19 @@ def read_catalogue(key: str, data: bytes) -> list[dict[str, Any]] | None:
     return catalogue.tools if catalogue.node == key else None
 
 
+def fit(remote: dict[str, list[dict[str, Any]]], budget: int) -> dict[str, list[dict[str, Any]]]:
+    """The nodes' catalogues, by node name, as many as fit in ``budget`` bytes of JSON
+    (a local bus payload is bounded; the nodes that do not fit are left out)."""
+    kept: dict[str, list[dict[str, Any]]] = {}
+    size = 64
+    for node in sorted(remote):
+        size += len(msgspec.json.encode(remote[node])) + len(node) + 8
+        if size > budget:
+            break
+        kept[node] = remote[node]
+    return kept
+
+
 class FleetTools:
     """This node's part in tools anywhere (see the module's docstring)."""
 
@@ -236,8 +249,11 @@ class FleetTools:
         if remote == self._remote and self._rounds % REPUBLISH_EVERY:
             return
         self._remote = remote
+        nodes = fit(remote, self.bus.max_payload - 1024)
+        if len(nodes) < len(remote):
+            log.error("fleet.catalogues_left_out", nodes=sorted(remote.keys() - nodes.keys()))
         try:
-            self.bus.publish(self.identity, FLEET_TOOLS, {"node": self.node, "nodes": remote})
+            self.bus.publish(self.identity, FLEET_TOOLS, {"node": self.node, "nodes": nodes})
         except BusError as exc:
             log.error("fleet.catalogues_publish_failed", error=str(exc))
 

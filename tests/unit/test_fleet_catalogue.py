@@ -14,6 +14,7 @@ from sage.fleet.member import FleetMember
 from sage.fleet.tools import (
     MAX_CATALOGUE,
     FleetTools,
+    fit,
     own_catalogue,
     read_catalogue,
     valid_node,
@@ -130,3 +131,24 @@ async def test_a_forward_to_a_bad_node_or_itself_is_an_error_result(node: str) -
     result = await fleet.forward(msgspec.json.encode(request))
     assert result["isError"] is True
     assert "cannot forward to node" in result["content"][0]["text"]
+
+
+@pytest.mark.anyio
+async def test_a_forward_while_nats_is_down_is_an_error_result_at_once() -> None:
+    """Not connected: isError naming the node and the cause, without waiting."""
+    member = cast(FleetMember, SimpleNamespace(node="a", connected=False))
+    fleet = FleetTools(member, Bus(), Identity("supervisor"), lambda: 5.0)
+    request = {"node": "b", "deadline": 30.0, "call": {"tool_name": "greet"}}
+    result = await fleet.forward(msgspec.json.encode(request))
+    assert result["isError"] is True
+    assert result["content"][0]["text"] == "node b cannot be reached: NATS is not connected"
+
+
+def test_the_catalogues_given_to_the_bridge_fit_a_bus_payload() -> None:
+    """Nodes are taken by name while they fit; the others are left out."""
+    big = [tool(f"t{i}", description="z" * 4000) for i in range(100)]  # ~420 KB a node
+    remote = {"d": big, "b": big, "c": big}
+    kept = fit(remote, 1024 * 1024)
+    assert list(kept) == ["b", "c"]
+    assert len(msgspec.json.encode({"node": "a", "nodes": kept})) < 1024 * 1024
+    assert fit(remote, 10 * 1024 * 1024) == dict(sorted(remote.items()))
