@@ -10,8 +10,8 @@ is capsules/tools/fleet.py and bridge.py); it runs only with ``[fleet]``.
   :data:`MAX_CATALOGUE` bytes.  A put that failed (NATS down) is tried again
   at the next heartbeat.
 - **Reading.** Every heartbeat it reads the catalogue of each live node but
-  itself and gives the bridge ``sage.v1.tools.fleet`` (when it changed, and
-  every :data:`REPUBLISH_EVERY` heartbeats for a bridge that restarted).  A
+  itself and gives the bridge ``sage.v1.tools.fleet`` (when it changed, when
+  a bridge came to listen, and every :data:`REPUBLISH_EVERY` heartbeats).  A
   lost or stopped node's tools leave at the next heartbeat.
 - **Forwarding.** The bridge asks ``sage.v1.tool.forward``
   ``{node, deadline, call}``; the node sends it over NATS request/reply to
@@ -39,7 +39,7 @@ import anyio.abc
 import msgspec
 import structlog
 
-from bus import Bus, BusError, Envelope, Identity, Subscription
+from bus import Bus, BusError, Envelope, Identity, NoResponders, Subscription
 from sage.config import NAME_PATTERN
 from sage.fleet.member import FleetMember
 from sage.fleet.nodes import NodeState
@@ -158,6 +158,8 @@ class FleetTools:
         self._kv: KeyValue | None = None
         self._published: bytes | None = None
         self._dirty = True
+        self._put_failing = False
+        self._listening = False
         self._remote: dict[str, list[dict[str, Any]]] | None = None
         self._rounds = 0
 
@@ -204,6 +206,8 @@ class FleetTools:
         try:
             reply = await self.bus.request(self.identity, "sage.v1.request.tools", {}, deadline=5.0)
             listing = msgspec.json.decode(reply.payload).get("tools", [])
+        except NoResponders:  # no bridge on this node: it serves no tools
+            listing = []
         except (BusError, msgspec.DecodeError, AttributeError) as exc:
             log.warning("fleet.tools_listing_failed", error=str(exc))
             return
@@ -216,8 +220,11 @@ class FleetTools:
                 await (await self._bucket()).put(self.node, value)
         except Exception as exc:  # NATS down or refusing: tried again at the next heartbeat
             self._dirty = True
-            log.warning("fleet.catalogue_put_failed", node=self.node, error=str(exc)[:300])
+            if not self._put_failing:  # once an outage
+                log.warning("fleet.catalogue_put_failed", node=self.node, error=str(exc)[:300])
+            self._put_failing = True
             return
+        self._put_failing = False
         self._published = value
         log.info("fleet.catalogue_published", node=self.node, bytes=len(value))
 
@@ -246,7 +253,10 @@ class FleetTools:
                 return
             remote = {}  # not connected: no remote tool can be called now
         self._rounds += 1
-        if remote == self._remote and self._rounds % REPUBLISH_EVERY:
+        listening = self.bus.has_subscribers(FLEET_TOOLS)
+        came = listening and not self._listening  # a bridge (re)started since
+        self._listening = listening
+        if remote == self._remote and not came and self._rounds % REPUBLISH_EVERY:
             return
         self._remote = remote
         nodes = fit(remote, self.bus.max_payload - 1024)
@@ -313,7 +323,13 @@ class FleetTools:
     # -- calls to this node -----------------------------------------------
 
     async def _serve_calls(self, tg: anyio.abc.TaskGroup) -> None:
-        sub = await self.member._nc.subscribe(call_subject(self.node))
+        while True:  # a subscription refused now (a closed connection) is asked again
+            try:
+                sub = await self.member._nc.subscribe(call_subject(self.node))
+                break
+            except Exception as exc:
+                log.warning("fleet.calls_unserved", node=self.node, error=str(exc)[:300])
+                await anyio.sleep(max(1.0, self.member.config.heartbeat))
         try:
             async for msg in sub.messages:
                 tg.start_soon(self._serve_call, msg)
