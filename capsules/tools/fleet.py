@@ -9,7 +9,8 @@ checks as a local one (name, description, schema, sizes), at most
 :data:`MAX_REMOTE_TOOLS` per node.  A local tool always wins its name; between
 two remote nodes the one whose name sorts first wins, so every node resolves a
 clash the same way.  Each tool not in force is a clash row
-(``{"name", "capsule", "node", "owner", "owner_node"}``), as ``tools list`` shows.
+(``{"name", "capsule", "node", "owner", "owner_node"}``; on a single host the
+local rows stay ``{"name", "capsule", "owner"}``), as ``tools list`` shows.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ class FleetCatalogue(Catalogue):
         return [local[name] for name in sorted(local)]
 
     def clashes(self) -> list[dict[str, str]]:
-        rows = [{**row, "node": self.node, "owner_node": self.node} for row in super().clashes()]
+        rows = super().clashes()
+        if self.node:  # in a fleet: the local clashes say where, too
+            rows = [{**row, "node": self.node, "owner_node": self.node} for row in rows]
         for node, offered in self._remote.items():
             for name, tool in offered.items():
                 owner = self.get(name)
@@ -63,7 +66,7 @@ class FleetCatalogue(Catalogue):
                             "owner_node": owner.node or self.node,
                         }
                     )
-        return sorted(rows, key=lambda row: (row["name"], row["node"], row["capsule"]))
+        return sorted(rows, key=lambda row: (row["name"], row.get("node", ""), row["capsule"]))
 
     def remote_nodes(self) -> list[str]:
         return list(self._remote)

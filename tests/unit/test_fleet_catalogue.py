@@ -152,3 +152,11 @@ def test_the_catalogues_given_to_the_bridge_fit_a_bus_payload() -> None:
     assert list(kept) == ["b", "c"]
     assert len(msgspec.json.encode({"node": "a", "nodes": kept})) < 1024 * 1024
     assert fit(remote, 10 * 1024 * 1024) == dict(sorted(remote.items()))
+
+
+def test_on_a_single_host_a_clash_row_is_as_before() -> None:
+    """No fleet: the local clash rows keep {name, capsule, owner}."""
+    catalogue = FleetCatalogue()
+    catalogue.offer("mine", {"tools": [tool("hello")]})
+    catalogue.offer("other", {"tools": [tool("hello")]})
+    assert catalogue.clashes() == [{"name": "hello", "capsule": "other", "owner": "mine"}]
