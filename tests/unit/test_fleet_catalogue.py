@@ -160,3 +160,44 @@ def test_on_a_single_host_a_clash_row_is_as_before() -> None:
     catalogue.offer("mine", {"tools": [tool("hello")]})
     catalogue.offer("other", {"tools": [tool("hello")]})
     assert catalogue.clashes() == [{"name": "hello", "capsule": "other", "owner": "mine"}]
+
+
+class _Msg:
+    """A NATS message whose server takes at most ``limit`` bytes (its max_payload)."""
+
+    def __init__(self, data: bytes, limit: int) -> None:
+        self.data = data
+        self.reply = "_INBOX.a.1"
+        self.limit = limit
+        self.sent: list[bytes] = []
+
+    async def respond(self, data: bytes) -> None:
+        if len(data) > self.limit:
+            raise ValueError("nats: maximum payload exceeded")
+        self.sent.append(data)
+
+
+@pytest.mark.anyio
+async def test_an_answer_too_big_for_nats_is_an_error_result_instead() -> None:
+    """The serving node's bridge answers 600 KB; NATS takes 512 KB: the caller gets isError."""
+    import anyio
+
+    bus = Bus()
+    supervisor = Identity("supervisor")
+    bridge = Identity("capsule:tools")
+    member = cast(FleetMember, SimpleNamespace(node="b", connected=True))
+    fleet = FleetTools(member, bus, supervisor, lambda: 5.0)
+    calls = bus.subscribe("sage.v1.tool.remote", bridge)
+    call = {"from_node": "a", "call": {"tool_name": "greet", "principal_id": "alice"}}
+    msg = _Msg(msgspec.json.encode(call), 512 * 1024)
+    big = {"content": [{"type": "text", "text": "x" * 600_000}], "isError": False}
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(fleet._serve_call, cast(Any, msg))
+        request = await calls.get()
+        assert request.data() == call
+        assert request.reply_to is not None
+        bus.reply(bridge, request.reply_to, big)
+    (sent,) = msg.sent
+    result = msgspec.json.decode(sent)
+    assert result["isError"] is True
+    assert "answer not sent" in result["content"][0]["text"]
