@@ -49,6 +49,7 @@ forwarded again.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -246,7 +247,10 @@ class ToolBridge:
             self.ctx.reply(envelope, result)
         except BusError as exc:
             self.log.warning("tools.reply_failed", call_id=cid, error=str(exc))
-            self.ctx.reply(envelope, error_result(f"the tool's answer could not be sent: {exc}"))
+            with contextlib.suppress(BusError):
+                self.ctx.reply(
+                    envelope, error_result(f"the tool's answer could not be sent: {exc}")
+                )
 
     async def _direct_call(self, envelope: Envelope) -> None:
         """``sage.v1.request.tool.call`` ``{tool_name, arguments, session_id?}``: the same
@@ -503,7 +507,7 @@ class ToolBridge:
             result = (
                 _parse_result(
                     {"content": data.get("content"), "is_error": data.get("isError")},
-                    f"of node {tool.node}",
+                    f"{tool.capsule} of node {tool.node}",
                     tool.name,
                 )
                 if isinstance(data, dict)
