@@ -201,3 +201,19 @@ async def test_an_answer_too_big_for_nats_is_an_error_result_instead() -> None:
     result = msgspec.json.decode(sent)
     assert result["isError"] is True
     assert "answer not sent" in result["content"][0]["text"]
+
+
+def test_tools_list_names_the_nodes_of_a_clash(capsys: pytest.CaptureFixture[str]) -> None:
+    """A clash between nodes says both nodes; a single host's line is as before."""
+    from sage.cli.capsule_cmd import _print_clashes
+
+    _print_clashes(
+        [
+            {"name": "t", "capsule": "x", "node": "c", "owner": "y", "owner_node": "b"},
+            {"name": "u", "capsule": "p", "owner": "q"},
+        ]
+    )
+    assert capsys.readouterr().out.splitlines() == [
+        "clash: tool 't' of capsule x on node c is not offered: capsule y on node b has that name",
+        "clash: tool 'u' of capsule p is not offered: capsule q has that name",
+    ]
