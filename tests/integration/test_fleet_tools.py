@@ -57,7 +57,7 @@ def fleet() -> Iterator[tuple[NatsCluster, dict[str, Daemon]]]:
             for daemon in daemons.values():
                 daemon.launch()
             for daemon in daemons.values():
-                daemon.wait_ready()
+                daemon.wait_ready(30.0)  # three nodes joining a fresh cluster on a loaded host
             yield cluster, daemons
         finally:
             for daemon in daemons.values():
