@@ -34,10 +34,22 @@ allowed, decision_source}`` (source ``unknown_tool``, ``schema``,
 ``policy:<i>``, ``default``, ``policy_invalid``, or ``foreign_session`` for
 a direct call naming a session not of its principal), on behalf of the
 principal.
+
+Fleet (fleet.py, docs/fleet.md#tools-anywhere).  With ``[fleet]`` the
+supervisor publishes ``sage.v1.tools.fleet`` (the other live nodes' tools);
+they join the catalogue with their ``node`` (a local tool wins its name).  A
+call to a tool of node b is checked here (schema, policy, audited with
+``node``) and then forwarded: ``sage.v1.tool.forward`` to the supervisor,
+which asks b over NATS; the answer (or an ``isError`` saying why not) is
+audited as ``sage.v1.audit.tool_forwarded``.  A call b's supervisor brings
+in comes as ``sage.v1.tool.remote`` (only the supervisor's is taken) and
+runs the same path as a local call, for the principal a named; it is never
+forwarded again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,7 +61,8 @@ import anyio.abc
 import msgspec
 
 from bus import BusError, Envelope, Subscription
-from capsules.tools.catalogue import PREFIX, Catalogue, Change, Rejection, Tool
+from capsules.tools.catalogue import PREFIX, Change, Rejection, Tool
+from capsules.tools.fleet import FleetCatalogue
 from capsules.tools.policy import PolicyFile
 from sage import replies
 from sage.capsule.sdk import follow
@@ -58,6 +71,17 @@ from sage.daemon.capsule_host import CapsuleContext
 from sage.errors import SageError
 
 __all__ = ("DOWN_STATES", "EXECUTE_DEADLINE", "POLICY_FILE", "ToolBridge", "run")
+
+FLEET_TOOLS = "sage.v1.tools.fleet"
+"""The other nodes' tools, from the supervisor."""
+FORWARD_CALL = "sage.v1.tool.forward"
+"""A call of another node's tool, asked of the supervisor."""
+REMOTE_CALL = "sage.v1.tool.remote"
+"""Another node's call, brought in by the supervisor."""
+FORWARD_SLACK = 5.0
+"""Seconds a forwarded call may take past the execute deadline (NATS, two bridges)."""
+SUPERVISOR = "supervisor"
+"""The supervisor's source on the bus: the only one the fleet topics are taken from."""
 
 EXECUTE_DEADLINE = 50.0
 """The default of ``[limits] execute_deadline``."""
@@ -82,6 +106,13 @@ class ToolCall(msgspec.Struct, frozen=True):
     session_id: str | None = None
     principal_id: str | None = None
     tool_use_id: str | None = None
+
+
+class RemoteCall(msgspec.Struct, frozen=True):
+    """``sage.v1.tool.remote`` from this node's supervisor: a call node ``from_node`` sent."""
+
+    from_node: str
+    call: ToolCall
 
 
 class CapsuleChanged(msgspec.Struct, frozen=True):
@@ -138,7 +169,7 @@ class ToolBridge:
         self.ctx = ctx
         self.log = ctx.log
         self._deadline = execute_deadline
-        self.catalogue = Catalogue()
+        self.catalogue = FleetCatalogue()
         self.policy = PolicyFile(policy_path or ctx.config.state_dir / POLICY_FILE)
         self.pending: dict[str, _Pending] = {}
         self._rejected: set[tuple[str, str | None, str]] = set()
@@ -161,7 +192,9 @@ class ToolBridge:
             (ctx.subscribe("tool.v1.execute.*.result"), self._on_result),
             (ctx.subscribe("sage.v1.tools.describe"), self._on_refresh),
             (ctx.subscribe("sage.v1.capsules.changed"), self._on_capsule_changed),
+            (ctx.subscribe(FLEET_TOOLS), self._on_fleet_tools),
         ]
+        remote = ctx.subscribe(REMOTE_CALL)
         calls = ctx.subscribe("sage.v1.tool.call.*")
         direct = ctx.subscribe("sage.v1.request.tool.call")
         followed.append((ctx.subscribe("sage.v1.request.tools"), self._on_listing))
@@ -173,6 +206,7 @@ class ToolBridge:
                     tg.start_soon(follow, sub, handler, self.log, "tools.handler_failed")
                 tg.start_soon(self._serve_calls, calls)
                 tg.start_soon(self._serve_direct, direct)
+                tg.start_soon(self._serve_remote, remote)
                 self._request_describe()
                 ctx.ready()
         finally:
@@ -187,6 +221,36 @@ class ToolBridge:
         async for envelope in requests:
             assert self._tg is not None
             self._tg.start_soon(self._direct_call, envelope)
+
+    async def _serve_remote(self, requests: Subscription) -> None:
+        async for envelope in requests:
+            assert self._tg is not None
+            self._tg.start_soon(self._remote_call, envelope)
+
+    async def _remote_call(self, envelope: Envelope) -> None:
+        """``sage.v1.tool.remote``: a call another node forwarded, brought in by this
+        node's supervisor (anyone else's is ignored); answered as a reply."""
+        if envelope.source != SUPERVISOR or envelope.reply_to is None:
+            self.log.warning("tools.remote_call_ignored", source=envelope.source)
+            return
+        cid = f"f{secrets.token_hex(15)}"
+        try:
+            remote = msgspec.json.decode(envelope.payload, type=RemoteCall)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            result = error_result(f"bad forwarded tool call: {exc}")
+        else:
+            call = remote.call
+            result = await self._decide_and_run(
+                cid, call, call.principal_id, from_node=remote.from_node
+            )
+        try:
+            self.ctx.reply(envelope, result)
+        except BusError as exc:
+            self.log.warning("tools.reply_failed", call_id=cid, error=str(exc))
+            with contextlib.suppress(BusError):
+                self.ctx.reply(
+                    envelope, error_result(f"the tool's answer could not be sent: {exc}")
+                )
 
     async def _direct_call(self, envelope: Envelope) -> None:
         """``sage.v1.request.tool.call`` ``{tool_name, arguments, session_id?}``: the same
@@ -264,11 +328,28 @@ class ToolBridge:
         """``sage.v1.request.tools``: the catalogue with each tool's capsule (astrid tools list)."""
         if envelope.reply_to is None:
             return
-        tools = [{**tool.mcp(), "capsule": tool.capsule} for tool in self.catalogue.tools()]
+        here = self.catalogue.node
+        tools = [
+            {**tool.mcp(), "capsule": tool.capsule, "node": tool.node or here}
+            for tool in self.catalogue.tools()
+        ]
         try:
             self.ctx.reply(envelope, replies.ok(tools=tools, clashes=self.catalogue.clashes()))
         except BusError as exc:
             self.log.error("tools.listing_failed", error=str(exc))
+
+    def _on_fleet_tools(self, envelope: Envelope) -> None:
+        """``sage.v1.tools.fleet`` from the supervisor: the other live nodes' tools."""
+        if envelope.source != SUPERVISOR:
+            self.log.warning("tools.fleet_catalogue_ignored", source=envelope.source)
+            return
+        try:
+            data = msgspec.json.decode(envelope.payload)
+        except msgspec.DecodeError:
+            data = None
+        if not isinstance(data, dict):
+            data = {}
+        self._apply(self.catalogue.set_remote(data.get("node", ""), data.get("nodes")))
 
     def _on_refresh(self, envelope: Envelope) -> None:
         self._publish_list()
@@ -356,13 +437,20 @@ class ToolBridge:
         self._answer(cid, result, principal)
 
     async def _decide_and_run(
-        self, cid: str, call: ToolCall, principal: str | None
+        self, cid: str, call: ToolCall, principal: str | None, *, from_node: str | None = None
     ) -> dict[str, Any]:
         name = call.tool_name.removeprefix(PREFIX)
         arguments: dict[str, Any] = call.arguments if call.arguments is not None else {}
+        tool = self.catalogue.get(name)
+        if tool is not None and tool.node and from_node is not None:
+            tool = None  # a forwarded call runs here or nowhere: never forwarded again
 
         def audit(allowed: bool, source: str) -> None:
+            where = {"node": tool.node} if tool is not None and tool.node else {}
+            if from_node is not None:
+                where["from_node"] = from_node
             payload = {
+                **where,
                 "principal_id": principal,
                 "session_id": call.session_id,
                 "call_id": cid,
@@ -375,7 +463,6 @@ class ToolBridge:
 
         if cid in self.pending:
             return error_result(f"call id {cid} is already in flight")
-        tool = self.catalogue.get(name)
         if tool is None:
             audit(False, "unknown_tool")
             return error_result(f"unknown tool {name!r}")
@@ -388,7 +475,62 @@ class ToolBridge:
         audit(decision.allowed, decision.source)
         if not decision.allowed:
             return error_result(decision.reason)
+        if tool.node:
+            return await self._forward(cid, tool, call, arguments, principal)
         return await self._execute(cid, tool, arguments, principal, call.session_id)
+
+    async def _forward(
+        self,
+        cid: str,
+        tool: Tool,
+        call: ToolCall,
+        arguments: dict[str, Any],
+        principal: str | None,
+    ) -> dict[str, Any]:
+        """Run ``tool`` on its node through the supervisor (sage/fleet/tools.py)."""
+        request = {
+            "node": tool.node,
+            "deadline": self.deadline,
+            "call": {
+                "tool_name": tool.name,
+                "arguments": arguments,
+                "session_id": call.session_id,
+                "principal_id": principal,
+                "tool_use_id": call.tool_use_id,
+            },
+        }
+        try:
+            reply = await self.ctx.request(
+                FORWARD_CALL, request, deadline=self.deadline + FORWARD_SLACK
+            )
+            data = msgspec.json.decode(reply.payload)
+            result = (
+                _parse_result(
+                    {"content": data.get("content"), "is_error": data.get("isError")},
+                    f"{tool.capsule} of node {tool.node}",
+                    tool.name,
+                )
+                if isinstance(data, dict)
+                else error_result(f"node {tool.node} sent a bad result for tool {tool.name!r}")
+            )
+        except (BusError, msgspec.DecodeError) as exc:
+            result = error_result(
+                f"tool {tool.name!r} of node {tool.node} could not be called: {exc}"
+            )
+        self._audit(
+            "tool_forwarded",
+            {
+                "principal_id": principal,
+                "session_id": call.session_id,
+                "call_id": cid,
+                "tool_use_id": call.tool_use_id,
+                "tool_name": tool.name,
+                "node": tool.node,
+                "is_error": result["isError"],
+            },
+            principal,
+        )
+        return result
 
     async def _execute(
         self,

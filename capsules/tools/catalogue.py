@@ -138,6 +138,8 @@ class Tool:
     schema_key: bytes = field(repr=False)
     """The schema's sorted JSON encoding: equal keys, equal schemas."""
     validator: Validator = field(repr=False, compare=False)
+    node: str = ""
+    """The fleet node serving the tool ("": this node; see fleet.py)."""
 
     def check(self, arguments: Any) -> str | None:
         """Why ``arguments`` break the inputSchema, or None when they do not."""
@@ -161,6 +163,7 @@ class Tool:
         return (
             other is not None
             and self.capsule == other.capsule
+            and self.node == other.node
             and self.description == other.description
             and self.schema_key == other.schema_key
         )

@@ -247,10 +247,13 @@ async def _clashes(client: Any) -> list[dict[str, str]]:
 
 def _print_clashes(clashes: list[dict[str, str]]) -> None:
     for clash in clashes:
+        node, owner_node = clash.get("node"), clash.get("owner_node")
+        where = f" on node {node}" if node and node != owner_node else ""
+        owner_where = f" on node {owner_node}" if where and owner_node else ""
         print(
             printable(
-                f"clash: tool {clash.get('name')!r} of capsule {clash.get('capsule')} is not"
-                f" offered: capsule {clash.get('owner')} has that name"
+                f"clash: tool {clash.get('name')!r} of capsule {clash.get('capsule')}{where} is"
+                f" not offered: capsule {clash.get('owner')}{owner_where} has that name"
             )
         )
 
@@ -273,10 +276,12 @@ async def _tools(args: argparse.Namespace) -> int:
         print("no tools")
     else:
         width = max(len(t["name"]) for t in tools)
+        nodes = any(t.get("node") for t in tools)  # a fleet: which node serves each tool
         for tool in tools:
             summary = (tool.get("description") or "").splitlines()[0:1]
+            node = f"{printable(tool.get('node') or '-'):<8} " if nodes else ""
             print(
-                f"{printable(tool['name']):<{width}}  {printable(tool.get('capsule', '')):<12}"
+                f"{printable(tool['name']):<{width}}  {node}{printable(tool.get('capsule', '')):<12}"
                 f" {printable(''.join(summary))}"
             )
     _print_clashes(clashes)

@@ -56,6 +56,7 @@ from sage.fleet import STATUS_TOPIC as FLEET_STATUS_TOPIC
 from sage.fleet import FleetMember, join, status_reply
 from sage.fleet.audit_stream import VERIFY_FLEET_TOPIC, FleetAudit, verify_fleet_reply
 from sage.fleet.router import Router
+from sage.fleet.tools import FleetTools
 from sage.security.denials import DenialLimiter
 from sage.security.runas import SessionUids, access_group
 from sage.security.runas import enabled as runs_children_as_principals
@@ -485,6 +486,8 @@ class Supervisor:
                         tg.start_soon(self.fleet.beat_every)
                         # sessions anywhere: the registry, forwarded requests, relayed events
                         await tg.start(Router(self.bus, self.fleet).run)
+                        # tools anywhere: the catalogues, forwarded tool calls
+                        await tg.start(self._fleet_tools(self.fleet).run)
                     if self.fleet_audit is not None:
                         tg.start_soon(self.fleet_audit.run)
                     self.capsules.start_all(tg)
@@ -677,6 +680,12 @@ class Supervisor:
             reply = await self.capsules.answer(request)
             if request.reply_to:
                 self.bus.reply(self.identity, request.reply_to, reply)
+
+    def _fleet_tools(self, member: FleetMember) -> FleetTools:
+        """Tools anywhere (sage/fleet/tools.py): this node's catalogue out, others' in."""
+        return FleetTools(
+            member, self.bus, self.identity, lambda: self.config.limits.execute_deadline
+        )
 
     async def _answer_fleet_status(self, requests: Any) -> None:
         """``sage.v1.request.fleet.status``: the nodes of the fleet (sage/fleet/)."""

@@ -29,6 +29,11 @@ with exactly them:
   log (``sage.fleet.*.audit.verify``), take such requests on its own subject
   only, ``sage.fleet.<node>.audit.verify``, and answer them (``allow_responses``:
   a reply to a request it received, nothing else).
+- tools anywhere (sage/fleet/tools.py): its own catalogue key
+  ``$KV.sage_tools.<node>`` and the same reads of ``KV_sage_tools``; tool calls
+  published to other nodes' call subjects ``sage.fleet.<other>.tool.call`` (its
+  own is denied), received on its own call subject only, and answered through
+  ``allow_responses`` (a reply to the requester's inbox, nothing else).
 """
 
 from __future__ import annotations
@@ -42,6 +47,9 @@ __all__ = (
     "AUDIT_STREAM",
     "BUCKET",
     "STREAM",
+    "TOOLS_BUCKET",
+    "TOOLS_STREAM",
+    "call_subject",
     "inbox_prefix",
     "node_permissions",
     "server_block",
@@ -53,6 +61,14 @@ STREAM = f"KV_{BUCKET}"
 """The stream behind the bucket (JetStream names a bucket's stream ``KV_<bucket>``)."""
 AUDIT_STREAM = "sage_audit"
 """The JetStream stream every node streams its audit entries and checkpoints to."""
+TOOLS_BUCKET = "sage_tools"
+"""The key-value bucket holding each node's tool catalogue under the node's name."""
+TOOLS_STREAM = f"KV_{TOOLS_BUCKET}"
+
+
+def call_subject(node: str) -> str:
+    """The subject node ``node`` answers tool calls on (``node`` is a checked name)."""
+    return f"sage.fleet.{node}.tool.call"
 
 
 def inbox_prefix(node: str) -> str:
@@ -63,10 +79,11 @@ def inbox_prefix(node: str) -> str:
 def node_permissions(node: str, peers: Sequence[str] = ()) -> dict[str, Any]:
     """The ``permissions`` of a node's NATS user, as the server config spells them.
 
-    ``peers``: the nodes it may forward requests to (none named: every node)."""
-    targets = [f"sage.fleet.{peer}.request.>" for peer in peers if peer != node] or [
-        "sage.fleet.*.request.>"
-    ]
+    ``peers``: the nodes it may forward requests and tool calls to (none named: every
+    node)."""
+    others = [peer for peer in peers if peer != node]
+    targets = [f"sage.fleet.{peer}.request.>" for peer in others] or ["sage.fleet.*.request.>"]
+    tool_calls = [call_subject(peer) for peer in others] or [call_subject("*")]
     return {
         "publish": {
             "allow": [
@@ -93,7 +110,14 @@ def node_permissions(node: str, peers: Sequence[str] = ()) -> dict[str, Any]:
                 f"$JS.API.CONSUMER.MSG.NEXT.{AUDIT_STREAM}.*",
                 f"$JS.API.CONSUMER.DELETE.{AUDIT_STREAM}.*",
                 "sage.fleet.*.audit.verify",
-            ]
+                f"$KV.{TOOLS_BUCKET}.{node}",
+                f"$JS.API.STREAM.CREATE.{TOOLS_STREAM}",
+                f"$JS.API.STREAM.INFO.{TOOLS_STREAM}",
+                f"$JS.API.STREAM.MSG.GET.{TOOLS_STREAM}",
+                f"$JS.API.DIRECT.GET.{TOOLS_STREAM}.>",
+                *tool_calls,
+            ],
+            "deny": [call_subject(node)],
         },
         "subscribe": {
             "allow": [
@@ -101,6 +125,7 @@ def node_permissions(node: str, peers: Sequence[str] = ()) -> dict[str, Any]:
                 f"sage.fleet.{node}.request.>",
                 "sage.fleet.*.event.>",
                 f"sage.fleet.{node}.audit.verify",
+                call_subject(node),
             ]
         },
         "allow_responses": True,
@@ -124,11 +149,13 @@ def server_block(node: str, user: str, nkey: str = "", peers: Sequence[str] = ()
     return "\n".join(
         [
             f"# sage fleet node {node!r}: its heartbeats, the session registry, its"
-            f" sessions' requests and events, its own audit in the {AUDIT_STREAM} stream",
+            f" sessions' requests and events, its own audit in the {AUDIT_STREAM} stream,"
+            " its tool catalogue and tool calls",
             "{",
             *who,
             "  permissions: {",
-            f"    publish: {{ allow: [{items(perms['publish']['allow'])}] }}",
+            f"    publish: {{ allow: [{items(perms['publish']['allow'])}],"
+            f" deny: [{items(perms['publish']['deny'])}] }}",
             f"    subscribe: {{ allow: [{items(perms['subscribe']['allow'])}] }}",
             "    allow_responses: true",
             "  }",

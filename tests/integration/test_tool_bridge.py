@@ -23,7 +23,7 @@ import anyio.abc
 import pytest
 from structlog.testing import capture_logs
 
-from bus import Acl, Bus, Envelope, Identity, Subscription
+from bus import Acl, Bus, BusError, Envelope, Identity, Subscription
 from capsules.tools.bridge import ToolBridge
 from sage.config import Config, SupervisorConfig
 from sage.daemon.capsule_host import CapsuleContext, capsule_folder, load_manifest
@@ -588,3 +588,123 @@ async def test_stopping_the_bridge_answers_pending_calls(tmp_path: Path) -> None
     assert bus_results == [
         {"content": [{"type": "text", "text": "the tool bridge stopped"}], "isError": True}
     ]
+
+
+# -- the fleet (capsules/tools/fleet.py; the supervisor's side is sage/fleet/tools.py) -------
+
+SUPERVISOR = Identity(source="supervisor")
+REMOTE_GREET = {**GREET, "capsule": "greeter"}
+
+
+def _fleet(h: Harness, nodes: dict[str, Any], source: Identity = SUPERVISOR) -> None:
+    h.bus.publish(source, "sage.v1.tools.fleet", {"node": "a", "nodes": nodes})
+
+
+async def test_another_nodes_tools_join_the_catalogue_from_the_supervisor_only(
+    tmp_path: Path,
+) -> None:
+    """sage.v1.tools.fleet from anyone but the supervisor is ignored; the supervisor's adds
+    the node's tools, listed with their node; a local tool keeps its name."""
+    async with bridge_running(tmp_path, {"calc": [_tool("add", "Add.")]}) as h:
+        await h.catalogue({"add"})
+        _fleet(h, {"b": [REMOTE_GREET, {**_tool("add"), "capsule": "x"}]})
+        await h.catalogue({"add", "greet"})
+        while "mcp__sage__greet" not in (await _next(h.changes)).data()["names"]:
+            pass
+        _fleet(h, {"evil": [{**_tool("evil"), "capsule": "x"}]}, RUNNER)
+        wave = {**_tool("wave"), "capsule": "w"}
+        _fleet(h, {"b": [REMOTE_GREET, {**_tool("add"), "capsule": "x"}, wave]})
+        assert (await _next(h.changes)).data() == {"names": ["mcp__sage__wave"]}
+        reply = await h.bus.request(WATCHER, "sage.v1.request.tools", {})
+        listing = reply.data()
+        nodes = {t["name"]: (t["node"], t["capsule"]) for t in listing["tools"]}
+        assert nodes == {
+            "mcp__sage__add": ("a", "calc"),
+            "mcp__sage__greet": ("b", "greeter"),
+            "mcp__sage__wave": ("b", "w"),
+        }
+        assert listing["clashes"] == [
+            {"name": "add", "capsule": "x", "node": "b", "owner": "calc", "owner_node": "a"}
+        ]
+
+
+async def test_a_call_of_a_remote_tool_is_checked_forwarded_and_audited(tmp_path: Path) -> None:
+    """Schema and policy here first; then sage.v1.tool.forward with the principal and session;
+    the supervisor's answer is the result; tool_call (with node) and tool_forwarded audited."""
+    async with bridge_running(tmp_path, {}) as h:
+        _fleet(h, {"b": [REMOTE_GREET]})
+        await h.catalogue({"greet"})
+        bad = await h.call("greet", {"name": 5})
+        assert bad["isError"] is True
+        assert "invalid arguments" in _text(bad)
+        forwards = h.bus.subscribe("sage.v1.tool.forward", SUPERVISOR)
+        cid, results = h.start_call("greet", {"name": "Ada"})
+        request = await _next(forwards)
+        assert request.source == "capsule:tools"
+        asked = request.data()
+        assert asked["node"] == "b"
+        assert asked["call"]["principal_id"] == "alice"
+        assert asked["call"]["session_id"] == "s1"
+        assert asked["call"]["arguments"] == {"name": "Ada"}
+        assert request.reply_to is not None
+        answer = {"content": [{"type": "text", "text": "Hello from b"}], "isError": False}
+        h.bus.reply(SUPERVISOR, request.reply_to, answer)
+        with results:
+            assert (await _next(results)).data() == answer
+        decided = (await h.audit("tool_call", call_id=cid)).data()
+        assert (decided["node"], decided["allowed"]) == ("b", True)
+        forwarded = (await h.audit("tool_forwarded", call_id=cid)).data()
+        assert (forwarded["node"], forwarded["is_error"]) == ("b", False)
+
+
+async def test_a_remote_tool_with_no_supervisor_to_forward_is_an_error_at_once(
+    tmp_path: Path,
+) -> None:
+    """Nobody answers sage.v1.tool.forward: an isError result, not a wait for the deadline."""
+    async with bridge_running(tmp_path, {}, deadline=30.0) as h:
+        _fleet(h, {"b": [REMOTE_GREET]})
+        await h.catalogue({"greet"})
+        t0 = time.monotonic()
+        result = await h.call("greet", {"name": "Ada"})
+        assert result["isError"] is True
+        assert "of node b could not be called" in _text(result)
+        assert time.monotonic() - t0 < 5.0
+
+
+async def test_a_forwarded_call_runs_here_for_the_named_principal_and_never_goes_on(
+    tmp_path: Path,
+) -> None:
+    """sage.v1.tool.remote from the supervisor runs the local path (audited with from_node);
+    from anyone else it is ignored; a remote tool named in it is an unknown tool here."""
+    async with bridge_running(tmp_path, {"greeter": [GREET]}) as h:
+        _fleet(h, {"c": [{**_tool("wave"), "capsule": "waver"}]})
+        await h.catalogue({"greet", "wave"})
+        serving = h.capsules["greeter"].serve("greet")
+        call = {"tool_name": "greet", "arguments": {"name": "Ada"}, "principal_id": "bob"}
+        call["session_id"] = "s9"
+        with pytest.raises(BusError):
+            await h.bus.request(
+                RUNNER, "sage.v1.tool.remote", {"from_node": "b", "call": call}, deadline=0.5
+            )
+        async with anyio.create_task_group() as tg:
+
+            async def answer() -> None:
+                request = (await _next(serving)).data()
+                assert request["principal_id"] == "bob"
+                h.capsules["greeter"].reply("greet", request["call_id"], "Hello, Ada!")
+
+            tg.start_soon(answer)
+            reply = await h.bus.request(
+                SUPERVISOR, "sage.v1.tool.remote", {"from_node": "b", "call": call}
+            )
+        assert reply.data() == {
+            "content": [{"type": "text", "text": "Hello, Ada!"}],
+            "isError": False,
+        }
+        executed = (await h.audit("tool_call", from_node="b")).data()
+        assert (executed["principal_id"], executed["session_id"]) == ("bob", "s9")
+        again = {**call, "tool_name": "wave"}
+        reply = await h.bus.request(
+            SUPERVISOR, "sage.v1.tool.remote", {"from_node": "b", "call": again}
+        )
+        assert "unknown tool 'wave'" in _text(reply.data())

@@ -232,7 +232,8 @@ async def test_without_a_membership_the_reply_is_not_in_fleet() -> None:
 
 
 def test_a_node_may_publish_its_own_key_only() -> None:
-    """No wildcard reaches another node's key; replies come to its own inboxes."""
+    """No wildcard reaches another node's heartbeat or catalogue key; replies come to its own
+    inboxes; tool calls go to other nodes only, and come in on its own subject only."""
     perms = node_permissions("a")
     publish = perms["publish"]["allow"]
     assert f"$KV.{BUCKET}.a" in publish
@@ -251,6 +252,7 @@ def test_a_node_may_publish_its_own_key_only() -> None:
         "sage.fleet.a.request.>",  # its own requests only
         "sage.fleet.*.event.>",
         "sage.fleet.a.audit.verify",
+        "sage.fleet.a.tool.call",  # its own tool calls only
     ]
     assert "sage.fleet.*.request.>" in publish
     assert "sage.fleet.a.event.>" in publish  # its own sessions' events only
@@ -259,7 +261,10 @@ def test_a_node_may_publish_its_own_key_only() -> None:
         for p in publish
     )
     assert perms["allow_responses"] is True
-    assert "deny" not in perms["publish"]
+    assert "$KV.sage_tools.a" in publish
+    assert not any(p.startswith("$KV.sage_tools.") and p != "$KV.sage_tools.a" for p in publish)
+    assert [p for p in publish if p.endswith(".tool.call")] == ["sage.fleet.*.tool.call"]
+    assert perms["publish"]["deny"] == ["sage.fleet.a.tool.call"]
 
 
 def test_peers_bound_where_a_node_may_forward() -> None:
