@@ -500,11 +500,14 @@ class Supervisor:
                     interval = watchdog_interval()
                     if interval:
                         tg.start_soon(self._watchdog, interval)
-                    self.bus.publish(
-                        self.identity,
-                        "sage.v1.audit.supervisor_started",
-                        {"pid": os.getpid(), "version": VERSION, "socket": str(config.socket_path)},
-                    )
+                    started: dict[str, Any] = {
+                        "pid": os.getpid(),
+                        "version": VERSION,
+                        "socket": str(config.socket_path),
+                    }
+                    if config.fleet is not None:  # the node joined: its chain says so
+                        started["fleet"] = {"node": config.fleet.node, "urls": config.fleet.urls}
+                    self.bus.publish(self.identity, "sage.v1.audit.supervisor_started", started)
                     self.notifier.notify("READY=1", f"STATUS=serving on {config.socket_path}")
                     log.info(
                         "supervisor.ready",
@@ -518,7 +521,10 @@ class Supervisor:
         # reached when a stop signal cancelled the task group
         sink.limiter.report_every = 0.0  # the last drops are reported, whenever the last report was
         sink.report(time.monotonic())
-        self.bus.publish(self.identity, "sage.v1.audit.supervisor_stopped", {"pid": os.getpid()})
+        stopped: dict[str, Any] = {"pid": os.getpid()}
+        if config.fleet is not None:  # and it leaves the fleet
+            stopped["fleet"] = {"node": config.fleet.node}
+        self.bus.publish(self.identity, "sage.v1.audit.supervisor_stopped", stopped)
 
     async def _handle_signals(
         self, scope: anyio.CancelScope, *, task_status: anyio.abc.TaskStatus[None]

@@ -179,6 +179,16 @@ def test_every_node_streams_verify_passes_then_names_an_altered_row(
     UPDATE) and c's chain rewritten from seq 3 with recomputed hashes are each named with
     their first bad seq, while a stays ok."""
     cluster, daemons = fleet
+    for name, daemon in daemons.items():  # joining the fleet is in each node's own chain
+        conn = sqlite3.connect(f"{audit_db(daemon).as_uri()}?mode=ro", uri=True)
+        try:
+            (payload,) = conn.execute(
+                "SELECT payload FROM entries WHERE kind = 'sage.v1.audit.supervisor_started'"
+            ).fetchone()
+        finally:
+            conn.close()
+        started = json.loads(payload)["payload"]
+        assert started["fleet"]["node"] == name, started
     secret = "sk-" + "9f3b" * 8
     for daemon in daemons.values():
         emit(daemon, 3)
