@@ -69,6 +69,18 @@ def local_head(daemon: Daemon) -> int:
     return head
 
 
+def _started(daemon: Daemon) -> dict[str, Any] | None:
+    """The payload of the node's ``supervisor_started`` entry, once it is committed."""
+    conn = sqlite3.connect(f"{audit_db(daemon).as_uri()}?mode=ro", uri=True)
+    try:
+        row = conn.execute(
+            "SELECT payload FROM entries WHERE kind = 'sage.v1.audit.supervisor_started'"
+        ).fetchone()
+    finally:
+        conn.close()
+    return None if row is None else dict(json.loads(row[0])["payload"])
+
+
 def emit(daemon: Daemon, count: int, what: str = "x") -> None:
     for i in range(count):
         result = daemon.astrid("bus", "pub", f"sage.v1.audit.test_{what}", json.dumps({"i": i}))
@@ -180,14 +192,10 @@ def test_every_node_streams_verify_passes_then_names_an_altered_row(
     their first bad seq, while a stays ok."""
     cluster, daemons = fleet
     for name, daemon in daemons.items():  # joining the fleet is in each node's own chain
-        conn = sqlite3.connect(f"{audit_db(daemon).as_uri()}?mode=ro", uri=True)
-        try:
-            (payload,) = conn.execute(
-                "SELECT payload FROM entries WHERE kind = 'sage.v1.audit.supervisor_started'"
-            ).fetchone()
-        finally:
-            conn.close()
-        started = json.loads(payload)["payload"]
+        deadline = time.monotonic() + 10.0
+        while (started := _started(daemon)) is None and time.monotonic() < deadline:
+            time.sleep(0.1)  # the entry is committed moments after the node is ready
+        assert started is not None, f"{name}: no supervisor_started entry"
         assert started["fleet"]["node"] == name, started
     secret = "sk-" + "9f3b" * 8
     for daemon in daemons.values():
@@ -341,7 +349,8 @@ async def test_a_full_queue_is_caught_up_from_sqlite_not_dropped(tmp_path: Path)
             audit.on_checkpoint = streamer.offer_checkpoint
             tg.start_soon(streamer.run)
             with anyio.fail_after(10):
-                while streamer.behind:  # noqa: ASYNC110 - the first catch-up; no event for it
+                # the first catch-up over (not merely not begun: the task may not run yet)
+                while streamer.catch_ups < 1 or streamer.behind:  # noqa: ASYNC110 - polled
                     await anyio.sleep(0.05)
             receipts = [audit.submit("sage.v1.audit.burst", "", "", {"i": i}) for i in range(150)]
             last = await receipts[-1].wait()
