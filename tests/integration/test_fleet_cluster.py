@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from tests.support.daemon import Daemon, short_dir
-from tests.support.nats_cluster import NatsCluster
+from tests.support.nats_cluster import NatsCluster, wait_for
 
 NODES = ["a", "b", "c"]
 HEARTBEAT = 0.4
@@ -79,17 +79,6 @@ def try_status(daemon: Daemon) -> dict[str, Any] | None:
 
 def states(daemon: Daemon) -> dict[str, str]:
     return {node["node"]: node["state"] for node in status(daemon)["nodes"]}
-
-
-def wait_for(check: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(0.1)
-    raise AssertionError(f"{what}: not within {timeout} s (last: {last})")
 
 
 def test_every_node_sees_all_three_live_then_a_killed_one_lost(

@@ -25,7 +25,7 @@ import pytest
 from tests.support import FAKE_CLAUDE
 from tests.support.as_uid import NOGROUP
 from tests.support.daemon import ASTRID, Daemon, short_dir
-from tests.support.nats_cluster import NatsCluster
+from tests.support.nats_cluster import NatsCluster, wait_for
 
 NODES = ["a", "b", "c"]
 HEARTBEAT = 0.4
@@ -181,17 +181,6 @@ def audit_rows(daemon: Daemon, kind: str) -> list[dict[str, Any]]:
     finally:
         db.close()
     return [json.loads(payload)["payload"] for (payload,) in found]
-
-
-def wait_for(check: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(0.1)
-    raise AssertionError(f"{what}: not within {timeout} s (last: {last})")
 
 
 def test_sessions_anywhere(fleet: tuple[NatsCluster, dict[str, Daemon]]) -> None:

@@ -23,7 +23,7 @@ import pytest
 from bus.client import BusClient
 from tests.support import FAKE_CLAUDE
 from tests.support.daemon import Daemon, short_dir
-from tests.support.nats_cluster import NatsCluster
+from tests.support.nats_cluster import NatsCluster, wait_for
 from tests.support.sage_harness import Sage
 
 NODES = ["a", "b", "c"]
@@ -75,17 +75,6 @@ def audit(daemon: Daemon, kind: str) -> list[dict[str, Any]]:
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in result.stdout.splitlines()]
     return [row["payload"]["payload"] for row in rows if row["kind"] == f"sage.v1.audit.{kind}"]
-
-
-def wait_for(check: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(0.1)
-    raise AssertionError(f"{what}: not within {timeout} s (last: {last})")
 
 
 GREET = "mcp__sage__greet"

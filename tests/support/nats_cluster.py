@@ -26,14 +26,23 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from sage.fleet.permissions import node_permissions
 from sage.process import tie_to_parent
 from tests.support.tls_files import TlsFiles
 
-__all__ = ("NatsCluster", "free_port", "nats_server_binary", "new_user_seed", "public_key")
+__all__ = (
+    "NatsCluster",
+    "free_port",
+    "nats_server_binary",
+    "new_user_seed",
+    "public_key",
+    "wait_for",
+)
 
 ADMIN = "admin"
 
@@ -253,3 +262,16 @@ class NatsCluster:
     ) -> None:
         with contextlib.suppress(Exception):
             self.stop()
+
+
+def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Poll ``check`` (blocking, 10 times a second) until it returns something true;
+    that value, or an AssertionError naming ``what`` and the last answer."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(0.1)
+    raise AssertionError(f"{what}: not within {timeout} s (last: {last})")
