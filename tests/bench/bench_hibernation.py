@@ -80,7 +80,6 @@ import anyio
 import msgspec
 
 from bus.client import RemoteSubscription
-from capsules.runner.command import Launch, build_launch
 from capsules.runner.runner import HOOKS
 from sage.claude.protocol import (
     AssistantMessage,
@@ -91,12 +90,12 @@ from sage.claude.protocol import (
     encode_initialize,
     encode_user_turn,
 )
-from sage.config import load_config
 from tests.bench.bench_sessions import (
     CLAUDE_BIN,
     FAKE,
-    _kill_group,
+    _Bare,
     _pct,
+    _reap,
     _reap_leftovers,
     _remove,
     _rss_kib,
@@ -487,34 +486,19 @@ async def _try_listing(sage: Sage) -> str:
 # -- (b) wake against a cold --resume, real CLI -----------------------------------------
 
 
-class _BareResume:
+class _BareResume(_Bare):
     """The bare CLI resuming a conversation of its own, started as the runner would."""
 
     def __init__(self, config_path: Path) -> None:
-        self.config = load_config(config_path)
-        principal = self.config.principal("alice")
-        assert principal is not None
-        self.principal = principal
+        super().__init__(config_path)
         self.claude_session = str(uuid.uuid4())
-        self.n = 0
 
-    def launch(self, resume: bool) -> Launch:
-        self.n += 1
-        return build_launch(
-            self.config,
-            self.principal,
-            session_id=f"bareresume{self.n}",
-            claude_session=self.claude_session,
-            binary=CLAUDE_BIN,
-            token="bench-token",
-            api_key=None,
-            identity=None,
-            resume=resume,
-        )
-
-    async def round(self, resume: bool = True) -> tuple[float, float]:
+    async def resumed(self, resume: bool = True) -> tuple[float, float]:
         """(seconds to the initialize answer, seconds to the first streamed text)."""
-        launch = self.launch(resume)  # the identity file is written here, untimed
+        self.n += 1
+        launch = self.launch(  # the identity file is written here, untimed
+            f"bareresume{self.n}", claude_session=self.claude_session, resume=resume
+        )
         t0 = time.perf_counter()
         proc = await anyio.open_process(
             launch.argv, env=launch.env, cwd=launch.cwd, start_new_session=True
@@ -535,21 +519,10 @@ class _BareResume:
                     await host.wait_until(lambda: _texted(host.inbox))
                     t_text = time.perf_counter() - t0
                     await host.until(ResultMessage)
-                # the runner's stop: close stdin, let it exit, then signal the group
-                await host.close_stdin()
-                with anyio.move_on_after(self.config.limits.stop_grace):
-                    await proc.wait()
-                _kill_group(proc.pid)
-                with anyio.CancelScope(shield=True), anyio.move_on_after(10):
-                    await proc.wait()
+                await self.stop(host, proc)
                 tg.cancel_scope.cancel()
         finally:
-            _kill_group(proc.pid)
-            with anyio.CancelScope(shield=True):
-                await proc.aclose()
-            with contextlib.suppress(OSError):
-                launch.identity_file.unlink(missing_ok=True)
-                launch.identity_file.parent.rmdir()
+            await _reap(proc, launch)
         return t_init, t_text
 
 
@@ -603,7 +576,7 @@ async def _wake_vs_cold(report: Report) -> None:
         async with running_sage(sage_config(CLAUDE_BIN, env, extra=WAKE), root=root) as sage:
             reference = _BareResume(sage.daemon.config)
             print("  hibernation: real CLI, two conversations of one turn each", flush=True)
-            await reference.round(resume=False)  # its first turn: the transcript to resume
+            await reference.resumed(resume=False)  # its first turn: the transcript to resume
             sid = "sleeper"
             events, reply = await sage.spawn(sid, initial_message="hello")
             if not reply.get("ok"):
@@ -612,12 +585,12 @@ async def _wake_vs_cold(report: Report) -> None:
             # warm-up of both paths, untimed
             await _wake_round(sage, events, sid)
             await events.until("hibernated", within=60)
-            await reference.round()
+            await reference.resumed()
             for i in range(1, ROUNDS + 1):
                 w = await _wake_round(sage, events, sid)
                 await events.until("hibernated", within=60)  # never beside the bare one
                 await anyio.sleep(0.2)
-                b = await reference.round()
+                b = await reference.resumed()
                 ours.append(w)
                 bare.append(b)
                 print(

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+from anyio.abc import Process
 
 from capsules.runner.command import Launch, build_launch
 from capsules.runner.runner import HOOKS
@@ -121,17 +122,19 @@ class _Bare:
         self.binary = binary
         self.n = 0
 
-    def launch(self, sid: str) -> Launch:
-        """The runner's argv and environment; writes the identity file (untimed)."""
+    def launch(self, sid: str, *, claude_session: str = "", resume: bool = False) -> Launch:
+        """The runner's argv and environment (for a fresh conversation, or ``resume`` of
+        ``claude_session``); writes the identity file (untimed)."""
         return build_launch(
             self.config,
             self.principal,
             session_id=sid,
-            claude_session=str(uuid.uuid4()),
+            claude_session=claude_session or str(uuid.uuid4()),
             binary=self.binary,
             token="bench-token",
             api_key=None,
             identity=None,
+            resume=resume,
         )
 
     async def round(self, with_turn: bool) -> tuple[float, float, float | None]:
@@ -162,22 +165,30 @@ class _Bare:
                         await host.write(encode_user_turn("hello"))
                         await host.until(ResultMessage)
                     turn_s = time.perf_counter() - t1
-                # the runner's stop: close stdin, let it exit, then signal the group
-                await host.close_stdin()
-                with anyio.move_on_after(self.config.limits.stop_grace):
-                    await proc.wait()
-                _kill_group(proc.pid)
-                with anyio.CancelScope(shield=True), anyio.move_on_after(10):
-                    await proc.wait()
+                await self.stop(host, proc)
                 tg.cancel_scope.cancel()
         finally:
-            _kill_group(proc.pid)
-            with anyio.CancelScope(shield=True):
-                await proc.aclose()
-            with contextlib.suppress(OSError):
-                launch.identity_file.unlink(missing_ok=True)
-                launch.identity_file.parent.rmdir()
+            await _reap(proc, launch)
         return t_proc, t_init, turn_s
+
+    async def stop(self, host: Host, proc: Process) -> None:
+        """The runner's stop: close stdin, let it exit, then signal the group."""
+        await host.close_stdin()
+        with anyio.move_on_after(self.config.limits.stop_grace):
+            await proc.wait()
+        _kill_group(proc.pid)
+        with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+            await proc.wait()
+
+
+async def _reap(proc: Process, launch: Launch) -> None:
+    """Whatever happened: the bare CLI's group killed and reaped, its identity file gone."""
+    _kill_group(proc.pid)
+    with anyio.CancelScope(shield=True):
+        await proc.aclose()
+    with contextlib.suppress(OSError):
+        launch.identity_file.unlink(missing_ok=True)
+        launch.identity_file.parent.rmdir()
 
 
 async def _ours_round(
