@@ -276,13 +276,12 @@ class Hibernation:
 
     async def _wake_failed(self, session: Session, exc: SessionError) -> None:
         """A wake that started no child: back to sleep, or, stopped meanwhile, ended."""
+        self.slots.give_back(session)  # (the session's task gave it back, if it ran)
         if session.state in (SessionState.STOPPING, SessionState.ENDED):
-            self.slots.give_back(session)
             await self.keeper.ended(session, None, EndReason.STOPPED)
             raise SessionError(
                 "session_ended", f"session {session.id!r} was stopped while it woke"
             ) from None
-        self.slots.give_back(session)  # (the session's task gave it back, if it ran)
         session.wake_error = exc
         session.sleep_on()
         self.keeper.history.ended(session.id)  # its ring stays bounded with the asleep

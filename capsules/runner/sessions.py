@@ -323,10 +323,6 @@ class SessionTable(Mapping[str, Session]):
         """The sessions of ``principal_id`` with a child, or about to have one."""
         return [s for s in self.of(principal_id) if s.live]
 
-    def live(self) -> int:
-        """Sessions on the host with a child, or about to have one."""
-        return sum(1 for s in self._by_id.values() if s.live)
-
     def least_recent_idle(self, principal_id: str | None = None) -> Session | None:
         """The idle session (of ``principal_id``; None: anyone's) used least recently:
         the one to hibernate to make room."""
