@@ -100,6 +100,7 @@ CREATE TRIGGER IF NOT EXISTS checkpoints_no_delete BEFORE DELETE ON checkpoints
 BEGIN SELECT RAISE(ABORT, 'audit checkpoints are append-only'); END;
 """
 _ENTRY_COLUMNS: Final = "seq, ts, kind, principal, session, payload, prev_hash, hash"
+_CHECKPOINT_COLUMNS: Final = "size, head_hash, signature, ts"
 _INSERT_ENTRY: Final = f"INSERT INTO entries ({_ENTRY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
 _MULTI_ROW_MAX: Final = 512
 """Batches up to this size are one multi-row INSERT: one statement, one thread hop."""
@@ -529,7 +530,7 @@ def verify_audit(
     try:
         conn.execute("BEGIN")
         checkpoints: list[CheckpointRow] = conn.execute(
-            "SELECT size, head_hash, signature, ts FROM checkpoints ORDER BY size"
+            f"SELECT {_CHECKPOINT_COLUMNS} FROM checkpoints ORDER BY size"
         ).fetchall()
         rows: Any = conn.execute(f"SELECT {_ENTRY_COLUMNS} FROM entries ORDER BY seq")
         report = verify_chain(rows, checkpoints, public_key, max_unsigned=max_unsigned)
@@ -548,15 +549,20 @@ def max_unsigned_for(config: AuditConfig) -> int:
     return config.checkpoint_every + config.batch_max
 
 
-def last_seq(path: str | os.PathLike[str]) -> int:
-    """The seq of the last entry in the log at ``path`` (0 when empty)."""
+def _select(path: str | os.PathLike[str], sql: str, params: tuple[Any, ...] = ()) -> list[Any]:
+    """The rows of one read-only query of the log at ``path``."""
     conn = _connect_ro(path)
     try:
-        value: int = conn.execute("SELECT coalesce(max(seq), 0) FROM entries").fetchone()[0]
+        return conn.execute(sql, params).fetchall()
     except sqlite3.Error as exc:
         raise AuditError(f"{path}: cannot read the audit log: {exc}") from exc
     finally:
         conn.close()
+
+
+def last_seq(path: str | os.PathLike[str]) -> int:
+    """The seq of the last entry in the log at ``path`` (0 when empty)."""
+    value: int = _select(path, "SELECT coalesce(max(seq), 0) FROM entries")[0][0]
     return value
 
 
@@ -564,32 +570,20 @@ def read_entries(
     path: str | os.PathLike[str], after_seq: int, limit: int = _TAIL_CHUNK
 ) -> list[EntryRow]:
     """Up to ``limit`` entries after ``after_seq``, in seq order (read-only)."""
-    conn = _connect_ro(path)
-    try:
-        rows: list[EntryRow] = conn.execute(
-            f"SELECT {_ENTRY_COLUMNS} FROM entries WHERE seq > ? ORDER BY seq LIMIT ?",
-            (after_seq, limit),
-        ).fetchall()
-    except sqlite3.Error as exc:
-        raise AuditError(f"{path}: cannot read the audit log: {exc}") from exc
-    finally:
-        conn.close()
-    return rows
+    return _select(
+        path,
+        f"SELECT {_ENTRY_COLUMNS} FROM entries WHERE seq > ? ORDER BY seq LIMIT ?",
+        (after_seq, limit),
+    )
 
 
 def read_checkpoints(path: str | os.PathLike[str], after_size: int = 0) -> list[CheckpointRow]:
     """The checkpoints covering more than ``after_size`` entries, by size (read-only)."""
-    conn = _connect_ro(path)
-    try:
-        rows: list[CheckpointRow] = conn.execute(
-            "SELECT size, head_hash, signature, ts FROM checkpoints WHERE size > ? ORDER BY size",
-            (after_size,),
-        ).fetchall()
-    except sqlite3.Error as exc:
-        raise AuditError(f"{path}: cannot read the audit log: {exc}") from exc
-    finally:
-        conn.close()
-    return rows
+    return _select(
+        path,
+        f"SELECT {_CHECKPOINT_COLUMNS} FROM checkpoints WHERE size > ? ORDER BY size",
+        (after_size,),
+    )
 
 
 async def tail(
