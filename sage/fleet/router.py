@@ -10,7 +10,8 @@ session runner, which knows nothing of it:
   ``sage.fleet.<node>.event.<sid>.<name>`` with its principal (a
   :class:`~sage.fleet.routes.ForwardedEvent`).
 - **Requests in.** A request on the node's own prefix
-  ``sage.fleet.<node>.request.<verb>[.<sid>]`` becomes the runner's own local
+  ``sage.fleet.<node>.request.<origin>.<verb>[.<sid>]`` (the server lets a node
+  publish only its own name as ``<origin>``) becomes the runner's own local
   request, made on behalf of the principal the sending node established; the
   runner's reply goes back as it is.
 - **Requests out.** The CLI asks the local runner first, as it always did; only
@@ -277,18 +278,18 @@ class Router:
         if not msg.reply:
             return
         try:
-            verb, sid = parse_request_subject(self.node, msg.subject)
+            origin, verb, sid = parse_request_subject(self.node, msg.subject)
             forwarded = decode_forwarded(msg.data)
         except BadRoute as exc:
             await _respond(msg, replies.from_error(exc))
             return
         assert self._tg is not None
-        self._tg.start_soon(self._answer_forwarded, msg, verb, sid, forwarded)
+        self._tg.start_soon(self._answer_forwarded, msg, origin, verb, sid, forwarded)
 
     async def _answer_forwarded(
-        self, msg: Msg, verb: str, sid: str | None, forwarded: Forwarded
+        self, msg: Msg, origin: str, verb: str, sid: str | None, forwarded: Forwarded
     ) -> None:
-        identity = Identity(f"fleet:{forwarded.origin}")
+        identity = Identity(f"fleet:{origin}")
         payload = bytes(forwarded.payload)
         if verb in ("sessions", "approvals"):
             reply = await self._local_listing(payload, forwarded.principal, identity, verb)
@@ -296,7 +297,7 @@ class Router:
             assert sid is not None
             reply = await self._stand_in(sid, forwarded.principal, payload)
             if not reply.get("ok"):
-                log.info("fleet.approver_refused", origin=forwarded.origin, session_id=sid)
+                log.info("fleet.approver_refused", origin=origin, session_id=sid)
             await _respond(msg, reply)
             return
         else:
@@ -304,7 +305,7 @@ class Router:
                 identity, local_topic(verb, sid), payload, forwarded.principal, verb
             )
         what = {
-            "origin": forwarded.origin,
+            "origin": origin,
             "verb": verb,
             "session_id": sid,
             "principal_id": forwarded.principal,
@@ -447,9 +448,8 @@ class Router:
 
         if not self.member.connected:
             return unavailable(f"cannot reach node {node!r}: NATS is not connected")
-        subject = request_subject(node, verb, sid)
+        subject = request_subject(node, self.node, verb, sid)
         forwarded = Forwarded(
-            origin=self.node,
             principal=request.principal,  # the bus's, from the caller's connection
             payload=msgspec.Raw(request.payload if payload is None else payload),
         )

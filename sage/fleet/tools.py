@@ -15,12 +15,14 @@ is capsules/tools/fleet.py and bridge.py); it runs only with ``[fleet]``.
   lost or stopped node's tools leave at the next heartbeat.
 - **Forwarding.** The bridge asks ``sage.v1.tool.forward``
   ``{node, deadline, call}``; the node sends it over NATS request/reply to
-  ``sage.fleet.<node>.tool.call`` and answers the MCP result, or an
+  ``sage.fleet.<node>.tool.call.<self>`` (the server lets a node publish only its
+  own name there) and answers the MCP result, or an
   ``isError`` result saying why not (NATS not connected, no such node
   answering, no answer within the deadline): never a hang.
-- **Serving.** Calls on its own ``sage.fleet.<self>.tool.call`` are handed to
-  the bridge as ``sage.v1.tool.remote`` ``{from_node, call}`` and its answer
-  goes back as the NATS reply.  The principal and session are node a's claim:
+- **Serving.** Calls on its own ``sage.fleet.<self>.tool.call.<origin>`` are
+  handed to the bridge as ``sage.v1.tool.remote`` ``{from_node, call}`` (the
+  origin from the subject, never the payload) and its answer goes back as the
+  NATS reply.  The principal and session are node a's claim:
   b's own checks, policy and audit still apply (docs/security.md).
 
 Only the bridge's ``capsule:tools`` may ask a forward; node names are checked
@@ -43,7 +45,7 @@ from bus import Bus, BusError, Envelope, Identity, NoResponders, Subscription
 from sage.config import NAME_PATTERN
 from sage.fleet.member import FleetMember
 from sage.fleet.nodes import NodeState
-from sage.fleet.permissions import TOOLS_BUCKET, call_subject
+from sage.fleet.permissions import TOOLS_BUCKET, call_subject, parse_call_subject
 
 if TYPE_CHECKING:
     from nats.aio.msg import Msg
@@ -301,12 +303,13 @@ class FleetTools:
             return error_result(f"cannot forward to node {str(node)[:64]!r}")
         if not self.member.connected:
             return error_result(f"node {node} cannot be reached: NATS is not connected")
-        data = msgspec.json.encode({"from_node": self.node, "call": call})
+        data = msgspec.json.encode({"call": call})
         from nats.errors import NoRespondersError
 
         nc = self.member.nats
+        subject = call_subject(node, self.node)
         try:
-            msg = await nc.request(call_subject(node), data, timeout=deadline + REMOTE_SLACK)
+            msg = await nc.request(subject, data, timeout=deadline + REMOTE_SLACK)
         except NoRespondersError:
             return error_result(f"node {node} does not answer tool calls (lost or stopped?)")
         except TimeoutError:
@@ -325,7 +328,7 @@ class FleetTools:
     async def _serve_calls(self, tg: anyio.abc.TaskGroup) -> None:
         while True:  # a subscription refused now (a closed connection) is asked again
             try:
-                sub = await self.member._nc.subscribe(call_subject(self.node))
+                sub = await self.member._nc.subscribe(call_subject(self.node, "*"))
                 break
             except Exception as exc:
                 log.warning("fleet.calls_unserved", node=self.node, error=str(exc)[:300])
@@ -340,7 +343,7 @@ class FleetTools:
     async def _serve_call(self, msg: Msg) -> None:
         if not msg.reply:
             return
-        result = await self.run_remote(msg.data)
+        result = await self.run_remote(parse_call_subject(self.node, msg.subject), msg.data)
         try:
             await msg.respond(msgspec.json.encode(result))
         except Exception as exc:  # too big for NATS, or the connection went
@@ -348,15 +351,15 @@ class FleetTools:
             with contextlib.suppress(Exception):
                 await msg.respond(msgspec.json.encode(error_result(f"answer not sent: {exc}")))
 
-    async def run_remote(self, data: bytes) -> Any:
-        """Hand another node's call to the local bridge, and its answer back."""
+    async def run_remote(self, from_node: str | None, data: bytes) -> Any:
+        """Hand node ``from_node``'s call (the origin the server proved, from the
+        subject) to the local bridge, and its answer back."""
         try:
-            request = msgspec.json.decode(data)
-            from_node, call = request["from_node"], request["call"]
+            call = msgspec.json.decode(data)["call"]
         except (msgspec.DecodeError, KeyError, TypeError) as exc:
             return error_result(f"bad tool call from the fleet: {exc}")
         if not valid_node(from_node) or not isinstance(call, dict):
-            return error_result("bad tool call from the fleet: from_node or call")
+            return error_result("bad tool call from the fleet: origin or call")
         deadline = self.execute_deadline() + REMOTE_SLACK
         try:
             reply = await self.bus.request(

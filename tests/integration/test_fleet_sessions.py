@@ -324,8 +324,8 @@ def test_a_node_may_not_publish_on_a_peer_it_was_not_given(
             allow_reconnect=False,
         )
         try:
-            payload = json.dumps({"origin": "b", "principal": None, "payload": {}}).encode()
-            await nc.publish("sage.fleet.a.request.stop.s2", payload, reply="_INBOX.d.x")
+            payload = json.dumps({"principal": None, "payload": {}}).encode()
+            await nc.publish("sage.fleet.a.request.d.stop.s2", payload, reply="_INBOX.d.x")
             await nc.subscribe("sage.fleet.a.request.>")
             await nc.flush()
             await anyio.sleep(0.5)
@@ -345,6 +345,55 @@ def test_a_node_may_not_publish_on_a_peer_it_was_not_given(
         if '"fleet.forwarded_in"' in line and '"s2"' in line
     ]
     ok_json(daemons["a"], "sage", "stop", "s2")
+
+
+def test_a_node_may_not_name_another_as_the_origin(
+    fleet: tuple[NatsCluster, dict[str, Daemon]],
+) -> None:
+    """NATS user b publishes a request to a with c in the origin token: the server
+    refuses it (b may publish only its own name there) and a never sees it; the same
+    request with its own name reaches a."""
+    cluster, daemons = fleet
+    a = daemons["a"]
+    ok_json(a, "sage", "spawn", "alice", "--session", "s11")
+    errors: list[str] = []
+
+    async def main() -> dict[str, Any]:
+        from nats.aio.client import Client
+
+        async def on_error(exc: Exception) -> None:
+            errors.append(str(exc))
+
+        nc = Client()
+        await nc.connect(
+            servers=cluster.urls,
+            user="b",
+            password=cluster.passwords["b"],
+            inbox_prefix="_INBOX.b",
+            error_cb=on_error,
+            allow_reconnect=False,
+        )
+        try:
+            payload = json.dumps({"principal": "alice", "payload": {}}).encode()
+            await nc.publish("sage.fleet.a.request.c.session.s11", payload, reply="_INBOX.b.x")
+            await nc.flush()
+            await anyio.sleep(0.5)
+            own = await nc.request("sage.fleet.a.request.b.session.s11", payload, timeout=5.0)
+            answer: dict[str, Any] = json.loads(own.data)
+            return answer
+        finally:
+            await nc.close()
+
+    answer = anyio.run(main)
+    assert any(
+        "permissions violation for publish" in e.lower() and "sage.fleet.a.request.c." in e
+        for e in errors
+    ), errors
+    assert answer["ok"] is True, answer  # b's own name: a answers
+    forwarded = [line for line in a.log().splitlines() if '"fleet.forwarded_in"' in line]
+    assert not [line for line in forwarded if '"origin": "c"' in line and '"s11"' in line]
+    assert [line for line in forwarded if '"origin": "b"' in line and '"s11"' in line]
+    ok_json(a, "sage", "stop", "s11")
 
 
 ASK = '/fault ask mcp__sage__greet {"name":"Ada"}'

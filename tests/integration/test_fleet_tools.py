@@ -141,8 +141,9 @@ async def test_a_session_on_a_calls_a_tool_of_b_then_b_is_killed(
 
 
 def test_a_node_cannot_forge_another_nodes_catalogue_or_take_its_calls() -> None:
-    """NATS refuses node a a put of b's key in sage_tools and a subscription to b's
-    call subject, and a call to its own subject; a's own key is put."""
+    """NATS refuses node a a put of b's key in sage_tools, a subscription to b's
+    call subjects, a call to its own, and a call to b naming c as the origin; a's own
+    key is put."""
     import nats
     from nats.errors import Error as NatsError
 
@@ -169,13 +170,16 @@ def test_a_node_cannot_forge_another_nodes_catalogue_or_take_its_calls() -> None
                 with pytest.raises((NatsError, TimeoutError)):
                     await kv.put("b", forged)
                 await kv.put("a", msgspec.json.encode({"node": "a", "tools": []}))
-                await nc.subscribe("sage.fleet.b.tool.call")
+                await nc.subscribe("sage.fleet.b.tool.call.*")
                 with pytest.raises(TimeoutError):  # refused: no "no responders" either
-                    await nc.request("sage.fleet.a.tool.call", b"{}", timeout=1.0)
+                    await nc.request("sage.fleet.a.tool.call.a", b"{}", timeout=1.0)
+                with pytest.raises(TimeoutError):  # another node's name as the origin
+                    await nc.request("sage.fleet.b.tool.call.c", b"{}", timeout=1.0)
                 await nc.flush()
                 await anyio.sleep(0.3)
-                assert any("subscription" in e and "sage.fleet.b.tool.call" in e for e in errors)
-                assert any("publish" in e and "sage.fleet.a.tool.call" in e for e in errors)
+                assert any("subscription" in e and "sage.fleet.b.tool.call.*" in e for e in errors)
+                assert any("publish" in e and "sage.fleet.a.tool.call.a" in e for e in errors)
+                assert any("publish" in e and "sage.fleet.b.tool.call.c" in e for e in errors)
             finally:
                 await nc.close()
 

@@ -165,8 +165,9 @@ def test_on_a_single_host_a_clash_row_is_as_before() -> None:
 class _Msg:
     """A NATS message whose server takes at most ``limit`` bytes (its max_payload)."""
 
-    def __init__(self, data: bytes, limit: int) -> None:
+    def __init__(self, data: bytes, limit: int, subject: str = "sage.fleet.b.tool.call.a") -> None:
         self.data = data
+        self.subject = subject
         self.reply = "_INBOX.a.1"
         self.limit = limit
         self.sent: list[bytes] = []
@@ -189,7 +190,7 @@ async def test_an_answer_too_big_for_nats_is_an_error_result_instead() -> None:
     fleet = FleetTools(member, bus, supervisor, lambda: 5.0)
     calls = bus.subscribe("sage.v1.tool.remote", bridge)
     call = {"from_node": "a", "call": {"tool_name": "greet", "principal_id": "alice"}}
-    msg = _Msg(msgspec.json.encode(call), 512 * 1024)
+    msg = _Msg(msgspec.json.encode({"call": call["call"]}), 512 * 1024)
     big = {"content": [{"type": "text", "text": "x" * 600_000}], "isError": False}
     async with anyio.create_task_group() as tg:
         tg.start_soon(fleet._serve_call, cast(Any, msg))
