@@ -140,7 +140,8 @@ class Forwarded(msgspec.Struct, frozen=True, kw_only=True):
     ``principal`` is the one the sending node's bus established for the caller
     (SO_PEERCRED there; ``None``: an admin of that node), never a field the
     caller wrote: the router takes it from the local envelope.  The receiver
-    takes the sending node from the subject, which the NATS server proves."""
+    takes the sending node from the subject, which the NATS server proves, and
+    the principal only if that node may vouch for it (sage/fleet/vouching.py)."""
 
     principal: str | None
     payload: msgspec.Raw = msgspec.Raw(b"{}")

@@ -22,8 +22,11 @@ is capsules/tools/fleet.py and bridge.py); it runs only with ``[fleet]``.
 - **Serving.** Calls on its own ``sage.fleet.<self>.tool.call.<origin>`` are
   handed to the bridge as ``sage.v1.tool.remote`` ``{from_node, call}`` (the
   origin from the subject, never the payload) and its answer goes back as the
-  NATS reply.  The principal and session are node a's claim:
-  b's own checks, policy and audit still apply (docs/security.md).
+  NATS reply.  The principal is taken only if the origin may vouch for it
+  (sage/fleet/vouching.py; else the call is refused with an ``isError`` result
+  ``principal_not_authenticated`` and audited ``fleet_principal_rejected``); the
+  session is the origin's claim; b's own checks, policy and audit still apply
+  (docs/security.md).
 
 Only the bridge's ``capsule:tools`` may ask a forward; node names are checked
 before any subject is built.
@@ -46,6 +49,7 @@ from sage.config import NAME_PATTERN
 from sage.fleet.member import FleetMember
 from sage.fleet.nodes import NodeState
 from sage.fleet.permissions import TOOLS_BUCKET, call_subject, parse_call_subject
+from sage.fleet.vouching import NotVouched, VouchedPrincipals
 
 if TYPE_CHECKING:
     from nats.aio.msg import Msg
@@ -164,6 +168,9 @@ class FleetTools:
         self._listening = False
         self._remote: dict[str, list[dict[str, Any]]] | None = None
         self._rounds = 0
+        self.vouched = VouchedPrincipals(
+            member.record_of, member.config.peers, ttl=member.config.heartbeat
+        )
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
         """Subscribe on the local bus, then start; runs until cancelled."""
@@ -343,7 +350,8 @@ class FleetTools:
     async def _serve_call(self, msg: Msg) -> None:
         if not msg.reply:
             return
-        result = await self.run_remote(parse_call_subject(self.node, msg.subject), msg.data)
+        origin = parse_call_subject(self.node, msg.subject)
+        result = await self.run_remote(origin, msg.data)
         try:
             await msg.respond(msgspec.json.encode(result))
         except Exception as exc:  # too big for NATS, or the connection went
@@ -353,13 +361,18 @@ class FleetTools:
 
     async def run_remote(self, from_node: str | None, data: bytes) -> Any:
         """Hand node ``from_node``'s call (the origin the server proved, from the
-        subject) to the local bridge, and its answer back."""
+        subject) to the local bridge, and its answer back, if that node may act for the
+        call's principal here."""
         try:
             call = msgspec.json.decode(data)["call"]
         except (msgspec.DecodeError, KeyError, TypeError) as exc:
             return error_result(f"bad tool call from the fleet: {exc}")
         if not valid_node(from_node) or not isinstance(call, dict):
             return error_result("bad tool call from the fleet: origin or call")
+        assert from_node is not None
+        refused = await self._vouched(from_node, call)
+        if refused is not None:
+            return refused
         deadline = self.execute_deadline() + REMOTE_SLACK
         try:
             reply = await self.bus.request(
@@ -373,3 +386,34 @@ class FleetTools:
             return error_result(f"node {self.node} could not run the tool: {exc}")
         except msgspec.DecodeError:
             return error_result(f"node {self.node}'s bridge sent a bad answer")
+
+    async def _vouched(self, origin: str, call: dict[str, Any]) -> dict[str, Any] | None:
+        """None if ``origin`` may act for the call's principal here; else the error
+        result to answer (a refusal is audited, without the call's arguments)."""
+        principal = call.get("principal_id")
+        if principal is not None and not isinstance(principal, str):
+            return error_result("bad tool call from the fleet: principal_id")
+        try:
+            with anyio.fail_after(max(1.0, self.member.config.heartbeat * 2)):
+                await self.vouched.check(origin, principal)
+        except NotVouched as exc:
+            tool = call.get("tool_name")
+            session = call.get("session_id")
+            refused = {
+                "origin": origin,
+                "principal_id": principal[:64] if principal is not None else None,
+                "verb": "tool.call",
+                "tool_name": tool[:128] if isinstance(tool, str) else None,
+                "session_id": session[:64] if isinstance(session, str) else None,
+                "subject": call_subject(self.node, origin),
+                "reason": str(exc),
+            }
+            log.warning("fleet.principal_rejected", **refused)
+            with contextlib.suppress(BusError):
+                self.bus.publish(self.identity, "sage.v1.audit.fleet_principal_rejected", refused)
+            return error_result(f"{exc.code}: {exc}")
+        except Exception as exc:  # the node bucket cannot be read now
+            return error_result(
+                f"node {self.node} cannot check node {origin}'s principals now: {str(exc)[:300]}"
+            )
+        return None
