@@ -17,9 +17,11 @@ decides whether that node may speak for that principal here:
 Anything else is :class:`NotVouched` (``principal_not_authenticated``).  The
 check is pure (:func:`check_vouched`); :class:`VouchedPrincipals` keeps the
 origins' declared principals between reads of the bucket, asking the injected
-reader again when a principal is not among what it holds (a principal just
-added on the origin is seen at once) or when the read is older than ``ttl``
-(a principal removed there stops being taken within ``ttl``).
+reader again when the read is older than ``ttl`` (a principal removed on the
+origin stops being taken within ``ttl``), or older than ``reread_after`` when
+the principal is not among what it holds (one just added there is seen soon,
+and a node naming principals it does not declare costs at most one read per
+``reread_after``, however fast it asks).
 """
 
 from __future__ import annotations
@@ -87,10 +89,12 @@ class VouchedPrincipals:
         pins: Mapping[str, FleetPeerConfig],
         ttl: float,
         clock: Callable[[], float] = anyio.current_time,
+        reread_after: float = 0.25,
     ) -> None:
         self._read = read
         self._pins = pins
         self._ttl = ttl
+        self._reread_after = min(reread_after, ttl)
         self._clock = clock
         self._held: dict[str, tuple[float, frozenset[str] | None]] = {}
 
@@ -103,8 +107,9 @@ class VouchedPrincipals:
             return
         held = self._held.get(origin)
         now = self._clock()
-        fresh = held is not None and now - held[0] < self._ttl
-        if not (fresh and held is not None and held[1] is not None and principal in held[1]):
+        age = now - held[0] if held is not None else float("inf")
+        known = held is not None and held[1] is not None and principal in held[1]
+        if age >= self._ttl or (not known and age >= self._reread_after):
             record = await self._read(origin)
             declared = None if record is None else frozenset(record.principals)
             self._held[origin] = (now, declared)
