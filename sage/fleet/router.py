@@ -53,6 +53,7 @@ from sage.fleet.routes import (
     Forwarded,
     ForwardedEvent,
     SessionEntry,
+    approval_answer,
     check_name,
     decode_entry,
     decode_event,
@@ -540,15 +541,9 @@ class Router:
         async with anyio.create_task_group() as tg:
             for node in peers:
                 tg.start_soon(ask, node)
-        for reply in answers:
-            if reply.get("ok") or reply.get("error") not in (
-                "unknown_approval",
-                "fleet_unavailable",
-            ):
-                return reply
-        down = [r for r in answers if r.get("error") == "fleet_unavailable"]
-        if down:
-            return down[0]
+        answer = approval_answer(answers)
+        if answer is not None:
+            return answer
         return replies.error(
             "unknown_approval", f"no pending approval {cid!r} (unknown, decided or expired)"
         )

@@ -43,6 +43,7 @@ __all__ = (
     "Forwarded",
     "ForwardedEvent",
     "SessionEntry",
+    "approval_answer",
     "check_name",
     "decode_entry",
     "decode_event",
@@ -233,3 +234,20 @@ def row_of(sid: str, entry: SessionEntry, state: str) -> dict[str, Any]:
         "node": entry.node,
         "started_at": entry.at,
     }
+
+
+def approval_answer(answers: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Which of the nodes' replies to an ``approve`` asked of them all is the answer: the
+    holder's (its success, or its own refusal), else one of a node that could not be
+    asked (it may hold it), else one of a node that does not take the caller's
+    principal; None when every node said it holds no such approval.  Replies come in
+    the order the nodes answered: a fast refusal must not hide the holder's answer."""
+    quiet = ("unknown_approval", "fleet_unavailable", "principal_not_authenticated")
+    for reply in answers:
+        if reply.get("error") not in quiet:  # a success has none
+            return reply
+    for code in quiet[1:]:
+        for reply in answers:
+            if reply.get("error") == code:
+                return reply
+    return None

@@ -501,9 +501,10 @@ def test_an_approval_is_answered_from_another_node(
     fleet: tuple[NatsCluster, dict[str, Daemon]],
 ) -> None:
     """A tool call of a session on a waits (send --approve ask on a); b lists it with its
-    node and approves it; bob on b cannot."""
+    node; bob on b cannot approve it; an admin on c does (a takes c's admins), though b,
+    which does not, may refuse c first."""
     _, daemons = fleet
-    a, b = daemons["a"], daemons["b"]
+    a, b, c = daemons["a"], daemons["b"], daemons["c"]
     ok_json(a, "sage", "spawn", "alice", "--session", "s8")
     send = subprocess.Popen(
         [*ASTRID, "sage", "send", "s8", ASK, "--approve", "ask", *alice_on(a)],
@@ -524,7 +525,7 @@ def test_an_approval_is_answered_from_another_node(
         refused = astrid(b, "sage", "approve", row["approval_id"], principal="bob")
         assert refused.returncode == 1
         assert "unknown_approval" in refused.stderr, refused.stderr
-        approved = astrid(b, "sage", "approve", row["approval_id"])
+        approved = c.astrid("sage", "approve", row["approval_id"])
         assert approved.returncode == 0, approved.stderr
         assert approved.stdout == "allowed: mcp__sage__greet in session s8\n"
         out, err = send.communicate(timeout=15)

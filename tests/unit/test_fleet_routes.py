@@ -7,6 +7,7 @@ import pytest
 from sage.fleet.routes import (
     BadRoute,
     Forwarded,
+    approval_answer,
     decode_entry,
     decode_forwarded,
     event_of,
@@ -89,3 +90,23 @@ def test_events_and_entries() -> None:
     assert decode_entry("s1", b'{"node": "a", "principal_id": "alice"}') is not None
     assert decode_entry("s1", b'{"node": "a.>", "principal_id": "alice"}') is None
     assert decode_entry("s1", b"garbage") is None
+
+
+def _error(code: str) -> dict[str, object]:
+    return {"ok": False, "error": code, "message": code}
+
+
+def test_the_holder_of_an_approval_answers_whoever_answered_first() -> None:
+    """A node that refused the caller's principal, or holds no such approval, answering
+    before the holder does not hide the holder's answer (success or its own error)."""
+    allowed = {"ok": True, "decision": "allow"}
+    refused = _error("principal_not_authenticated")
+    down = _error("fleet_unavailable")
+    unknown = _error("unknown_approval")
+    assert approval_answer([refused, unknown, allowed]) is allowed
+    not_yours = _error("not_authorized")
+    assert approval_answer([refused, down, not_yours]) is not_yours
+    assert approval_answer([unknown, refused, down]) is down  # it may be on the lost one
+    assert approval_answer([unknown, refused]) is refused  # why the caller got nothing
+    assert approval_answer([unknown, unknown]) is None
+    assert approval_answer([]) is None
