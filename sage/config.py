@@ -31,6 +31,7 @@ __all__ = (
     "ClaudeConfig",
     "Config",
     "FleetConfig",
+    "FleetPeerConfig",
     "ForgeConfig",
     "LimitsConfig",
     "LlmConfig",
@@ -354,6 +355,20 @@ class CapsulesConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=
         _check_uid_range(self.uid_base, self.uid_count)
 
 
+class FleetPeerConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[fleet.peers.<node>]``: what this node takes from node ``<node>``'s word
+    (docs/security.md, "Fleet trust model")."""
+
+    principals: list[Name] | None = None
+    """The only principals that node may forward requests and tool calls for (besides
+    declaring them in its heartbeat record).  Unset: whatever its record declares. This
+    pin is what a compromised peer cannot widen: its record is its own to write."""
+    admins: bool = False
+    """Whether that node's admins (callers with no principal) are admins here too.
+    Off: a forwarded admin request or tool call is refused ``principal_not_authenticated``
+    (an admin there acts for a principal with ``--principal``)."""
+
+
 class FleetConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Several hosts as one sage, over NATS with JetStream (docs/fleet.md).
 
@@ -388,6 +403,10 @@ class FleetConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     replicas: Annotated[int, msgspec.Meta(ge=1, le=5)] = 1
     """Replicas of the ``sage_nodes`` bucket when this node creates it (3 in a 3-server
     cluster, so it survives the loss of a server); an existing bucket is used as it is."""
+    peers: dict[Name, FleetPeerConfig] = {}
+    """``[fleet.peers.<node>]``: what this node takes from that node (none named: every
+    node may vouch for the principals its heartbeat record declares, and no node's admins
+    are admins here)."""
 
     @property
     def urls(self) -> list[str]:

@@ -39,10 +39,11 @@ def register(sub: Any) -> None:
         description=(
             "Print a user entry for the NATS server's `authorization { users = [...] }`: the"
             " node may put its own heartbeat key only, read the sage_nodes bucket, write the"
-            " sage_sessions registry, forward requests to its peers' prefixes"
-            " (sage.fleet.<peer>.request.>) and answer those on its own, publish its own"
-            " sessions' events and read every node's, and receive replies on its own"
-            " inboxes. The password is a $VARIABLE the server reads from its"
+            " sage_sessions registry, forward requests and tool calls to its peers with"
+            " its own name as the origin (sage.fleet.<peer>.request.<node>.>,"
+            " sage.fleet.<peer>.tool.call.<node>: never as another node) and answer those"
+            " on its own, publish its own sessions' events and read every node's, and"
+            " receive replies on its own inboxes. The password is a $VARIABLE the server reads from its"
             " environment; put a bcrypt hash there (`nats server passwd`)."
         ),
     )
@@ -55,7 +56,7 @@ def register(sub: Any) -> None:
         "--peers",
         default="",
         metavar="A,B",
-        help="the nodes it may forward requests to (default: every node)",
+        help="the nodes it may forward requests and tool calls to (default: every node)",
     )
     permissions.add_argument("--json", action="store_true", help="only the permissions, as JSON")
     permissions.set_defaults(handler=_permissions)

@@ -419,7 +419,12 @@ class Supervisor:
                 async with contextlib.AsyncExitStack() as fleet:
                     if config.fleet is not None:  # refused (FleetError): no start
                         self.fleet = await fleet.enter_async_context(
-                            join(config.fleet, config.path_of, started_at=self.started_at)
+                            join(
+                                config.fleet,
+                                config.path_of,
+                                started_at=self.started_at,
+                                principals=lambda: [p.name for p in self.config.principals],
+                            )
                         )
                     await self._open_and_serve(key, task_status)
         finally:

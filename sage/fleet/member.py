@@ -22,7 +22,7 @@ import os
 import socket
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +33,7 @@ from sage import replies
 from sage.config import FleetConfig
 from sage.errors import SageError
 from sage.files import read_private
-from sage.fleet.nodes import NodeRecord, NodeTable, NodeView
+from sage.fleet.nodes import FleetRecordError, NodeRecord, NodeTable, NodeView, decode_record
 from sage.fleet.permissions import BUCKET, STREAM, inbox_prefix
 from sage.fleet.routes import REGISTRY, REGISTRY_STREAM, SessionEntry, decode_entry
 
@@ -166,8 +166,11 @@ class FleetMember:
         config: FleetConfig,
         started_at: float,
         registry: KeyValue | None = None,
+        principals: Callable[[], Iterable[str]] = tuple,
     ) -> None:
         self.config = config
+        self.principals = principals
+        """The names of the principals this node authenticates now (its config's)."""
         self.node = config.node
         self.nc = nc
         self.js = js
@@ -203,6 +206,7 @@ class FleetMember:
             heartbeat_at=time.time(),
             heartbeat=self.config.heartbeat,
             stopped=stopped,
+            principals=tuple(sorted(self.principals())),
         )
 
     async def beat(self) -> None:
@@ -239,6 +243,20 @@ class FleetMember:
             if self._failing:
                 log.info("fleet.heartbeat_resumed", node=self.node)
             self._failing = False
+
+    async def record_of(self, node: str) -> NodeRecord | None:
+        """``node``'s current heartbeat record (None: none, or unusable); raises what
+        nats-py raised when the bucket cannot be read."""
+        from nats.js.errors import KeyNotFoundError
+
+        try:
+            entry = await self._kv.get(node)
+        except KeyNotFoundError:
+            return None
+        try:
+            return decode_record(node, entry.value or b"")
+        except FleetRecordError:
+            return None
 
     async def nodes(self, now: float | None = None) -> list[NodeView]:
         """Every node of the bucket, judged now; unusable records are logged and left out."""
@@ -432,14 +450,21 @@ async def _open_bucket(
 
 @contextlib.asynccontextmanager
 async def join(
-    config: FleetConfig, path_of: Callable[[str], Path], *, started_at: float
+    config: FleetConfig,
+    path_of: Callable[[str], Path],
+    *,
+    started_at: float,
+    principals: Callable[[], Iterable[str]] = tuple,
 ) -> AsyncIterator[FleetMember]:
-    """Be a node of the fleet for the ``async with`` block (raises a FleetError if not)."""
+    """Be a node of the fleet for the ``async with`` block (raises a FleetError if not).
+
+    ``principals``: the names of the principals the node authenticates, as its config
+    says now (each heartbeat record declares them)."""
     nc = await _connect(config, path_of)
     try:
         js, kv = await _open_bucket(nc, config)
         _, registry = await _open_bucket(nc, config, REGISTRY)
-        member = FleetMember(nc, js, kv, config, started_at, registry)
+        member = FleetMember(nc, js, kv, config, started_at, registry, principals)
         try:
             await member.first_beat(max(1.0, config.connect_timeout))
         except Exception as exc:

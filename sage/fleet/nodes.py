@@ -23,7 +23,14 @@ import msgspec
 from sage.config import NAME_PATTERN
 from sage.errors import SageError
 
-__all__ = ("FleetRecordError", "NodeRecord", "NodeState", "NodeTable", "NodeView")
+__all__ = (
+    "FleetRecordError",
+    "NodeRecord",
+    "NodeState",
+    "NodeTable",
+    "NodeView",
+    "decode_record",
+)
 
 _NAME = re.compile(NAME_PATTERN)
 
@@ -48,6 +55,9 @@ class NodeRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """The node's heartbeat interval, in seconds."""
     stopped: bool = False
     """The node's last word: it stopped on purpose (not lost)."""
+    principals: tuple[str, ...] = ()
+    """The principals the node authenticates (its ``[[principals]]`` names): the only
+    ones it may forward requests and tool calls for (sage/fleet/vouching.py)."""
 
     def encode(self) -> bytes:
         return msgspec.json.encode(self)

@@ -16,9 +16,11 @@ with exactly them:
 - the session registry, the ``sage_sessions`` bucket: put and delete any session
   id's key (an id is not a node's), read it, its stream's info;
 - forwarded requests (sage/fleet/routes.py): publish on the peers' request
-  prefixes ``sage.fleet.<peer>.request.>`` (every node's, or the ``peers`` named),
-  subscribe to its own only, and answer them (``allow_responses``, the reply
-  subjects of requests it received and nothing else);
+  prefixes with its own name as the origin, ``sage.fleet.<peer>.request.<node>.>``
+  (every node's, ``*``, or the ``peers`` named), never with another's, so the
+  receiver may take the origin from the subject; subscribe to its own prefix
+  only, and answer them (``allow_responses``, the reply subjects of requests it
+  received and nothing else);
 - session events: publish its own sessions' events, ``sage.fleet.<node>.event.>``,
   subscribe to every node's (``sage.fleet.*.event.>``) while a local client watches.
 - the fleet audit (sage/fleet/audit_stream.py): publish on its own audit subjects
@@ -31,8 +33,9 @@ with exactly them:
   a reply to a request it received, nothing else).
 - tools anywhere (sage/fleet/tools.py): its own catalogue key
   ``$KV.sage_tools.<node>`` and the same reads of ``KV_sage_tools``; tool calls
-  published to other nodes' call subjects ``sage.fleet.<other>.tool.call`` (its
-  own is denied), received on its own call subject only, and answered through
+  published to other nodes' call subjects with its own name as the origin,
+  ``sage.fleet.<other>.tool.call.<node>`` (its own call subjects are denied),
+  received on its own call subjects only, and answered through
   ``allow_responses`` (a reply to the requester's inbox, nothing else).
 """
 
@@ -52,6 +55,7 @@ __all__ = (
     "call_subject",
     "inbox_prefix",
     "node_permissions",
+    "parse_call_subject",
     "server_block",
 )
 
@@ -66,9 +70,20 @@ TOOLS_BUCKET = "sage_tools"
 TOOLS_STREAM = f"KV_{TOOLS_BUCKET}"
 
 
-def call_subject(node: str) -> str:
-    """The subject node ``node`` answers tool calls on (``node`` is a checked name)."""
-    return f"sage.fleet.{node}.tool.call"
+def call_subject(node: str, origin: str) -> str:
+    """The subject of a tool call ``origin`` sends to ``node`` (both checked names, or
+    ``*`` in a permission)."""
+    return f"sage.fleet.{node}.tool.call.{origin}"
+
+
+def parse_call_subject(node: str, subject: str) -> str | None:
+    """The origin of a tool call on ``node``'s own subject (None: not one; a name is
+    ``[A-Za-z0-9_-]{1,64}``, checked by the caller)."""
+    prefix = f"sage.fleet.{node}.tool.call."
+    if not subject.startswith(prefix):
+        return None
+    origin = subject.removeprefix(prefix)
+    return origin or None
 
 
 def inbox_prefix(node: str) -> str:
@@ -81,9 +96,10 @@ def node_permissions(node: str, peers: Sequence[str] = ()) -> dict[str, Any]:
 
     ``peers``: the nodes it may forward requests and tool calls to (none named: every
     node)."""
-    others = [peer for peer in peers if peer != node]
-    targets = [f"sage.fleet.{peer}.request.>" for peer in others] or ["sage.fleet.*.request.>"]
-    tool_calls = [call_subject(peer) for peer in others] or [call_subject("*")]
+    others = [peer for peer in peers if peer != node] or ["*"]
+    # the origin token is the node's own name: the server proves who sent a request
+    targets = [f"sage.fleet.{peer}.request.{node}.>" for peer in others]
+    tool_calls = [call_subject(peer, node) for peer in others]
     return {
         "publish": {
             "allow": [
@@ -117,7 +133,7 @@ def node_permissions(node: str, peers: Sequence[str] = ()) -> dict[str, Any]:
                 f"$JS.API.DIRECT.GET.{TOOLS_STREAM}.>",
                 *tool_calls,
             ],
-            "deny": [call_subject(node)],
+            "deny": [call_subject(node, "*")],
         },
         "subscribe": {
             "allow": [
@@ -125,7 +141,7 @@ def node_permissions(node: str, peers: Sequence[str] = ()) -> dict[str, Any]:
                 f"sage.fleet.{node}.request.>",
                 "sage.fleet.*.event.>",
                 f"sage.fleet.{node}.audit.verify",
-                call_subject(node),
+                call_subject(node, "*"),
             ]
         },
         "allow_responses": True,

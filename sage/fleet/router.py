@@ -10,8 +10,11 @@ session runner, which knows nothing of it:
   ``sage.fleet.<node>.event.<sid>.<name>`` with its principal (a
   :class:`~sage.fleet.routes.ForwardedEvent`).
 - **Requests in.** A request on the node's own prefix
-  ``sage.fleet.<node>.request.<verb>[.<sid>]`` becomes the runner's own local
-  request, made on behalf of the principal the sending node established; the
+  ``sage.fleet.<node>.request.<origin>.<verb>[.<sid>]`` (the server lets a node
+  publish only its own name as ``<origin>``) becomes the runner's own local
+  request, made on behalf of the principal the sending node established, if
+  that node may vouch for it (sage/fleet/vouching.py; else it is refused
+  ``principal_not_authenticated`` and audited ``fleet_principal_rejected``); the
   runner's reply goes back as it is.
 - **Requests out.** The CLI asks the local runner first, as it always did; only
   when the runner does not know the session (``unknown_session``), or for
@@ -50,6 +53,7 @@ from sage.fleet.routes import (
     Forwarded,
     ForwardedEvent,
     SessionEntry,
+    approval_answer,
     check_name,
     decode_entry,
     decode_event,
@@ -64,6 +68,7 @@ from sage.fleet.routes import (
     row_of,
     visible,
 )
+from sage.fleet.vouching import NotVouched, VouchedPrincipals
 
 if TYPE_CHECKING:
     from nats.aio.msg import Msg
@@ -127,6 +132,10 @@ class Router:
         """sid -> this bus's approver subscription for a client on another node, and until when."""
         self._registry_writes: MemoryObjectSendStream[tuple[str, SessionEntry | None]]
         self._tg: anyio.abc.TaskGroup | None = None
+        self.vouched = VouchedPrincipals(
+            member.record_of, member.config.peers, ttl=member.config.heartbeat
+        )
+        """Whether a sending node may act for the principal it names (its record, our pins)."""
 
     # -- life -----------------------------------------------------------------
 
@@ -277,18 +286,52 @@ class Router:
         if not msg.reply:
             return
         try:
-            verb, sid = parse_request_subject(self.node, msg.subject)
+            origin, verb, sid = parse_request_subject(self.node, msg.subject)
             forwarded = decode_forwarded(msg.data)
         except BadRoute as exc:
             await _respond(msg, replies.from_error(exc))
             return
         assert self._tg is not None
-        self._tg.start_soon(self._answer_forwarded, msg, verb, sid, forwarded)
+        self._tg.start_soon(self._answer_forwarded, msg, origin, verb, sid, forwarded)
+
+    async def _vouched(
+        self, msg: Msg, origin: str, verb: str, sid: str | None, principal: str | None
+    ) -> bool:
+        """Whether ``origin`` may act for ``principal`` here; if not, the sender is told
+        why and this node's chain keeps the refusal (never the payload)."""
+        try:
+            with anyio.fail_after(LISTING_DEADLINE):
+                await self.vouched.check(origin, principal)
+            return True
+        except NotVouched as exc:
+            refused = {
+                "origin": origin,
+                "principal_id": principal,
+                "verb": verb,
+                "session_id": sid,
+                "subject": msg.subject,
+                "reason": str(exc),
+            }
+            log.warning("fleet.principal_rejected", **refused)
+            with contextlib.suppress(BusError):
+                self.bus.publish(self.identity, "sage.v1.audit.fleet_principal_rejected", refused)
+            await _respond(msg, replies.from_error(exc))
+        except Exception as exc:  # the node bucket cannot be read now
+            await _respond(
+                msg,
+                unavailable(
+                    f"node {self.node!r} cannot check node {origin!r}'s principals now:"
+                    f" {_describe(exc)}"
+                ),
+            )
+        return False
 
     async def _answer_forwarded(
-        self, msg: Msg, verb: str, sid: str | None, forwarded: Forwarded
+        self, msg: Msg, origin: str, verb: str, sid: str | None, forwarded: Forwarded
     ) -> None:
-        identity = Identity(f"fleet:{forwarded.origin}")
+        if not await self._vouched(msg, origin, verb, sid, forwarded.principal):
+            return
+        identity = Identity(f"fleet:{origin}")
         payload = bytes(forwarded.payload)
         if verb in ("sessions", "approvals"):
             reply = await self._local_listing(payload, forwarded.principal, identity, verb)
@@ -296,7 +339,7 @@ class Router:
             assert sid is not None
             reply = await self._stand_in(sid, forwarded.principal, payload)
             if not reply.get("ok"):
-                log.info("fleet.approver_refused", origin=forwarded.origin, session_id=sid)
+                log.info("fleet.approver_refused", origin=origin, session_id=sid)
             await _respond(msg, reply)
             return
         else:
@@ -304,7 +347,7 @@ class Router:
                 identity, local_topic(verb, sid), payload, forwarded.principal, verb
             )
         what = {
-            "origin": forwarded.origin,
+            "origin": origin,
             "verb": verb,
             "session_id": sid,
             "principal_id": forwarded.principal,
@@ -447,9 +490,8 @@ class Router:
 
         if not self.member.connected:
             return unavailable(f"cannot reach node {node!r}: NATS is not connected")
-        subject = request_subject(node, verb, sid)
+        subject = request_subject(node, self.node, verb, sid)
         forwarded = Forwarded(
-            origin=self.node,
             principal=request.principal,  # the bus's, from the caller's connection
             payload=msgspec.Raw(request.payload if payload is None else payload),
         )
@@ -499,15 +541,9 @@ class Router:
         async with anyio.create_task_group() as tg:
             for node in peers:
                 tg.start_soon(ask, node)
-        for reply in answers:
-            if reply.get("ok") or reply.get("error") not in (
-                "unknown_approval",
-                "fleet_unavailable",
-            ):
-                return reply
-        down = [r for r in answers if r.get("error") == "fleet_unavailable"]
-        if down:
-            return down[0]
+        answer = approval_answer(answers)
+        if answer is not None:
+            return answer
         return replies.error(
             "unknown_approval", f"no pending approval {cid!r} (unknown, decided or expired)"
         )
@@ -525,16 +561,20 @@ class Router:
             reply["warning"] = f"this node's approvals only: {_describe(exc)}"
             return reply
         rows: list[dict[str, Any]] = list(reply.get("approvals") or [])
+        refused: dict[str, str] = {}
 
         async def ask(node: str) -> None:
             with anyio.move_on_after(LISTING_DEADLINE):
                 data = await self._forward(node, "approvals", None, request)
                 rows.extend(r for r in data.get("approvals") or [] if isinstance(r, dict))
+                _note_refusal(refused, node, data)
 
         async with anyio.create_task_group() as tg:
             for node in peers:
                 tg.start_soon(ask, node)
         reply["approvals"] = rows
+        if refused:
+            reply["warning"] = _refusals(refused)
         return reply
 
     # -- the fleet-wide listing --------------------------------------------------
@@ -557,6 +597,7 @@ class Router:
             return reply
         states = {view.node: view.state for view in nodes}
         answers: dict[str, list[dict[str, Any]] | None] = {}
+        refused: dict[str, str] = {}
 
         async def ask(node: str) -> None:
             with anyio.move_on_after(LISTING_DEADLINE):
@@ -564,6 +605,7 @@ class Router:
                 if data.get("ok"):
                     answers[node] = [r for r in data.get("sessions") or [] if isinstance(r, dict)]
                     return
+                _note_refusal(refused, node, data)
             answers[node] = None
 
         async with anyio.create_task_group() as tg:
@@ -577,8 +619,10 @@ class Router:
             if answered is not None:
                 rows += answered
                 continue
-            # the node cannot say: what the registry knows, with the node's state
+            # the node cannot (or will not) say: what the registry knows, with the node's state
             shown = "unreachable" if states[node] is NodeState.LIVE else states[node].value
+            if node in refused:
+                shown = "refused"
             rows += [
                 row_of(sid, entry, "lost" if shown == "lost" else shown)
                 for sid, entry in sorted(entries.items())
@@ -586,6 +630,8 @@ class Router:
             ]
         reply["sessions"] = rows
         reply["nodes"] = {node: state.value for node, state in sorted(states.items())}
+        if refused:
+            reply["warning"] = _refusals(refused)
         return reply
 
     # -- events of remote sessions, republished here -------------------------------
@@ -697,6 +743,18 @@ async def _unsubscribe(sub: NatsSubscription) -> None:
 async def _respond(msg: Msg, reply: dict[str, Any]) -> None:
     with contextlib.suppress(Exception):
         await msg.respond(msgspec.json.encode(reply))
+
+
+def _note_refusal(refused: dict[str, str], node: str, reply: dict[str, Any]) -> None:
+    """Keep ``node``'s answer if it refused the caller's principal (NotVouched)."""
+    if reply.get("error") == NotVouched.code:
+        refused[node] = str(reply.get("message") or "")
+
+
+def _refusals(refused: dict[str, str]) -> str:
+    return "; ".join(
+        f"node {node!r} refused: {NotVouched.code}: {why}" for node, why in sorted(refused.items())
+    )
 
 
 def _describe(exc: BaseException) -> str:

@@ -2,12 +2,17 @@
 
 A request a node cannot answer from its own runner (a session another node
 owns, ``spawn --node``) is forwarded over NATS to the owner, on the owner's
-own subject prefix::
+own subject prefix, with the sending node's name in it::
 
-    sage.fleet.<node>.request.<verb>[.<sid>]    a Forwarded request, answered in
+    sage.fleet.<node>.request.<origin>.<verb>[.<sid>]
+                                                a Forwarded request, answered in
                                                 the runner's reply shape
     sage.fleet.<node>.event.<sid>.<name>        a ForwardedEvent: each session
                                                 event of the node's sessions
+
+The ``<origin>`` token is what the NATS server proves: a node's user may
+publish requests only with its own name there (sage/fleet/permissions.py), so
+the receiver takes the sending node from the subject, never from the payload.
 
 The session registry (the ``sage_sessions`` key-value bucket) maps a session
 id to a :class:`SessionEntry`.  Everything a subject is built from is checked
@@ -38,6 +43,7 @@ __all__ = (
     "Forwarded",
     "ForwardedEvent",
     "SessionEntry",
+    "approval_answer",
     "check_name",
     "decode_entry",
     "decode_event",
@@ -86,28 +92,30 @@ def check_name(value: str, what: str) -> str:
     return value
 
 
-def request_subject(node: str, verb: str, sid: str | None = None) -> str:
-    check_name(node, "node")
+def request_subject(node: str, origin: str, verb: str, sid: str | None = None) -> str:
+    """The subject of a request ``origin`` forwards to ``node``."""
+    prefix = f"sage.fleet.{check_name(node, 'node')}.request.{check_name(origin, 'node')}"
     if verb in KEYED_VERBS:
         if sid is None:
             raise BadRoute(f"{verb} names a session or an approval")
-        return f"sage.fleet.{node}.request.{verb}.{check_name(sid, 'session id')}"
+        return f"{prefix}.{verb}.{check_name(sid, 'session id')}"
     if verb in NODE_VERBS and sid is None:
-        return f"sage.fleet.{node}.request.{verb}"
+        return f"{prefix}.{verb}"
     raise BadRoute(f"no fleet request {verb!r}")
 
 
-def parse_request_subject(node: str, subject: str) -> tuple[str, str | None]:
-    """``(verb, sid)`` of a request on ``node``'s own prefix; BadRoute for anything else
-    (another node's prefix, an unknown verb, a bad session id)."""
+def parse_request_subject(node: str, subject: str) -> tuple[str, str, str | None]:
+    """``(origin, verb, sid)`` of a request on ``node``'s own prefix; BadRoute for
+    anything else (another node's prefix, no origin, an unknown verb, a bad session id).
+    The origin is the server's word: a node may publish only its own there."""
     parts = subject.split(".")
-    if parts[:4] != ["sage", "fleet", node, "request"] or len(parts) not in (5, 6):
+    if parts[:4] != ["sage", "fleet", node, "request"] or len(parts) not in (6, 7):
         raise BadRoute(f"not a request for node {node!r}: {subject!r}")
-    verb = parts[4]
-    sid = parts[5] if len(parts) == 6 else None
-    if request_subject(node, verb, sid) != subject:  # checks the verb and the id
+    origin, verb = parts[4], parts[5]
+    sid = parts[6] if len(parts) == 7 else None
+    if request_subject(node, origin, verb, sid) != subject:  # checks every token
         raise BadRoute(f"not a request subject: {subject!r}")
-    return verb, sid
+    return origin, verb, sid
 
 
 def event_subject(node: str, sid: str, name: str) -> str:
@@ -128,13 +136,14 @@ def parse_event_subject(subject: str) -> tuple[str, str, str]:
 
 
 class Forwarded(msgspec.Struct, frozen=True, kw_only=True):
-    """A request one node forwards to another.
+    """A request one node forwards to another (the sending node is in the subject).
 
     ``principal`` is the one the sending node's bus established for the caller
     (SO_PEERCRED there; ``None``: an admin of that node), never a field the
-    caller wrote: the router takes it from the local envelope."""
+    caller wrote: the router takes it from the local envelope.  The receiver
+    takes the sending node from the subject, which the NATS server proves, and
+    the principal only if that node may vouch for it (sage/fleet/vouching.py)."""
 
-    origin: str
     principal: str | None
     payload: msgspec.Raw = msgspec.Raw(b"{}")
 
@@ -173,7 +182,6 @@ def decode_forwarded(data: bytes) -> Forwarded:
         forwarded = msgspec.json.decode(data, type=Forwarded)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise BadRoute(f"not a forwarded request: {exc}") from None
-    check_name(forwarded.origin, "node")
     if forwarded.principal is not None:
         check_name(forwarded.principal, "principal")
     return forwarded
@@ -226,3 +234,20 @@ def row_of(sid: str, entry: SessionEntry, state: str) -> dict[str, Any]:
         "node": entry.node,
         "started_at": entry.at,
     }
+
+
+def approval_answer(answers: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Which of the nodes' replies to an ``approve`` asked of them all is the answer: the
+    holder's (its success, or its own refusal), else one of a node that could not be
+    asked (it may hold it), else one of a node that does not take the caller's
+    principal; None when every node said it holds no such approval.  Replies come in
+    the order the nodes answered: a fast refusal must not hide the holder's answer."""
+    quiet = ("unknown_approval", "fleet_unavailable", "principal_not_authenticated")
+    for reply in answers:
+        if reply.get("error") not in quiet:  # a success has none
+            return reply
+    for code in quiet[1:]:
+        for reply in answers:
+            if reply.get("error") == code:
+                return reply
+    return None

@@ -15,13 +15,18 @@ is capsules/tools/fleet.py and bridge.py); it runs only with ``[fleet]``.
   lost or stopped node's tools leave at the next heartbeat.
 - **Forwarding.** The bridge asks ``sage.v1.tool.forward``
   ``{node, deadline, call}``; the node sends it over NATS request/reply to
-  ``sage.fleet.<node>.tool.call`` and answers the MCP result, or an
+  ``sage.fleet.<node>.tool.call.<self>`` (the server lets a node publish only its
+  own name there) and answers the MCP result, or an
   ``isError`` result saying why not (NATS not connected, no such node
   answering, no answer within the deadline): never a hang.
-- **Serving.** Calls on its own ``sage.fleet.<self>.tool.call`` are handed to
-  the bridge as ``sage.v1.tool.remote`` ``{from_node, call}`` and its answer
-  goes back as the NATS reply.  The principal and session are node a's claim:
-  b's own checks, policy and audit still apply (docs/security.md).
+- **Serving.** Calls on its own ``sage.fleet.<self>.tool.call.<origin>`` are
+  handed to the bridge as ``sage.v1.tool.remote`` ``{from_node, call}`` (the
+  origin from the subject, never the payload) and its answer goes back as the
+  NATS reply.  The principal is taken only if the origin may vouch for it
+  (sage/fleet/vouching.py; else the call is refused with an ``isError`` result
+  ``principal_not_authenticated`` and audited ``fleet_principal_rejected``); the
+  session is the origin's claim; b's own checks, policy and audit still apply
+  (docs/security.md).
 
 Only the bridge's ``capsule:tools`` may ask a forward; node names are checked
 before any subject is built.
@@ -43,7 +48,8 @@ from bus import Bus, BusError, Envelope, Identity, NoResponders, Subscription
 from sage.config import NAME_PATTERN
 from sage.fleet.member import FleetMember
 from sage.fleet.nodes import NodeState
-from sage.fleet.permissions import TOOLS_BUCKET, call_subject
+from sage.fleet.permissions import TOOLS_BUCKET, call_subject, parse_call_subject
+from sage.fleet.vouching import NotVouched, VouchedPrincipals
 
 if TYPE_CHECKING:
     from nats.aio.msg import Msg
@@ -162,6 +168,9 @@ class FleetTools:
         self._listening = False
         self._remote: dict[str, list[dict[str, Any]]] | None = None
         self._rounds = 0
+        self.vouched = VouchedPrincipals(
+            member.record_of, member.config.peers, ttl=member.config.heartbeat
+        )
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
         """Subscribe on the local bus, then start; runs until cancelled."""
@@ -301,12 +310,13 @@ class FleetTools:
             return error_result(f"cannot forward to node {str(node)[:64]!r}")
         if not self.member.connected:
             return error_result(f"node {node} cannot be reached: NATS is not connected")
-        data = msgspec.json.encode({"from_node": self.node, "call": call})
+        data = msgspec.json.encode({"call": call})
         from nats.errors import NoRespondersError
 
         nc = self.member.nats
+        subject = call_subject(node, self.node)
         try:
-            msg = await nc.request(call_subject(node), data, timeout=deadline + REMOTE_SLACK)
+            msg = await nc.request(subject, data, timeout=deadline + REMOTE_SLACK)
         except NoRespondersError:
             return error_result(f"node {node} does not answer tool calls (lost or stopped?)")
         except TimeoutError:
@@ -325,7 +335,7 @@ class FleetTools:
     async def _serve_calls(self, tg: anyio.abc.TaskGroup) -> None:
         while True:  # a subscription refused now (a closed connection) is asked again
             try:
-                sub = await self.member._nc.subscribe(call_subject(self.node))
+                sub = await self.member._nc.subscribe(call_subject(self.node, "*"))
                 break
             except Exception as exc:
                 log.warning("fleet.calls_unserved", node=self.node, error=str(exc)[:300])
@@ -340,7 +350,8 @@ class FleetTools:
     async def _serve_call(self, msg: Msg) -> None:
         if not msg.reply:
             return
-        result = await self.run_remote(msg.data)
+        origin = parse_call_subject(self.node, msg.subject)
+        result = await self.run_remote(origin, msg.data)
         try:
             await msg.respond(msgspec.json.encode(result))
         except Exception as exc:  # too big for NATS, or the connection went
@@ -348,15 +359,20 @@ class FleetTools:
             with contextlib.suppress(Exception):
                 await msg.respond(msgspec.json.encode(error_result(f"answer not sent: {exc}")))
 
-    async def run_remote(self, data: bytes) -> Any:
-        """Hand another node's call to the local bridge, and its answer back."""
+    async def run_remote(self, from_node: str | None, data: bytes) -> Any:
+        """Hand node ``from_node``'s call (the origin the server proved, from the
+        subject) to the local bridge, and its answer back, if that node may act for the
+        call's principal here."""
         try:
-            request = msgspec.json.decode(data)
-            from_node, call = request["from_node"], request["call"]
+            call = msgspec.json.decode(data)["call"]
         except (msgspec.DecodeError, KeyError, TypeError) as exc:
             return error_result(f"bad tool call from the fleet: {exc}")
         if not valid_node(from_node) or not isinstance(call, dict):
-            return error_result("bad tool call from the fleet: from_node or call")
+            return error_result("bad tool call from the fleet: origin or call")
+        assert from_node is not None
+        refused = await self._vouched(from_node, call)
+        if refused is not None:
+            return refused
         deadline = self.execute_deadline() + REMOTE_SLACK
         try:
             reply = await self.bus.request(
@@ -370,3 +386,34 @@ class FleetTools:
             return error_result(f"node {self.node} could not run the tool: {exc}")
         except msgspec.DecodeError:
             return error_result(f"node {self.node}'s bridge sent a bad answer")
+
+    async def _vouched(self, origin: str, call: dict[str, Any]) -> dict[str, Any] | None:
+        """None if ``origin`` may act for the call's principal here; else the error
+        result to answer (a refusal is audited, without the call's arguments)."""
+        principal = call.get("principal_id")
+        if principal is not None and not isinstance(principal, str):
+            return error_result("bad tool call from the fleet: principal_id")
+        try:
+            with anyio.fail_after(max(1.0, self.member.config.heartbeat * 2)):
+                await self.vouched.check(origin, principal)
+        except NotVouched as exc:
+            tool = call.get("tool_name")
+            session = call.get("session_id")
+            refused = {
+                "origin": origin,
+                "principal_id": principal[:64] if principal is not None else None,
+                "verb": "tool.call",
+                "tool_name": tool[:128] if isinstance(tool, str) else None,
+                "session_id": session[:64] if isinstance(session, str) else None,
+                "subject": call_subject(self.node, origin),
+                "reason": str(exc),
+            }
+            log.warning("fleet.principal_rejected", **refused)
+            with contextlib.suppress(BusError):
+                self.bus.publish(self.identity, "sage.v1.audit.fleet_principal_rejected", refused)
+            return error_result(f"{exc.code}: {exc}")
+        except Exception as exc:  # the node bucket cannot be read now
+            return error_result(
+                f"node {self.node} cannot check node {origin}'s principals now: {str(exc)[:300]}"
+            )
+        return None

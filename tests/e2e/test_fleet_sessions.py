@@ -25,6 +25,8 @@ def _config(claude_bin: Path, standin: Standin, cluster: NatsCluster, node: str)
         f'[fleet]\nurl = [{urls}]\nnode = "{node}"\n'
         f'password_file = "{cluster.password_file(node)}"\n'
         "heartbeat = 0.5\nlost_after = 2.0\nconnect_timeout = 5.0\nreplicas = 1\n"
+        # the test's commands are an admin's (no --principal): b's admins are a's
+        '[fleet.peers.b]\nadmins = true\nprincipals = ["alice"]\n'
     )
     return sage_config(
         claude_bin,

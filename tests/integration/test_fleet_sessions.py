@@ -41,12 +41,23 @@ def fleet_section(cluster: NatsCluster, node: str) -> str:
     )
 
 
-ALICE_UID, BOB_UID = 65533, 65534
+ALICE_UID, BOB_UID, CAROL_UID, DAVE_UID = 65533, 65534, 65532, 65531
+
+EXTRA = {
+    # a: carol is a's alone; b may vouch for alice and bob only (not dave, whom b
+    # declares too); c's admins are admins here
+    "a": (
+        '[fleet.peers.b]\nprincipals = ["alice", "bob"]\n[fleet.peers.c]\nadmins = true\n'
+        f'[[principals]]\nname = "carol"\nuids = [{CAROL_UID}]\noperator_key = true\n'
+        f'[[principals]]\nname = "dave"\nuids = [{DAVE_UID}]\noperator_key = true\n'
+    ),
+    "b": f'[[principals]]\nname = "dave"\nuids = [{DAVE_UID}]\noperator_key = true\n',
+}
 
 
 def node_config(cluster: NatsCluster, node: str) -> str:
     """The runner with the double; principals alice and bob, each a uid of its own (the
-    test, an admin, acts for either with --principal)."""
+    test, an admin, acts for either with --principal); a and b have more (EXTRA)."""
     return (
         'capsules = ["runner"]\n'
         f'[claude]\nbinary = "{FAKE_CLAUDE}"\nenv = {{ FAKE_CLAUDE_MODE = "" }}\n'
@@ -54,6 +65,7 @@ def node_config(cluster: NatsCluster, node: str) -> str:
         + fleet_section(cluster, node)
         + f'[[principals]]\nname = "alice"\nuids = [{ALICE_UID}]\noperator_key = true\n'
         + f'[[principals]]\nname = "bob"\nuids = [{BOB_UID}]\noperator_key = true\n'
+        + EXTRA.get(node, "")
     )
 
 
@@ -324,8 +336,8 @@ def test_a_node_may_not_publish_on_a_peer_it_was_not_given(
             allow_reconnect=False,
         )
         try:
-            payload = json.dumps({"origin": "b", "principal": None, "payload": {}}).encode()
-            await nc.publish("sage.fleet.a.request.stop.s2", payload, reply="_INBOX.d.x")
+            payload = json.dumps({"principal": None, "payload": {}}).encode()
+            await nc.publish("sage.fleet.a.request.d.stop.s2", payload, reply="_INBOX.d.x")
             await nc.subscribe("sage.fleet.a.request.>")
             await nc.flush()
             await anyio.sleep(0.5)
@@ -347,6 +359,137 @@ def test_a_node_may_not_publish_on_a_peer_it_was_not_given(
     ok_json(daemons["a"], "sage", "stop", "s2")
 
 
+def test_a_node_may_not_name_another_as_the_origin(
+    fleet: tuple[NatsCluster, dict[str, Daemon]],
+) -> None:
+    """NATS user b publishes a request to a with c in the origin token: the server
+    refuses it (b may publish only its own name there) and a never sees it; the same
+    request with its own name reaches a."""
+    cluster, daemons = fleet
+    a = daemons["a"]
+    ok_json(a, "sage", "spawn", "alice", "--session", "s11")
+    errors: list[str] = []
+
+    async def main() -> dict[str, Any]:
+        from nats.aio.client import Client
+
+        async def on_error(exc: Exception) -> None:
+            errors.append(str(exc))
+
+        nc = Client()
+        await nc.connect(
+            servers=cluster.urls,
+            user="b",
+            password=cluster.passwords["b"],
+            inbox_prefix="_INBOX.b",
+            error_cb=on_error,
+            allow_reconnect=False,
+        )
+        try:
+            payload = json.dumps({"principal": "alice", "payload": {}}).encode()
+            await nc.publish("sage.fleet.a.request.c.session.s11", payload, reply="_INBOX.b.x")
+            await nc.flush()
+            await anyio.sleep(0.5)
+            own = await nc.request("sage.fleet.a.request.b.session.s11", payload, timeout=5.0)
+            answer: dict[str, Any] = json.loads(own.data)
+            return answer
+        finally:
+            await nc.close()
+
+    answer = anyio.run(main)
+    assert any(
+        "permissions violation for publish" in e.lower() and "sage.fleet.a.request.c." in e
+        for e in errors
+    ), errors
+    assert answer["ok"] is True, answer  # b's own name: a answers
+    forwarded = [line for line in a.log().splitlines() if '"fleet.forwarded_in"' in line]
+    assert not [line for line in forwarded if '"origin": "c"' in line and '"s11"' in line]
+    assert [line for line in forwarded if '"origin": "b"' in line and '"s11"' in line]
+    ok_json(a, "sage", "stop", "s11")
+
+
+def raw_node_request(cluster: NatsCluster, node: str, subject: str, principal: str | None) -> Any:
+    """One forwarded request as NATS user ``node`` would publish it (no supervisor), its
+    answer."""
+
+    async def main() -> Any:
+        from nats.aio.client import Client
+
+        nc = Client()
+        await nc.connect(
+            servers=cluster.urls,
+            user=node,
+            password=cluster.passwords[node],
+            inbox_prefix=f"_INBOX.{node}",
+            allow_reconnect=False,
+        )
+        try:
+            payload = json.dumps({"principal": principal, "payload": {}}).encode()
+            return json.loads((await nc.request(subject, payload, timeout=5.0)).data)
+        finally:
+            await nc.close()
+
+    return anyio.run(main)
+
+
+def test_a_node_may_act_only_for_the_principals_it_authenticates(
+    fleet: tuple[NatsCluster, dict[str, Daemon]],
+) -> None:
+    """Node b claiming carol (a's principal, not among b's): refused and audited on a.
+    dave, whom b declares but a's [fleet.peers.b] does not pin: refused. An admin on b:
+    refused (its listing says so); an admin on c ([fleet.peers.c] admins = true): taken."""
+    cluster, daemons = fleet
+    a, b, c = daemons["a"], daemons["b"], daemons["c"]
+    ok_json(a, "sage", "spawn", "carol", "--session", "s12", principal="carol")
+    ok_json(a, "sage", "spawn", "dave", "--session", "s13", principal="dave")
+
+    def registered() -> bool:  # c's admins may list a's sessions (admins = true there)
+        listing = c.astrid("sage", "sessions", "--json")
+        return {"s12", "s13"} <= {r["session_id"] for r in json.loads(listing.stdout or "[]")}
+
+    wait_for(registered, 5.0, "s12 and s13 in the registry")
+
+    # b's own user, with b's own name as the origin, claims carol: no
+    claimed = raw_node_request(cluster, "b", "sage.fleet.a.request.b.stop.s12", "carol")
+    assert claimed["error"] == "principal_not_authenticated", claimed
+    assert "node 'b' does not authenticate principal 'carol'" in claimed["message"]
+    # b declares dave, but a takes only alice and bob from b
+    pinned = astrid(b, "sage", "stop", "s13", principal="dave")
+    assert pinned.returncode == 1
+    assert "principal_not_authenticated" in pinned.stderr, pinned.stderr
+    assert "[fleet.peers.b] principals" in pinned.stderr
+    # an admin on b is not an admin on a
+    admin = b.astrid("sage", "stop", "s12")
+    assert admin.returncode == 1
+    assert "principal_not_authenticated" in admin.stderr, admin.stderr
+    assert "admins = true" in admin.stderr
+    listing = b.astrid("sage", "sessions")
+    assert listing.returncode == 0, listing.stderr
+    assert "node 'a' refused: principal_not_authenticated" in listing.stderr
+    assert all(r["state"] != "ended" for r in rows(a, principal="carol").values())
+    assert rows(a, principal="dave")["s13"]["state"] != "ended"
+
+    refused = audit_rows(a, "sage.v1.audit.fleet_principal_rejected")
+    seen = {(r["origin"], r["principal_id"], r["verb"], r["session_id"]) for r in refused}
+    assert {
+        ("b", "carol", "stop", "s12"),
+        ("b", "dave", "stop", "s13"),
+        ("b", None, "stop", "s12"),
+        ("b", None, "sessions", None),
+    } <= seen, seen
+    (row,) = [r for r in refused if r["principal_id"] == "carol"]
+    assert row["subject"] == "sage.fleet.a.request.b.stop.s12"
+    assert set(row) == {"origin", "principal_id", "verb", "session_id", "subject", "reason"}
+    # nothing was done for them: no forwarded request of b's is in a's chain for these
+    done = audit_rows(a, "sage.v1.audit.fleet_request")
+    assert not [r for r in done if r["session_id"] in ("s12", "s13") and r["origin"] == "b"]
+
+    # c's admins are a's admins: an admin on c stops carol's session
+    stopped = c.astrid("sage", "stop", "s12")
+    assert stopped.returncode == 0, stopped.stderr
+    ok_json(a, "sage", "stop", "s13", principal="dave")
+
+
 ASK = '/fault ask mcp__sage__greet {"name":"Ada"}'
 
 
@@ -358,9 +501,10 @@ def test_an_approval_is_answered_from_another_node(
     fleet: tuple[NatsCluster, dict[str, Daemon]],
 ) -> None:
     """A tool call of a session on a waits (send --approve ask on a); b lists it with its
-    node and approves it; bob on b cannot."""
+    node; bob on b cannot approve it; an admin on c does (a takes c's admins), though b,
+    which does not, may refuse c first."""
     _, daemons = fleet
-    a, b = daemons["a"], daemons["b"]
+    a, b, c = daemons["a"], daemons["b"], daemons["c"]
     ok_json(a, "sage", "spawn", "alice", "--session", "s8")
     send = subprocess.Popen(
         [*ASTRID, "sage", "send", "s8", ASK, "--approve", "ask", *alice_on(a)],
@@ -381,7 +525,7 @@ def test_an_approval_is_answered_from_another_node(
         refused = astrid(b, "sage", "approve", row["approval_id"], principal="bob")
         assert refused.returncode == 1
         assert "unknown_approval" in refused.stderr, refused.stderr
-        approved = astrid(b, "sage", "approve", row["approval_id"])
+        approved = c.astrid("sage", "approve", row["approval_id"])
         assert approved.returncode == 0, approved.stderr
         assert approved.stdout == "allowed: mcp__sage__greet in session s8\n"
         out, err = send.communicate(timeout=15)

@@ -94,13 +94,34 @@ async def call_greet(sage: Sage, sid: str, name: str) -> str:
     return text
 
 
+async def raw_call(cluster: NatsCluster, origin: str, node: str, principal: str | None) -> Any:
+    """greet of ``node`` called by NATS user ``origin`` as a node would, for ``principal``."""
+    import nats
+
+    nc = await nats.connect(
+        cluster.urls,
+        user=origin,
+        password=cluster.passwords[origin],
+        inbox_prefix=f"_INBOX.{origin}",
+        allow_reconnect=False,
+    )
+    try:
+        call = {"tool_name": "greet", "arguments": {"name": "Eve"}, "principal_id": principal}
+        data = msgspec.json.encode({"call": call})
+        msg = await nc.request(f"sage.fleet.{node}.tool.call.{origin}", data, timeout=5.0)
+        return msgspec.json.decode(msg.data)
+    finally:
+        await nc.close()
+
+
 @pytest.mark.anyio
 async def test_a_session_on_a_calls_a_tool_of_b_then_b_is_killed(
     fleet: tuple[NatsCluster, dict[str, Daemon]],
 ) -> None:
     """a's (and c's) catalogue lists b's greet with node b; a session on a calls it and
-    gets b's answer; b audits the execution for alice from a, a the forwarding to b; b
-    SIGKILLed: the next call is an error result at once, and greet leaves a's catalogue
+    gets b's answer; b audits the execution for alice from a, a the forwarding to b; c
+    calling it for a principal c does not authenticate, or as an admin, is refused and
+    audited on b; b SIGKILLed: the next call is an error result at once, and greet leaves a's catalogue
     once b is lost."""
     _, daemons = fleet
     a, b, c = daemons["a"], daemons["b"], daemons["c"]
@@ -126,6 +147,22 @@ async def test_a_session_on_a_calls_a_tool_of_b_then_b_is_killed(
         assert forwarded["principal_id"] == "alice"
         assert forwarded["is_error"] is False
 
+        # NATS user c (its own name as the origin) calls b's greet for a principal c
+        # does not authenticate, then as an admin: refused, audited on b, never run
+        cluster, _ = fleet
+        for principal in ("mallory", None):
+            refused = await raw_call(cluster, "c", "b", principal)
+            assert refused["isError"] is True
+            assert refused["content"][0]["text"].startswith("principal_not_authenticated: ")
+        rejected = audit(b, "fleet_principal_rejected")
+        assert [(r["origin"], r["principal_id"], r["tool_name"]) for r in rejected] == [
+            ("c", "mallory", "greet"),
+            ("c", None, "greet"),
+        ]
+        assert rejected[0]["subject"] == "sage.fleet.b.tool.call.c"
+        assert "arguments" not in rejected[0]
+        assert not [r for r in audit(b, "tool_call") if r.get("from_node") == "c"]
+
         b.signal(signal.SIGKILL)
         t0 = time.monotonic()
         text = await call_greet(sage, "s2", "Bob")
@@ -141,8 +178,9 @@ async def test_a_session_on_a_calls_a_tool_of_b_then_b_is_killed(
 
 
 def test_a_node_cannot_forge_another_nodes_catalogue_or_take_its_calls() -> None:
-    """NATS refuses node a a put of b's key in sage_tools and a subscription to b's
-    call subject, and a call to its own subject; a's own key is put."""
+    """NATS refuses node a a put of b's key in sage_tools, a subscription to b's
+    call subjects, a call to its own, and a call to b naming c as the origin; a's own
+    key is put."""
     import nats
     from nats.errors import Error as NatsError
 
@@ -169,13 +207,16 @@ def test_a_node_cannot_forge_another_nodes_catalogue_or_take_its_calls() -> None
                 with pytest.raises((NatsError, TimeoutError)):
                     await kv.put("b", forged)
                 await kv.put("a", msgspec.json.encode({"node": "a", "tools": []}))
-                await nc.subscribe("sage.fleet.b.tool.call")
+                await nc.subscribe("sage.fleet.b.tool.call.*")
                 with pytest.raises(TimeoutError):  # refused: no "no responders" either
-                    await nc.request("sage.fleet.a.tool.call", b"{}", timeout=1.0)
+                    await nc.request("sage.fleet.a.tool.call.a", b"{}", timeout=1.0)
+                with pytest.raises(TimeoutError):  # another node's name as the origin
+                    await nc.request("sage.fleet.b.tool.call.c", b"{}", timeout=1.0)
                 await nc.flush()
                 await anyio.sleep(0.3)
-                assert any("subscription" in e and "sage.fleet.b.tool.call" in e for e in errors)
-                assert any("publish" in e and "sage.fleet.a.tool.call" in e for e in errors)
+                assert any("subscription" in e and "sage.fleet.b.tool.call.*" in e for e in errors)
+                assert any("publish" in e and "sage.fleet.a.tool.call.a" in e for e in errors)
+                assert any("publish" in e and "sage.fleet.b.tool.call.c" in e for e in errors)
             finally:
                 await nc.close()
 

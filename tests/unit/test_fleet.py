@@ -252,9 +252,10 @@ def test_a_node_may_publish_its_own_key_only() -> None:
         "sage.fleet.a.request.>",  # its own requests only
         "sage.fleet.*.event.>",
         "sage.fleet.a.audit.verify",
-        "sage.fleet.a.tool.call",  # its own tool calls only
+        "sage.fleet.a.tool.call.*",  # its own tool calls only
     ]
-    assert "sage.fleet.*.request.>" in publish
+    # requests and tool calls carry its own name as the origin, never another's
+    assert [p for p in publish if ".request." in p] == ["sage.fleet.*.request.a.>"]
     assert "sage.fleet.a.event.>" in publish  # its own sessions' events only
     assert not any(
         p.startswith("sage.fleet.") and ".event." in p and p != "sage.fleet.a.event.>"
@@ -263,13 +264,14 @@ def test_a_node_may_publish_its_own_key_only() -> None:
     assert perms["allow_responses"] is True
     assert "$KV.sage_tools.a" in publish
     assert not any(p.startswith("$KV.sage_tools.") and p != "$KV.sage_tools.a" for p in publish)
-    assert [p for p in publish if p.endswith(".tool.call")] == ["sage.fleet.*.tool.call"]
-    assert perms["publish"]["deny"] == ["sage.fleet.a.tool.call"]
+    assert [p for p in publish if ".tool.call" in p] == ["sage.fleet.*.tool.call.a"]
+    assert perms["publish"]["deny"] == ["sage.fleet.a.tool.call.*"]
 
 
 def test_peers_bound_where_a_node_may_forward() -> None:
     publish = node_permissions("a", ["b", "a"])["publish"]["allow"]
-    assert [p for p in publish if ".request." in p] == ["sage.fleet.b.request.>"]
+    assert [p for p in publish if ".request." in p] == ["sage.fleet.b.request.a.>"]
+    assert [p for p in publish if ".tool.call" in p] == ["sage.fleet.b.tool.call.a"]
 
 
 def test_the_server_block_carries_no_password(capsys: pytest.CaptureFixture[str]) -> None:

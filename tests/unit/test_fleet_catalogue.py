@@ -11,6 +11,7 @@ import pytest
 from bus import Bus, Identity
 from capsules.tools.fleet import MAX_REMOTE_TOOLS, FleetCatalogue
 from sage.fleet.member import FleetMember
+from sage.fleet.nodes import NodeRecord
 from sage.fleet.tools import (
     MAX_CATALOGUE,
     FleetTools,
@@ -125,7 +126,7 @@ def test_node_names_that_are_not_one_subject_token_are_refused(name: str) -> Non
 @pytest.mark.parametrize("node", ["*", "b.>", "a"])
 async def test_a_forward_to_a_bad_node_or_itself_is_an_error_result(node: str) -> None:
     """A wildcard node, or this node, is answered isError before any NATS subject."""
-    member = cast(FleetMember, SimpleNamespace(node="a"))
+    member = _member("a")
     fleet = FleetTools(member, Bus(), Identity("supervisor"), lambda: 5.0)
     request = {"node": node, "deadline": 1.0, "call": {"tool_name": "greet"}}
     result = await fleet.forward(msgspec.json.encode(request))
@@ -136,7 +137,7 @@ async def test_a_forward_to_a_bad_node_or_itself_is_an_error_result(node: str) -
 @pytest.mark.anyio
 async def test_a_forward_while_nats_is_down_is_an_error_result_at_once() -> None:
     """Not connected: isError naming the node and the cause, without waiting."""
-    member = cast(FleetMember, SimpleNamespace(node="a", connected=False))
+    member = _member("a", connected=False)
     fleet = FleetTools(member, Bus(), Identity("supervisor"), lambda: 5.0)
     request = {"node": "b", "deadline": 30.0, "call": {"tool_name": "greet"}}
     result = await fleet.forward(msgspec.json.encode(request))
@@ -162,11 +163,39 @@ def test_on_a_single_host_a_clash_row_is_as_before() -> None:
     assert catalogue.clashes() == [{"name": "hello", "capsule": "other", "owner": "mine"}]
 
 
+def _member(
+    node: str, *, connected: bool = True, declared: dict[str, tuple[str, ...]] | None = None
+) -> FleetMember:
+    """A member whose node bucket holds a record for each of ``declared`` (node -> the
+    principals it declares; default: node a declares alice)."""
+    records = {"a": ("alice",)} if declared is None else declared
+
+    async def record_of(name: str) -> NodeRecord | None:
+        if name not in records:
+            return None
+        return NodeRecord(
+            node=name,
+            host="h",
+            pid=1,
+            started_at=0.0,
+            heartbeat_at=0.0,
+            heartbeat=1.0,
+            principals=records[name],
+        )
+
+    config = SimpleNamespace(peers={}, heartbeat=1.0)
+    return cast(
+        FleetMember,
+        SimpleNamespace(node=node, connected=connected, config=config, record_of=record_of),
+    )
+
+
 class _Msg:
     """A NATS message whose server takes at most ``limit`` bytes (its max_payload)."""
 
-    def __init__(self, data: bytes, limit: int) -> None:
+    def __init__(self, data: bytes, limit: int, subject: str = "sage.fleet.b.tool.call.a") -> None:
         self.data = data
+        self.subject = subject
         self.reply = "_INBOX.a.1"
         self.limit = limit
         self.sent: list[bytes] = []
@@ -185,11 +214,11 @@ async def test_an_answer_too_big_for_nats_is_an_error_result_instead() -> None:
     bus = Bus()
     supervisor = Identity("supervisor")
     bridge = Identity("capsule:tools")
-    member = cast(FleetMember, SimpleNamespace(node="b", connected=True))
+    member = _member("b")
     fleet = FleetTools(member, bus, supervisor, lambda: 5.0)
     calls = bus.subscribe("sage.v1.tool.remote", bridge)
     call = {"from_node": "a", "call": {"tool_name": "greet", "principal_id": "alice"}}
-    msg = _Msg(msgspec.json.encode(call), 512 * 1024)
+    msg = _Msg(msgspec.json.encode({"call": call["call"]}), 512 * 1024)
     big = {"content": [{"type": "text", "text": "x" * 600_000}], "isError": False}
     async with anyio.create_task_group() as tg:
         tg.start_soon(fleet._serve_call, cast(Any, msg))
@@ -217,3 +246,71 @@ def test_tools_list_names_the_nodes_of_a_clash(capsys: pytest.CaptureFixture[str
         "clash: tool 't' of capsule x on node c is not offered: capsule y on node b has that name",
         "clash: tool 'u' of capsule p is not offered: capsule q has that name",
     ]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("subject", "principal", "why"),
+    [
+        ("sage.fleet.b.tool.call.a", "mallory", "does not authenticate principal 'mallory'"),
+        ("sage.fleet.b.tool.call.a", None, "admin"),
+        ("sage.fleet.b.tool.call.c", "alice", "no heartbeat record"),
+    ],
+)
+async def test_a_tool_call_for_a_principal_its_node_did_not_vouch_for_is_refused(
+    subject: str, principal: str | None, why: str
+) -> None:
+    """The origin is the subject's (a payload's from_node is ignored); a principal that
+    node's record does not declare, an admin, or a node with no record: isError
+    principal_not_authenticated, the bridge never asked, one audit row without the
+    arguments."""
+    import anyio
+
+    bus = Bus()
+    fleet = FleetTools(_member("b"), bus, Identity("supervisor"), lambda: 5.0)
+    calls = bus.subscribe("sage.v1.tool.remote", Identity("capsule:tools"))
+    audit = bus.subscribe("sage.v1.audit.>", Identity("audit"))
+    call = {"tool_name": "greet", "arguments": {"secret": "x"}, "principal_id": principal}
+    msg = _Msg(msgspec.json.encode({"from_node": "a", "call": call}), 1 << 20, subject)
+    await fleet._serve_call(cast(Any, msg))
+    (sent,) = msg.sent
+    result = msgspec.json.decode(sent)
+    assert result["isError"] is True
+    text = result["content"][0]["text"]
+    assert text.startswith("principal_not_authenticated: "), text
+    assert why in text
+    with anyio.fail_after(1):
+        row = await audit.get()
+    assert row.topic == "sage.v1.audit.fleet_principal_rejected"
+    origin = subject.rsplit(".", 1)[1]
+    assert row.data() == {
+        "origin": origin,
+        "principal_id": principal,
+        "verb": "tool.call",
+        "tool_name": "greet",
+        "session_id": None,
+        "subject": subject,
+        "reason": text.removeprefix("principal_not_authenticated: "),
+    }
+    assert len(calls) == 0  # the bridge was never asked
+
+
+@pytest.mark.anyio
+async def test_a_tool_call_its_node_vouches_for_reaches_the_bridge_with_that_origin() -> None:
+    """From a for alice (a's record declares her): the bridge gets from_node a, whatever
+    the payload said."""
+    import anyio
+
+    bus = Bus()
+    fleet = FleetTools(_member("b"), bus, Identity("supervisor"), lambda: 5.0)
+    bridge = Identity("capsule:tools")
+    calls = bus.subscribe("sage.v1.tool.remote", bridge)
+    call = {"tool_name": "greet", "principal_id": "alice"}
+    msg = _Msg(msgspec.json.encode({"from_node": "c", "call": call}), 1 << 20)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(fleet._serve_call, cast(Any, msg))
+        request = await calls.get()
+        assert request.data() == {"from_node": "a", "call": call}
+        assert request.reply_to is not None
+        bus.reply(bridge, request.reply_to, {"content": [], "isError": False})
+    assert msgspec.json.decode(msg.sent[0]) == {"content": [], "isError": False}

@@ -7,6 +7,7 @@ import pytest
 from sage.fleet.routes import (
     BadRoute,
     Forwarded,
+    approval_answer,
     decode_entry,
     decode_forwarded,
     event_of,
@@ -21,20 +22,23 @@ from sage.fleet.routes import (
 BAD = ["*", ">", ".", "a.b", "a.*", "a.>", "", "a b", "x" * 65, "a\n"]
 
 
-def test_request_subjects_are_per_node() -> None:
-    assert request_subject("a", "send", "s1") == "sage.fleet.a.request.send.s1"
-    assert request_subject("a", "spawn") == "sage.fleet.a.request.spawn"
-    assert request_subject("a", "sessions") == "sage.fleet.a.request.sessions"
-    assert parse_request_subject("a", "sage.fleet.a.request.stop.s-1") == ("stop", "s-1")
-    assert parse_request_subject("a", "sage.fleet.a.request.spawn") == ("spawn", None)
+def test_request_subjects_are_per_node_and_name_the_origin() -> None:
+    """The target's prefix, then the sending node (what the server proves), verb, id."""
+    assert request_subject("a", "b", "send", "s1") == "sage.fleet.a.request.b.send.s1"
+    assert request_subject("a", "b", "spawn") == "sage.fleet.a.request.b.spawn"
+    assert request_subject("a", "c", "sessions") == "sage.fleet.a.request.c.sessions"
+    assert parse_request_subject("a", "sage.fleet.a.request.b.stop.s-1") == ("b", "stop", "s-1")
+    assert parse_request_subject("a", "sage.fleet.a.request.c.spawn") == ("c", "spawn", None)
 
 
 @pytest.mark.parametrize("bad", BAD)
 def test_wildcards_dots_and_junk_never_make_a_subject(bad: str) -> None:
     with pytest.raises(BadRoute):
-        request_subject("a", "send", bad)
+        request_subject("a", "b", "send", bad)
     with pytest.raises(BadRoute):
-        request_subject(bad, "spawn")
+        request_subject(bad, "b", "spawn")
+    with pytest.raises(BadRoute):
+        request_subject("a", bad, "spawn")
     with pytest.raises(BadRoute):
         event_subject("a", bad, "text")
     with pytest.raises(BadRoute):
@@ -46,11 +50,14 @@ def test_wildcards_dots_and_junk_never_make_a_subject(bad: str) -> None:
 @pytest.mark.parametrize(
     "subject",
     [
-        "sage.fleet.b.request.send.s1",  # another node's prefix
-        "sage.fleet.a.request.install",  # not a routed verb
-        "sage.fleet.a.request.send",  # a session verb without a session
-        "sage.fleet.a.request.spawn.s1",
-        "sage.fleet.a.request.send.s1.x",
+        "sage.fleet.b.request.c.send.s1",  # another node's prefix
+        "sage.fleet.a.request.b.install",  # not a routed verb
+        "sage.fleet.a.request.b.send",  # a session verb without a session
+        "sage.fleet.a.request.b.spawn.s1",
+        "sage.fleet.a.request.b.send.s1.x",
+        "sage.fleet.a.request.send.s1",  # no origin (the old subject)
+        "sage.fleet.a.request.spawn",
+        "sage.fleet.a.request.*.spawn",  # an origin that is not a name
         "sage.fleet.a.event.s1.text",
     ],
 )
@@ -60,12 +67,15 @@ def test_a_node_takes_requests_on_its_own_prefix_only(subject: str) -> None:
 
 
 def test_a_forwarded_request_is_checked() -> None:
-    good = Forwarded(origin="b", principal="alice").encode()
+    good = Forwarded(principal="alice").encode()
     assert decode_forwarded(good).principal == "alice"
+    # an origin in the payload is no one's word: the subject's is the one taken
+    assert decode_forwarded(b'{"origin": "c", "principal": "bob"}') == Forwarded(principal="bob")
+    assert b"origin" not in good
     for bad in (
         b"nope",
-        b'{"origin": "b.c", "principal": null}',
-        b'{"origin": "b", "principal": "*"}',
+        b'{"principal": "*"}',
+        b'{"principal": "a.b"}',
     ):
         with pytest.raises(BadRoute):
             decode_forwarded(bad)
@@ -80,3 +90,23 @@ def test_events_and_entries() -> None:
     assert decode_entry("s1", b'{"node": "a", "principal_id": "alice"}') is not None
     assert decode_entry("s1", b'{"node": "a.>", "principal_id": "alice"}') is None
     assert decode_entry("s1", b"garbage") is None
+
+
+def _error(code: str) -> dict[str, object]:
+    return {"ok": False, "error": code, "message": code}
+
+
+def test_the_holder_of_an_approval_answers_whoever_answered_first() -> None:
+    """A node that refused the caller's principal, or holds no such approval, answering
+    before the holder does not hide the holder's answer (success or its own error)."""
+    allowed = {"ok": True, "decision": "allow"}
+    refused = _error("principal_not_authenticated")
+    down = _error("fleet_unavailable")
+    unknown = _error("unknown_approval")
+    assert approval_answer([refused, unknown, allowed]) is allowed
+    not_yours = _error("not_authorized")
+    assert approval_answer([refused, down, not_yours]) is not_yours
+    assert approval_answer([unknown, refused, down]) is down  # it may be on the lost one
+    assert approval_answer([unknown, refused]) is refused  # why the caller got nothing
+    assert approval_answer([unknown, unknown]) is None
+    assert approval_answer([]) is None

@@ -1,0 +1,142 @@
+"""Which node may vouch for which principal: the check on forwarded requests and tool calls."""
+
+from __future__ import annotations
+
+import pytest
+
+from sage.config import FleetPeerConfig
+from sage.fleet.nodes import NodeRecord, decode_record
+from sage.fleet.vouching import NotVouched, VouchedPrincipals, check_vouched
+
+DECLARED = frozenset({"alice", "bob"})
+
+
+def test_a_principal_the_origin_declares_is_taken() -> None:
+    """No pin: whatever the origin's record declares."""
+    check_vouched("b", "alice", DECLARED, None)
+    check_vouched("b", "bob", DECLARED, FleetPeerConfig())
+
+
+@pytest.mark.parametrize(
+    ("principal", "declared", "pin", "why"),
+    [
+        ("carol", DECLARED, None, "node 'b' does not authenticate principal 'carol'"),
+        ("alice", frozenset(), None, "does not authenticate principal 'alice'"),
+        ("alice", None, None, "node 'b' has no heartbeat record here"),
+        ("bob", DECLARED, FleetPeerConfig(principals=["alice"]), "[fleet.peers.b] principals"),
+        ("alice", DECLARED, FleetPeerConfig(principals=[]), "[fleet.peers.b] principals"),
+        (None, DECLARED, None, "an admin's request"),
+        (None, DECLARED, FleetPeerConfig(principals=["alice"]), "admins = true"),
+    ],
+)
+def test_anything_else_is_principal_not_authenticated(
+    principal: str | None,
+    declared: frozenset[str] | None,
+    pin: FleetPeerConfig | None,
+    why: str,
+) -> None:
+    """Not declared, no record, outside the pin, or an admin without admins = true."""
+    with pytest.raises(NotVouched) as caught:
+        check_vouched("b", principal, declared, pin)
+    assert caught.value.code == "principal_not_authenticated"
+    assert why in str(caught.value)
+
+
+def test_a_pin_narrows_but_never_widens_the_record() -> None:
+    """A pinned principal the record does not declare is still refused; admins = true
+    takes the origin's admins whatever the record says."""
+    pin = FleetPeerConfig(principals=["alice", "carol"], admins=True)
+    check_vouched("b", "alice", DECLARED, pin)
+    with pytest.raises(NotVouched):
+        check_vouched("b", "carol", DECLARED, pin)
+    check_vouched("b", None, None, pin)
+
+
+def _record(node: str, *principals: str) -> NodeRecord:
+    return NodeRecord(
+        node=node,
+        host="h",
+        pid=1,
+        started_at=0.0,
+        heartbeat_at=0.0,
+        heartbeat=1.0,
+        principals=principals,
+    )
+
+
+def test_a_record_declares_its_principals_and_an_old_one_none() -> None:
+    """The field round-trips; a record written before it declares no principal."""
+    record = _record("b", "alice", "bob")
+    assert decode_record("b", record.encode()).principals == ("alice", "bob")
+    old = b'{"node":"b","host":"h","pid":1,"started_at":0,"heartbeat_at":0,"heartbeat":1}'
+    assert decode_record("b", old).principals == ()
+
+
+class _Bucket:
+    """The node bucket as the checker sees it, counting its reads."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, NodeRecord] = {}
+        self.reads = 0
+
+    async def read(self, node: str) -> NodeRecord | None:
+        self.reads += 1
+        return self.records.get(node)
+
+
+@pytest.mark.anyio
+async def test_records_are_read_once_while_fresh_and_again_for_a_new_principal() -> None:
+    """A taken principal costs no read while the record is fresh; one not held is read
+    again once reread_after has passed (just added on the origin), and a flood of
+    undeclared ones costs no more reads; past the ttl a removed one is refused."""
+    bucket = _Bucket()
+    now = [100.0]
+    vouched = VouchedPrincipals(bucket.read, {}, ttl=2.0, clock=lambda: now[0], reread_after=0.25)
+    bucket.records["b"] = _record("b", "alice")
+    await vouched.check("b", "alice")
+    await vouched.check("b", "alice")
+    assert bucket.reads == 1
+    for _ in range(100):
+        with pytest.raises(NotVouched):
+            await vouched.check("b", "bob")
+    assert bucket.reads == 1
+    bucket.records["b"] = _record("b", "alice", "bob")  # bob added on b
+    with pytest.raises(NotVouched):  # its record was read 0 s ago
+        await vouched.check("b", "bob")
+    now[0] += 0.3
+    await vouched.check("b", "bob")
+    assert bucket.reads == 2
+    bucket.records["b"] = _record("b", "bob")  # alice removed on b
+    await vouched.check("b", "alice")  # still held, within the ttl
+    now[0] += 2.5
+    with pytest.raises(NotVouched):
+        await vouched.check("b", "alice")
+    with pytest.raises(NotVouched, match="no heartbeat record"):
+        await vouched.check("c", "alice")
+
+
+@pytest.mark.anyio
+async def test_admins_and_pins_come_from_this_nodes_config() -> None:
+    """An admin needs admins = true (no read of the bucket); a pin bounds the record."""
+    bucket = _Bucket()
+    bucket.records["b"] = _record("b", "alice", "bob")
+    pins = {"b": FleetPeerConfig(principals=["alice"], admins=True)}
+    vouched = VouchedPrincipals(bucket.read, pins, ttl=2.0)
+    await vouched.check("b", None)
+    assert bucket.reads == 0
+    await vouched.check("b", "alice")
+    with pytest.raises(NotVouched, match=r"\[fleet.peers.b\] principals"):
+        await vouched.check("b", "bob")
+    with pytest.raises(NotVouched, match="admins = true"):
+        await VouchedPrincipals(bucket.read, {}, ttl=2.0).check("b", None)
+
+
+@pytest.mark.anyio
+async def test_a_bucket_that_cannot_be_read_is_not_a_refusal() -> None:
+    """The reader's error goes through (the caller answers fleet_unavailable, no audit)."""
+
+    async def broken(node: str) -> NodeRecord | None:
+        raise TimeoutError("nats: timeout")
+
+    with pytest.raises(TimeoutError):
+        await VouchedPrincipals(broken, {}, ttl=2.0).check("b", "alice")
