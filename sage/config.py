@@ -388,6 +388,10 @@ class FleetConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     replicas: Annotated[int, msgspec.Meta(ge=1, le=5)] = 1
     """Replicas of the ``sage_nodes`` bucket when this node creates it (3 in a 3-server
     cluster, so it survives the loss of a server); an existing bucket is used as it is."""
+    placement: Literal["local", "least_loaded"] = "local"
+    """Where a spawn without ``--node`` goes: ``local``, the node asked (as on one host);
+    ``least_loaded``, the live node with the smallest share of its live slots in use that
+    serves the principal (as ``--node any``; docs/fleet.md, "Placement")."""
 
     @property
     def urls(self) -> list[str]:
@@ -410,6 +414,8 @@ class FleetConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
             )
         if bool(self.cert) != bool(self.key):
             raise ValueError("fleet.cert and fleet.key: give both or neither")
+        if self.node == "any":
+            raise ValueError("fleet.node: 'any' is reserved (spawn --node any places a session)")
         if self.lost_after <= self.heartbeat:
             raise ValueError(
                 f"fleet.lost_after: {self.lost_after} s is not longer than fleet.heartbeat"

@@ -67,6 +67,9 @@ BUCKET_WAIT = 4
 """How many ``connect_timeout`` periods a start waits for JetStream to serve the bucket."""
 
 STATUS_TOPIC = "sage.v1.request.fleet.status"
+NO_PEERS_YET = 10005
+"""JetStream's "no suitable peers for placement": a cluster whose servers are still
+meeting (a bucket with replicas 3 while one is not yet known); asked again."""
 LEAVE_STEP = 1.0  # seconds the last record may take at stop, and then the close
 LOAD_WAIT = 1.0
 """Seconds a heartbeat waits for the node's load (at most half its interval)."""
@@ -442,11 +445,12 @@ async def _open_bucket(
     nc: Nats, config: FleetConfig, bucket: str = BUCKET
 ) -> tuple[JetStreamContext, KeyValue]:
     """Open (or create) the bucket.  JetStream that is not ready yet (a cluster that
-    just started or lost its leader: a timeout, no responders, unavailable) is asked
+    just started or lost its leader: a timeout, no responders, unavailable, no peers
+    yet for the replicas) is asked
     again for up to :data:`BUCKET_WAIT` x ``connect_timeout``; a refusal fails at once."""
     from nats.errors import Error as NatsError
     from nats.errors import NoRespondersError
-    from nats.js.errors import BucketNotFoundError, ServiceUnavailableError
+    from nats.js.errors import BadRequestError, BucketNotFoundError, ServiceUnavailableError
 
     js = nc.jetstream(timeout=max(1.0, min(5.0, config.connect_timeout)))
     waited = False
@@ -462,7 +466,14 @@ async def _open_bucket(
                         )
                         log.info("fleet.bucket_created", bucket=bucket, replicas=config.replicas)
                     break
-                except (TimeoutError, NoRespondersError, ServiceUnavailableError) as exc:
+                except (
+                    TimeoutError,
+                    NoRespondersError,
+                    ServiceUnavailableError,
+                    BadRequestError,
+                ) as exc:
+                    if isinstance(exc, BadRequestError) and exc.err_code != NO_PEERS_YET:
+                        raise
                     if not waited:
                         log.warning("fleet.jetstream_not_ready", error=_describe(exc))
                         waited = True

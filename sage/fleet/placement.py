@@ -25,7 +25,18 @@ import msgspec
 
 from sage.fleet.nodes import NodeState, NodeView
 
-__all__ = ("NODE_REFUSALS", "UNBOUNDED_SLOTS", "Passed", "Placement", "place", "refusal_text")
+__all__ = (
+    "ANY",
+    "NODE_REFUSALS",
+    "UNBOUNDED_SLOTS",
+    "Passed",
+    "Placement",
+    "place",
+    "refusal_text",
+)
+
+ANY = "any"
+"""``spawn --node any``: the fleet places the session (no node may be named so)."""
 
 UNBOUNDED_SLOTS = 100
 """The live slots a node without ``[sessions] max_live`` is taken to have when its load
@@ -76,7 +87,7 @@ def _share(view: NodeView) -> float:
 
 def _why_not(view: NodeView, principal: str) -> str | None:
     if view.state is not NodeState.LIVE:
-        return view.state.value
+        return str(view.state.value)
     load = view.load
     if load is None or view.principals is None:
         return "its load is unknown (an older node, or its runner did not answer)"
