@@ -1,8 +1,8 @@
 """Placement by load: three supervisors over a real 3-server NATS cluster, the CLI double.
 
-Node a has ``max_live = 2``, b ``max_live = 4``, both serve alice and bob; c has
-``max_live = 2``, serves bob only and places spawns without ``--node`` by load
-(``[fleet] placement = "least_loaded"``).  Busy sessions (a turn that hangs, so
+Node a has ``max_live = 2``, b ``max_live = 4`` and one session per principal at
+most, both serve alice and bob; c has ``max_live = 2``, serves bob only and places
+spawns without ``--node`` by load (``[fleet] placement = "least_loaded"``).  Busy sessions (a turn that hangs, so
 none is idle) set the loads; ``astrid sage spawn --node any`` is asked on c's
 socket.  A NATS user ``d`` with no supervisor writes a record claiming an absurd
 load.  The steps run in order on one fleet (the last kills b).
@@ -28,19 +28,19 @@ from tests.support.nats_cluster import NatsCluster, wait_for
 HEARTBEAT = 0.4
 LOST_AFTER = 1.5
 SETUP = {
-    "a": ("", 2, ["alice", "bob"]),
-    "b": ("", 4, ["alice", "bob"]),
-    "c": ('placement = "least_loaded"\n', 2, ["bob"]),
+    "a": ("", 2, ["alice", "bob"], ""),
+    "b": ("", 4, ["alice", "bob"], "max_logical_sessions_per_principal = 1\n"),
+    "c": ('placement = "least_loaded"\n', 2, ["bob"], ""),
 }
 
 
 def node_config(cluster: NatsCluster, node: str) -> str:
-    placement, max_live, principals = SETUP[node]
+    placement, max_live, principals, limits = SETUP[node]
     urls = ", ".join(f'"{url}"' for url in cluster.urls)
     return (
         'capsules = ["runner"]\n'
         f'[claude]\nbinary = "{FAKE_CLAUDE}"\nenv = {{ FAKE_CLAUDE_MODE = "" }}\n'
-        "[limits]\nstop_grace = 2.0\n"
+        f"[limits]\nstop_grace = 2.0\n{limits}"
         f"[sessions]\nmax_live = {max_live}\nwake_wait = 1.0\n"
         f'[fleet]\nurl = [{urls}]\nnode = "{node}"\n'
         f'password_file = "{cluster.password_file(node)}"\n'
@@ -160,8 +160,9 @@ def test_any_goes_to_the_least_loaded_node_that_serves_the_principal(
     fleet: tuple[NatsCluster, dict[str, Daemon]],
 ) -> None:
     """From c's socket (c serves no alice; an admin asks): alice's session goes to b
-    (0/4) before a (1/2); d's absurd record is never asked; bob's goes to c, the local
-    node, placed by [fleet] placement without --node."""
+    (0/4) before a (1/2), and d's absurd record is never asked; her next one is
+    refused by b (principal_limit), so a takes it; bob's goes to c (local, 0/2),
+    placed by [fleet] placement without --node."""
     cluster, daemons = fleet
     c = daemons["c"]
     wait_load(c, "a", live=1)
@@ -169,6 +170,13 @@ def test_any_goes_to_the_least_loaded_node_that_serves_the_principal(
     placed = as_admin(c, "sage", "spawn", "alice", "--node", "any")
     assert (placed["node"], placed["placed"], placed["refused"]) == ("b", True, [])
     assert status(c)["d"]["load"] is None  # shown live, its load unknown
+    wait_load(c, "b", live=1, idle=1)
+    second = as_admin(c, "sage", "spawn", "alice", "--node", "any", "--message", "/fault hang")
+    assert second["node"] == "a"
+    (refusal,) = second["refused"]
+    assert refusal["node"] == "b"
+    assert refusal["why"].startswith("principal_limit: principal 'alice' has 1 sessions"), refusal
+    wait_load(c, "a", live=2)
     human = astrid(c, "sage", "spawn", "bob", principal="bob")
     assert human.returncode == 0, human.stderr
     assert "astrid: placed on node c" in human.stderr
@@ -180,17 +188,17 @@ def test_any_goes_to_the_least_loaded_node_that_serves_the_principal(
 def test_a_lost_node_is_never_chosen_and_none_left_is_one_clear_error(
     fleet: tuple[NatsCluster, dict[str, Daemon]],
 ) -> None:
-    """b (the least loaded) killed: alice's next session goes to a, asking no other;
-    with a full too, the error names every node and why."""
+    """b (the least loaded, 1/4) killed: bob's next session goes to c (1/2), b never
+    asked; alice's (a full, b lost, c not hers, d unknown) is one error naming each."""
     _, daemons = fleet
-    a, b, c = daemons["a"], daemons["b"], daemons["c"]
+    b, c = daemons["b"], daemons["c"]
+    wait_load(c, "c", live=1, idle=1)
     b.signal(signal.SIGKILL)
     assert b.proc is not None
     b.proc.wait()
     wait_for(lambda: status(c)["b"]["state"] == "lost", LOST_AFTER + 5, "b lost")
-    placed = as_admin(c, "sage", "spawn", "alice", "--node", "any", "--message", "/fault hang")
-    assert (placed["node"], placed["refused"]) == ("a", [])
-    wait_load(c, "a", live=2)
+    placed = ok_json(c, "sage", "spawn", "bob", "--node", "any", principal="bob")
+    assert (placed["node"], placed["refused"]) == ("c", [])
     refused = c.astrid("sage", "spawn", "alice", "--node", "any")
     assert refused.returncode == 1
     assert refused.stderr.strip().splitlines()[-1] == (
@@ -199,4 +207,3 @@ def test_a_lost_node_is_never_chosen_and_none_left_is_one_clear_error(
         " d: its load is unknown (an older node, or its runner did not answer))"
     ), refused.stderr
     assert "Traceback" not in refused.stderr
-    assert status(a)["a"]["load"]["live"] == 2
