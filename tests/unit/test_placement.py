@@ -5,8 +5,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import anyio
 import pytest
 
+from bus import Bus, Identity
+from sage.config import decode_config
+from sage.errors import ConfigError
+from sage.fleet.member import runner_load
 from sage.fleet.nodes import NodeLoad, NodeState, NodeTable, NodeView, decode_record
 from sage.fleet.placement import Passed, place, refusal_text
 
@@ -196,3 +201,61 @@ def test_none_may_take_it_names_each_node_and_why() -> None:
         " b: it does not serve principal 'alice'; c: lost)"
     )
     assert "no node is known" in refusal_text("alice", [])
+
+
+# -- the knob, and the heartbeat's reading of the runner -------------------------------
+
+
+def test_placement_is_local_unless_the_config_says_least_loaded() -> None:
+    """[fleet] placement: "local" by default, "least_loaded" taken, anything else and a
+    node named "any" (reserved for spawn --node any) refused."""
+    base = '[fleet]\nurl = "nats://127.0.0.1:4222"\nnode = "a"\n'
+    fleet = decode_config(base).fleet
+    assert fleet is not None
+    assert fleet.placement == "local"
+    placed = decode_config(base + 'placement = "least_loaded"\n').fleet
+    assert placed is not None
+    assert placed.placement == "least_loaded"
+    with pytest.raises(ConfigError, match="placement"):
+        decode_config(base + 'placement = "random"\n')
+    with pytest.raises(ConfigError, match="reserved"):
+        decode_config(base.replace('"a"', '"any"'))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("answer", "expected"),
+    [
+        (
+            {"ok": True, "live": 3, "max_live": 8, "idle": 1, "hibernated": 2, "waiting": 0},
+            NodeLoad(live=3, max_live=8, idle=1, hibernated=2),
+        ),
+        ({"ok": True, "live": 3, "max_live": None, "idle": 0, "hibernated": 0}, NodeLoad(live=3)),
+        ({"ok": True, "live": -3, "max_live": 8, "idle": 0, "hibernated": 0}, None),
+        ({"ok": False, "error": "not_authorized", "message": "no"}, None),
+        (["not", "an", "object"], None),
+        (None, None),  # nobody answers: no responders
+    ],
+)
+async def test_the_heartbeat_reads_the_runners_slots_or_says_nothing(
+    answer: Any, expected: NodeLoad | None
+) -> None:
+    """runner_load over a real bus: the runner's answer as a NodeLoad; an error, an
+    absurd count, a non-object or no runner at all is None (the load left out)."""
+    bus = Bus()
+    runner, supervisor = Identity("runner"), Identity("supervisor")
+
+    requests = bus.subscribe("sage.v1.request.slots", runner) if answer is not None else None
+
+    async def answer_once() -> None:
+        assert requests is not None
+        async for request in requests:
+            assert request.principal is None  # asked as an admin
+            bus.reply(runner, request.reply_to or "", answer)
+            return
+
+    async with anyio.create_task_group() as tg:
+        if requests is not None:
+            tg.start_soon(answer_once)
+        assert await runner_load(bus, supervisor, deadline=1.0) == expected
+        tg.cancel_scope.cancel()
