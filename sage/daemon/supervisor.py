@@ -713,7 +713,7 @@ class Supervisor:
         """``sage.v1.request.fleet.status``: the nodes of the fleet (sage/fleet/)."""
         async for request in requests:
             if request.reply_to:
-                reply = await status_reply(self.fleet)
+                reply = await status_reply(self.fleet, principal=request.principal)
                 self.bus.reply(self.identity, request.reply_to, reply)
 
     async def _answer_verify_fleet(self, requests: Any) -> None:

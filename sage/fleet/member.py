@@ -524,8 +524,12 @@ async def join(
         log.info("fleet.left", node=config.node)
 
 
-async def status_reply(member: FleetMember | None, deadline: float = 3.0) -> dict[str, Any]:
-    """The answer to ``sage.v1.request.fleet.status``."""
+async def status_reply(
+    member: FleetMember | None, deadline: float = 3.0, *, principal: str | None = None
+) -> dict[str, Any]:
+    """The answer to ``sage.v1.request.fleet.status`` for a caller acting for
+    ``principal`` (None: an admin).  A principal sees its own name among a node's
+    principals, never the others' (as the runner's principals listing)."""
     if member is None:
         return replies.from_error(
             NotInFleet("this supervisor is not in a fleet (its config has no [fleet])")
@@ -545,8 +549,9 @@ async def status_reply(member: FleetMember | None, deadline: float = 3.0) -> dic
     per_node: dict[str, int] = {}
     for entry in sessions.values():
         per_node[entry.node] = per_node.get(entry.node, 0) + 1
-    return replies.ok(
-        node=member.node,
-        lost_after=member.config.lost_after,
-        nodes=[{**view.to_builtins(), "sessions": per_node.get(view.node, 0)} for view in nodes],
-    )
+    rows = [{**view.to_builtins(), "sessions": per_node.get(view.node, 0)} for view in nodes]
+    if principal is not None:
+        for row in rows:
+            if row["principals"] is not None:
+                row["principals"] = [name for name in row["principals"] if name == principal]
+    return replies.ok(node=member.node, lost_after=member.config.lost_after, nodes=rows)

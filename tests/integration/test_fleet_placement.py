@@ -84,6 +84,21 @@ def as_admin(daemon: Daemon, *args: str) -> Any:
     return json.loads(result.stdout)
 
 
+def status_as(daemon: Daemon, principal: str) -> Any:
+    """``sage.v1.request.fleet.status`` on ``daemon``'s socket, acting for ``principal``."""
+
+    async def main() -> Any:
+        from bus.client import BusClient
+
+        async with BusClient.connect(
+            daemon.socket, role="cli", name="test", principal=principal
+        ) as client:
+            reply = await client.request("sage.v1.request.fleet.status", {}, deadline=10.0)
+            return json.loads(reply.payload)
+
+    return anyio.run(main)
+
+
 def status(daemon: Daemon) -> dict[str, dict[str, Any]]:
     result = daemon.astrid("fleet", "status", "--json")
     assert result.returncode == 0, result.stderr
@@ -148,6 +163,9 @@ def test_status_shows_each_nodes_load(fleet: tuple[NatsCluster, dict[str, Daemon
     assert nodes["a"]["load"] == {"live": 0, "max_live": 2, "idle": 0, "hibernated": 0}
     assert nodes["b"]["load"]["max_live"] == 4
     assert (nodes["a"]["principals"], nodes["c"]["principals"]) == (["alice", "bob"], ["bob"])
+    # a principal sees its own name among a node's principals, never the others'
+    as_bob = {n["node"]: n["principals"] for n in status_as(c, "bob")["nodes"]}
+    assert (as_bob["a"], as_bob["c"]) == (["bob"], ["bob"])
     busy(a, "alice", "a")
     wait_load(c, "a", live=1)
     table = c.astrid("fleet", "status")
