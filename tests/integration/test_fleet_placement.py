@@ -84,8 +84,8 @@ def as_admin(daemon: Daemon, *args: str) -> Any:
     return json.loads(result.stdout)
 
 
-def status_as(daemon: Daemon, principal: str) -> Any:
-    """``sage.v1.request.fleet.status`` on ``daemon``'s socket, acting for ``principal``."""
+def request_as(daemon: Daemon, topic: str, principal: str) -> Any:
+    """A request ``{}`` on ``daemon``'s socket, acting for ``principal``."""
 
     async def main() -> Any:
         from bus.client import BusClient
@@ -93,7 +93,7 @@ def status_as(daemon: Daemon, principal: str) -> Any:
         async with BusClient.connect(
             daemon.socket, role="cli", name="test", principal=principal
         ) as client:
-            reply = await client.request("sage.v1.request.fleet.status", {}, deadline=10.0)
+            reply = await client.request(topic, {}, deadline=10.0)
             return json.loads(reply.payload)
 
     return anyio.run(main)
@@ -164,8 +164,14 @@ def test_status_shows_each_nodes_load(fleet: tuple[NatsCluster, dict[str, Daemon
     assert nodes["b"]["load"]["max_live"] == 4
     assert (nodes["a"]["principals"], nodes["c"]["principals"]) == (["alice", "bob"], ["bob"])
     # a principal sees its own name among a node's principals, never the others'
-    as_bob = {n["node"]: n["principals"] for n in status_as(c, "bob")["nodes"]}
-    assert (as_bob["a"], as_bob["c"]) == (["bob"], ["bob"])
+    as_bob = request_as(c, "sage.v1.request.fleet.status", "bob")["nodes"]
+    assert [(n["node"], n["principals"]) for n in as_bob if n["node"] in ("a", "c")] == [
+        ("a", ["bob"]),
+        ("c", ["bob"]),
+    ]
+    # the runner's slots are for the supervisor (an admin), not for a principal
+    refused = request_as(a, "sage.v1.request.slots", "alice")
+    assert (refused["ok"], refused["error"]) == (False, "not_authorized"), refused
     busy(a, "alice", "a")
     wait_load(c, "a", live=1)
     table = c.astrid("fleet", "status")
