@@ -443,8 +443,9 @@ class Router:
     async def _place(self, request: Envelope, body: dict[str, Any]) -> dict[str, Any]:
         """``spawn --node any``: on the least loaded live node that takes it
         (sage/fleet/placement.py), asking the next when one refuses for a reason of its
-        own; none: one error naming each node and why.  NATS down or the node table
-        unreadable: this node only, with a warning."""
+        own; none: one error naming each node and why.  A node that does not answer
+        within the spawn's deadline ends it: the session may yet start there.  NATS down
+        or the node table unreadable: this node only, with a warning."""
         principal = body.get("principal_id")
         if not isinstance(principal, str):
             return replies.error("bad_request", "a spawn names its principal_id")
@@ -461,7 +462,14 @@ class Router:
         payload = msgspec.json.encode(body)
         refused: list[Passed] = []
         for node in placement.candidates:
+            began = anyio.current_time()
             reply = await self._spawn_on(node, request, payload)
+            if (
+                reply.get("error") == "fleet_unavailable"
+                and anyio.current_time() - began >= DEADLINES["spawn"]
+            ):  # no answer in time: it may yet start there, so not a second one elsewhere
+                reply["message"] = f"{reply.get('message')} (it may yet start on {node!r})"
+                return reply
             if reply.get("ok"):
                 reply["node"], reply["placed"] = node, True
                 reply["refused"] = [{"node": p.node, "why": p.why} for p in refused]

@@ -18,6 +18,10 @@ from sage.fleet.router import Router
 pytestmark = pytest.mark.anyio
 
 
+HUNG: dict[str, Any] = {}
+"""A peer that does not answer within the deadline."""
+
+
 def view(node: str, live: int, max_live: int = 4) -> NodeView:
     return NodeView(
         node=node,
@@ -47,7 +51,13 @@ class Nats:
     async def request(self, subject: str, data: bytes, **_: float) -> Msg:
         node = subject.split(".")[2]
         self.asked.append(node)
-        return Msg(json.dumps(self.answers[node]).encode())
+        answer = self.answers[node]
+        if answer is HUNG:
+            from nats.errors import TimeoutError as NatsTimeout
+
+            await anyio.sleep(0.05)  # past the spawn deadline the test sets
+            raise NatsTimeout
+        return Msg(json.dumps(answer).encode())
 
 
 class Member:
@@ -149,3 +159,19 @@ async def test_no_node_given_follows_the_placement_knob() -> None:
 async def test_a_spawn_without_a_principal_is_a_bad_request() -> None:
     reply, local = await spawn(Member([], Nats({})), OK, {"node": "any"})
     assert (reply["error"], local) == ("bad_request", False)
+
+
+async def test_a_node_that_does_not_answer_in_time_ends_the_placement(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """b times out: the spawn may yet start there, so c is not asked for a second one;
+    the caller hears fleet_unavailable saying so."""
+    from sage.fleet import router
+
+    monkeypatch.setitem(router.DEADLINES, "spawn", 0.01)
+    nc = Nats({"b": HUNG, "c": OK})
+    member = Member([view("a", 3), view("b", 0), view("c", 1)], nc)
+    reply, local = await spawn(member, OK, {"principal_id": "alice", "node": "any"})
+    assert (nc.asked, local) == (["b"], False)
+    assert reply["error"] == "fleet_unavailable"
+    assert reply["message"].endswith("(it may yet start on 'b')"), reply
