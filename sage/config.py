@@ -407,6 +407,10 @@ class FleetConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     """``[fleet.peers.<node>]``: what this node takes from that node (none named: every
     node may vouch for the principals its heartbeat record declares, and no node's admins
     are admins here)."""
+    placement: Literal["local", "least_loaded"] = "local"
+    """Where a spawn without ``--node`` goes: ``local``, the node asked (as on one host);
+    ``least_loaded``, the live node with the smallest share of its live slots in use that
+    serves the principal (as ``--node any``; docs/fleet.md, "Placement")."""
 
     @property
     def urls(self) -> list[str]:
@@ -429,6 +433,8 @@ class FleetConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
             )
         if bool(self.cert) != bool(self.key):
             raise ValueError("fleet.cert and fleet.key: give both or neither")
+        if self.node == "any":
+            raise ValueError("fleet.node: 'any' is reserved (spawn --node any places a session)")
         if self.lost_after <= self.heartbeat:
             raise ValueError(
                 f"fleet.lost_after: {self.lost_after} s is not longer than fleet.heartbeat"

@@ -8,6 +8,8 @@ Requests (each answered with ``{"ok": true, ...}`` or ``{"ok": false,
 - ``sage.v1.request.stop.<sid>``, ``sage.v1.request.interrupt.<sid>``
 - ``sage.v1.request.wake.<sid>`` ``{}``: wake a hibernated session (a send does too)
 - ``sage.v1.request.sessions`` ``{}``: the caller's sessions (all for an admin)
+- ``sage.v1.request.slots`` ``{}`` (admins): the host's live slots and sessions, which
+  a fleet node's heartbeat carries (sage/fleet/nodes.py, ``NodeLoad``)
 
 The principals' administration (settings, install, the principals listing)
 is :mod:`capsules.runner.admin`; tool-call approvals and hook callbacks are
@@ -159,6 +161,7 @@ class Runner:
             "sage.v1.request.settings.set": self._then_spares(self.admin.set_settings),
             "sage.v1.request.install": self._then_spares(self.admin.install),
             "sage.v1.request.principals": self.admin.list_principals,
+            "sage.v1.request.slots": self._slots,
         }
         self.hibernation.configure()
         self.launcher.resolve_binary()
@@ -617,6 +620,22 @@ class Runner:
             },
         )
         await self.ended(session, ending, EndReason.RESPAWN_ABANDONED)
+
+    async def _slots(self, request: Envelope) -> dict[str, Any]:
+        """The host's load: live children (held slots), ``max_live`` (None: no bound),
+        idle sessions (what may hibernate to make room) and hibernated ones."""
+        if request.principal is not None:
+            raise SessionError("not_authorized", "only an admin may read the host's slots")
+        slots = self.hibernation.slots
+        sessions = [self.sessions[sid] for sid in self.sessions]
+        return {
+            "ok": True,
+            "live": len(slots),
+            "max_live": slots.limit or None,
+            "idle": sum(1 for s in sessions if s.idle),
+            "hibernated": sum(1 for s in sessions if s.state in ASLEEP),
+            "waiting": slots.waiting,
+        }
 
     async def _wake_request(self, request: Envelope) -> dict[str, Any]:
         session = await self._target(request)

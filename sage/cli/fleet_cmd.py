@@ -24,11 +24,13 @@ def register(sub: Any) -> None:
     commands = group.add_subparsers(dest="action", metavar="ACTION", required=True)
     status = commands.add_parser(
         "status",
-        help="the fleet's nodes: live, lost or stopped, and their last heartbeat",
+        help="the fleet's nodes: live, lost or stopped, their last heartbeat and load",
         description=(
             "Ask the local supervisor for the nodes in the sage_nodes bucket. A node is lost"
-            " when its last heartbeat is older than [fleet] lost_after. Exits 1 (not_in_fleet)"
-            " when the supervisor has no [fleet]."
+            " when its last heartbeat is older than [fleet] lost_after. Each node's load is"
+            " as its last heartbeat said: live claude children / its [sessions] max_live"
+            " ('-': no bound), idle and hibernated sessions ('load ?': not said). Exits 1"
+            " (not_in_fleet) when the supervisor has no [fleet]."
         ),
     )
     add_common(status)
@@ -81,8 +83,21 @@ async def _status(args: argparse.Namespace) -> int:
             f"  {printable(node['node']):<20} {printable(node['state']):<8}"
             f" last heartbeat {age:6.1f} s ago  host {printable(node['host'])}"
             f"  pid {node['pid']}  up {up:.0f} s  sessions {node.get('sessions', 0)}"
+            f"  {_load(node.get('load'))}"
         )
     return 0
+
+
+def _load(load: Any) -> str:
+    """``live 12/32 idle 3 hibernated 40`` (``live 12/-``: no max_live); ``load ?``:
+    the node did not say (an older node, or its runner did not answer)."""
+    if not isinstance(load, dict):
+        return "load ?"
+    bound = load.get("max_live")
+    return (
+        f"live {load.get('live', 0)}/{'-' if bound is None else bound}"
+        f" idle {load.get('idle', 0)} hibernated {load.get('hibernated', 0)}"
+    )
 
 
 def _permissions(args: argparse.Namespace) -> int:

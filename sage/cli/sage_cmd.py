@@ -21,7 +21,7 @@ import msgspec
 
 from bus import BusError, NoResponders
 from sage import replies
-from sage.cli._common import add_common, call_runner
+from sage.cli._common import add_common, call_runner, printable
 from sage.cli._connect import connect, print_json
 from sage.errors import SageError
 from sage.replies import ReplyError
@@ -29,6 +29,7 @@ from sage.replies import ReplyError
 __all__ = ("call_session", "register")
 
 SPAWN_TIMEOUT = 30.0
+PLACE_TIMEOUT = 120.0  # a placed spawn may ask several nodes in turn
 WAKE_TIMEOUT = 180.0
 """Seconds a send (or ``watch --wake``) waits for its answer: a hibernated session is
 woken first, which may wait for a live slot (``[sessions] wake_wait``, at most 60 s) and
@@ -60,7 +61,9 @@ def register(sub: Any) -> None:
     spawn.add_argument(
         "--node",
         metavar="NAME",
-        help="start it on this node of the fleet (default: the node asked)",
+        help="start it on this node of the fleet; 'any': on the least loaded live node that"
+        " serves PRINCIPAL and has room (the next one if it refuses; --json names the node)."
+        " Default: as [fleet] placement says, the node asked unless it is 'least_loaded'",
     )
     spawn.add_argument(
         "--model",
@@ -260,14 +263,23 @@ async def _spawn(args: argparse.Namespace) -> int:
     if args.model is not None:
         payload["model"] = args.model
     async with connect(args) as client:
-        if args.node:  # the fleet's router forwards it to that node (sage/fleet/router.py)
+        if args.node == "any":  # the fleet places it: the least loaded node that takes it
+            data = await _in_fleet(client, "spawn", {**payload, "node": "any"}, PLACE_TIMEOUT)
+        elif args.node:  # the fleet's router forwards it to that node (sage/fleet/router.py)
             data = await _in_fleet(client, "spawn", {**payload, "node": args.node}, SPAWN_TIMEOUT)
         else:
-            data = await call_runner(client, "sage.v1.request.spawn", payload, SPAWN_TIMEOUT)
+            try:  # in a fleet, its router places it as [fleet] placement says
+                data = await _in_fleet(client, "spawn", payload, PLACE_TIMEOUT)
+            except _NoFleet:  # a single host
+                data = await call_runner(client, "sage.v1.request.spawn", payload, SPAWN_TIMEOUT)
+    if data.get("warning"):
+        print(f"astrid: {data['warning']}", file=sys.stderr)
     if args.json:
         print_json(data)
-    else:
-        print(data["session_id"])
+        return 0
+    if data.get("placed"):  # stdout stays the id alone, for scripts
+        print(f"astrid: placed on node {printable(str(data.get('node')))}", file=sys.stderr)
+    print(data["session_id"])
     return 0
 
 

@@ -55,6 +55,8 @@ from sage.errors import AuditError, ConfigError, SageError
 from sage.fleet import STATUS_TOPIC as FLEET_STATUS_TOPIC
 from sage.fleet import FleetMember, join, status_reply
 from sage.fleet.audit_stream import VERIFY_FLEET_TOPIC, FleetAudit, verify_fleet_reply
+from sage.fleet.member import LOAD_WAIT, runner_load
+from sage.fleet.nodes import NodeLoad
 from sage.fleet.router import Router
 from sage.fleet.tools import FleetTools
 from sage.security.denials import DenialLimiter
@@ -423,7 +425,7 @@ class Supervisor:
                                 config.fleet,
                                 config.path_of,
                                 started_at=self.started_at,
-                                principals=lambda: [p.name for p in self.config.principals],
+                                principals=self._principal_names,
                             )
                         )
                     await self._open_and_serve(key, task_status)
@@ -488,6 +490,7 @@ class Supervisor:
                     verify_fleet = self.bus.subscribe(VERIFY_FLEET_TOPIC, self.identity)
                     tg.start_soon(self._answer_verify_fleet, verify_fleet)
                     if self.fleet is not None:
+                        self.fleet.load_source = self._node_load  # each heartbeat carries it
                         tg.start_soon(self.fleet.beat_every)
                         # sessions anywhere: the registry, forwarded requests, relayed events
                         await tg.start(Router(self.bus, self.fleet).run)
@@ -698,11 +701,19 @@ class Supervisor:
             member, self.bus, self.identity, lambda: self.config.limits.execute_deadline
         )
 
+    def _principal_names(self) -> list[str]:
+        """The principals the config names now (a fleet heartbeat carries them)."""
+        return [principal.name for principal in self.config.principals]
+
+    async def _node_load(self) -> NodeLoad | None:
+        """The session runner's load, for this node's heartbeat (None: no runner answers)."""
+        return await runner_load(self.bus, self.identity, deadline=LOAD_WAIT)
+
     async def _answer_fleet_status(self, requests: Any) -> None:
         """``sage.v1.request.fleet.status``: the nodes of the fleet (sage/fleet/)."""
         async for request in requests:
             if request.reply_to:
-                reply = await status_reply(self.fleet)
+                reply = await status_reply(self.fleet, principal=request.principal)
                 self.bus.reply(self.identity, request.reply_to, reply)
 
     async def _answer_verify_fleet(self, requests: Any) -> None:

@@ -1,10 +1,12 @@
 """The fleet: several supervisors as one sage, over NATS with JetStream (docs/fleet.md).
 
-This slice: nodes join with their own NATS user, heartbeat into the
-``sage_nodes`` key-value bucket, and ``astrid fleet status`` shows which are
-live, lost or stopped.  ``nodes`` is the sans-IO core (records in, verdicts out),
+Nodes join with their own NATS user, heartbeat into the ``sage_nodes``
+key-value bucket with their load, and ``astrid fleet status`` shows which are
+live, lost or stopped and how loaded.  ``nodes`` is the sans-IO core (records
+in, verdicts out), ``placement`` the sans-IO choice of a node for a spawn,
 ``member`` the async shell (nats-py), ``permissions`` the subjects a node's user
-needs.  Without ``[fleet]`` none of it runs.
+needs; ``routes``/``router``, ``tools`` and ``audit_*`` are sessions, tools and
+audit across nodes.  Without ``[fleet]`` none of it runs.
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ from sage.fleet.member import (
     join,
     status_reply,
 )
-from sage.fleet.nodes import FleetRecordError, NodeRecord, NodeState, NodeTable, NodeView
+from sage.fleet.nodes import (
+    FleetRecordError,
+    NodeLoad,
+    NodeRecord,
+    NodeState,
+    NodeTable,
+    NodeView,
+)
 from sage.fleet.permissions import BUCKET, node_permissions, server_block
 
 __all__ = (
@@ -30,6 +39,7 @@ __all__ = (
     "FleetMember",
     "FleetRecordError",
     "FleetUnreachable",
+    "NodeLoad",
     "NodeRecord",
     "NodeState",
     "NodeTable",

@@ -11,6 +11,12 @@ connection is retried for ever by nats-py while the node goes on serving its
 local sessions; heartbeats that fail meanwhile are logged once, and again when
 they resume.  On leaving, the node writes a last record saying it stopped.
 
+Each heartbeat carries the node's load, which the supervisor's ``load_source``
+reads from the session runner (:func:`runner_load`, ``sage.v1.request.slots``),
+and the principals its config names: what placement by load reads
+(sage/fleet/placement.py).  A runner that does not answer within
+:data:`LOAD_WAIT` seconds leaves the load out of that heartbeat, never the beat.
+
 nats-py is imported only here, and only when ``[fleet]`` is set: a single host
 runs without it.
 """
@@ -22,18 +28,27 @@ import os
 import socket
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import msgspec
 import structlog
 
+from bus import Bus, BusError, Identity
 from sage import replies
 from sage.config import FleetConfig
 from sage.errors import SageError
 from sage.files import read_private
-from sage.fleet.nodes import FleetRecordError, NodeRecord, NodeTable, NodeView, decode_record
+from sage.fleet.nodes import (
+    FleetRecordError,
+    NodeLoad,
+    NodeRecord,
+    NodeTable,
+    NodeView,
+    decode_record,
+)
 from sage.fleet.permissions import BUCKET, STREAM, inbox_prefix
 from sage.fleet.routes import REGISTRY, REGISTRY_STREAM, SessionEntry, decode_entry
 
@@ -49,6 +64,7 @@ __all__ = (
     "FleetUnreachable",
     "NotInFleet",
     "join",
+    "runner_load",
     "status_reply",
 )
 
@@ -58,7 +74,13 @@ BUCKET_WAIT = 4
 """How many ``connect_timeout`` periods a start waits for JetStream to serve the bucket."""
 
 STATUS_TOPIC = "sage.v1.request.fleet.status"
+NO_PEERS_YET = 10005
+"""JetStream's "no suitable peers for placement": a cluster whose servers are still
+meeting (a bucket with replicas 3 while one is not yet known); asked again."""
 LEAVE_STEP = 1.0  # seconds the last record may take at stop, and then the close
+LOAD_WAIT = 1.0
+"""Seconds a heartbeat waits for the node's load (at most half its interval)."""
+SLOTS_TOPIC = "sage.v1.request.slots"
 
 
 class FleetError(SageError):
@@ -166,11 +188,8 @@ class FleetMember:
         config: FleetConfig,
         started_at: float,
         registry: KeyValue | None = None,
-        principals: Callable[[], Iterable[str]] = tuple,
     ) -> None:
         self.config = config
-        self.principals = principals
-        """The names of the principals this node authenticates now (its config's)."""
         self.node = config.node
         self.nc = nc
         self.js = js
@@ -182,6 +201,10 @@ class FleetMember:
         self._started_at = started_at
         self._failing = False
         self.beats = 0
+        self.load_source: Callable[[], Awaitable[NodeLoad | None]] | None = None
+        """What the node's load is now (set by the supervisor); None: not said."""
+        self.principals: Callable[[], list[str]] | None = None
+        """The principals the node's config names now; None: not said."""
 
     @property
     def nats(self) -> Nats:
@@ -197,7 +220,7 @@ class FleetMember:
         """Whether the NATS connection is up now (nats-py reconnects on its own)."""
         return bool(self._nc.is_connected)
 
-    def record(self, *, stopped: bool = False) -> NodeRecord:
+    def record(self, *, stopped: bool = False, load: NodeLoad | None = None) -> NodeRecord:
         return NodeRecord(
             node=self.node,
             host=socket.gethostname(),
@@ -206,12 +229,25 @@ class FleetMember:
             heartbeat_at=time.time(),
             heartbeat=self.config.heartbeat,
             stopped=stopped,
-            principals=tuple(sorted(self.principals())),
+            load=load,
+            principals=None if self.principals is None else self.principals(),
         )
+
+    async def load(self) -> NodeLoad | None:
+        """The node's load now, from ``load_source``; None when it cannot say in time."""
+        source = self.load_source
+        if source is None:
+            return None
+        try:
+            with anyio.fail_after(min(LOAD_WAIT, self.config.heartbeat / 2)):
+                return await source()
+        except Exception as exc:
+            log.debug("fleet.load_unknown", node=self.node, error=_describe(exc))
+            return None
 
     async def beat(self) -> None:
         """Write this node's record once (raises what nats-py raised)."""
-        await self._kv.put(self.node, self.record().encode())
+        await self._kv.put(self.node, self.record(load=await self.load()).encode())
         self.beats += 1
 
     async def first_beat(self, within: float) -> None:
@@ -274,6 +310,8 @@ class FleetMember:
             table.observe(key, entry.value or b"")
         for key, why in sorted(table.ignored.items()):
             log.warning("fleet.record_ignored", key=key, reason=why)
+        for key, why in sorted(table.unknown_load.items()):
+            log.warning("fleet.load_ignored", key=key, reason=why)
         return table.verdicts(time.time() if now is None else now)
 
     async def sessions(self) -> dict[str, SessionEntry]:
@@ -304,6 +342,21 @@ class FleetMember:
             await self._kv.put(self.node, self.record(stopped=True).encode())
         with anyio.move_on_after(LEAVE_STEP), contextlib.suppress(Exception):
             await self._nc.close()
+
+
+async def runner_load(bus: Bus, identity: Identity, deadline: float) -> NodeLoad | None:
+    """The local session runner's load (``sage.v1.request.slots``, as an admin); None
+    when no runner answers, or its answer is not a load."""
+    try:
+        answer = await bus.request(identity, SLOTS_TOPIC, {}, deadline=deadline)
+        data = msgspec.json.decode(answer.payload)
+        if not isinstance(data, dict) or data.get("ok") is not True:
+            return None
+        return msgspec.convert(
+            {k: data.get(k) for k in ("live", "max_live", "idle", "hibernated")}, NodeLoad
+        )
+    except (BusError, msgspec.DecodeError, msgspec.ValidationError):
+        return None
 
 
 async def _connect(config: FleetConfig, path_of: Callable[[str], Path]) -> Nats:
@@ -413,11 +466,12 @@ async def _open_bucket(
     nc: Nats, config: FleetConfig, bucket: str = BUCKET
 ) -> tuple[JetStreamContext, KeyValue]:
     """Open (or create) the bucket.  JetStream that is not ready yet (a cluster that
-    just started or lost its leader: a timeout, no responders, unavailable) is asked
+    just started or lost its leader: a timeout, no responders, unavailable, no peers
+    yet for the replicas) is asked
     again for up to :data:`BUCKET_WAIT` x ``connect_timeout``; a refusal fails at once."""
     from nats.errors import Error as NatsError
     from nats.errors import NoRespondersError
-    from nats.js.errors import BucketNotFoundError, ServiceUnavailableError
+    from nats.js.errors import BadRequestError, BucketNotFoundError, ServiceUnavailableError
 
     js = nc.jetstream(timeout=max(1.0, min(5.0, config.connect_timeout)))
     waited = False
@@ -433,7 +487,14 @@ async def _open_bucket(
                         )
                         log.info("fleet.bucket_created", bucket=bucket, replicas=config.replicas)
                     break
-                except (TimeoutError, NoRespondersError, ServiceUnavailableError) as exc:
+                except (
+                    TimeoutError,
+                    NoRespondersError,
+                    ServiceUnavailableError,
+                    BadRequestError,
+                ) as exc:
+                    if isinstance(exc, BadRequestError) and exc.err_code != NO_PEERS_YET:
+                        raise
                     if not waited:
                         log.warning("fleet.jetstream_not_ready", error=_describe(exc))
                         waited = True
@@ -454,7 +515,7 @@ async def join(
     path_of: Callable[[str], Path],
     *,
     started_at: float,
-    principals: Callable[[], Iterable[str]] = tuple,
+    principals: Callable[[], list[str]] | None = None,
 ) -> AsyncIterator[FleetMember]:
     """Be a node of the fleet for the ``async with`` block (raises a FleetError if not).
 
@@ -464,7 +525,8 @@ async def join(
     try:
         js, kv = await _open_bucket(nc, config)
         _, registry = await _open_bucket(nc, config, REGISTRY)
-        member = FleetMember(nc, js, kv, config, started_at, registry, principals)
+        member = FleetMember(nc, js, kv, config, started_at, registry)
+        member.principals = principals
         try:
             await member.first_beat(max(1.0, config.connect_timeout))
         except Exception as exc:
@@ -486,8 +548,12 @@ async def join(
         log.info("fleet.left", node=config.node)
 
 
-async def status_reply(member: FleetMember | None, deadline: float = 3.0) -> dict[str, Any]:
-    """The answer to ``sage.v1.request.fleet.status``."""
+async def status_reply(
+    member: FleetMember | None, deadline: float = 3.0, *, principal: str | None = None
+) -> dict[str, Any]:
+    """The answer to ``sage.v1.request.fleet.status`` for a caller acting for
+    ``principal`` (None: an admin).  A principal sees its own name among a node's
+    principals, never the others' (as the runner's principals listing)."""
     if member is None:
         return replies.from_error(
             NotInFleet("this supervisor is not in a fleet (its config has no [fleet])")
@@ -507,8 +573,9 @@ async def status_reply(member: FleetMember | None, deadline: float = 3.0) -> dic
     per_node: dict[str, int] = {}
     for entry in sessions.values():
         per_node[entry.node] = per_node.get(entry.node, 0) + 1
-    return replies.ok(
-        node=member.node,
-        lost_after=member.config.lost_after,
-        nodes=[{**view.to_builtins(), "sessions": per_node.get(view.node, 0)} for view in nodes],
-    )
+    rows = [{**view.to_builtins(), "sessions": per_node.get(view.node, 0)} for view in nodes]
+    if principal is not None:
+        for row in rows:
+            if row["principals"] is not None:
+                row["principals"] = [name for name in row["principals"] if name == principal]
+    return replies.ok(node=member.node, lost_after=member.config.lost_after, nodes=rows)

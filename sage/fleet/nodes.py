@@ -10,13 +10,21 @@ clock, a socket or the bucket: the shell (sage/fleet/member.py) feeds it.
 A record that cannot be used (not JSON, a field missing or of the wrong type,
 or a record filed under another node's key) is left out and named in
 ``NodeTable.ignored``; the others are judged as usual.
+
+A record also says the node's load (:class:`NodeLoad`: its live ``claude``
+children, ``max_live``, idle and hibernated sessions) and the principals it
+serves.  Both are optional: a record of an older node has neither, and a load
+that is out of bounds (negative, past :data:`MOST`, more idle than live) or a
+principal that is not a name leaves the node's liveness as it is and its load
+and principals unknown (named in ``NodeTable.unknown_load``): placement
+(sage/fleet/placement.py) never trusts what it cannot check.
 """
 
 from __future__ import annotations
 
 import enum
 import re
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -25,6 +33,7 @@ from sage.errors import SageError
 
 __all__ = (
     "FleetRecordError",
+    "NodeLoad",
     "NodeRecord",
     "NodeState",
     "NodeTable",
@@ -34,11 +43,38 @@ __all__ = (
 
 _NAME = re.compile(NAME_PATTERN)
 
+MOST = 1_000_000
+"""No count of a node's sessions is larger (a host runs on the order of 100)."""
+_Count = Annotated[int, msgspec.Meta(ge=0, le=MOST)]
+_Principal = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN)]
+
 
 class FleetRecordError(SageError):
     """A heartbeat record in the bucket cannot be used."""
 
     code = "fleet_record_invalid"
+
+
+class NodeLoad(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
+    """A node's sessions at its heartbeat, as its session runner counts them."""
+
+    live: _Count = 0
+    """Sessions with a ``claude`` child now (each holds a live slot)."""
+    max_live: Annotated[int, msgspec.Meta(ge=1, le=MOST)] | None = None
+    """Its ``[sessions] max_live``; None: no bound."""
+    idle: _Count = 0
+    """Live sessions idle now: what it may hibernate to make room."""
+    hibernated: _Count = 0
+    """Sessions asleep, without a child."""
+
+    def __post_init__(self) -> None:
+        if self.idle > self.live:
+            raise ValueError(f"idle {self.idle} is more than live {self.live}")
+
+    @property
+    def full(self) -> bool:
+        """At ``max_live`` with nothing idle to make room: a spawn there waits or fails."""
+        return self.max_live is not None and self.live >= self.max_live and self.idle == 0
 
 
 class NodeRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
@@ -55,21 +91,37 @@ class NodeRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """The node's heartbeat interval, in seconds."""
     stopped: bool = False
     """The node's last word: it stopped on purpose (not lost)."""
-    principals: tuple[str, ...] = ()
-    """The principals the node authenticates (its ``[[principals]]`` names): the only
-    ones it may forward requests and tool calls for (sage/fleet/vouching.py)."""
+    load: NodeLoad | None = None
+    """Its sessions; None: unknown (an older node, or its runner did not answer)."""
+    principals: Annotated[list[_Principal], msgspec.Meta(max_length=10_000)] | None = None
+    """The principals its config names; None: unknown (an older node)."""
 
     def encode(self) -> bytes:
         return msgspec.json.encode(self)
 
 
+class _Liveness(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
+    """A record read without its load and principals (when those cannot be used)."""
+
+    node: str
+    host: str
+    pid: int
+    started_at: float
+    heartbeat_at: float
+    heartbeat: float
+    stopped: bool = False
+
+
 _decoder = msgspec.json.Decoder(NodeRecord)
+_liveness_decoder = msgspec.json.Decoder(_Liveness)
 
 
 def decode_record(key: str, data: bytes) -> NodeRecord:
-    """The record stored under ``key``, or :class:`FleetRecordError` saying why not."""
+    """The record stored under ``key``, or :class:`FleetRecordError` saying why not.
+
+    A load or principals out of bounds leave them None (see :func:`load_problem`)."""
     try:
-        record = _decoder.decode(data)
+        record = _decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise FleetRecordError(f"record {key!r}: {exc}") from None
     if record.node != key:
@@ -79,6 +131,24 @@ def decode_record(key: str, data: bytes) -> NodeRecord:
     if not (record.heartbeat > 0 and record.pid > 0):
         raise FleetRecordError(f"record {key!r}: heartbeat and pid must be positive")
     return record
+
+
+def _decode(data: bytes) -> NodeRecord:
+    try:
+        return _decoder.decode(data)
+    except msgspec.ValidationError:
+        liveness = _liveness_decoder.decode(data)  # raises when the liveness is bad too
+    return NodeRecord(**msgspec.structs.asdict(liveness))
+
+
+def load_problem(data: bytes) -> str | None:
+    """Why the load or principals of a record are left unknown; None: they are usable
+    (or absent).  Only for a record :func:`decode_record` took."""
+    try:
+        _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        return str(exc)
+    return None
 
 
 class NodeState(enum.Enum):
@@ -98,6 +168,8 @@ class NodeView(msgspec.Struct, frozen=True, kw_only=True):
     heartbeat_at: float
     age_s: float
     """Seconds since the node's last heartbeat (negative: its clock is ahead of ours)."""
+    load: NodeLoad | None = None
+    principals: list[str] | None = None
 
     def to_builtins(self) -> dict[str, Any]:
         out: dict[str, Any] = msgspec.to_builtins(self)
@@ -114,6 +186,8 @@ class NodeTable:
         self._records: dict[str, NodeRecord] = {}
         self.ignored: dict[str, str] = {}
         """key -> why its record was left out."""
+        self.unknown_load: dict[str, str] = {}
+        """key -> why its record's load and principals were left unknown."""
 
     def observe(self, key: str, data: bytes) -> NodeRecord | None:
         """Take the record stored under ``key``; None (and noted) when it is unusable."""
@@ -121,9 +195,15 @@ class NodeTable:
             record = decode_record(key, data)
         except FleetRecordError as exc:
             self._records.pop(key, None)
+            self.unknown_load.pop(key, None)
             self.ignored[key] = str(exc)
             return None
         self.ignored.pop(key, None)
+        problem = load_problem(data) if record.load is None or record.principals is None else None
+        if problem is None:
+            self.unknown_load.pop(key, None)
+        else:
+            self.unknown_load[key] = problem
         self._records[key] = record
         return record
 
@@ -131,6 +211,7 @@ class NodeTable:
         """The key was deleted from the bucket."""
         self._records.pop(key, None)
         self.ignored.pop(key, None)
+        self.unknown_load.pop(key, None)
 
     def state_of(self, record: NodeRecord, now: float) -> NodeState:
         if record.stopped:
@@ -150,6 +231,8 @@ class NodeTable:
                 started_at=record.started_at,
                 heartbeat_at=record.heartbeat_at,
                 age_s=round(now - record.heartbeat_at, 3),
+                load=record.load,
+                principals=record.principals,
             )
             for _, record in sorted(self._records.items())
         ]

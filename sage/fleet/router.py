@@ -46,6 +46,7 @@ from bus import Bus, BusError, Envelope, Identity, NoResponders, Subscription
 from sage import replies
 from sage.fleet.member import FleetMember
 from sage.fleet.nodes import NodeState
+from sage.fleet.placement import ANY, NODE_REFUSALS, Passed, Placement, place, refusal_text
 from sage.fleet.routes import (
     APPROVAL_VERBS,
     SESSION_VERBS,
@@ -464,17 +465,66 @@ class Router:
             return replies.error("bad_request", f"not JSON: {exc}")
         if not isinstance(body, dict):
             return replies.error("bad_request", "a spawn is a JSON object")
-        node = check_name(str(body.pop("node", "")), "node")
-        payload = msgspec.json.encode(body)
-        if node == self.node:
-            reply = await self._ask_runner(
-                self.identity, "sage.v1.request.spawn", payload, request.principal, "spawn"
-            )
-        else:
-            reply = await self._forward(node, "spawn", None, request, payload)
+        node = str(body.pop("node", "") or "")
+        if not node:  # no --node: as [fleet] placement says
+            node = ANY if self.member.config.placement == "least_loaded" else self.node
+        if node == ANY:
+            return await self._place(request, body)
+        node = check_name(node, "node")
+        reply = await self._spawn_on(node, request, msgspec.json.encode(body))
         if reply.get("ok"):
             reply["node"] = node
         return reply
+
+    async def _spawn_on(self, node: str, request: Envelope, payload: bytes) -> dict[str, Any]:
+        if node == self.node:
+            return await self._ask_runner(
+                self.identity, "sage.v1.request.spawn", payload, request.principal, "spawn"
+            )
+        return await self._forward(node, "spawn", None, request, payload)
+
+    async def _place(self, request: Envelope, body: dict[str, Any]) -> dict[str, Any]:
+        """``spawn --node any``: on the least loaded live node that takes it
+        (sage/fleet/placement.py), asking the next when one refuses for a reason of its
+        own; none: one error naming each node and why.  A node that does not answer
+        within the spawn's deadline ends it: the session may yet start there.  NATS down
+        or the node table unreadable: this node only, with a warning."""
+        principal = body.get("principal_id")
+        if not isinstance(principal, str):
+            return replies.error("bad_request", "a spawn names its principal_id")
+        warning = None
+        try:
+            if not self.member.connected:
+                raise RuntimeError("NATS is not connected")
+            with anyio.fail_after(LISTING_DEADLINE):
+                nodes = await self.member.nodes()
+            placement = place(nodes, principal, self.node)
+        except Exception as exc:
+            warning = f"placed on this node only: the fleet's load is unknown ({_describe(exc)})"
+            placement = Placement((self.node,), ())
+        payload = msgspec.json.encode(body)
+        refused: list[Passed] = []
+        for node in placement.candidates:
+            began = anyio.current_time()
+            reply = await self._spawn_on(node, request, payload)
+            if (
+                reply.get("error") == "fleet_unavailable"
+                and anyio.current_time() - began >= DEADLINES["spawn"]
+            ):  # no answer in time: it may yet start there, so not a second one elsewhere
+                reply["message"] = f"{reply.get('message')} (it may yet start on {node!r})"
+                return reply
+            if reply.get("ok"):
+                reply["node"], reply["placed"] = node, True
+                reply["refused"] = [{"node": p.node, "why": p.why} for p in refused]
+                if warning:
+                    reply["warning"] = warning
+                return reply
+            if reply.get("error") not in NODE_REFUSALS:
+                return reply  # the caller's to mend: another node would say the same
+            refused.append(Passed(node, f"{reply.get('error')}: {reply.get('message')}"))
+        passed = [*placement.passed, *refused]
+        log.info("fleet.placement_failed", principal_id=principal, nodes=len(passed))
+        return replies.error("placement_failed", refusal_text(principal, passed))
 
     async def _forward(
         self,

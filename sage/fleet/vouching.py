@@ -111,6 +111,6 @@ class VouchedPrincipals:
         known = held is not None and held[1] is not None and principal in held[1]
         if age >= self._ttl or (not known and age >= self._reread_after):
             record = await self._read(origin)
-            declared = None if record is None else frozenset(record.principals)
+            declared = None if record is None else frozenset(record.principals or ())
             self._held[origin] = (now, declared)
         check_vouched(origin, principal, self._held[origin][1], pin)

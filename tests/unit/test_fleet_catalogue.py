@@ -180,7 +180,7 @@ def _member(
             started_at=0.0,
             heartbeat_at=0.0,
             heartbeat=1.0,
-            principals=records[name],
+            principals=list(records[name]),
         )
 
     config = SimpleNamespace(peers={}, heartbeat=1.0)

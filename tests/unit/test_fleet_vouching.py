@@ -60,16 +60,17 @@ def _record(node: str, *principals: str) -> NodeRecord:
         started_at=0.0,
         heartbeat_at=0.0,
         heartbeat=1.0,
-        principals=principals,
+        principals=list(principals),
     )
 
 
 def test_a_record_declares_its_principals_and_an_old_one_none() -> None:
-    """The field round-trips; a record written before it declares no principal."""
+    """The field round-trips; a record written before it says nothing (None): it declares
+    no principal, so nothing is vouched for."""
     record = _record("b", "alice", "bob")
-    assert decode_record("b", record.encode()).principals == ("alice", "bob")
+    assert decode_record("b", record.encode()).principals == ["alice", "bob"]
     old = b'{"node":"b","host":"h","pid":1,"started_at":0,"heartbeat_at":0,"heartbeat":1}'
-    assert decode_record("b", old).principals == ()
+    assert decode_record("b", old).principals is None
 
 
 class _Bucket:
