@@ -388,6 +388,12 @@ class FleetConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     replicas: Annotated[int, msgspec.Meta(ge=1, le=5)] = 1
     """Replicas of the ``sage_nodes`` bucket when this node creates it (3 in a 3-server
     cluster, so it survives the loss of a server); an existing bucket is used as it is."""
+    transcript_max_bytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 30)] = 32 << 20
+    """Failover: a session's transcript larger than this is not replicated to the
+    ``sage_transcripts`` object store (logged ``fleet.transcript_refused``); 0: none is."""
+    adopt: bool = True
+    """Failover: this node takes over sessions of lost nodes (those whose node has
+    ``[sessions] resume = true``), for the principals it is configured for."""
 
     @property
     def urls(self) -> list[str]:

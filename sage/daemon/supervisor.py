@@ -485,7 +485,7 @@ class Supervisor:
                     if self.fleet is not None:
                         tg.start_soon(self.fleet.beat_every)
                         # sessions anywhere: the registry, forwarded requests, relayed events
-                        await tg.start(Router(self.bus, self.fleet).run)
+                        await tg.start(Router(self.bus, self.fleet, lambda: self.config).run)
                         # tools anywhere: the catalogues, forwarded tool calls
                         await tg.start(self._fleet_tools(self.fleet).run)
                     if self.fleet_audit is not None:
