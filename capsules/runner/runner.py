@@ -960,6 +960,9 @@ class Runner:
         if session is not None:
             return session
         record = await self._visible_record(request, sid)
+        # one another node of the fleet took over runs there now: not this node's to answer
+        if record is not None and record.reason == EndReason.FAILED_OVER:
+            raise SessionError("unknown_session", f"session {sid!r} runs on another node now")
         if record is not None and record.state is RecordState.ENDED:
             raise SessionError("session_ended", f"session {sid!r} {_ended_text(record)}")
         raise SessionError("unknown_session", f"no session {sid!r}")

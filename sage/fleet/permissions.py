@@ -39,7 +39,8 @@ with exactly them:
   (``$O.sage_transcripts.>``: any session's, since a node that adopts a session
   replicates it from then on), create the stream and read its info, read an
   object's metadata (message or direct get), read its chunks through a consumer of
-  its own (create, delete) and purge an object's old chunks (what a put that
+  its own (create, delete; nats-py finds the stream by the chunks' subject first,
+  ``$JS.API.STREAM.NAMES``, which lists stream names and nothing of their content) and purge an object's old chunks (what a put that
   replaces, or a delete, does): nothing of any other stream.
 """
 
@@ -130,6 +131,7 @@ def node_permissions(node: str, peers: Sequence[str] = ()) -> dict[str, Any]:
                 f"$JS.API.STREAM.MSG.GET.{TRANSCRIPTS_STREAM}",
                 f"$JS.API.DIRECT.GET.{TRANSCRIPTS_STREAM}.>",
                 f"$JS.API.STREAM.PURGE.{TRANSCRIPTS_STREAM}",
+                "$JS.API.STREAM.NAMES",
                 f"$JS.API.CONSUMER.CREATE.{TRANSCRIPTS_STREAM}",
                 f"$JS.API.CONSUMER.CREATE.{TRANSCRIPTS_STREAM}.>",
                 f"$JS.API.CONSUMER.DELETE.{TRANSCRIPTS_STREAM}.*",

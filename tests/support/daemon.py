@@ -68,6 +68,8 @@ class Daemon:
         """Start the process; call from the thread that lives as long as the test run
         (its death signal is tied to the thread that forks)."""
         self._t0 = time.monotonic()
+        if self.proc is not None and self.proc.poll() is not None:  # started again
+            self._log.close()
         # the log goes to a file: a pipe nobody drains would block the daemon
         self._log = self.log_path.open("ab")
         self._offset = self._log.tell()  # a restarted daemon appends to the same log

@@ -287,6 +287,7 @@ def test_the_transcripts_store_is_reached_through_its_own_stream_only() -> None:
         ]
     )
     assert [p for p in publish if ".PURGE." in p] == ["$JS.API.STREAM.PURGE.OBJ_sage_transcripts"]
+    assert "$JS.API.STREAM.NAMES" in publish  # how nats-py finds the stream of the chunks
 
 
 def test_peers_bound_where_a_node_may_forward() -> None:
