@@ -24,7 +24,7 @@ import pytest
 from sage.fleet.transcripts import TRANSCRIPTS, transcript_rel
 from tests.support import FAKE_CLAUDE
 from tests.support.daemon import Daemon, descendants, short_dir
-from tests.support.nats_cluster import ADMIN, NatsCluster, wait_for
+from tests.support.nats_cluster import NatsCluster, stored_object, wait_for
 
 NODES = ["a", "b", "c"]
 HEARTBEAT = 0.4
@@ -103,23 +103,8 @@ def audit_rows(daemon: Daemon, kind: str) -> list[dict[str, Any]]:
 
 def stored(cluster: NatsCluster, sid: str) -> tuple[bytes, dict[str, Any]] | None:
     """The object store's transcript of ``sid`` and its description (as the NATS admin)."""
-
-    async def main() -> tuple[bytes, dict[str, Any]] | None:
-        import nats
-        from nats.js.errors import NotFoundError
-
-        nc = await nats.connect(cluster.urls, user=ADMIN, password=cluster.admin_password)
-        try:
-            store = await nc.jetstream().object_store(TRANSCRIPTS)
-            try:
-                result = await store.get(sid)
-            except NotFoundError:
-                return None
-            return bytes(result.data or b""), json.loads(result.info.description or "{}")
-        finally:
-            await nc.close()
-
-    return anyio.run(main)
+    found = anyio.run(stored_object, cluster, TRANSCRIPTS, sid)
+    return None if found is None else (found[0], json.loads(found[1] or "{}"))
 
 
 def argv_of(pid: int) -> list[str]:
