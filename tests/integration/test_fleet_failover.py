@@ -177,6 +177,42 @@ def test_a_transcript_that_links_out_of_the_home_is_not_replicated(
     wait_for(lambda: stored(cluster, "h1") is None, 10.0, "h1's replica deleted at its end")
 
 
+def test_adopting_and_reading_conversations_are_the_supervisors_alone(
+    fleet: tuple[NatsCluster, dict[str, Daemon]],
+) -> None:
+    """A principal cannot make a node adopt a session, read what a replica needs, or ask
+    which sessions run elsewhere: those requests are the supervisor's own."""
+    _, daemons = fleet
+    b = daemons["b"]
+    ok_json(b, "sage", "spawn", "alice", "--session", "p1")
+
+    async def ask(topic: str, payload: Any) -> Any:
+        from bus.client import BusClient
+
+        async with BusClient.connect(
+            b.socket, role="cli", name="test", principal="alice"
+        ) as client:
+            reply = await client.request(topic, payload, deadline=10.0)
+            return json.loads(reply.payload)
+
+    adopt = {
+        "session_id": "p2",
+        "principal_id": "alice",
+        "claude_session": "0d7c6c2e-3a4f-4b8e-9c1d-2e3f4a5b6c7d",
+        "from_node": "a",
+    }
+    for topic, payload in [
+        ("sage.v1.request.adopt", adopt),
+        ("sage.v1.request.conversation.p1", {}),
+        ("sage.v1.request.fleet.claims", {"session_ids": ["p1"]}),
+    ]:
+        reply = anyio.run(ask, topic, payload)
+        assert (reply["ok"], reply["error"]) == (False, "not_authorized"), (topic, reply)
+    assert "p2" not in local_rows(b)
+    assert request(b, "sage.v1.request.conversation.p1", {})["claude_session"]  # the admin's
+    ok_json(b, "sage", "stop", "p1")
+
+
 def test_a_killed_nodes_session_resumes_on_another_node(
     fleet: tuple[NatsCluster, dict[str, Daemon]],
 ) -> None:
