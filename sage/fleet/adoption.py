@@ -13,12 +13,16 @@
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Callable, Iterable
 
+from sage.config import NAME_PATTERN
 from sage.fleet.nodes import NodeState, NodeView
 from sage.fleet.routes import SessionEntry
 
 __all__ = ("ADOPTING", "Owed", "Pending", "adoptable", "claimed")
+
+_NAME = re.compile(NAME_PATTERN)
 
 ADOPTING = "adopting"
 """The registry state of a session a node won and is restoring."""
@@ -38,7 +42,10 @@ def adoptable(
     return [
         (sid, entry, revision)
         for sid, (entry, revision) in sorted(entries.items())
-        if entry.node in lost and entry.resume and may_run(entry.principal_id)
+        if entry.node in lost
+        and entry.resume
+        and _NAME.match(sid) is not None  # a key no spawn could have made is left alone
+        and may_run(entry.principal_id)
     ]
 
 

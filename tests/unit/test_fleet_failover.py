@@ -50,6 +50,8 @@ def test_a_lost_nodes_resumable_sessions_are_adoptable_with_their_revision() -> 
         "s4": (entry("c"), 10),  # live
         "s5": (entry("a", "bob"), 11),  # a principal b does not run
         "s6": (entry("zz"), 12),  # a node without a record
+        "../s7": (entry("a"), 13),  # a key no spawn makes
+        "s8.x": (entry("a"), 14),
     }
     got = adoptable(entries, VIEWS, "b", lambda name: name == "alice")
     assert got == [("s1", entry("a"), 7)]
