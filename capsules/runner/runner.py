@@ -323,7 +323,8 @@ class Runner:
                 session = Session(record, PrincipalConfig(name=record.principal_id))
                 await self.ended(session, None, EndReason.FAILED_OVER)
                 continue
-            asleep = asleep or elsewhere is None  # the fleet cannot say: no child now
+            # the fleet cannot say whether another node runs it: no child now, it sleeps
+            unsure = elsewhere is None and self.config.sessions.resume
             try:
                 principal = self.principal(record.principal_id)
             except SettingsError as exc:
@@ -333,9 +334,13 @@ class Runner:
                 principal = None
             # a sleeping session needs only its principal to be configured: settings that
             # cannot be read now refuse its wake (which says why), not its existence
-            keeper = principal or (self.config.principal(record.principal_id) if asleep else None)
+            keeper = principal or (
+                self.config.principal(record.principal_id) if asleep or unsure else None
+            )
             if keeper is not None and (
-                asleep or (self.config.sessions.resume and not self.hibernation.slots.free)
+                asleep
+                or unsure
+                or (self.config.sessions.resume and not self.hibernation.slots.free)
             ):
                 # it sleeps on (or, past max_live, starts to): the next send wakes it
                 record.state, record.pid = RecordState.HIBERNATED, None
