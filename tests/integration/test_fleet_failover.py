@@ -42,6 +42,8 @@ def node_config(cluster: NatsCluster, node: str) -> str:
         f'password_file = "{cluster.password_file(node)}"\n'
         f"heartbeat = {HEARTBEAT}\nlost_after = {LOST_AFTER}\nconnect_timeout = 5.0\nreplicas = 3\n"
         '[[principals]]\nname = "alice"\noperator_key = true\n'
+        # bob only on a and c: b cannot run his sessions, so it never takes them
+        + ('[[principals]]\nname = "bob"\noperator_key = true\n' if node != "b" else "")
     )
 
 
@@ -219,6 +221,7 @@ def test_a_killed_nodes_session_resumes_on_another_node(
     cluster, daemons = fleet
     a, c = daemons["a"], daemons["c"]
     ok_json(a, "sage", "spawn", "alice", "--session", "f1")
+    ok_json(a, "sage", "spawn", "bob", "--session", "g1")  # no turn: no transcript
     claude_session = conversation_of(rows(a)["f1"]["pid"])
     put_transcript(a, claude_session, TRANSCRIPT)
     sent = a.astrid("sage", "send", "f1", "first turn", "--timeout", "20")
@@ -246,9 +249,15 @@ def test_a_killed_nodes_session_resumes_on_another_node(
         5.0,
         "the adoption audited",
     )
-    (row,) = audit_rows(adopter, "sage.v1.audit.session_failed_over")
+    (row,) = [
+        r
+        for r in audit_rows(adopter, "sage.v1.audit.session_failed_over")
+        if r["session_id"] == "f1"
+    ]
     assert (row["session_id"], row["from_node"], row["node"]) == ("f1", "a", adopter_name)
-    assert audit_rows(other, "sage.v1.audit.session_failed_over") == []
+    assert [
+        r for r in audit_rows(other, "sage.v1.audit.session_failed_over") if r["session_id"] == "f1"
+    ] == []
     assert "f1" not in local_rows(other)
     # the same conversation, restored under alice's home there, hers and private
     pid = local_rows(adopter)["f1"]["pid"]
@@ -258,6 +267,15 @@ def test_a_killed_nodes_session_resumes_on_another_node(
     st = restored.stat()
     assert (st.st_mode & 0o777, st.st_uid) == (0o600, home_of(adopter).stat().st_uid)
     assert "failover" in adopter.log()
+    # bob's session: only c runs bob; with no transcript it starts afresh under its id
+    wait_for(lambda: rows(c).get("g1", {}).get("node") == "c", 10.0, "g1 adopted by c")
+    (bobs,) = [
+        r
+        for r in audit_rows(daemons["c"], "sage.v1.audit.session_failed_over")
+        if r["session_id"] == "g1"
+    ]
+    assert (bobs["principal_id"], bobs["conversation"]) == ("bob", False)
+    assert "g1" not in local_rows(daemons["b"])
 
     # send from c reaches it, wherever it runs
     sent = c.astrid("sage", "send", "f1", "after failover", "--timeout", "20")
@@ -281,4 +299,5 @@ def test_a_killed_nodes_session_resumes_on_another_node(
     assert "echo: from a again" in sent.stdout
     assert local_rows(adopter)["f1"]["pid"] == pid
     ok_json(c, "sage", "stop", "f1")
+    ok_json(c, "sage", "stop", "g1", "--principal", "bob")
     wait_for(lambda: stored(cluster, "f1") is None, 10.0, "f1's replica deleted at its end")
