@@ -5,6 +5,10 @@
   node resumes sessions, for principals this node runs.  Every live node computes
   the same list; the registry update that names the entry's revision decides the
   one winner (sage/fleet/failover.py).
+- :func:`rank`: where a node stands for a session among the live nodes
+  (rendezvous hashing): the first tries at once, the next a little later, so a
+  lost node's sessions spread evenly over the survivors instead of going to the
+  fastest, and a node that cannot run one leaves it to the next.
 - :class:`Pending`: the replicas a node owes the object store, one per session
   (a burst of turns is one upload of the latest transcript; an end replaces an
   upload still owed), bounded.
@@ -13,6 +17,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import re
 from collections.abc import Callable, Iterable
 
@@ -20,7 +25,7 @@ from sage.config import NAME_PATTERN
 from sage.fleet.nodes import NodeState, NodeView
 from sage.fleet.routes import SessionEntry
 
-__all__ = ("ADOPTING", "Owed", "Pending", "adoptable", "claimed")
+__all__ = ("ADOPTING", "Owed", "Pending", "adoptable", "claimed", "live_nodes", "rank")
 
 _NAME = re.compile(NAME_PATTERN)
 
@@ -47,6 +52,20 @@ def adoptable(
         and _NAME.match(sid) is not None  # a key no spawn could have made is left alone
         and may_run(entry.principal_id)
     ]
+
+
+def live_nodes(views: Iterable[NodeView]) -> list[str]:
+    return sorted(view.node for view in views if view.state is NodeState.LIVE)
+
+
+def rank(sid: str, me: str, live: Iterable[str]) -> int:
+    """``me``'s place (0: first) in the order every node computes alike for ``sid``."""
+
+    def weight(node: str) -> bytes:
+        return hashlib.sha256(f"{node}\0{sid}".encode()).digest()
+
+    order = sorted(set(live) | {me}, key=weight)
+    return order.index(me)
 
 
 def claimed(entry: SessionEntry, me: str, now: float) -> SessionEntry:

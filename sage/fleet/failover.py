@@ -11,8 +11,9 @@ run by the router (sage/fleet/router.py) of each node:
   session (``exited``) deletes the object, unless another node runs it now.
 - **Takeover.** Every second the node reads the verdicts; when a node is ``lost``
   (not ``stopped``), its registry entries that say ``resume`` are taken by the live
-  nodes that run their principal: the registry update naming the entry's revision
-  makes exactly one winner, which restores the transcript under the principal's
+  nodes that run their principal, each after ``STAGGER`` seconds per node ranked
+  before it for that session (so they spread over the survivors): the registry
+  update naming the entry's revision makes exactly one winner, which restores the transcript under the principal's
   home and asks its runner to ``adopt`` the session (the same id, ``--resume`` on
   the same conversation).  The runner's ``spawned`` then names this node in the
   registry, so ``send`` and ``watch`` from any node reach it.
@@ -41,7 +42,7 @@ from bus import Bus, BusError, Envelope, Identity
 from sage import replies
 from sage.config import Config, PrincipalConfig
 from sage.errors import SageError
-from sage.fleet.adoption import Owed, Pending, adoptable, claimed
+from sage.fleet.adoption import Owed, Pending, adoptable, claimed, live_nodes, rank
 from sage.fleet.member import FleetMember
 from sage.fleet.nodes import NodeState
 from sage.fleet.routes import SessionEntry, check_name, decode_entry
@@ -62,6 +63,7 @@ CLAIMS_TOPIC = "sage.v1.request.fleet.claims"
 CHECK = 1.0  # seconds between two looks at the node verdicts
 RESWEEP = 10.0  # seconds between two passes over the registry while a node stays lost
 ADOPTIONS = 4  # sessions restored and started at once
+STAGGER = 0.5  # seconds a node waits per node ranked before it for a session
 OWED = 4096  # sessions whose replica may wait at once
 STORE_DEADLINE = 30.0
 
@@ -210,17 +212,20 @@ class Failover:
                 except Exception as exc:
                     log.warning("fleet.failover_check_failed", error=_describe(exc))
                     continue
+                live = live_nodes(views)
                 for sid, entry, revision in adoptable(entries, views, self.node, self._may_run):
                     if sid not in self._adopting:
                         self._adopting.add(sid)
-                        tg.start_soon(self._adopt, sid, entry, revision)
+                        wait = rank(sid, self.node, live) * STAGGER
+                        tg.start_soon(self._adopt, sid, entry, revision, wait)
 
     def _may_run(self, principal_id: str) -> bool:
         principal = self.config_of().principal(principal_id)
         return principal is not None and principal.interaction_mode != "repl"
 
-    async def _adopt(self, sid: str, entry: SessionEntry, revision: int) -> None:
+    async def _adopt(self, sid: str, entry: SessionEntry, revision: int, wait: float) -> None:
         try:
+            await anyio.sleep(wait)  # the nodes ranked first for it try first
             async with self._limiter:
                 await self._take(sid, entry, revision)
         except Exception as exc:

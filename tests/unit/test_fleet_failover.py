@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sage.fleet.adoption import ADOPTING, Owed, Pending, adoptable, claimed
+from sage.fleet.adoption import ADOPTING, Owed, Pending, adoptable, claimed, live_nodes, rank
 from sage.fleet.nodes import NodeState, NodeView
 from sage.fleet.routes import SessionEntry
 from sage.fleet.transcripts import (
@@ -73,6 +73,21 @@ def test_the_claim_names_the_adopter_and_keeps_the_principal() -> None:
         5.0,
         True,
     )
+
+
+def test_every_node_ranks_the_live_nodes_alike_and_sessions_spread() -> None:
+    """Rendezvous ranks: one order per session that every node computes alike (each node
+    a distinct place), and a lost node's sessions spread over the survivors."""
+    live = live_nodes(VIEWS)
+    assert live == ["b", "c"]
+    firsts = []
+    for i in range(1000):
+        sid = f"s{i}"
+        places = sorted(rank(sid, node, live) for node in live)
+        assert places == [0, 1]
+        firsts.append(next(node for node in live if rank(sid, node, live) == 0))
+    assert 400 < firsts.count("b") < 600
+    assert rank("s1", "b", ["b", "c", "d"]) in (0, 1, 2)
 
 
 def test_a_burst_of_turns_is_one_replica_and_an_end_wins() -> None:
