@@ -255,8 +255,15 @@ class Failover:
         try:
             if principal is None:
                 raise TranscriptRefused(f"principal {entry.principal_id!r} is not configured here")
+            assert config.fleet is not None
+            limit = config.fleet.transcript_max_bytes
             try:
                 with anyio.fail_after(STORE_DEADLINE):
+                    size = (await store.get_info(sid)).size or 0
+                    if size > limit:  # never fetched: a node could have put anything there
+                        raise TranscriptRefused(
+                            f"transcript of {sid!r}: {size} bytes, over the {limit} allowed"
+                        )
                     result = await store.get(sid)
             except NotFoundError:
                 log.warning("fleet.failover_no_transcript", session_id=sid, from_node=entry.node)
