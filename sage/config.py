@@ -411,6 +411,12 @@ class FleetConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     """Where a spawn without ``--node`` goes: ``local``, the node asked (as on one host);
     ``least_loaded``, the live node with the smallest share of its live slots in use that
     serves the principal (as ``--node any``; docs/fleet.md, "Placement")."""
+    transcript_max_bytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 30)] = 32 << 20
+    """Failover: a session's transcript larger than this is not replicated to the
+    ``sage_transcripts`` object store (logged ``fleet.transcript_refused``); 0: none is."""
+    adopt: bool = True
+    """Failover: this node takes over sessions of lost nodes (those whose node has
+    ``[sessions] resume = true``), for the principals it is configured for."""
 
     @property
     def urls(self) -> list[str]:

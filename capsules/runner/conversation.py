@@ -99,6 +99,7 @@ class EndReason(enum.StrEnum):
     SUPERVISOR_RESTART = "supervisor_restart"  # the next supervisor did not resume it
     RESUME_FAILED = "resume_failed"  # a prefix: "resume_failed: <message>"
     RESPAWN_ABANDONED = "respawn_abandoned"
+    FAILED_OVER = "failed_over"  # another node of the fleet took it while this one was lost
 
     @property
     def gentle(self) -> bool:

@@ -51,6 +51,21 @@ class SessionRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     replay: Annotated[int, msgspec.Meta(ge=0, le=256)] = 0
 
 
+class AdoptRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``sage.v1.request.adopt`` (the supervisor's fleet side only, never a principal):
+    run a session another node lost under its own id, ``--resume`` on its conversation
+    (``fresh``: no transcript was kept, a new conversation of the same id)."""
+
+    session_id: str
+    principal_id: str
+    claude_session: str
+    from_node: str
+    cwd: str = ""
+    model: str = ""
+    turns: int = 0
+    fresh: bool = False
+
+
 class WakeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """``sage.v1.request.wake.<sid>``: wake a hibernated session (no fields)."""
 

@@ -10,6 +10,11 @@ Requests (each answered with ``{"ok": true, ...}`` or ``{"ok": false,
 - ``sage.v1.request.sessions`` ``{}``: the caller's sessions (all for an admin)
 - ``sage.v1.request.slots`` ``{}`` (admins): the host's live slots and sessions, which
   a fleet node's heartbeat carries (sage/fleet/nodes.py, ``NodeLoad``)
+- ``sage.v1.request.adopt`` ``{session_id, principal_id, claude_session, from_node, ...}``
+  and ``sage.v1.request.conversation.<sid>``: the supervisor's fleet side only (an
+  admin; refused to every principal): run a session another node lost here, under
+  its own id with ``--resume``, and what a replica of a conversation needs
+  (docs/fleet.md, "Failover").  The runner knows nothing of NATS.
 
 The principals' administration (settings, install, the principals listing)
 is :mod:`capsules.runner.admin`; tool-call approvals and hook callbacks are
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import time
 import uuid
@@ -61,6 +67,7 @@ from capsules.runner.history import EventHistory
 from capsules.runner.launcher import Launcher
 from capsules.runner.mcp import McpServer
 from capsules.runner.messages import (
+    AdoptRequest,
     IdentitySaved,
     SendRequest,
     SessionRequest,
@@ -95,6 +102,7 @@ from sage.claude.protocol import (
 from sage.config import NAME_PATTERN, Config, PrincipalConfig
 from sage.daemon.capsule_host import CapsuleContext
 from sage.errors import SageError
+from sage.fleet.failover import CLAIMS_TOPIC
 
 __all__ = ("Runner", "SessionRecord", "run")
 
@@ -108,9 +116,11 @@ HOOKS = {
 }
 
 
-def _check_id(value: str) -> bool:
-    import re
+CLAIMS_DEADLINE = 10.0
+_UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\Z")
 
+
+def _check_id(value: str) -> bool:
     return re.match(NAME_PATTERN, value) is not None
 
 
@@ -162,6 +172,8 @@ class Runner:
             "sage.v1.request.install": self._then_spares(self.admin.install),
             "sage.v1.request.principals": self.admin.list_principals,
             "sage.v1.request.slots": self._slots,
+            "sage.v1.request.adopt": self._adopt_request,
+            "sage.v1.request.conversation.*": self._conversation,
         }
         self.hibernation.configure()
         self.launcher.resolve_binary()
@@ -292,12 +304,30 @@ class Runner:
         for key, value in await store.items("hook_tokens"):
             if not (isinstance(value, dict) and value.get("kind") == "repl"):
                 await store.delete("hook_tokens", key)
+        records = [
+            r
+            for r in records
+            if (r.state is RecordState.HIBERNATED or r.state in LIVE)
+            and r.session_id not in self.sessions
+        ]
+        elsewhere = await self._taken_elsewhere([r.session_id for r in records])
         for record in records:
             asleep = record.state is RecordState.HIBERNATED
-            if not (asleep or record.state in LIVE) or record.session_id in self.sessions:
-                continue
             if record.pid:  # a hibernation the last supervisor did not see through, too
                 _kill_leftover(record.pid, record.claude_session)
+            if elsewhere is not None and record.session_id in elsewhere:
+                # another node of the fleet took it while this one was lost: it runs
+                # there now, and a second child on its conversation must never start
+                log.info(
+                    "session.failed_over_elsewhere",
+                    session_id=record.session_id,
+                    node=elsewhere[record.session_id],
+                )
+                session = Session(record, PrincipalConfig(name=record.principal_id))
+                await self.ended(session, None, EndReason.FAILED_OVER)
+                continue
+            # the fleet cannot say whether another node runs it: no child now, it sleeps
+            unsure = elsewhere is None and self.config.sessions.resume
             try:
                 principal = self.principal(record.principal_id)
             except SettingsError as exc:
@@ -307,9 +337,13 @@ class Runner:
                 principal = None
             # a sleeping session needs only its principal to be configured: settings that
             # cannot be read now refuse its wake (which says why), not its existence
-            keeper = principal or (self.config.principal(record.principal_id) if asleep else None)
+            keeper = principal or (
+                self.config.principal(record.principal_id) if asleep or unsure else None
+            )
             if keeper is not None and (
-                asleep or (self.config.sessions.resume and not self.hibernation.slots.free)
+                asleep
+                or unsure
+                or (self.config.sessions.resume and not self.hibernation.slots.free)
             ):
                 # it sleeps on (or, past max_live, starts to): the next send wakes it
                 record.state, record.pid = RecordState.HIBERNATED, None
@@ -347,6 +381,26 @@ class Runner:
             else:
                 session = Session(record, principal or PrincipalConfig(name=record.principal_id))
                 await self.ended(session, None, EndReason.SUPERVISOR_RESTART)
+
+    async def _taken_elsewhere(self, sids: list[str]) -> dict[str, str] | None:
+        """Of ``sids`` (sessions this node left live), those another node of the fleet
+        runs now (id -> node): the fleet's router asks the registry, and claims the rest
+        for this node.  ``{}`` without a fleet; None when the fleet cannot say."""
+        if self.config.fleet is None or not sids:
+            return {}
+        try:
+            answer = await self.ctx.request(
+                CLAIMS_TOPIC, {"session_ids": sids}, deadline=CLAIMS_DEADLINE
+            )
+            reply = msgspec.json.decode(answer.payload)
+        except (BusError, msgspec.DecodeError) as exc:
+            log.warning("runner.fleet_claims_unknown", error=str(exc), sessions=len(sids))
+            return None
+        found = reply.get("elsewhere") if isinstance(reply, dict) and reply.get("ok") else None
+        if not isinstance(found, dict):
+            log.warning("runner.fleet_claims_unknown", reply=reply, sessions=len(sids))
+            return None
+        return {str(sid): str(node) for sid, node in found.items()}
 
     def _sweep_folders(self) -> None:
         """Identity folders no live session owns: a spare's, left by a supervisor that
@@ -637,6 +691,83 @@ class Runner:
             "waiting": slots.waiting,
         }
 
+    async def _adopt_request(self, request: Envelope) -> dict[str, Any]:
+        """Run a session a lost node ran, here, under its own id: ``--resume`` on its
+        conversation, whose transcript the fleet restored already (docs/fleet.md)."""
+        if request.principal is not None:
+            raise SessionError(
+                "not_authorized", "only the supervisor adopts another node's session"
+            )
+        req = msgspec.json.decode(request.payload, type=AdoptRequest)
+        sid, pid_ = req.session_id, req.principal_id
+        if not (_check_id(sid) and _check_id(req.from_node)) or sid.startswith("repl-"):
+            raise SessionError("invalid_session_id", "session ids are 1-64 of [A-Za-z0-9_-]")
+        if not _UUID.match(req.claude_session):
+            raise SessionError("bad_request", "claude_session is not a uuid")
+        principal = self.principal(pid_)
+        if principal is None:
+            raise SessionError("unknown_principal", f"no principal {pid_!r} is configured")
+        if principal.interaction_mode == "repl":
+            raise SessionError("interaction_mode_is_repl", f"principal {pid_!r} uses a terminal")
+        cwd = work_folder(principal, self.config.home_of(principal), req.cwd or None)
+        model = chosen_model(principal, req.model or None)
+        if sid in self.sessions or await self._taken_by_another(sid, pid_):
+            raise SessionError("duplicate_session", f"session {sid!r} exists")
+        record = SessionRecord(
+            session_id=sid,
+            principal_id=pid_,
+            claude_session=req.claude_session,
+            started_at=time.time(),
+            cwd=cwd,
+            model=model,
+            turns=req.turns,
+        )
+        session = Session(record, principal, turns=req.turns, last_active=time.monotonic())
+        self.sessions.add(session)
+        try:
+            pid = await self.start(session, resume=not req.fresh, initial=None)
+        except SessionError as exc:
+            self.sessions.remove(session)
+            await self.ended(session, None, f"{EndReason.RESUME_FAILED}: {exc}")
+            raise
+        self.session_event(
+            sid,
+            "resumed",
+            {"principal_id": pid_, "reason": "failover", "from_node": req.from_node},
+        )
+        self.audit(
+            "session_failed_over",
+            {
+                "principal_id": pid_,
+                "session_id": sid,
+                "from_node": req.from_node,
+                "node": self.config.fleet.node if self.config.fleet is not None else "",
+                "pid": pid,
+                "conversation": not req.fresh,
+            },
+        )
+        return {"ok": True, "session_id": sid, "pid": pid}
+
+    async def _conversation(self, request: Envelope) -> dict[str, Any]:
+        """What a replica of a live session's conversation needs (the supervisor only)."""
+        if request.principal is not None:
+            raise SessionError("not_authorized", "only the supervisor reads this")
+        sid = request.topic.rsplit(".", 1)[1]
+        session = self.sessions.get(sid)
+        if session is None:
+            raise SessionError("unknown_session", f"no session {sid!r}")
+        record, proc = session.record, session.proc
+        current = proc is not None and proc.state is not ProcessState.EXITED
+        return {
+            "ok": True,
+            "session_id": sid,
+            "principal_id": record.principal_id,
+            "claude_session": record.claude_session,
+            "cwd": record.cwd,
+            "model": record.model,
+            "turns": session.turns + (proc.turn.finished if proc is not None and current else 0),
+        }
+
     async def _wake_request(self, request: Envelope) -> dict[str, Any]:
         session = await self._target(request)
         msgspec.json.decode(request.payload or b"{}", type=WakeRequest)
@@ -853,6 +984,9 @@ class Runner:
         if session is not None:
             return session
         record = await self._visible_record(request, sid)
+        # one another node of the fleet took over runs there now: not this node's to answer
+        if record is not None and record.reason == EndReason.FAILED_OVER:
+            raise SessionError("unknown_session", f"session {sid!r} runs on another node now")
         if record is not None and record.state is RecordState.ENDED:
             raise SessionError("session_ended", f"session {sid!r} {_ended_text(record)}")
         raise SessionError("unknown_session", f"no session {sid!r}")

@@ -493,7 +493,7 @@ class Supervisor:
                         self.fleet.load_source = self._node_load  # each heartbeat carries it
                         tg.start_soon(self.fleet.beat_every)
                         # sessions anywhere: the registry, forwarded requests, relayed events
-                        await tg.start(Router(self.bus, self.fleet).run)
+                        await tg.start(Router(self.bus, self.fleet, lambda: self.config).run)
                         # tools anywhere: the catalogues, forwarded tool calls
                         await tg.start(self._fleet_tools(self.fleet).run)
                     if self.fleet_audit is not None:

@@ -51,11 +51,13 @@ from sage.fleet.nodes import (
 )
 from sage.fleet.permissions import BUCKET, STREAM, inbox_prefix
 from sage.fleet.routes import REGISTRY, REGISTRY_STREAM, SessionEntry, decode_entry
+from sage.fleet.transcripts import TRANSCRIPTS
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as Nats
     from nats.js.client import JetStreamContext
     from nats.js.kv import KeyValue
+    from nats.js.object_store import ObjectStore
 
 __all__ = (
     "FleetAuthFailed",
@@ -188,6 +190,7 @@ class FleetMember:
         config: FleetConfig,
         started_at: float,
         registry: KeyValue | None = None,
+        transcripts: ObjectStore | None = None,
     ) -> None:
         self.config = config
         self.node = config.node
@@ -195,6 +198,9 @@ class FleetMember:
         self.js = js
         self.registry = registry
         """The ``sage_sessions`` bucket: session id -> node (sage/fleet/routes.py)."""
+        self.transcripts = transcripts
+        """The ``sage_transcripts`` object store: session id -> its conversation
+        (sage/fleet/transcripts.py)."""
         self._nc = nc
         self._js = js
         self._kv = kv
@@ -316,6 +322,10 @@ class FleetMember:
 
     async def sessions(self) -> dict[str, SessionEntry]:
         """Every session of the registry (id -> entry); unusable entries are left out."""
+        return {sid: entry for sid, (entry, _) in (await self.session_revisions()).items()}
+
+    async def session_revisions(self) -> dict[str, tuple[SessionEntry, int]]:
+        """Every session of the registry with its revision (what an update names to win)."""
         from nats.js.errors import KeyNotFoundError
 
         registry = self.registry
@@ -323,7 +333,7 @@ class FleetMember:
             return {}
         prefix = f"$KV.{REGISTRY}."
         info = await self._js.stream_info(REGISTRY_STREAM, subjects_filter=f"{prefix}>")
-        out: dict[str, SessionEntry] = {}
+        out: dict[str, tuple[SessionEntry, int]] = {}
         for subject in sorted(info.state.subjects or {}):
             sid = subject.removeprefix(prefix)
             try:
@@ -331,8 +341,8 @@ class FleetMember:
             except KeyNotFoundError:  # deleted (a delete marker)
                 continue
             entry = decode_entry(sid, value.value or b"")
-            if entry is not None:
-                out[sid] = entry
+            if entry is not None and value.revision is not None:
+                out[sid] = (entry, value.revision)
         return out
 
     async def leave(self) -> None:
@@ -509,6 +519,32 @@ async def _open_bucket(
     return js, kv
 
 
+async def _open_store(js: JetStreamContext, config: FleetConfig) -> ObjectStore:
+    """Open (or create) the ``sage_transcripts`` object store, as :func:`_open_bucket`
+    opens a bucket (JetStream is ready by now)."""
+    from nats.errors import Error as NatsError
+    from nats.js.api import ObjectStoreConfig
+    from nats.js.errors import NotFoundError
+
+    try:
+        with anyio.fail_after(BUCKET_WAIT * config.connect_timeout):
+            try:
+                return await js.object_store(TRANSCRIPTS)
+            except NotFoundError:
+                store = await js.create_object_store(
+                    TRANSCRIPTS,
+                    ObjectStoreConfig(bucket=TRANSCRIPTS, replicas=config.replicas),
+                )
+                log.info("fleet.bucket_created", bucket=TRANSCRIPTS, replicas=config.replicas)
+                return store
+    except (NatsError, TimeoutError) as exc:
+        raise FleetError(
+            f"fleet: cannot open the {TRANSCRIPTS} object store (the node's permissions from"
+            f" `astrid fleet permissions --node {config.node}`?): {_describe(exc)}",
+            code="fleet_bucket_failed",
+        ) from exc
+
+
 @contextlib.asynccontextmanager
 async def join(
     config: FleetConfig,
@@ -525,7 +561,8 @@ async def join(
     try:
         js, kv = await _open_bucket(nc, config)
         _, registry = await _open_bucket(nc, config, REGISTRY)
-        member = FleetMember(nc, js, kv, config, started_at, registry)
+        transcripts = await _open_store(js, config)
+        member = FleetMember(nc, js, kv, config, started_at, registry, transcripts)
         member.principals = principals
         try:
             await member.first_beat(max(1.0, config.connect_timeout))

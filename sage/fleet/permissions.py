@@ -37,6 +37,14 @@ with exactly them:
   ``sage.fleet.<other>.tool.call.<node>`` (its own call subjects are denied),
   received on its own call subjects only, and answered through
   ``allow_responses`` (a reply to the requester's inbox, nothing else).
+- failover (sage/fleet/failover.py): the ``sage_transcripts`` object store, whose
+  stream is ``OBJ_sage_transcripts``: publish its chunks and metadata
+  (``$O.sage_transcripts.>``: any session's, since a node that adopts a session
+  replicates it from then on), create the stream and read its info, read an
+  object's metadata (message or direct get), read its chunks through a consumer of
+  its own (create, delete; nats-py finds the stream by the chunks' subject first,
+  ``$JS.API.STREAM.NAMES``, which lists stream names and nothing of their content) and purge an object's old chunks (what a put that
+  replaces, or a delete, does): nothing of any other stream.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sage.fleet.routes import REGISTRY, REGISTRY_STREAM
+from sage.fleet.transcripts import TRANSCRIPTS, TRANSCRIPTS_STREAM
 
 __all__ = (
     "AUDIT_STREAM",
@@ -132,6 +141,16 @@ def node_permissions(node: str, peers: Sequence[str] = ()) -> dict[str, Any]:
                 f"$JS.API.STREAM.MSG.GET.{TOOLS_STREAM}",
                 f"$JS.API.DIRECT.GET.{TOOLS_STREAM}.>",
                 *tool_calls,
+                f"$O.{TRANSCRIPTS}.>",
+                f"$JS.API.STREAM.CREATE.{TRANSCRIPTS_STREAM}",
+                f"$JS.API.STREAM.INFO.{TRANSCRIPTS_STREAM}",
+                f"$JS.API.STREAM.MSG.GET.{TRANSCRIPTS_STREAM}",
+                f"$JS.API.DIRECT.GET.{TRANSCRIPTS_STREAM}.>",
+                f"$JS.API.STREAM.PURGE.{TRANSCRIPTS_STREAM}",
+                "$JS.API.STREAM.NAMES",
+                f"$JS.API.CONSUMER.CREATE.{TRANSCRIPTS_STREAM}",
+                f"$JS.API.CONSUMER.CREATE.{TRANSCRIPTS_STREAM}.>",
+                f"$JS.API.CONSUMER.DELETE.{TRANSCRIPTS_STREAM}.*",
             ],
             "deny": [call_subject(node, "*")],
         },
@@ -166,7 +185,7 @@ def server_block(node: str, user: str, nkey: str = "", peers: Sequence[str] = ()
         [
             f"# sage fleet node {node!r}: its heartbeats, the session registry, its"
             f" sessions' requests and events, its own audit in the {AUDIT_STREAM} stream,"
-            " its tool catalogue and tool calls",
+            " its tool catalogue and tool calls, the transcripts of failover",
             "{",
             *who,
             "  permissions: {",

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -44,6 +45,8 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from bus import Bus, BusError, Envelope, Identity, NoResponders, Subscription
 from sage import replies
+from sage.config import Config
+from sage.fleet.failover import CLAIMS_TOPIC, Failover
 from sage.fleet.member import FleetMember
 from sage.fleet.nodes import NodeState
 from sage.fleet.placement import ANY, NODE_REFUSALS, Passed, Placement, place, refusal_text
@@ -83,6 +86,7 @@ LOCAL_REQUESTS = (
     "sage.v1.request.fleet.*.*",
     "sage.v1.request.fleet.spawn",
     "sage.v1.request.fleet.approvals",
+    CLAIMS_TOPIC,
 )
 """What the router answers on the local bus (``sessions`` too, see :data:`LISTING`)."""
 LISTING = "sage.v1.request.fleet.sessions"
@@ -123,11 +127,18 @@ class _Relay:
 class Router:
     """This node's side of sessions anywhere (see the module docstring)."""
 
-    def __init__(self, bus: Bus, member: FleetMember) -> None:
+    def __init__(
+        self, bus: Bus, member: FleetMember, config_of: Callable[[], Config] | None = None
+    ) -> None:
         self.bus = bus
         self.member = member
         self.node = member.node
         self.identity = Identity("fleet")
+        self.config_of = config_of
+        """The config in force (``[sessions] resume``, the principals): failover needs it."""
+        self.failover = (
+            None if config_of is None else Failover(bus, member, config_of, self._ask_as_supervisor)
+        )
         self._relays: dict[str, _Relay] = {}
         self._stand_ins: dict[str, tuple[Subscription, float]] = {}
         """sid -> this bus's approver subscription for a client on another node, and until when."""
@@ -162,6 +173,8 @@ class Router:
                     tg.start_soon(self._serve_local, sub)
                 tg.start_soon(self._prune_relays)
                 tg.start_soon(self._keep_registry)
+                if self.failover is not None:
+                    await self.failover.run(tg)
                 task_status.started()
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
@@ -185,11 +198,18 @@ class Router:
             sid, name = found
             if name == "spawned" and envelope.principal:
                 entry = SessionEntry(
-                    node=self.node, principal_id=envelope.principal, at=time.time()
+                    node=self.node,
+                    principal_id=envelope.principal,
+                    at=time.time(),
+                    resume=self._resumes(),
                 )
                 self._note(sid, entry)
             elif name == "exited":
                 self._note(sid, None)
+                if self.failover is not None:
+                    self.failover.ended(sid)
+            elif name == "done" and self.failover is not None:
+                self.failover.turn_done(sid)
             if not nc.is_connected:
                 continue  # the fleet is away: local watchers still have them
             event = ForwardedEvent(
@@ -200,6 +220,17 @@ class Router:
             )
             with contextlib.suppress(Exception):
                 await nc.publish(event_subject(self.node, sid, name), event.encode())
+
+    def _resumes(self) -> bool:
+        """Whether this node's sessions are resumed (here after a restart, elsewhere after
+        its loss): ``[sessions] resume``."""
+        return self.config_of is not None and self.config_of().sessions.resume
+
+    async def _ask_as_supervisor(self, topic: str, payload: dict[str, Any]) -> dict[str, Any]:
+        verb = topic.split(".")[3]
+        return await self._ask_runner(
+            self.identity, topic, msgspec.json.encode(payload), None, verb
+        )
 
     def _note(self, sid: str, entry: SessionEntry | None) -> None:
         try:
@@ -214,11 +245,26 @@ class Router:
             try:
                 with anyio.fail_after(5.0):
                     if entry is None:
-                        await registry.delete(sid)
+                        await self._forget(registry, sid)
                     else:
                         await registry.put(sid, entry.encode())
             except Exception as exc:
                 log.warning("fleet.registry_write_failed", session_id=sid, error=_describe(exc))
+
+    async def _forget(self, registry: Any, sid: str) -> None:
+        """Delete ``sid``'s entry if it names this node: a session this node ended
+        ``failed_over`` runs on another, whose entry stays."""
+        from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
+
+        try:
+            got = await registry.get(sid)
+        except NotFoundError:
+            return
+        entry = decode_entry(sid, got.value or b"")
+        if entry is not None and entry.node != self.node:
+            return
+        with contextlib.suppress(KeyWrongLastSequenceError):  # rewritten meanwhile: not ours
+            await registry.delete(sid, last=got.revision)
 
     async def _keep_registry(self) -> None:
         """Make the registry agree with the runner at start and after each outage: a
@@ -256,7 +302,12 @@ class Router:
         for sid, principal in sorted(live.items()):
             entry = entries.get(sid)
             if principal and (entry is None or entry.node != self.node):
-                self._note(sid, SessionEntry(node=self.node, principal_id=principal, at=since))
+                self._note(
+                    sid,
+                    SessionEntry(
+                        node=self.node, principal_id=principal, at=since, resume=self._resumes()
+                    ),
+                )
                 put += 1
         for sid, entry in sorted(entries.items()):
             # an entry written after the listing was taken is a spawn's: left alone
@@ -417,6 +468,10 @@ class Router:
         verb = parts[4] if len(parts) > 4 else ""
         if request.topic == LISTING:
             return await self._listing(request)
+        if request.topic == CLAIMS_TOPIC:
+            if self.failover is None:
+                return replies.ok(elsewhere={})
+            return await self.failover.claims(request)
         if request.topic == APPROVALS_LISTING:
             return await self._approvals(request)
         if verb in APPROVAL_VERBS and len(parts) == 6:

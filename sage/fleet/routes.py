@@ -172,6 +172,8 @@ class SessionEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     state: str = "running"
     at: float = 0.0
     """Wall-clock seconds of the write, by the owner's clock."""
+    resume: bool = False
+    """Its node has ``[sessions] resume = true``: when the node is lost, another takes it."""
 
     def encode(self) -> bytes:
         return msgspec.json.encode(self)

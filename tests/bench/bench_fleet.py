@@ -35,6 +35,17 @@ sits on each node's socket, acting for alice as the CLI does.
     is the producer's rate and c's says whether the relay keeps up with it; the
     two must see the very same events.
 
+(c) Failover.  Another rig with the default ``heartbeat`` (2 s) and ``lost_after``
+    (6 s), ``[sessions] resume = true`` and three nodes a, b, c.  Each of
+    ``KILLS`` rounds spawns a session on ``a``, puts a transcript where the real
+    CLI would (about 100 KiB; the double writes none), sends a turn and waits for
+    its replica in the ``sage_transcripts`` object store; then SIGKILLs ``a`` and
+    times, from the kill, the session's ``init`` on whichever of b and c adopts
+    it (its ``resumed`` with reason ``failover`` comes first).  ``a`` starts
+    again between rounds (and ends the session ``failed_over``).  The figure is
+    bounded below by ``lost_after`` less the age of a's last heartbeat: the loss
+    must first be seen (goal <= 10 s).
+
 Every process started here is stopped and checked gone, also on failure: the
 supervisors' children (by their socket in the environment) and the NATS servers.
 """
@@ -42,20 +53,25 @@ supervisors' children (by their socket in the environment) and the NATS servers.
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import statistics
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
 
 import anyio
+import anyio.abc
 
 from bus.client import BusClient, RemoteSubscription
 from sage.cli._common import call_runner
 from sage.cli.sage_cmd import call_session
+from sage.fleet.transcripts import TRANSCRIPTS, transcript_rel
 from tests.bench.bench_sessions import FAKE, _pct, _reap_leftovers, _remove
 from tests.bench.report import Report
 from tests.support.daemon import Daemon, short_dir
-from tests.support.nats_cluster import NatsCluster
+from tests.support.nats_cluster import NatsCluster, stored_object
 
 NODES = ("a", "c")
 ROUNDS = 100  # of each path, alternating
@@ -304,6 +320,134 @@ async def _watch_burst(
     into[node] = (when, seen)
 
 
+KILLS = 3
+FAILOVER_NODES = ("a", "b", "c")
+
+
+def _failover_config(cluster: NatsCluster, node: str) -> str:
+    """Default heartbeat and lost_after: what the goal is stated for."""
+    urls = ", ".join(f'"{url}"' for url in cluster.urls)
+    return (
+        'capsules = ["runner"]\n'
+        f'[claude]\nbinary = "{FAKE}"\nenv = {{ FAKE_CLAUDE_MODE = "" }}\n'
+        "[limits]\nstop_grace = 2.0\n[sessions]\nresume = true\n"
+        f'[fleet]\nurl = [{urls}]\nnode = "{node}"\n'
+        f'password_file = "{cluster.password_file(node)}"\n'
+        "connect_timeout = 5.0\nreplicas = 3\n"
+        '[[principals]]\nname = "alice"\noperator_key = true\n'
+    )
+
+
+def _put_transcript(daemon: Daemon, claude_session: str, data: bytes) -> None:
+    """Where the real CLI keeps it, owned by alice's children (the home's owner)."""
+    home = daemon.root / "state" / "homes" / "alice"
+    owner = home.stat()
+    path = home / transcript_rel(os.path.realpath(home), claude_session)
+    folder = home
+    for part in path.relative_to(home).parts[:-1]:
+        folder = folder / part
+        folder.mkdir(mode=0o700, exist_ok=True)
+        os.chown(folder, owner.st_uid, owner.st_gid)
+    path.write_bytes(data)
+    os.chown(path, owner.st_uid, owner.st_gid)
+
+
+def _conversation_of(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as file:
+        for arg in file.read().decode().split("\0"):
+            if arg.startswith("--session-id="):
+                return arg.removeprefix("--session-id=")
+    raise RuntimeError(f"no --session-id in the argv of {pid}")
+
+
+async def _kill_and_time(
+    cluster: NatsCluster, daemons: dict[str, Daemon], sid: str
+) -> tuple[float, str]:
+    """One round: (s from a's SIGKILL to the session's init elsewhere, the adopter)."""
+    a = daemons["a"]
+    async with _client(a) as on_a:
+        await _spawn(on_a, sid)
+        listing = await call_runner(on_a, "sage.v1.request.sessions", {}, DEADLINE)
+        (pid,) = [r["pid"] for r in listing["sessions"] if r["session_id"] == sid]
+        _put_transcript(a, _conversation_of(pid), b'{"type":"user"}\n' * 6400)
+        events = await on_a.subscribe(f"sage.v1.event.{sid}.>")
+        await call_runner(on_a, f"sage.v1.request.send.{sid}", {"text": "hi"}, DEADLINE)
+        await _until_done(events)
+    with anyio.fail_after(DEADLINE):
+        while True:  # its replica is in the object store: what an adopter restores
+            if await stored_object(cluster, TRANSCRIPTS, sid) is not None:
+                break
+            await anyio.sleep(0.05)
+    async with _client(daemons["b"]) as on_b, _client(daemons["c"]) as on_c:
+        watches = {
+            "b": await on_b.subscribe(f"sage.v1.event.{sid}.>"),
+            "c": await on_c.subscribe(f"sage.v1.event.{sid}.>"),
+        }
+        a.signal(signal.SIGKILL)
+        t0 = time.perf_counter()
+        first: list[tuple[float, str]] = []
+
+        async def wait_init(node: str, tg: anyio.abc.TaskGroup) -> None:
+            async for envelope in watches[node]:
+                if envelope.topic.endswith(".init"):
+                    first.append((time.perf_counter() - t0, node))
+                    tg.cancel_scope.cancel()
+                    return
+
+        with anyio.fail_after(DEADLINE):
+            async with anyio.create_task_group() as tg:
+                for node in watches:
+                    tg.start_soon(wait_init, node, tg)
+    assert a.proc is not None
+    a.proc.wait()
+    a.launch()
+    a.wait_ready(30.0)
+    return first[0]
+
+
+async def _failover(cluster: NatsCluster, daemons: dict[str, Daemon], report: Report) -> None:
+    times: list[float] = []
+    for round_ in range(KILLS):
+        seconds, node = await _kill_and_time(cluster, daemons, f"lost{round_}")
+        print(
+            f"  fleet: failover round {round_ + 1}: init on {node} {seconds:.2f} s after the kill"
+        )
+        times.append(seconds)
+    report.add(
+        "fleet",
+        "failover: node SIGKILL to session init elsewhere",
+        statistics.median(times),
+        "s",
+        goal=f"<= 10 s (heartbeat 2 s, lost_after 6 s); max {max(times):.2f} of {KILLS}",
+        higher_is_better=False,
+    )
+
+
+@contextlib.contextmanager
+def _failover_fleet() -> Iterator[tuple[NatsCluster, dict[str, Daemon]]]:
+    with NatsCluster(list(FAILOVER_NODES)) as cluster:
+        daemons: dict[str, Daemon] = {}
+        try:
+            for node in FAILOVER_NODES:
+                daemons[node] = Daemon(
+                    short_dir(), _failover_config(cluster, node), env={"ANTHROPIC_API_KEY": "sk"}
+                )
+                daemons[node].launch()
+            for daemon in daemons.values():
+                daemon.wait_ready(30.0)
+            yield cluster, daemons
+        finally:
+            left: list[int] = []
+            for daemon in daemons.values():
+                daemon.stop()
+                left += anyio.run(_reap_leftovers, daemon.root)
+                _remove(daemon.root)
+            servers = list(cluster.procs)
+    alive = [p.pid for p in servers if p is not None and p.poll() is None]
+    if left or alive:
+        raise RuntimeError(f"outlived the bench: claude doubles {left}, nats-servers {alive}")
+
+
 def run(report: Report) -> None:
     t0 = time.perf_counter()
     with _fleet() as daemons:
@@ -314,10 +458,16 @@ def run(report: Report) -> None:
         )
         anyio.run(_routed_vs_local, daemons, report)
         anyio.run(_events_across, daemons, report)
+    with _failover_fleet() as (cluster, daemons):
+        anyio.run(_failover, cluster, daemons, report)
     print(f"  fleet: the bench took {time.perf_counter() - t0:.0f} s", flush=True)
 
 
 if __name__ == "__main__":
     r = Report()
-    run(r)
+    if sys.argv[1:] == ["failover"]:  # the failover rig alone
+        with _failover_fleet() as (cluster, daemons):
+            anyio.run(_failover, cluster, daemons, r)
+    else:
+        run(r)
     print(r.render())

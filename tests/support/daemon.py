@@ -11,7 +11,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from sage.process import tie_to_parent
 
@@ -59,6 +59,7 @@ class Daemon:
         self.env = {**os.environ, **(env or {})}
         self.log_path = root / "daemon.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self._log: BinaryIO | None = None
         self.startup_s = 0.0
 
     def start(self, timeout: float = 15.0) -> Daemon:
@@ -68,6 +69,8 @@ class Daemon:
         """Start the process; call from the thread that lives as long as the test run
         (its death signal is tied to the thread that forks)."""
         self._t0 = time.monotonic()
+        if self._log is not None:  # started again (after a kill): the last log is done
+            self._log.close()
         # the log goes to a file: a pipe nobody drains would block the daemon
         self._log = self.log_path.open("ab")
         self._offset = self._log.tell()  # a restarted daemon appends to the same log
@@ -131,5 +134,7 @@ class Daemon:
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
             code = self.proc.wait()
-        self._log.close()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
         return code

@@ -264,6 +264,24 @@ class NatsCluster:
             self.stop()
 
 
+async def stored_object(cluster: NatsCluster, bucket: str, name: str) -> tuple[bytes, str] | None:
+    """Object ``name`` of the object store ``bucket`` and its description, read as the
+    cluster's admin (None: there is none)."""
+    import nats
+    from nats.js.errors import NotFoundError
+
+    nc = await nats.connect(cluster.urls, user=ADMIN, password=cluster.admin_password)
+    try:
+        store = await nc.jetstream().object_store(bucket)
+        try:
+            result = await store.get(name)
+        except NotFoundError:
+            return None
+        return bytes(result.data or b""), result.info.description or ""
+    finally:
+        await nc.close()
+
+
 def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:
     """Poll ``check`` (blocking, 10 times a second) until it returns something true;
     that value, or an AssertionError naming ``what`` and the last answer."""

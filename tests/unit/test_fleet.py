@@ -268,6 +268,29 @@ def test_a_node_may_publish_its_own_key_only() -> None:
     assert perms["publish"]["deny"] == ["sage.fleet.a.tool.call.*"]
 
 
+def test_the_transcripts_store_is_reached_through_its_own_stream_only() -> None:
+    """Failover: the object store's chunks and metadata, and the JetStream API calls on
+    its stream OBJ_sage_transcripts; no other stream's purge, no other consumer."""
+    publish = node_permissions("a")["publish"]["allow"]
+    assert "$O.sage_transcripts.>" in publish
+    assert not any(p.startswith("$O.") and p != "$O.sage_transcripts.>" for p in publish)
+    store_api = sorted(p for p in publish if "OBJ_" in p)
+    assert store_api == sorted(
+        [
+            "$JS.API.STREAM.CREATE.OBJ_sage_transcripts",
+            "$JS.API.STREAM.INFO.OBJ_sage_transcripts",
+            "$JS.API.STREAM.MSG.GET.OBJ_sage_transcripts",
+            "$JS.API.DIRECT.GET.OBJ_sage_transcripts.>",
+            "$JS.API.STREAM.PURGE.OBJ_sage_transcripts",
+            "$JS.API.CONSUMER.CREATE.OBJ_sage_transcripts",
+            "$JS.API.CONSUMER.CREATE.OBJ_sage_transcripts.>",
+            "$JS.API.CONSUMER.DELETE.OBJ_sage_transcripts.*",
+        ]
+    )
+    assert [p for p in publish if ".PURGE." in p] == ["$JS.API.STREAM.PURGE.OBJ_sage_transcripts"]
+    assert "$JS.API.STREAM.NAMES" in publish  # how nats-py finds the stream of the chunks
+
+
 def test_peers_bound_where_a_node_may_forward() -> None:
     publish = node_permissions("a", ["b", "a"])["publish"]["allow"]
     assert [p for p in publish if ".request." in p] == ["sage.fleet.b.request.a.>"]

@@ -1,0 +1,113 @@
+"""Failover decisions without I/O: which sessions a node adopts, and the replicas it owes.
+
+- :func:`adoptable`: the registry entries of ``lost`` nodes (never ``stopped``: a
+  node that said it stopped resumes its own sessions when it starts again) whose
+  node resumes sessions, for principals this node runs.  Every live node computes
+  the same list; the registry update that names the entry's revision decides the
+  one winner (sage/fleet/failover.py).
+- :func:`rank`: where a node stands for a session among the live nodes
+  (rendezvous hashing): the first tries at once, the next a little later, so a
+  lost node's sessions spread evenly over the survivors instead of going to the
+  fastest, and a node that cannot run one leaves it to the next.
+- :class:`Pending`: the replicas a node owes the object store, one per session
+  (a burst of turns is one upload of the latest transcript; an end replaces an
+  upload still owed), bounded.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import re
+from collections.abc import Callable, Iterable
+
+from sage.config import NAME_PATTERN
+from sage.fleet.nodes import NodeState, NodeView
+from sage.fleet.routes import SessionEntry
+
+__all__ = ("ADOPTING", "Owed", "Pending", "adoptable", "claimed", "live_nodes", "rank")
+
+_NAME = re.compile(NAME_PATTERN)
+
+ADOPTING = "adopting"
+"""The registry state of a session a node won and is restoring."""
+
+
+def adoptable(
+    entries: dict[str, tuple[SessionEntry, int]],
+    views: Iterable[NodeView],
+    me: str,
+    may_run: Callable[[str], bool],
+) -> list[tuple[str, SessionEntry, int]]:
+    """``(sid, entry, revision)`` of each session this node may take over now, by id."""
+    states = {view.node: view.state for view in views}
+    if states.get(me) is not NodeState.LIVE:
+        return []  # a node the others may judge lost itself adopts nothing
+    lost = {node for node, state in states.items() if state is NodeState.LOST and node != me}
+    return [
+        (sid, entry, revision)
+        for sid, (entry, revision) in sorted(entries.items())
+        if entry.node in lost
+        and entry.resume
+        and _NAME.match(sid) is not None  # a key no spawn could have made is left alone
+        and may_run(entry.principal_id)
+    ]
+
+
+def live_nodes(views: Iterable[NodeView]) -> list[str]:
+    return sorted(view.node for view in views if view.state is NodeState.LIVE)
+
+
+def rank(sid: str, me: str, live: Iterable[str]) -> int:
+    """``me``'s place (0: first) in the order every node computes alike for ``sid``."""
+
+    def weight(node: str) -> bytes:
+        return hashlib.sha256(f"{node}\0{sid}".encode()).digest()
+
+    order = sorted(set(live) | {me}, key=weight)
+    return order.index(me)
+
+
+def claimed(entry: SessionEntry, me: str, now: float) -> SessionEntry:
+    """The entry a node writes (naming the revision it read) to be the one that adopts."""
+    return SessionEntry(
+        node=me, principal_id=entry.principal_id, state=ADOPTING, at=now, resume=entry.resume
+    )
+
+
+class Owed(enum.Enum):
+    PUT = "put"
+    """The latest transcript, after a finished turn."""
+    DELETE = "delete"
+    """The session ended for good: its object goes."""
+
+
+class Pending:
+    """What the object store is owed, per session, oldest first; at most ``limit`` sessions
+    (past it the oldest upload is dropped, and counted)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._owed: dict[str, Owed] = {}
+        self.dropped = 0
+
+    def __len__(self) -> int:
+        return len(self._owed)
+
+    def owe(self, sid: str, what: Owed) -> None:
+        if what is Owed.PUT and self._owed.get(sid) is Owed.DELETE:
+            return  # it ended: a late turn's replica is not wanted
+        self._owed.pop(sid, None)  # its place in line is its latest mark
+        self._owed[sid] = what
+        while len(self._owed) > self.limit:
+            puts = (sid for sid, owed in self._owed.items() if owed is Owed.PUT)
+            oldest = next(puts, next(iter(self._owed)))
+            del self._owed[oldest]
+            self.dropped += 1
+
+    def next(self) -> tuple[str, Owed] | None:
+        """The oldest debt, taken off the list (None: nothing is owed)."""
+        if not self._owed:
+            return None
+        sid = next(iter(self._owed))
+        return sid, self._owed.pop(sid)

@@ -1,0 +1,411 @@
+"""Failover: transcripts replicated after each turn, a lost node's sessions resumed elsewhere.
+
+The async shell of :mod:`sage.fleet.adoption` and :mod:`sage.fleet.transcripts`,
+run by the router (sage/fleet/router.py) of each node:
+
+- **Replication.** On a node with ``[sessions] resume = true``, each finished turn
+  (a ``done`` event) marks its session; one worker, off the event path, asks the
+  runner what the conversation is (``sage.v1.request.conversation.<sid>``), reads
+  the transcript safely in a thread and puts it into the ``sage_transcripts``
+  object store under the session id.  A burst of turns is one upload; the end of a
+  session (``exited``) deletes the object, unless another node runs it now.
+- **Takeover.** Every second the node reads the verdicts; when a node is ``lost``
+  (not ``stopped``), its registry entries that say ``resume`` are taken by the live
+  nodes that run their principal, each after ``STAGGER`` seconds per node ranked
+  before it for that session (so they spread over the survivors): the registry
+  update naming the entry's revision makes exactly one winner, which restores the transcript under the principal's
+  home and asks its runner to ``adopt`` the session (the same id, ``--resume`` on
+  the same conversation).  The runner's ``spawned`` then names this node in the
+  registry, so ``send`` and ``watch`` from any node reach it.
+- **Claims.** A node that starts again asks (``sage.v1.request.fleet.claims``),
+  before its runner resumes anything, which of its sessions another node took;
+  those it ends ``failed_over``, the rest it claims again in the registry (the same
+  revision race), so no conversation ever has two children.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+import msgspec
+import structlog
+
+from bus import Bus, BusError, Envelope, Identity
+from sage import replies
+from sage.config import Config, PrincipalConfig
+from sage.errors import SageError
+from sage.fleet.adoption import Owed, Pending, adoptable, claimed, live_nodes, rank
+from sage.fleet.member import FleetMember
+from sage.fleet.nodes import NodeState
+from sage.fleet.routes import SessionEntry, check_name, decode_entry
+from sage.fleet.transcripts import (
+    TranscriptMeta,
+    TranscriptRefused,
+    check_meta,
+    read_transcript,
+    restore_transcript,
+    transcript_rel,
+)
+
+__all__ = ("CLAIMS_TOPIC", "Failover")
+
+log = structlog.get_logger("sage.fleet.failover")
+
+CLAIMS_TOPIC = "sage.v1.request.fleet.claims"
+CHECK = 1.0  # seconds between two looks at the node verdicts
+RESWEEP = 10.0  # seconds between two passes over the registry while a node stays lost
+ADOPTIONS = 4  # sessions restored and started at once
+STAGGER = 0.5  # seconds a node waits per node ranked before it for a session
+OWED = 4096  # sessions whose replica may wait at once
+STORE_DEADLINE = 30.0
+
+Ask = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
+"""A request to the local runner as the supervisor (an admin): topic, payload -> reply."""
+
+
+class Failover:
+    """This node's replicas and takeovers (see the module docstring)."""
+
+    def __init__(
+        self, bus: Bus, member: FleetMember, config_of: Callable[[], Config], ask: Ask
+    ) -> None:
+        self.bus = bus
+        self.member = member
+        self.node = member.node
+        self.config_of = config_of
+        self.ask = ask
+        self.identity = Identity("fleet")
+        self.pending = Pending(OWED)
+        self._owed = anyio.Event()
+        self._adopting: set[str] = set()
+        self._limiter = anyio.CapacityLimiter(ADOPTIONS)
+        self.replicated = 0
+        """Transcripts put so far (for tests and the bench)."""
+
+    async def run(self, tg: anyio.abc.TaskGroup) -> None:
+        tg.start_soon(self._replicate_owed)
+        tg.start_soon(self._watch)
+
+    # -- replication -----------------------------------------------------------------
+
+    def turn_done(self, sid: str) -> None:
+        """A turn of ``sid`` finished: its transcript is owed (never blocks)."""
+        if self.config_of().sessions.resume:
+            self.pending.owe(sid, Owed.PUT)
+            self._owed.set()
+
+    def ended(self, sid: str) -> None:
+        """``sid`` ended for good here: its replica goes (unless another node runs it)."""
+        self.pending.owe(sid, Owed.DELETE)
+        self._owed.set()
+
+    async def _replicate_owed(self) -> None:
+        while True:
+            await self._owed.wait()
+            self._owed = anyio.Event()
+            while (debt := self.pending.next()) is not None:
+                sid, what = debt
+                try:
+                    with anyio.fail_after(STORE_DEADLINE):
+                        if what is Owed.PUT:
+                            await self._put(sid)
+                        else:
+                            await self._forget(sid)
+                except TranscriptRefused as exc:
+                    log.warning("fleet.transcript_refused", session_id=sid, reason=str(exc))
+                except Exception as exc:
+                    log.warning(
+                        "fleet.transcript_failed",
+                        session_id=sid,
+                        op=what.value,
+                        error=_describe(exc),
+                    )
+
+    async def _put(self, sid: str) -> None:
+        from nats.js.api import ObjectMeta
+
+        store = self.member.transcripts
+        if store is None or not self.member.connected:
+            return
+        info = await self.ask(f"sage.v1.request.conversation.{sid}", {})
+        if not info.get("ok"):
+            return  # ended meanwhile
+        config = self.config_of()
+        assert config.fleet is not None
+        principal = config.principal(str(info.get("principal_id")))
+        if principal is None:
+            return
+        claude_session = str(info.get("claude_session"))
+        cwd = str(info.get("cwd") or "")
+        limit = config.fleet.transcript_max_bytes
+
+        def read() -> bytes:
+            home, uid, _ = _home_of(config, principal)
+            rel = transcript_rel(cwd or os.path.realpath(home), claude_session)
+            return read_transcript(home, rel, uid, limit)
+
+        try:
+            data = await anyio.to_thread.run_sync(read)
+        except FileNotFoundError:
+            log.debug("fleet.transcript_missing", session_id=sid)
+            return
+        meta = TranscriptMeta(
+            session_id=sid,
+            principal_id=principal.name,
+            claude_session=claude_session,
+            cwd=str(info.get("cwd") or ""),
+            model=str(info.get("model") or ""),
+            node=self.node,
+            turns=int(info.get("turns") or 0),
+            size=len(data),
+        )
+        await store.put(sid, data, meta=ObjectMeta(name=sid, description=meta.encode()))
+        self.replicated += 1
+        log.debug("fleet.transcript_replicated", session_id=sid, size=len(data))
+
+    async def _forget(self, sid: str) -> None:
+        """The object of a session that ended here, unless the registry names another node."""
+        from nats.js.errors import NotFoundError
+
+        store, registry = self.member.transcripts, self.member.registry
+        if store is None or registry is None or not self.member.connected:
+            return
+        try:
+            entry = decode_entry(sid, (await registry.get(sid)).value or b"")
+        except NotFoundError:
+            entry = None
+        if entry is not None and entry.node != self.node:
+            return  # it runs elsewhere now (this node ended it failed_over)
+        with contextlib.suppress(NotFoundError):
+            await store.delete(sid)
+
+    # -- takeover --------------------------------------------------------------------
+
+    async def _watch(self) -> None:
+        seen: set[str] = set()
+        swept = 0.0
+        async with anyio.create_task_group() as tg:
+            while True:
+                await anyio.sleep(CHECK)
+                config = self.config_of()
+                if config.fleet is None or not config.fleet.adopt or not self.member.connected:
+                    continue
+                try:
+                    with anyio.fail_after(5.0):
+                        views = await self.member.nodes()
+                        lost = {v.node for v in views if v.state is NodeState.LOST}
+                        fresh = lost - seen
+                        seen = lost
+                        now = anyio.current_time()
+                        if not lost or (not fresh and now - swept < RESWEEP):
+                            continue
+                        swept = now
+                        entries = await self.member.session_revisions()
+                except Exception as exc:
+                    log.warning("fleet.failover_check_failed", error=_describe(exc))
+                    continue
+                live = live_nodes(views)
+                for sid, entry, revision in adoptable(entries, views, self.node, self._may_run):
+                    if sid not in self._adopting:
+                        self._adopting.add(sid)
+                        wait = rank(sid, self.node, live) * STAGGER
+                        tg.start_soon(self._adopt, sid, entry, revision, wait)
+
+    def _may_run(self, principal_id: str) -> bool:
+        principal = self.config_of().principal(principal_id)
+        return principal is not None and principal.interaction_mode != "repl"
+
+    async def _adopt(self, sid: str, entry: SessionEntry, revision: int, wait: float) -> None:
+        try:
+            await anyio.sleep(wait)  # the nodes ranked first for it try first
+            async with self._limiter:
+                await self._take(sid, entry, revision)
+        except Exception as exc:
+            log.error("fleet.failover_failed", session_id=sid, error=_describe(exc))
+        finally:
+            self._adopting.discard(sid)
+
+    async def _take(self, sid: str, entry: SessionEntry, revision: int) -> None:
+        from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
+
+        registry, store = self.member.registry, self.member.transcripts
+        assert registry is not None
+        assert store is not None
+        mine = claimed(entry, self.node, time.time())
+        try:
+            with anyio.fail_after(5.0):
+                await registry.update(sid, mine.encode(), last=revision)
+        except KeyWrongLastSequenceError:
+            log.info("fleet.failover_lost_race", session_id=sid, from_node=entry.node)
+            return
+        started = time.monotonic()
+        log.info("fleet.failover_won", session_id=sid, from_node=entry.node)
+        config = self.config_of()
+        principal = config.principal(entry.principal_id)
+        meta: TranscriptMeta | None = None
+        why = ""
+        try:
+            if principal is None:
+                raise TranscriptRefused(f"principal {entry.principal_id!r} is not configured here")
+            assert config.fleet is not None
+            limit = config.fleet.transcript_max_bytes
+            try:
+                with anyio.fail_after(STORE_DEADLINE):
+                    size = (await store.get_info(sid)).size or 0
+                    if size > limit:  # never fetched: a node could have put anything there
+                        raise TranscriptRefused(
+                            f"transcript of {sid!r}: {size} bytes, over the {limit} allowed"
+                        )
+                    result = await store.get(sid)
+            except NotFoundError:
+                log.warning("fleet.failover_no_transcript", session_id=sid, from_node=entry.node)
+            else:
+                meta = check_meta(sid, entry.principal_id, result.info.description)
+                data = bytes(result.data or b"")
+                if len(data) != meta.size:
+                    raise TranscriptRefused(
+                        f"transcript of {sid!r}: {len(data)} bytes, not {meta.size}"
+                    )
+                await anyio.to_thread.run_sync(self._restore, config, principal, meta, data)
+            reply = await self.ask(
+                "sage.v1.request.adopt",
+                {
+                    "session_id": sid,
+                    "principal_id": entry.principal_id,
+                    "claude_session": meta.claude_session if meta else str(uuid.uuid4()),
+                    "from_node": entry.node,
+                    "cwd": meta.cwd if meta else "",
+                    "model": meta.model if meta else "",
+                    "turns": meta.turns if meta else 0,
+                    "fresh": meta is None,
+                },
+            )
+            if not reply.get("ok"):
+                why = f"{reply.get('error')}: {reply.get('message')}"
+        except (SageError, OSError) as exc:
+            why = str(exc)
+        if not why:
+            log.info(
+                "fleet.failed_over",
+                session_id=sid,
+                from_node=entry.node,
+                seconds=round(time.monotonic() - started, 3),
+            )
+            return
+        # this node won but cannot run it: the session is lost, and says why
+        log.error("fleet.failover_failed", session_id=sid, from_node=entry.node, reason=why)
+        self._audit(
+            "session_failover_failed",
+            {
+                "principal_id": entry.principal_id,
+                "session_id": sid,
+                "from_node": entry.node,
+                "reason": why[:500],
+            },
+        )
+        with anyio.move_on_after(5.0):
+            try:
+                got = await registry.get(sid)
+                if (decode_entry(sid, got.value or b"") or entry).node == self.node:
+                    await registry.delete(sid, last=got.revision)
+            except Exception as exc:
+                log.warning("fleet.registry_write_failed", session_id=sid, error=_describe(exc))
+
+    def _restore(
+        self, config: Config, principal: PrincipalConfig, meta: TranscriptMeta, data: bytes
+    ) -> None:
+        """Write the transcript under the principal's home here (made when missing)."""
+        home, uid, gid = _home_of(config, principal)
+        if not home.is_dir():
+            from sage.claude.homes import own_home
+
+            if uid != os.getuid():
+                own_home(
+                    home,
+                    uid,
+                    gid,
+                    homes_dir=config.homes_dir if home.parent == config.homes_dir else None,
+                )
+            else:
+                home.mkdir(mode=0o700, parents=True, exist_ok=True)
+        cwd = meta.cwd or os.path.realpath(home)
+        restore_transcript(home, transcript_rel(cwd, meta.claude_session), data, uid, gid)
+
+    # -- claims of a node that starts again ------------------------------------------------
+
+    async def claims(self, request: Envelope) -> dict[str, Any]:
+        """``{session_ids}`` -> ``{elsewhere: {sid: node}}``: those another node runs now;
+        the others are claimed for this node (an admin's request only: the runner's)."""
+        from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
+
+        if request.principal is not None:
+            return replies.error("not_authorized", "only the session runner asks this")
+        try:
+            body = msgspec.json.decode(request.payload or b"{}")
+            sids = [check_name(str(s), "session id") for s in body.get("session_ids") or []]
+        except (msgspec.DecodeError, AttributeError, SageError) as exc:
+            return replies.error("bad_request", f"claims: {exc}")
+        registry = self.member.registry
+        if registry is None or not self.member.connected:
+            return replies.error("fleet_unavailable", "NATS is not connected")
+        elsewhere: dict[str, str] = {}
+        try:
+            with anyio.fail_after(10.0):
+                for sid in sids:
+                    for _ in range(3):
+                        try:
+                            got = await registry.get(sid)
+                        except NotFoundError:
+                            break  # not in the registry: the router's resync writes it
+                        entry = decode_entry(sid, got.value or b"")
+                        if entry is None:
+                            break
+                        if entry.node != self.node:
+                            elsewhere[sid] = entry.node
+                            break
+                        again = SessionEntry(
+                            node=self.node,
+                            principal_id=entry.principal_id,
+                            at=time.time(),
+                            resume=entry.resume,
+                        )
+                        try:  # an adopter that read the same revision now loses its race
+                            await registry.update(sid, again.encode(), last=got.revision)
+                            break
+                        except KeyWrongLastSequenceError:
+                            continue
+        except Exception as exc:
+            return replies.error("fleet_unavailable", f"the registry: {_describe(exc)}")
+        if elsewhere:
+            log.info("fleet.sessions_taken_elsewhere", sessions=elsewhere)
+        return replies.ok(elsewhere=elsewhere)
+
+    def _audit(self, kind: str, payload: dict[str, Any]) -> None:
+        try:
+            self.bus.publish(self.identity, f"sage.v1.audit.{kind}", payload)
+        except BusError:
+            log.warning("fleet.audit_failed", kind=kind)
+
+
+def _home_of(config: Config, principal: PrincipalConfig) -> tuple[Path, int, int]:
+    """The principal's home here, and the uid and gid its children run as."""
+    from sage.security.runas import SessionUids
+
+    run_as = SessionUids(config).run_as(principal)
+    home = config.home_of(principal)
+    if run_as is None:
+        return home, os.getuid(), os.getgid()
+    return home, run_as.uid, run_as.gid
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:300]

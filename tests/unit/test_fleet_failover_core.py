@@ -1,0 +1,238 @@
+"""Failover's sans-IO parts: who adopts a lost node's sessions, the replicas owed, and the
+checks on every id and path a transcript brings (sage/fleet/adoption.py, transcripts.py)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from sage.fleet.adoption import ADOPTING, Owed, Pending, adoptable, claimed, live_nodes, rank
+from sage.fleet.nodes import NodeState, NodeView
+from sage.fleet.routes import SessionEntry
+from sage.fleet.transcripts import (
+    TranscriptMeta,
+    TranscriptRefused,
+    check_meta,
+    escape_cwd,
+    read_transcript,
+    restore_transcript,
+    transcript_rel,
+)
+
+CS = "0d7c6c2e-3a4f-4b8e-9c1d-2e3f4a5b6c7d"
+
+
+def view(node: str, state: NodeState) -> NodeView:
+    return NodeView(
+        node=node, state=state, host="h", pid=1, started_at=0.0, heartbeat_at=0.0, age_s=0.0
+    )
+
+
+def entry(node: str, principal: str = "alice", resume: bool = True) -> SessionEntry:
+    return SessionEntry(node=node, principal_id=principal, resume=resume)
+
+
+VIEWS = [
+    view("a", NodeState.LOST),
+    view("b", NodeState.LIVE),
+    view("c", NodeState.LIVE),
+    view("d", NodeState.STOPPED),
+]
+
+
+def test_a_lost_nodes_resumable_sessions_are_adoptable_with_their_revision() -> None:
+    entries = {
+        "s1": (entry("a"), 7),
+        "s2": (entry("a", resume=False), 8),  # its node does not resume sessions
+        "s3": (entry("d"), 9),  # stopped, not lost: it resumes them itself
+        "s4": (entry("c"), 10),  # live
+        "s5": (entry("a", "bob"), 11),  # a principal b does not run
+        "s6": (entry("zz"), 12),  # a node without a record
+        "../s7": (entry("a"), 13),  # a key no spawn makes
+        "s8.x": (entry("a"), 14),
+    }
+    got = adoptable(entries, VIEWS, "b", lambda name: name == "alice")
+    assert got == [("s1", entry("a"), 7)]
+
+
+def test_a_node_not_live_itself_adopts_nothing() -> None:
+    entries = {"s1": (entry("a"), 7)}
+    views = [view("a", NodeState.LOST), view("b", NodeState.LOST)]
+    assert adoptable(entries, views, "b", lambda _: True) == []
+    assert adoptable(entries, VIEWS, "a", lambda _: True) == []  # never its own
+
+
+def test_the_claim_names_the_adopter_and_keeps_the_principal() -> None:
+    mine = claimed(entry("a"), "b", 5.0)
+    assert (mine.node, mine.principal_id, mine.state, mine.at, mine.resume) == (
+        "b",
+        "alice",
+        ADOPTING,
+        5.0,
+        True,
+    )
+
+
+def test_every_node_ranks_the_live_nodes_alike_and_sessions_spread() -> None:
+    """Rendezvous ranks: one order per session that every node computes alike (each node
+    a distinct place), and a lost node's sessions spread over the survivors."""
+    live = live_nodes(VIEWS)
+    assert live == ["b", "c"]
+    firsts = []
+    for i in range(1000):
+        sid = f"s{i}"
+        places = sorted(rank(sid, node, live) for node in live)
+        assert places == [0, 1]
+        firsts.append(next(node for node in live if rank(sid, node, live) == 0))
+    assert 400 < firsts.count("b") < 600
+    assert rank("s1", "b", ["b", "c", "d"]) in (0, 1, 2)
+
+
+def test_a_burst_of_turns_is_one_replica_and_an_end_wins() -> None:
+    pending = Pending(limit=3)
+    for _ in range(5):
+        pending.owe("s1", Owed.PUT)
+    pending.owe("s2", Owed.PUT)
+    assert len(pending) == 2
+    pending.owe("s2", Owed.DELETE)
+    pending.owe("s2", Owed.PUT)  # a late turn after the end
+    assert pending.next() == ("s1", Owed.PUT)
+    assert pending.next() == ("s2", Owed.DELETE)
+    assert pending.next() is None
+
+
+def test_the_debts_are_bounded_oldest_upload_first() -> None:
+    pending = Pending(limit=2)
+    pending.owe("s1", Owed.PUT)
+    pending.owe("s2", Owed.DELETE)
+    pending.owe("s3", Owed.PUT)
+    assert pending.dropped == 1
+    assert [pending.next(), pending.next(), pending.next()] == [
+        ("s2", Owed.DELETE),
+        ("s3", Owed.PUT),
+        None,
+    ]
+
+
+# -- paths and metadata -------------------------------------------------------------
+
+
+def test_the_transcript_path_is_the_clis() -> None:
+    assert escape_cwd("/srv/homes/al_ice.x") == "-srv-homes-al-ice-x"
+    assert transcript_rel("/srv/h", CS) == Path(".claude", "projects", "-srv-h", f"{CS}.jsonl")
+
+
+@pytest.mark.parametrize("claude_session", ["../../etc/passwd", "x", CS + "/..", ""])
+def test_a_claude_session_that_is_not_a_uuid_is_refused(claude_session: str) -> None:
+    with pytest.raises(TranscriptRefused):
+        transcript_rel("/srv/h", claude_session)
+
+
+def meta(**fields: object) -> str:
+    base: dict[str, object] = {
+        "session_id": "s1",
+        "principal_id": "alice",
+        "claude_session": CS,
+        "cwd": "",
+        "model": "",
+        "node": "a",
+        "turns": 2,
+        "size": 10,
+    }
+    return TranscriptMeta(**{**base, **fields}).encode()  # type: ignore[arg-type]
+
+
+def test_a_good_description_is_taken() -> None:
+    got = check_meta("s1", "alice", meta(cwd="/srv/work", model="claude-x"))
+    assert (got.claude_session, got.cwd, got.turns) == (CS, "/srv/work", 2)
+
+
+@pytest.mark.parametrize(
+    ("sid", "principal", "text"),
+    [
+        ("s2", "alice", meta()),  # about another session
+        ("s1", "bob", meta()),  # another principal's
+        ("s1", "alice", meta(claude_session="../../x")),
+        ("s1", "alice", meta(cwd="relative/path")),
+        ("s1", "alice", meta(cwd="/srv/../etc")),
+        ("s1", "alice", meta(model="x; rm -rf /")),
+        ("s1", "alice", meta(node="a.b")),
+        ("s1", "alice", meta(turns=-1)),
+        ("s1", "alice", "not json"),
+        ("s1", "alice", None),
+    ],
+)
+def test_a_description_from_the_bucket_is_checked(sid: str, principal: str, text: str) -> None:
+    with pytest.raises(TranscriptRefused):
+        check_meta(sid, principal, text)
+
+
+# -- reading and writing in a home that is not ours to trust ------------------------
+
+
+def home_with(tmp_path: Path, data: bytes = b'{"turn": 1}\n') -> tuple[Path, Path]:
+    home = tmp_path / "home"
+    rel = transcript_rel("/srv/h", CS)
+    (home / rel.parent).mkdir(parents=True)
+    (home / rel).write_bytes(data)
+    return home, rel
+
+
+def test_a_regular_transcript_of_the_owner_is_read(tmp_path: Path) -> None:
+    home, rel = home_with(tmp_path)
+    assert read_transcript(home, rel, os.getuid(), 100) == b'{"turn": 1}\n'
+    with pytest.raises(FileNotFoundError):
+        read_transcript(home, transcript_rel("/srv/other", CS), os.getuid(), 100)
+
+
+def test_a_link_a_fifo_a_huge_file_or_another_owner_is_refused(tmp_path: Path) -> None:
+    home, rel = home_with(tmp_path)
+    outside = tmp_path / "secret"
+    outside.write_bytes(b"the operator's secret")
+    target = home / rel
+    with pytest.raises(TranscriptRefused, match="over the 5"):
+        read_transcript(home, rel, os.getuid(), 5)
+    with pytest.raises(TranscriptRefused, match="owned by uid"):
+        read_transcript(home, rel, os.getuid() + 1, 100)
+    target.unlink()
+    target.symlink_to(outside)
+    with pytest.raises(TranscriptRefused, match="not opened"):
+        read_transcript(home, rel, os.getuid(), 100)
+    target.unlink()
+    os.mkfifo(target)
+    with pytest.raises(TranscriptRefused, match="not a regular file"):
+        read_transcript(home, rel, os.getuid(), 100)  # never blocks on the FIFO
+    # a link for a folder of the path
+    projects = home / ".claude" / "projects"
+    (tmp_path / "elsewhere" / rel.parent.name).mkdir(parents=True)
+    (tmp_path / "elsewhere" / rel.parent.name / rel.name).write_bytes(b"x")
+    os.rename(projects, tmp_path / "old")
+    projects.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(TranscriptRefused, match="not opened"):
+        read_transcript(home, rel, os.getuid(), 100)
+
+
+def test_a_restore_makes_the_folders_and_a_private_file(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    rel = transcript_rel("/srv/h", CS)
+    restore_transcript(home, rel, b"turns\n", os.getuid(), os.getgid())
+    st = (home / rel).stat()
+    assert (home / rel).read_bytes() == b"turns\n"
+    assert (st.st_mode & 0o777, st.st_uid) == (0o600, os.getuid())
+
+
+def test_a_restore_never_writes_through_a_link(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    (home / ".claude").mkdir(parents=True)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (home / ".claude" / "projects").symlink_to(outside)
+    rel = transcript_rel("/srv/h", CS)
+    with pytest.raises(TranscriptRefused, match="not written"):
+        restore_transcript(home, rel, b"turns\n", os.getuid(), os.getgid())
+    assert list(outside.iterdir()) == []
+    with pytest.raises(TranscriptRefused, match="not a transcript path"):
+        restore_transcript(home, Path("../x/y/z"), b"", os.getuid(), os.getgid())
