@@ -43,6 +43,7 @@ from bus import Bus, BusError, Envelope, Identity, NoResponders, Subscription
 from sage import replies
 from sage.fleet.member import FleetMember
 from sage.fleet.nodes import NodeState
+from sage.fleet.registry_copy import RegistryCopy, follow
 from sage.fleet.routes import (
     APPROVAL_VERBS,
     SESSION_VERBS,
@@ -126,6 +127,8 @@ class Router:
         self._stand_ins: dict[str, tuple[Subscription, float]] = {}
         """sid -> this bus's approver subscription for a client on another node, and until when."""
         self._registry_writes: MemoryObjectSendStream[tuple[str, SessionEntry | None]]
+        self.registry_copy = RegistryCopy()
+        """The registry as a watch keeps it here: a remote owner without a NATS round trip."""
         self._tg: anyio.abc.TaskGroup | None = None
 
     # -- life -----------------------------------------------------------------
@@ -152,6 +155,9 @@ class Router:
                     tg.start_soon(self._serve_local, sub)
                 tg.start_soon(self._prune_relays)
                 tg.start_soon(self._keep_registry)
+                if self.member.registry is not None:
+                    connected = lambda: self.member.connected  # noqa: E731
+                    tg.start_soon(follow, self.member.registry, self.registry_copy, connected)
                 task_status.started()
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
@@ -387,21 +393,36 @@ class Router:
                 f"session {sid!r} is not on node {self.node!r}, and the fleet cannot be asked"
                 " now: NATS is not connected"
             )
-        try:
-            with anyio.fail_after(LISTING_DEADLINE):
-                entry = await self.lookup(sid)
-        except Exception as exc:
-            return unavailable(f"cannot read the session registry now: {_describe(exc)}")
-        if entry is None or entry.node == self.node or not visible(entry, request.principal):
-            # another principal's session looks the same as none, as on one node
-            return replies.error("unknown_session", f"no session {sid!r}")
-        relay = None
-        if verb in ("send", "session", "wake"):  # the caller follows the events
-            relay = await self._relay(entry.node, sid, request.principal)
-            if relay is not None and verb == "send" and self._approver_here(sid):
-                relay.approver = True  # before the turn: its first tool call may need us
-                await self._tell_approver(entry.node, sid, relay)
-        reply = await self._forward(entry.node, verb, sid, request)
+        cached = self._remote_in_copy(sid, request.principal)
+        if cached is not None:
+            entry = cached
+        else:
+            try:
+                entry = await self._remote_owner(sid, request.principal)
+            except Exception as exc:
+                return unavailable(f"cannot read the session registry now: {_describe(exc)}")
+            if entry is None:
+                # another principal's session looks the same as none, as on one node
+                return replies.error("unknown_session", f"no session {sid!r}")
+        relay, reply = await self._forward_session(entry.node, verb, sid, request)
+        if cached is not None and not reply.get("ok"):
+            # the copy may be stale (the session moved, ended, or its node is gone): the
+            # bucket decides, and only another node it names is asked again
+            try:
+                fresh = await self._remote_owner(sid, request.principal)
+            except Exception as exc:
+                return unavailable(f"cannot read the session registry now: {_describe(exc)}")
+            if fresh is None or fresh.node != entry.node:
+                self.registry_copy.found_stale()
+                log.info(
+                    "fleet.registry_copy_stale",
+                    session_id=sid,
+                    copy=entry.node,
+                    node=fresh.node if fresh is not None else None,
+                )
+            if fresh is not None and fresh.node != entry.node:
+                entry = fresh
+                relay, reply = await self._forward_session(entry.node, verb, sid, request)
         if verb == "session":
             ids = relay.ids if relay is not None else {}
             for event in reply.get("events") or []:
@@ -413,6 +434,35 @@ class Router:
         if relay is not None and not reply.get("ok"):
             self._drop_relay_soon(sid)
         return reply
+
+    def _remote_in_copy(self, sid: str, principal: str | None) -> SessionEntry | None:
+        """The owner the registry copy names, if another node and the caller may see
+        the session; anything else is left to the bucket (see sage/fleet/registry_copy.py)."""
+        entry = self.registry_copy.owner(sid)
+        if entry is None or entry.node == self.node or not visible(entry, principal):
+            return None
+        return entry
+
+    async def _remote_owner(self, sid: str, principal: str | None) -> SessionEntry | None:
+        """The bucket's owner of ``sid`` if another node and visible to ``principal``."""
+        with anyio.fail_after(LISTING_DEADLINE):
+            entry = await self.lookup(sid)
+        if entry is None or entry.node == self.node or not visible(entry, principal):
+            return None
+        return entry
+
+    async def _forward_session(
+        self, node: str, verb: str, sid: str, request: Envelope
+    ) -> tuple[_Relay | None, dict[str, Any]]:
+        """Forward a request about ``sid`` to its owner ``node``, with the relay of its
+        events opened first when the caller follows them."""
+        relay = None
+        if verb in ("send", "session", "wake"):  # the caller follows the events
+            relay = await self._relay(node, sid, request.principal)
+            if relay is not None and verb == "send" and self._approver_here(sid):
+                relay.approver = True  # before the turn: its first tool call may need us
+                await self._tell_approver(node, sid, relay)
+        return relay, await self._forward(node, verb, sid, request)
 
     async def _spawn(self, request: Envelope) -> dict[str, Any]:
         try:
