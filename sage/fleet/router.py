@@ -129,6 +129,8 @@ class Router:
         self._registry_writes: MemoryObjectSendStream[tuple[str, SessionEntry | None]]
         self.registry_copy = RegistryCopy()
         """The registry as a watch keeps it here: a remote owner without a NATS round trip."""
+        self._here: set[str] = set()
+        """Sessions this node's runner has (spawned and not exited, as its events said)."""
         self._tg: anyio.abc.TaskGroup | None = None
 
     # -- life -----------------------------------------------------------------
@@ -184,8 +186,10 @@ class Router:
                     node=self.node, principal_id=envelope.principal, at=time.time()
                 )
                 self._note(sid, entry)
+                self._here.add(sid)
             elif name == "exited":
                 self._note(sid, None)
+                self._here.discard(sid)
             if not nc.is_connected:
                 continue  # the fleet is away: local watchers still have them
             event = ForwardedEvent(
@@ -388,6 +392,9 @@ class Router:
         if verb not in SESSION_VERBS or len(parts) != 6:
             return replies.error("bad_request", f"no fleet request {request.topic!r}")
         sid = check_name(parts[5], "session id")
+        if sid in self._here:
+            # the runner has it and answers (the CLI asks both at once): nothing to forward
+            return replies.error("unknown_session", f"session {sid!r} is on this node")
         if not self.member.connected:
             return unavailable(
                 f"session {sid!r} is not on node {self.node!r}, and the fleet cannot be asked"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import nats
@@ -180,3 +181,38 @@ def test_a_stale_copy_is_corrected_by_the_bucket_and_said(
     code, out = send(c, "moving", "once more")
     assert code == 0, out
     assert len(log_events(c, "fleet.registry_copy_stale")) == len(stale)
+
+
+def test_the_router_leaves_a_session_of_its_own_node_to_its_runner(
+    fleet: tuple[NatsCluster, dict[str, Daemon]],
+) -> None:
+    """The CLI asks the runner and the router at once: for a session its runner has, the
+    router answers unknown_session at once (its runner answers), forwarding nothing; the
+    CLI's send gets the runner's answer, one turn."""
+    _, daemons = fleet
+    a = daemons["a"]
+    spawned = a.astrid("sage", "spawn", "alice", "--session", "homebody", timeout=30.0)
+    assert spawned.returncode == 0, spawned.stderr
+
+    async def ask_router() -> Any:
+        from bus.client import BusClient
+
+        async with BusClient.connect(
+            a.socket, role="cli", name="test", principal="alice"
+        ) as client:
+            topic = "sage.v1.request.fleet.send.homebody"
+            reply = await client.request(topic, {"text": "hi"}, deadline=10.0)
+            return json.loads(reply.payload)
+
+    reply = wait_for(
+        lambda: (r := anyio.run(ask_router)).get("message", "").endswith("is on this node") and r,
+        10.0,
+        "a's router knowing its runner has the session",
+    )
+    assert reply["error"] == "unknown_session"
+    code, out = send(a, "homebody", "hello")
+    assert code == 0, out
+    for daemon in daemons.values():
+        assert not [
+            r for r in log_events(daemon, "fleet.forwarded_in") if r.get("session_id") == "homebody"
+        ]
