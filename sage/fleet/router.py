@@ -130,7 +130,10 @@ class Router:
         self.registry_copy = RegistryCopy()
         """The registry as a watch keeps it here: a remote owner without a NATS round trip."""
         self._here: set[str] = set()
-        """Sessions this node's runner has (spawned and not exited, as its events said)."""
+        """Sessions this node's runner has: spawned and not exited, as its events said, and
+        those its listing had at a resync (restored at a start, say)."""
+        self._exited_meanwhile: set[str] | None = None
+        """During a resync: the sessions whose ``exited`` came after its listing was asked."""
         self._tg: anyio.abc.TaskGroup | None = None
 
     # -- life -----------------------------------------------------------------
@@ -190,6 +193,8 @@ class Router:
             elif name == "exited":
                 self._note(sid, None)
                 self._here.discard(sid)
+                if self._exited_meanwhile is not None:
+                    self._exited_meanwhile.add(sid)
             if not nc.is_connected:
                 continue  # the fleet is away: local watchers still have them
             event = ForwardedEvent(
@@ -236,16 +241,21 @@ class Router:
     async def _resync(self) -> bool:
         """One pass (False: the runner or the registry could not be read; try again)."""
         since = time.time()
-        listing = await self._ask_runner(
-            self.identity, "sage.v1.request.sessions", b"{}", None, "sessions"
-        )
-        if not listing.get("ok"):
-            return False  # no runner yet (it starts after the router), or none at all
-        live = {
-            str(row["session_id"]): str(row.get("principal_id") or "")
-            for row in listing.get("sessions") or []
-            if isinstance(row, dict) and row.get("state") != "ended"
-        }
+        self._exited_meanwhile = set()
+        try:
+            listing = await self._ask_runner(
+                self.identity, "sage.v1.request.sessions", b"{}", None, "sessions"
+            )
+            if not listing.get("ok"):
+                return False  # no runner yet (it starts after the router), or none at all
+            live = {
+                str(row["session_id"]): str(row.get("principal_id") or "")
+                for row in listing.get("sessions") or []
+                if isinstance(row, dict) and row.get("state") != "ended"
+            }
+            self._here |= live.keys() - self._exited_meanwhile
+        finally:
+            self._exited_meanwhile = None
         try:
             with anyio.fail_after(LISTING_DEADLINE):
                 entries = await self.member.sessions()

@@ -30,12 +30,15 @@ ALICE_UID = 65533
 
 
 def node_config(cluster: NatsCluster, node: str) -> str:
+    """The runner with the double; on node b an idle session hibernates after 0.5 s."""
     urls = ", ".join(f'"{url}"' for url in cluster.urls)
+    sleepy = "[sessions]\nhibernate_after = 0.5\n" if node == "b" else ""
     return (
         'capsules = ["runner"]\n'
         f'[claude]\nbinary = "{FAKE_CLAUDE}"\nenv = {{ FAKE_CLAUDE_MODE = "" }}\n'
         '[limits]\nstop_grace = 2.0\n[socket]\ngroup = "nogroup"\n'
-        f'[fleet]\nurl = [{urls}]\nnode = "{node}"\n'
+        + sleepy
+        + f'[fleet]\nurl = [{urls}]\nnode = "{node}"\n'
         f'password_file = "{cluster.password_file(node)}"\n'
         "heartbeat = 0.5\nlost_after = 2.0\nconnect_timeout = 5.0\nreplicas = 3\n"
         f'[[principals]]\nname = "alice"\nuids = [{ALICE_UID}]\noperator_key = true\n'
@@ -102,6 +105,22 @@ def delete_watch_of(cluster: NatsCluster, node: str) -> int:
             return deleted
         finally:
             await admin.close()
+
+    return anyio.run(main)
+
+
+def ask_router(daemon: Daemon, sid: str) -> Any:
+    """The router's own answer to a send (what the CLI asks beside the runner)."""
+
+    async def main() -> Any:
+        from bus.client import BusClient
+
+        async with BusClient.connect(
+            daemon.socket, role="cli", name="test", principal="alice"
+        ) as client:
+            topic = f"sage.v1.request.fleet.send.{sid}"
+            reply = await client.request(topic, {"text": "hi"}, deadline=10.0)
+            return json.loads(reply.payload)
 
     return anyio.run(main)
 
@@ -194,18 +213,10 @@ def test_the_router_leaves_a_session_of_its_own_node_to_its_runner(
     spawned = a.astrid("sage", "spawn", "alice", "--session", "homebody", timeout=30.0)
     assert spawned.returncode == 0, spawned.stderr
 
-    async def ask_router() -> Any:
-        from bus.client import BusClient
-
-        async with BusClient.connect(
-            a.socket, role="cli", name="test", principal="alice"
-        ) as client:
-            topic = "sage.v1.request.fleet.send.homebody"
-            reply = await client.request(topic, {"text": "hi"}, deadline=10.0)
-            return json.loads(reply.payload)
-
     reply = wait_for(
-        lambda: (r := anyio.run(ask_router)).get("message", "").endswith("is on this node") and r,
+        lambda: (
+            (r := ask_router(a, "homebody")).get("message", "").endswith("is on this node") and r
+        ),
         10.0,
         "a's router knowing its runner has the session",
     )
@@ -216,3 +227,34 @@ def test_the_router_leaves_a_session_of_its_own_node_to_its_runner(
         assert not [
             r for r in log_events(daemon, "fleet.forwarded_in") if r.get("session_id") == "homebody"
         ]
+
+
+def test_a_session_restored_at_a_restart_is_left_to_the_runner_too(
+    fleet: tuple[NatsCluster, dict[str, Daemon]],
+) -> None:
+    """A hibernated session survives a restart without a new ``spawned``: the router
+    learns it from its runner's listing at the resync, and forwards nothing for it."""
+    _, daemons = fleet
+    b = daemons["b"]
+    spawned = b.astrid("sage", "spawn", "alice", "--session", "sleeper", timeout=30.0)
+    assert spawned.returncode == 0, spawned.stderr
+
+    def state() -> str:
+        result = b.astrid("sage", "sessions", "--json", "--principal", "alice", timeout=30.0)
+        assert result.returncode == 0, result.stderr
+        found = [r for r in json.loads(result.stdout) if r["session_id"] == "sleeper"]
+        return str(found[0]["state"]) if found else ""
+
+    wait_for(lambda: state() == "hibernated", 15.0, "the session hibernated on b")
+    assert b.stop() == 0
+    b.start(30.0)
+    reply = wait_for(
+        lambda: (
+            (r := ask_router(b, "sleeper")).get("message", "").endswith("is on this node") and r
+        ),
+        10.0,
+        "b's router knowing its runner has the restored session",
+    )
+    assert reply["error"] == "unknown_session"
+    code, out = send(b, "sleeper", "good morning")
+    assert code == 0, out
