@@ -411,16 +411,15 @@ class Router:
                 " now: NATS is not connected"
             )
         cached = self._remote_in_copy(sid, request.principal)
-        if cached is not None:
-            entry = cached
-        else:
+        entry = cached
+        if entry is None:
             try:
                 entry = await self._remote_owner(sid, request.principal)
             except Exception as exc:
                 return unavailable(f"cannot read the session registry now: {_describe(exc)}")
-            if entry is None:
-                # another principal's session looks the same as none, as on one node
-                return replies.error("unknown_session", f"no session {sid!r}")
+        if entry is None:
+            # another principal's session looks the same as none, as on one node
+            return replies.error("unknown_session", f"no session {sid!r}")
         relay, reply = await self._forward_session(entry.node, verb, sid, request)
         if cached is not None and not reply.get("ok"):
             # the copy may be stale (the session moved, ended, or its node is gone): the
