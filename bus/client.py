@@ -60,7 +60,7 @@ from bus.wire import (
     frame_limit,
 )
 
-__all__ = ("BusClient", "RemoteSubscription")
+__all__ = ("BusClient", "PendingRequest", "RemoteSubscription")
 
 _encode = msgspec.json.Encoder().encode
 
@@ -118,6 +118,45 @@ class RemoteSubscription:
             self.client._subs.pop(self.sid, None)
             with contextlib.suppress(BusError):
                 self.client._send(Unsub(self.sid))
+
+
+class PendingRequest:
+    """A request sent and not yet answered (:meth:`BusClient.begin_request`): await
+    :meth:`result`, or :meth:`forget` it (its answer, when it comes, is dropped)."""
+
+    def __init__(
+        self, client: BusClient, rid: int, topic: str, deadline: float | None, slot: list[Any]
+    ) -> None:
+        self._client = client
+        self._rid = rid
+        self._topic = topic
+        self._deadline = deadline
+        self._event = anyio.Event()
+        self._slot = slot
+
+    async def result(self) -> Envelope:
+        """The reply, or the error the request raised (as :meth:`BusClient.request_raw`)."""
+        # the server enforces the deadline; this bound only guards against a
+        # server that never answers (e.g. an error frame it could not tie to us)
+        local = None if self._deadline is None else self._deadline + REQUEST_GRACE
+        try:
+            with anyio.move_on_after(local if local is not None else MAX_LOCAL_WAIT) as scope:
+                await self._event.wait()
+        finally:
+            self.forget()
+        if scope.cancelled_caught:
+            raise RequestTimeout(f"no answer to the request on {self._topic!r}")
+        value = self._slot[0]
+        if isinstance(value, BusError):
+            raise value
+        result: Result = value
+        if result.env is None:
+            raise error_for_code(result.code or "bus_error", result.message or "request failed")
+        return result.env.to_envelope()
+
+    def forget(self) -> None:
+        """No longer wait for the answer."""
+        self._client._waiting.pop(("result", self._rid), None)
 
 
 class BusClient:
@@ -299,22 +338,25 @@ class BusClient:
     async def request_raw(
         self, topic: str, payload: bytes, *, deadline: float | None = None
     ) -> Envelope:
+        return await self.begin_request(topic, payload, deadline=deadline).result()
+
+    def begin_request(
+        self, topic: str, payload: bytes, *, deadline: float | None = None
+    ) -> PendingRequest:
+        """Send a request (JSON text) now, and await its answer later, or never: several
+        may be on their way at once without a task each."""
+        if self._closed is not None:
+            raise self._closed
         try:
             msgspec.json.decode(payload)
         except msgspec.DecodeError as exc:
             raise FrameError(f"request payload is not valid JSON: {exc}") from None
         rid = next(self._ids)
         self._send(Req(rid, topic, msgspec.Raw(payload), deadline))
-        # the server enforces the deadline; this bound only guards against a
-        # server that never answers (e.g. an error frame it could not tie to us)
-        local = None if deadline is None else deadline + REQUEST_GRACE
-        with anyio.move_on_after(local if local is not None else MAX_LOCAL_WAIT) as scope:
-            result: Result = await self._wait("result", rid)
-        if scope.cancelled_caught:
-            raise RequestTimeout(f"no answer to the request on {topic!r}")
-        if result.env is None:
-            raise error_for_code(result.code or "bus_error", result.message or "request failed")
-        return result.env.to_envelope()
+        slot: list[Any] = []
+        pending = PendingRequest(self, rid, topic, deadline, slot)
+        self._waiting[("result", rid)] = (pending._event, slot)
+        return pending
 
     def reply(self, request: Envelope, payload: Any) -> None:
         if request.reply_to is None:

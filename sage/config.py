@@ -388,6 +388,10 @@ class FleetConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     nkey_seed: str = ""
     """Instead of a password: file holding the node's NKey seed (``SU...``, 0600, ours);
     the server's entry names its public key (``astrid fleet permissions --nkey``)."""
+    creds: str = ""
+    """Instead of a password or a seed: the node's NATS user credentials file (``.creds``,
+    0600, ours: the user JWT and its NKey seed), for servers in operator mode
+    (decentralized JWT auth; the JWT carries the user's permissions)."""
     ca: str = ""
     """CA bundle that signs the servers' TLS certificates; set: TLS is required."""
     cert: str = ""
@@ -433,10 +437,15 @@ class FleetConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
             _check_nats_url(url)
         if self.user and not re.match(r"^[A-Za-z0-9_.@-]{1,128}\Z", self.user):
             raise ValueError(f"fleet.user: {self.user!r} is not a NATS user name")
-        if self.nkey_seed and (self.password_file or self.user):
+        secrets = [k for k in ("password_file", "nkey_seed", "creds") if getattr(self, k)]
+        if len(secrets) > 1:
             raise ValueError(
-                "fleet.nkey_seed: an NKey names the node by its key; drop user and password_file"
+                f"fleet: {' and '.join(secrets)}: give one of password_file, nkey_seed, creds"
             )
+        if self.nkey_seed and self.user:
+            raise ValueError("fleet.nkey_seed: an NKey names the node by its key; drop user")
+        if self.creds and self.user:
+            raise ValueError("fleet.creds: the user JWT names the node's user; drop user")
         if bool(self.cert) != bool(self.key):
             raise ValueError("fleet.cert and fleet.key: give both or neither")
         if self.node == "any":

@@ -1,12 +1,13 @@
 """A supervisor as a node of a fleet: its NATS connection, the bucket, its heartbeats.
 
 The thin async shell around :mod:`sage.fleet.nodes`.  :func:`join` connects to
-NATS (nats-py) as the node's own user (its password, or its NKey seed, read from
-a 0600 file, never from the config text or argv), opens the ``sage_nodes``
+NATS (nats-py) as the node's own user (its password, its NKey seed, or its user
+credentials file, a JWT and its seed: each read from a 0600 file, never from the
+config text or argv), opens the ``sage_nodes``
 key-value bucket (creating it when it is not there) and writes the node's first
 heartbeat; failing any of these, the supervisor does not start: NATS unreachable
 within ``connect_timeout`` is :class:`FleetUnreachable` naming the URLs, a
-refused user, password or key is :class:`FleetAuthFailed`.  After that a lost
+refused user, password, key or JWT is :class:`FleetAuthFailed`.  After that a lost
 connection is retried for ever by nats-py while the node goes on serving its
 local sessions; heartbeats that fail meanwhile are logged once, and again when
 they resume.  On leaving, the node writes a last record saying it stopped.
@@ -41,6 +42,7 @@ from sage import replies
 from sage.config import FleetConfig
 from sage.errors import SageError
 from sage.files import read_private
+from sage.fleet.creds import UserCreds, parse_creds
 from sage.fleet.nodes import (
     FleetRecordError,
     NodeLoad,
@@ -162,6 +164,31 @@ def _nkey_seed(path: Path) -> str:
             code="fleet_credentials_invalid",
         )
     return seed
+
+
+def _user_creds(path: Path) -> UserCreds:
+    """The checked credentials of the ``.creds`` file at ``path`` (ours, 0600)."""
+    data = _read_private(path, "credentials file")
+    return parse_creds(data, str(path), now=time.time())
+
+
+def _creds_options(creds: UserCreds) -> dict[str, Any]:
+    """nats-py's callbacks for a JWT login: the JWT, and the nonce signed by its seed."""
+    import base64
+
+    import nkeys
+
+    def user_jwt() -> bytes:
+        return creds.jwt.encode()
+
+    def sign(nonce: str) -> bytes:
+        pair = nkeys.from_seed(bytearray(creds.seed.encode()))
+        try:
+            return base64.b64encode(pair.sign(nonce.encode()))
+        finally:
+            pair.wipe()
+
+    return {"user_jwt_cb": user_jwt, "signature_cb": sign}
 
 
 def _tls_context(config: FleetConfig, path_of: Callable[[str], Path]) -> ssl.SSLContext | None:
@@ -378,6 +405,7 @@ async def _connect(config: FleetConfig, path_of: Callable[[str], Path]) -> Nats:
         else None
     )
     seed = _nkey_seed(path_of(config.nkey_seed)) if config.nkey_seed else None
+    creds = _user_creds(path_of(config.creds)) if config.creds else None
     tls = _tls_context(config, path_of)
     urls = ", ".join(config.urls)
     connecting = True
@@ -429,6 +457,8 @@ async def _connect(config: FleetConfig, path_of: Callable[[str], Path]) -> Nats:
     }
     if seed is not None:
         options["nkeys_seed_str"] = seed
+    if creds is not None:
+        options.update(_creds_options(creds))
     if tls is not None:
         options["tls"] = tls
     async with anyio.create_task_group() as tg:
@@ -448,11 +478,15 @@ async def _connect(config: FleetConfig, path_of: Callable[[str], Path]) -> Nats:
     with anyio.move_on_after(1.0, shield=True), contextlib.suppress(Exception):
         await nc.close()
     if refused:
-        who = (
-            f"the NKey of {config.nkey_seed}: a key its servers do not know"
-            if seed is not None
-            else f"user {config.user_name!r}: wrong user or password"
-        )
+        if creds is not None:
+            who = (
+                f"the user JWT of {config.creds}: a user its operator and accounts"
+                " do not trust (or one revoked or without permission to connect)"
+            )
+        elif seed is not None:
+            who = f"the NKey of {config.nkey_seed}: a key its servers do not know"
+        else:
+            who = f"user {config.user_name!r}: wrong user or password"
         raise FleetAuthFailed(f"fleet: NATS at {urls} refused {who} ({_describe(refused[0])})")
     # a server that wants a client certificate may close the link after the handshake:
     # a later attempt then sees a broken pipe, but the TLS failure is the cause

@@ -50,6 +50,7 @@ from sage.fleet.failover import CLAIMS_TOPIC, Failover
 from sage.fleet.member import FleetMember
 from sage.fleet.nodes import NodeState
 from sage.fleet.placement import ANY, NODE_REFUSALS, Passed, Placement, place, refusal_text
+from sage.fleet.registry_copy import RegistryCopy, follow
 from sage.fleet.routes import (
     APPROVAL_VERBS,
     SESSION_VERBS,
@@ -143,6 +144,13 @@ class Router:
         self._stand_ins: dict[str, tuple[Subscription, float]] = {}
         """sid -> this bus's approver subscription for a client on another node, and until when."""
         self._registry_writes: MemoryObjectSendStream[tuple[str, SessionEntry | None]]
+        self.registry_copy = RegistryCopy()
+        """The registry as a watch keeps it here: a remote owner without a NATS round trip."""
+        self._here: set[str] = set()
+        """Sessions this node's runner has: spawned and not exited, as its events said, and
+        those its listing had at a resync (restored at a start, say)."""
+        self._exited_meanwhile: set[str] | None = None
+        """During a resync: the sessions whose ``exited`` came after its listing was asked."""
         self._tg: anyio.abc.TaskGroup | None = None
         self.vouched = VouchedPrincipals(
             member.record_of, member.config.peers, ttl=member.config.heartbeat
@@ -175,6 +183,9 @@ class Router:
                 tg.start_soon(self._keep_registry)
                 if self.failover is not None:
                     await self.failover.run(tg)
+                if self.member.registry is not None:
+                    connected = lambda: self.member.connected  # noqa: E731
+                    tg.start_soon(follow, self.member.registry, self.registry_copy, connected)
                 task_status.started()
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
@@ -204,8 +215,12 @@ class Router:
                     resume=self._resumes(),
                 )
                 self._note(sid, entry)
+                self._here.add(sid)
             elif name == "exited":
                 self._note(sid, None)
+                self._here.discard(sid)
+                if self._exited_meanwhile is not None:
+                    self._exited_meanwhile.add(sid)
                 if self.failover is not None:
                     self.failover.ended(sid)
             elif name == "done" and self.failover is not None:
@@ -282,16 +297,21 @@ class Router:
     async def _resync(self) -> bool:
         """One pass (False: the runner or the registry could not be read; try again)."""
         since = time.time()
-        listing = await self._ask_runner(
-            self.identity, "sage.v1.request.sessions", b"{}", None, "sessions"
-        )
-        if not listing.get("ok"):
-            return False  # no runner yet (it starts after the router), or none at all
-        live = {
-            str(row["session_id"]): str(row.get("principal_id") or "")
-            for row in listing.get("sessions") or []
-            if isinstance(row, dict) and row.get("state") != "ended"
-        }
+        self._exited_meanwhile = set()
+        try:
+            listing = await self._ask_runner(
+                self.identity, "sage.v1.request.sessions", b"{}", None, "sessions"
+            )
+            if not listing.get("ok"):
+                return False  # no runner yet (it starts after the router), or none at all
+            live = {
+                str(row["session_id"]): str(row.get("principal_id") or "")
+                for row in listing.get("sessions") or []
+                if isinstance(row, dict) and row.get("state") != "ended"
+            }
+            self._here |= live.keys() - self._exited_meanwhile
+        finally:
+            self._exited_meanwhile = None
         try:
             with anyio.fail_after(LISTING_DEADLINE):
                 entries = await self.member.sessions()
@@ -481,26 +501,43 @@ class Router:
         if verb not in SESSION_VERBS or len(parts) != 6:
             return replies.error("bad_request", f"no fleet request {request.topic!r}")
         sid = check_name(parts[5], "session id")
+        if sid in self._here:
+            # the runner has it and answers (the CLI asks both at once): nothing to forward
+            return replies.error("unknown_session", f"session {sid!r} is on this node")
         if not self.member.connected:
             return unavailable(
                 f"session {sid!r} is not on node {self.node!r}, and the fleet cannot be asked"
                 " now: NATS is not connected"
             )
-        try:
-            with anyio.fail_after(LISTING_DEADLINE):
-                entry = await self.lookup(sid)
-        except Exception as exc:
-            return unavailable(f"cannot read the session registry now: {_describe(exc)}")
-        if entry is None or entry.node == self.node or not visible(entry, request.principal):
+        cached = self._remote_in_copy(sid, request.principal)
+        entry = cached
+        if entry is None:
+            try:
+                entry = await self._remote_owner(sid, request.principal)
+            except Exception as exc:
+                return unavailable(f"cannot read the session registry now: {_describe(exc)}")
+        if entry is None:
             # another principal's session looks the same as none, as on one node
             return replies.error("unknown_session", f"no session {sid!r}")
-        relay = None
-        if verb in ("send", "session", "wake"):  # the caller follows the events
-            relay = await self._relay(entry.node, sid, request.principal)
-            if relay is not None and verb == "send" and self._approver_here(sid):
-                relay.approver = True  # before the turn: its first tool call may need us
-                await self._tell_approver(entry.node, sid, relay)
-        reply = await self._forward(entry.node, verb, sid, request)
+        relay, reply = await self._forward_session(entry.node, verb, sid, request)
+        if cached is not None and not reply.get("ok"):
+            # the copy may be stale (the session moved, ended, or its node is gone): the
+            # bucket decides, and only another node it names is asked again
+            try:
+                fresh = await self._remote_owner(sid, request.principal)
+            except Exception as exc:
+                return unavailable(f"cannot read the session registry now: {_describe(exc)}")
+            if fresh is None or fresh.node != entry.node:
+                self.registry_copy.found_stale()
+                log.info(
+                    "fleet.registry_copy_stale",
+                    session_id=sid,
+                    copy=entry.node,
+                    node=fresh.node if fresh is not None else None,
+                )
+            if fresh is not None and fresh.node != entry.node:
+                entry = fresh
+                relay, reply = await self._forward_session(entry.node, verb, sid, request)
         if verb == "session":
             ids = relay.ids if relay is not None else {}
             for event in reply.get("events") or []:
@@ -512,6 +549,35 @@ class Router:
         if relay is not None and not reply.get("ok"):
             self._drop_relay_soon(sid)
         return reply
+
+    def _remote_in_copy(self, sid: str, principal: str | None) -> SessionEntry | None:
+        """The owner the registry copy names, if another node and the caller may see
+        the session; anything else is left to the bucket (see sage/fleet/registry_copy.py)."""
+        entry = self.registry_copy.owner(sid)
+        if entry is None or entry.node == self.node or not visible(entry, principal):
+            return None
+        return entry
+
+    async def _remote_owner(self, sid: str, principal: str | None) -> SessionEntry | None:
+        """The bucket's owner of ``sid`` if another node and visible to ``principal``."""
+        with anyio.fail_after(LISTING_DEADLINE):
+            entry = await self.lookup(sid)
+        if entry is None or entry.node == self.node or not visible(entry, principal):
+            return None
+        return entry
+
+    async def _forward_session(
+        self, node: str, verb: str, sid: str, request: Envelope
+    ) -> tuple[_Relay | None, dict[str, Any]]:
+        """Forward a request about ``sid`` to its owner ``node``, with the relay of its
+        events opened first when the caller follows them."""
+        relay = None
+        if verb in ("send", "session", "wake"):  # the caller follows the events
+            relay = await self._relay(node, sid, request.principal)
+            if relay is not None and verb == "send" and self._approver_here(sid):
+                relay.approver = True  # before the turn: its first tool call may need us
+                await self._tell_approver(node, sid, relay)
+        return relay, await self._forward(node, verb, sid, request)
 
     async def _spawn(self, request: Envelope) -> dict[str, Any]:
         try:

@@ -485,6 +485,44 @@ async def test_request_reply_across_two_clients(sock_path: Path) -> None:
     assert reply.principal == "ops"
 
 
+async def test_requests_begun_together_are_answered_each_and_a_forgotten_one_dropped(
+    sock_path: Path,
+) -> None:
+    """begin_request sends at once: two requests on their way without a task each; the
+    second's answer, awaited after the first's, is there; a forgotten one's answer
+    arrives later and is dropped, and the connection goes on."""
+    async with (
+        serving(sock_path),
+        BusClient.connect(sock_path, role="capsule", principal="ops") as responder,
+        BusClient.connect(sock_path) as requester,
+    ):
+        slow = await responder.subscribe("svc.slow")
+        fast = await responder.subscribe("svc.fast")
+
+        async def serve(sub: Any, delay: float) -> None:
+            async for env in sub:
+                await anyio.sleep(delay)
+                responder.reply(env, {"answer": env.data()})
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(serve, slow, 0.2)
+            tg.start_soon(serve, fast, 0.0)
+            first = requester.begin_request("svc.slow", b'"one"', deadline=5)
+            second = requester.begin_request("svc.fast", b'"two"', deadline=5)
+            with anyio.fail_after(2):
+                assert (await first.result()).data() == {"answer": "one"}
+                assert (await second.result()).data() == {"answer": "two"}
+            forgotten = requester.begin_request("svc.slow", b'"three"', deadline=5)
+            forgotten.forget()
+            await anyio.sleep(0.4)  # its answer came meanwhile, and was dropped
+            with anyio.fail_after(2):
+                again = await requester.request("svc.fast", "four", deadline=5)
+            assert again.data() == {"answer": "four"}
+            with pytest.raises(NoResponders):
+                await requester.begin_request("nobody.home", b"1", deadline=5).result()
+            tg.cancel_scope.cancel()
+
+
 async def test_no_responders_over_the_socket(sock_path: Path) -> None:
     """A request to a topic nobody subscribes to raises NoResponders at once."""
     async with serving(sock_path), BusClient.connect(sock_path) as client:

@@ -9,6 +9,11 @@ store folder of its own in a temp folder, and the same authorization block: an
 permissions ``astrid fleet permissions`` prints (sage.fleet.permissions).
 :meth:`NatsCluster.start` returns when every server reports the same JetStream
 meta leader; leaving the ``with`` block stops every server it started.
+
+With an ``operator`` (tests/support/nats_jwt.py) the servers are in operator mode
+instead (decentralized JWT auth, no ``authorization`` block): they trust that
+operator's accounts, and each node signs in with a ``.creds`` file
+(:meth:`NatsCluster.creds_file`) whose user JWT carries the node's permissions.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import Any
 
 from sage.fleet.permissions import node_permissions
 from sage.process import tie_to_parent
+from tests.support.nats_jwt import Operator
 from tests.support.tls_files import TlsFiles
 
 __all__ = (
@@ -89,7 +95,10 @@ class NatsCluster:
         size: int = 3,
         tls: TlsFiles | None = None,
         peers: dict[str, list[str]] | None = None,
+        operator: Operator | None = None,
     ) -> None:
+        self.operator = operator
+        """Operator mode: the servers trust this operator's accounts, and only JWT users."""
         self.peers = peers or {}
         """Per node user: the only nodes it may forward requests to (default: all)."""
         self.tls = tls
@@ -126,7 +135,20 @@ class NatsCluster:
             path.chmod(0o600)
         return path
 
-    def _config(self, index: int) -> str:
+    def creds_file(self, node: str) -> Path:
+        """A 0600 ``.creds`` file of a new user of the operator's account with ``node``'s
+        permissions (operator mode), or any permission for the node ``admin``."""
+        assert self.operator is not None, "creds need a cluster in operator mode"
+        path = self.root / f"{node}.creds"
+        if not path.exists():
+            permissions = None if node == ADMIN else node_permissions(node)
+            path.write_text(self.operator.user_creds(node, permissions))
+            path.chmod(0o600)
+        return path
+
+    def _auth(self) -> dict[str, object]:
+        if self.operator is not None:
+            return self.operator.server_config()
         users: list[dict[str, object]] = [{"user": ADMIN, "password": self.admin_password}]
         for node in self.nodes:
             users.append(
@@ -140,6 +162,9 @@ class NatsCluster:
             users.append(
                 {"nkey": public_key(self.seeds[node]), "permissions": node_permissions(node)}
             )
+        return {"authorization": {"users": users}}
+
+    def _config(self, index: int) -> str:
         routes = [
             f"nats-route://127.0.0.1:{port}"
             for i, port in enumerate(self.route_ports)
@@ -164,7 +189,7 @@ class NatsCluster:
                     "port": self.route_ports[index],
                     "routes": routes,
                 },
-                "authorization": {"users": users},
+                **self._auth(),
                 **({"tls": self._tls_block()} if self.tls is not None else {}),
             },
             indent=1,

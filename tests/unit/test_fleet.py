@@ -78,8 +78,18 @@ def test_fleet_paths_resolve_against_the_config_file() -> None:
         (GOOD + 'user = "a b"\n', "is not a NATS user name"),
         (
             GOOD + 'nkey_seed = "a.nk"\npassword_file = "a.pw"\n',
-            "fleet.nkey_seed: an NKey names the node by its key; drop user and password_file",
+            "fleet: password_file and nkey_seed: give one of password_file, nkey_seed, creds",
         ),
+        (GOOD + 'nkey_seed = "a.nk"\nuser = "a"\n', "fleet.nkey_seed: an NKey names the node"),
+        (
+            GOOD + 'creds = "a.creds"\npassword_file = "a.pw"\n',
+            "fleet: password_file and creds: give one of password_file, nkey_seed, creds",
+        ),
+        (
+            GOOD + 'creds = "a.creds"\nnkey_seed = "a.nk"\n',
+            "fleet: nkey_seed and creds: give one of password_file, nkey_seed, creds",
+        ),
+        (GOOD + 'creds = "a.creds"\nuser = "a"\n', "fleet.creds: the user JWT names the node's"),
     ],
 )
 def test_a_bad_fleet_section_is_one_clear_line(text: str, expected: str) -> None:

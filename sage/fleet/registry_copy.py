@@ -1,0 +1,183 @@
+"""A node's own copy of the session registry, kept by a watch of the ``sage_sessions`` bucket.
+
+A request for another node's session needs the session's owner.  Asking the
+bucket for it costs a JetStream round trip on every request (about 0.5 ms on
+loopback); this copy answers from memory.  :class:`RegistryCopy` is the sans-IO
+core (entries in, answers out); :func:`follow` is its thin async shell, a nats-py
+key-value watch (an ordered push consumer) that feeds it.
+
+A copy may be stale: a put or a delete still on its way, or lost while NATS was
+away.  So it is only a hint, and the router (sage/fleet/router.py) uses it under
+two rules that keep a stale copy from ever sending a request to the wrong node
+silently:
+
+- only a *remote* owner is taken from the copy; a miss, or an entry naming this
+  node, is asked of the bucket (this node's runner has already said it does not
+  have the session);
+- when the owner named by the copy answers with an error (``unknown_session``,
+  or any other, or it cannot be reached), the bucket is asked afresh, and the
+  request goes to the node it names, if another; the copy is then known stale,
+  and its watch is started anew.
+
+Until the watch has delivered the bucket's current values the copy answers
+nothing, and every lookup goes to the bucket, as without a copy.  The same holds
+from the moment the NATS connection drops (a watch's consumer may not survive
+an outage, and nats-py may give up re-creating it) until a new watch has caught
+up after it is back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.abc
+import structlog
+
+from sage.fleet.routes import SessionEntry, decode_entry
+
+if TYPE_CHECKING:
+    from nats.js.kv import KeyValue
+
+__all__ = ("RegistryCopy", "follow")
+
+log = structlog.get_logger("sage.fleet.registry")
+
+RETRY = 2.0
+"""Seconds between a failed watch and the next try."""
+CHECK = 0.5
+"""Seconds between two looks at the connection and at a stale copy, while watching."""
+
+
+class RegistryCopy:
+    """Session id -> :class:`SessionEntry`, as the watch last saw the bucket."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, SessionEntry] = {}
+        self._synced = False
+        self._stale = False
+        self.updates = 0
+        """Watch updates applied (puts and deletes), for status and tests."""
+        self.watches = 0
+        """Watches started: the first, and one after each outage or stale copy."""
+
+    @property
+    def synced(self) -> bool:
+        """Whether the copy holds the bucket as of the watch's start, and what followed."""
+        return self._synced
+
+    def owner(self, sid: str) -> SessionEntry | None:
+        """The copy's entry for ``sid``; None when it has none or is not synced."""
+        return self._entries.get(sid) if self._synced else None
+
+    @property
+    def stale(self) -> bool:
+        """Whether the copy was found to disagree with the bucket since its watch began."""
+        return self._stale
+
+    def found_stale(self) -> None:
+        """The bucket named another owner than the copy: stop answering; the watch is
+        started anew (:func:`follow`)."""
+        self._stale = True
+        self._synced = False
+
+    def restart(self) -> None:
+        """A new watch begins: nothing is known until it has caught up."""
+        self._synced = False
+        self._stale = False
+        self._entries.clear()
+
+    def caught_up(self) -> None:
+        """The watch delivered every current value: the copy may answer."""
+        self._synced = True
+
+    def apply(self, sid: str, value: bytes | None) -> None:
+        """A put (``value``) or a delete or purge (None) of ``sid``; a value that
+        cannot be used counts as none."""
+        entry = None if value is None else decode_entry(sid, value)
+        if entry is None:
+            self._entries.pop(sid, None)
+        else:
+            self._entries[sid] = entry
+        self.updates += 1
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+async def follow(
+    kv: KeyValue,
+    copy: RegistryCopy,
+    connected: Callable[[], bool],
+    *,
+    task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Keep ``copy`` by watching ``kv`` for ever.  A watch ends when the connection
+    drops (``connected()`` false), when the copy was found stale, or when it fails
+    (not permitted, say: logged once per run of failures); a new one starts once
+    connected, after :data:`RETRY` seconds if it failed."""
+    task_status.started()
+    failing = False
+    while True:
+        await _until(connected)
+        copy.restart()
+        copy.watches += 1
+        try:
+            await _watch_while_trusted(kv, copy, connected)
+        except Exception as exc:
+            if not failing:
+                log.warning("fleet.registry_watch_failed", error=_describe(exc))
+            failing = True
+            copy.restart()
+            await anyio.sleep(RETRY)
+            continue
+        copy.restart()
+        if failing:
+            log.info("fleet.registry_watch_resumed")
+        failing = False
+
+
+async def _watch_while_trusted(
+    kv: KeyValue, copy: RegistryCopy, connected: Callable[[], bool]
+) -> None:
+    """One watch, applied to ``copy`` until the connection drops or the copy is stale."""
+    watcher: Any = await kv.watchall()
+    try:
+        async with anyio.create_task_group() as tg:
+
+            async def until_untrusted() -> None:
+                await _until(lambda: not connected() or copy.stale)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(until_untrusted)
+            async for update in watcher:
+                if update is None:  # the current values are all in
+                    if not copy.stale:
+                        copy.caught_up()
+                    continue
+                deleted = update.operation in ("DEL", "PURGE")
+                copy.apply(update.key, None if deleted else (update.value or b""))
+    finally:
+        # the connection may be gone with it
+        with (
+            anyio.CancelScope(shield=True),
+            anyio.move_on_after(1.0),
+            contextlib.suppress(Exception),
+        ):
+            await watcher.stop()
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    """Return once ``condition()`` holds, looking every :data:`CHECK` seconds (the
+    connection's state comes from nats-py's callbacks, which nothing here awaits)."""
+    while True:
+        if condition():
+            return
+        await anyio.sleep(CHECK)
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:300]

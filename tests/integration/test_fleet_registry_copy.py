@@ -1,0 +1,294 @@
+"""The router's copy of the session registry (sage/fleet/registry_copy.py): a stale copy
+never sends a request to the wrong node silently.
+
+Three real supervisors (the CLI double) over a real 3-server NATS cluster.  Node c's
+copy is made stale on purpose: the registry says b owns a session that runs on a (an
+admin's put, seen by c's watch), then c's watch consumer is deleted (an admin's
+JetStream request) and the registry is put right (a), which c's copy does not see.
+A send from c goes to b, the copy's owner; b's runner does not know the session; c's
+router asks the bucket afresh, logs the stale copy, and forwards to a.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import nats
+import pytest
+
+from sage.fleet.router import RESYNC_CHECK
+from sage.fleet.routes import REGISTRY, REGISTRY_STREAM, SessionEntry
+from tests.support import FAKE_CLAUDE
+from tests.support.daemon import Daemon, short_dir
+from tests.support.nats_cluster import ADMIN, NatsCluster, wait_for
+
+NODES = ["a", "b", "c"]
+ALICE_UID = 65533
+
+
+def node_config(cluster: NatsCluster, node: str) -> str:
+    """The runner with the double; on node b an idle session hibernates after 0.5 s."""
+    urls = ", ".join(f'"{url}"' for url in cluster.urls)
+    sleepy = "[sessions]\nhibernate_after = 0.5\n" if node == "b" else ""
+    return (
+        'capsules = ["runner"]\n'
+        f'[claude]\nbinary = "{FAKE_CLAUDE}"\nenv = {{ FAKE_CLAUDE_MODE = "" }}\n'
+        '[limits]\nstop_grace = 2.0\n[socket]\ngroup = "nogroup"\n'
+        + sleepy
+        + f'[fleet]\nurl = [{urls}]\nnode = "{node}"\n'
+        f'password_file = "{cluster.password_file(node)}"\n'
+        "heartbeat = 0.5\nlost_after = 2.0\nconnect_timeout = 5.0\nreplicas = 3\n"
+        f'[[principals]]\nname = "alice"\nuids = [{ALICE_UID}]\noperator_key = true\n'
+    )
+
+
+def node_root() -> Path:
+    root = short_dir()
+    root.chmod(0o755)
+    return root
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[tuple[NatsCluster, dict[str, Daemon]]]:
+    with NatsCluster(NODES) as cluster:
+        env = {"ANTHROPIC_API_KEY": "sk-double"}
+        daemons = {node: Daemon(node_root(), node_config(cluster, node), env=env) for node in NODES}
+        try:
+            for daemon in daemons.values():
+                daemon.launch()
+            for daemon in daemons.values():
+                daemon.wait_ready(30.0)
+            yield cluster, daemons
+        finally:
+            for daemon in daemons.values():
+                daemon.stop()
+
+
+def send(daemon: Daemon, sid: str, text: str) -> tuple[int, str]:
+    result = daemon.astrid("sage", "send", sid, text, "--principal", "alice", timeout=30.0)
+    return result.returncode, result.stdout + result.stderr
+
+
+def owner_in_bucket(cluster: NatsCluster, sid: str) -> str:
+    async def main() -> str:
+        admin = await nats.connect(
+            cluster.urls, user=ADMIN, password=cluster.admin_password, allow_reconnect=False
+        )
+        try:
+            kv = await admin.jetstream(timeout=2.0).key_value(REGISTRY)
+            value = (await kv.get(sid)).value or b"{}"
+        except nats.js.errors.KeyNotFoundError:
+            return ""
+        finally:
+            await admin.close()
+        return str(json.loads(value).get("node", ""))
+
+    return anyio.run(main)
+
+
+def put_owner(cluster: NatsCluster, sid: str, node: str) -> None:
+    async def main() -> None:
+        admin = await nats.connect(
+            cluster.urls, user=ADMIN, password=cluster.admin_password, allow_reconnect=False
+        )
+        try:
+            kv = await admin.jetstream(timeout=2.0).key_value(REGISTRY)
+            # written now: a resync that listed its runner before leaves it alone
+            entry = SessionEntry(node=node, principal_id="alice", at=time.time())
+            await kv.put(sid, entry.encode())
+        finally:
+            await admin.close()
+
+    anyio.run(main)
+
+
+def delete_watch_of(cluster: NatsCluster, node: str) -> int:
+    """Delete ``node``'s consumers of the registry stream (its router's watch: delivered
+    to the node's own inboxes); how many."""
+
+    async def main() -> int:
+        admin = await nats.connect(
+            cluster.urls, user=ADMIN, password=cluster.admin_password, allow_reconnect=False
+        )
+        try:
+            js = admin.jetstream(timeout=2.0)
+            deleted = 0
+            for info in await js.consumers_info(REGISTRY_STREAM):
+                deliver = info.config.deliver_subject or ""
+                if deliver.startswith(f"_INBOX.{node}.") and info.name:
+                    await js.delete_consumer(REGISTRY_STREAM, info.name)
+                    deleted += 1
+            return deleted
+        finally:
+            await admin.close()
+
+    return anyio.run(main)
+
+
+def ask_router(daemon: Daemon, sid: str) -> Any:
+    """The router's own answer to a send (what the CLI asks beside the runner)."""
+
+    async def main() -> Any:
+        from bus.client import BusClient
+
+        async with BusClient.connect(
+            daemon.socket, role="cli", name="test", principal="alice"
+        ) as client:
+            topic = f"sage.v1.request.fleet.send.{sid}"
+            reply = await client.request(topic, {"text": "hi"}, deadline=10.0)
+            return json.loads(reply.payload)
+
+    return anyio.run(main)
+
+
+def log_events(daemon: Daemon, event: str) -> list[dict[str, object]]:
+    found = []
+    for line in daemon.log().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("event") == event:
+            found.append(record)
+    return found
+
+
+def watching_nodes(cluster: NatsCluster) -> set[str]:
+    """The nodes with a consumer of the registry stream delivered to their inboxes."""
+
+    async def main() -> set[str]:
+        admin = await nats.connect(
+            cluster.urls, user=ADMIN, password=cluster.admin_password, allow_reconnect=False
+        )
+        try:
+            infos = await admin.jetstream(timeout=2.0).consumers_info(REGISTRY_STREAM)
+        finally:
+            await admin.close()
+        subjects = [info.config.deliver_subject or "" for info in infos]
+        return {node for node in NODES if any(s.startswith(f"_INBOX.{node}.") for s in subjects)}
+
+    return anyio.run(main)
+
+
+def test_every_node_watches_the_registry_with_its_own_permissions(
+    fleet: tuple[NatsCluster, dict[str, Daemon]],
+) -> None:
+    """The users hold exactly `astrid fleet permissions`' subjects: each node's watch
+    consumer is there, and no node logged a failed watch."""
+    cluster, daemons = fleet
+    wait_for(lambda: watching_nodes(cluster) == set(NODES), 15.0, "every node's registry watch")
+    for daemon in daemons.values():
+        assert not log_events(daemon, "fleet.registry_watch_failed")
+
+
+def test_a_stale_copy_is_corrected_by_the_bucket_and_said(
+    fleet: tuple[NatsCluster, dict[str, Daemon]],
+) -> None:
+    cluster, daemons = fleet
+    a, b, c = daemons["a"], daemons["b"], daemons["c"]
+    spawned = a.astrid("sage", "spawn", "alice", "--session", "moving", timeout=30.0)
+    assert spawned.returncode == 0, spawned.stderr
+    wait_for(lambda: send(c, "moving", "hello")[0] == 0, 10.0, "a send from c reaching a")
+
+    # the registry (and c's copy) say b: b does not know the session, so a send fails.
+    # a's first resync after its start may put the truth back (a has the session), so
+    # the lie is told until it holds across a resync period
+    def lie_holds() -> bool:
+        put_owner(cluster, "moving", "b")
+        try:
+            wait_for(lambda: "unknown_session" in send(c, "moving", "to b?")[1], 3.0, "c naming b")
+        except AssertionError:  # a resync put the truth back meanwhile: tell it again
+            return False
+        time.sleep(2 * RESYNC_CHECK)
+        return (
+            owner_in_bucket(cluster, "moving") == "b"
+            and "unknown_session" in send(c, "moving", "still b?")[1]
+        )
+
+    wait_for(lie_holds, 30.0, "the registry naming b for good")
+    before = len(log_events(c, "fleet.registry_copy_stale"))
+
+    # c's watch is cut, and the registry put right: c's copy still says b
+    assert delete_watch_of(cluster, "c") >= 1
+    put_owner(cluster, "moving", "a")
+    code, out = send(c, "moving", "after the move")
+    assert code == 0, out
+    stale = log_events(c, "fleet.registry_copy_stale")
+    assert len(stale) > before, "c's router did not find its copy stale"
+    assert (stale[-1]["copy"], stale[-1]["node"], stale[-1]["session_id"]) == ("b", "a", "moving")
+    # b was asked and said no; a answered
+    asked_b = [r for r in log_events(b, "fleet.forwarded_in") if r.get("session_id") == "moving"]
+    assert asked_b
+    assert asked_b[-1]["ok"] is False
+    answered = [r for r in log_events(a, "fleet.forwarded_in") if r.get("session_id") == "moving"]
+    assert answered[-1]["ok"] is True
+
+    # the stale copy's watch is started anew at once (nats-py alone would take 10 s or
+    # more to miss two heartbeats), and the next send needs no correction
+    wait_for(lambda: "c" in watching_nodes(cluster), 5.0, "c's new registry watch")
+    code, out = send(c, "moving", "once more")
+    assert code == 0, out
+    assert len(log_events(c, "fleet.registry_copy_stale")) == len(stale)
+
+
+def test_the_router_leaves_a_session_of_its_own_node_to_its_runner(
+    fleet: tuple[NatsCluster, dict[str, Daemon]],
+) -> None:
+    """The CLI asks the runner and the router at once: for a session its runner has, the
+    router answers unknown_session at once (its runner answers), forwarding nothing; the
+    CLI's send gets the runner's answer, one turn."""
+    _, daemons = fleet
+    a = daemons["a"]
+    spawned = a.astrid("sage", "spawn", "alice", "--session", "homebody", timeout=30.0)
+    assert spawned.returncode == 0, spawned.stderr
+
+    reply = wait_for(
+        lambda: (
+            (r := ask_router(a, "homebody")).get("message", "").endswith("is on this node") and r
+        ),
+        10.0,
+        "a's router knowing its runner has the session",
+    )
+    assert reply["error"] == "unknown_session"
+    code, out = send(a, "homebody", "hello")
+    assert code == 0, out
+    for daemon in daemons.values():
+        assert not [
+            r for r in log_events(daemon, "fleet.forwarded_in") if r.get("session_id") == "homebody"
+        ]
+
+
+def test_a_session_restored_at_a_restart_is_left_to_the_runner_too(
+    fleet: tuple[NatsCluster, dict[str, Daemon]],
+) -> None:
+    """A hibernated session survives a restart without a new ``spawned``: the router
+    learns it from its runner's listing at the resync, and forwards nothing for it."""
+    _, daemons = fleet
+    b = daemons["b"]
+    spawned = b.astrid("sage", "spawn", "alice", "--session", "sleeper", timeout=30.0)
+    assert spawned.returncode == 0, spawned.stderr
+
+    def state() -> str:
+        result = b.astrid("sage", "sessions", "--json", "--principal", "alice", timeout=30.0)
+        assert result.returncode == 0, result.stderr
+        found = [r for r in json.loads(result.stdout) if r["session_id"] == "sleeper"]
+        return str(found[0]["state"]) if found else ""
+
+    wait_for(lambda: state() == "hibernated", 15.0, "the session hibernated on b")
+    assert b.stop() == 0
+    b.start(30.0)
+    reply = wait_for(
+        lambda: (
+            (r := ask_router(b, "sleeper")).get("message", "").endswith("is on this node") and r
+        ),
+        10.0,
+        "b's router knowing its runner has the restored session",
+    )
+    assert reply["error"] == "unknown_session"
+    code, out = send(b, "sleeper", "good morning")
+    assert code == 0, out
