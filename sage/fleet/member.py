@@ -31,7 +31,7 @@ import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import msgspec
@@ -73,6 +73,8 @@ __all__ = (
 )
 
 log = structlog.get_logger("sage.fleet")
+
+T = TypeVar("T")
 
 BUCKET_WAIT = 4
 """How many ``connect_timeout`` periods a start waits for JetStream to serve the bucket."""
@@ -506,31 +508,22 @@ def _netloc(nc: Nats) -> str:
     return where.netloc if where else ""
 
 
-async def _open_bucket(
-    nc: Nats, config: FleetConfig, bucket: str = BUCKET
-) -> tuple[JetStreamContext, KeyValue]:
-    """Open (or create) the bucket.  JetStream that is not ready yet (a cluster that
-    just started or lost its leader: a timeout, no responders, unavailable, no peers
-    yet for the replicas) is asked
-    again for up to :data:`BUCKET_WAIT` x ``connect_timeout``; a refusal fails at once."""
+async def _when_ready(config: FleetConfig, what: str, open_it: Callable[[], Awaitable[T]]) -> T:
+    """``open_it()`` once JetStream serves it.  JetStream that is not ready yet (a cluster
+    that just started or lost its leader: a timeout, no responders, unavailable, no peers
+    yet for the replicas) is asked again for up to :data:`BUCKET_WAIT` x
+    ``connect_timeout``; a refusal fails at once.  Either way a failure is a
+    ``fleet_bucket_failed`` naming ``what``."""
     from nats.errors import Error as NatsError
     from nats.errors import NoRespondersError
-    from nats.js.errors import BadRequestError, BucketNotFoundError, ServiceUnavailableError
+    from nats.js.errors import BadRequestError, ServiceUnavailableError
 
-    js = nc.jetstream(timeout=max(1.0, min(5.0, config.connect_timeout)))
     waited = False
     try:
         with anyio.fail_after(BUCKET_WAIT * config.connect_timeout):
             while True:
                 try:
-                    try:
-                        kv = await js.key_value(bucket)
-                    except BucketNotFoundError:
-                        kv = await js.create_key_value(
-                            bucket=bucket, history=1, replicas=config.replicas
-                        )
-                        log.info("fleet.bucket_created", bucket=bucket, replicas=config.replicas)
-                    break
+                    return await open_it()
                 except (
                     TimeoutError,
                     NoRespondersError,
@@ -540,43 +533,54 @@ async def _open_bucket(
                     if isinstance(exc, BadRequestError) and exc.err_code != NO_PEERS_YET:
                         raise
                     if not waited:
-                        log.warning("fleet.jetstream_not_ready", error=_describe(exc))
+                        log.warning("fleet.jetstream_not_ready", what=what, error=_describe(exc))
                         waited = True
                     await anyio.sleep(0.5)
     except (NatsError, TimeoutError) as exc:
         raise FleetError(
-            f"fleet: cannot open the {bucket} bucket (JetStream on, and the node's"
+            f"fleet: cannot open the {what} (JetStream on, and the node's"
             f" permissions from `astrid fleet permissions --node {config.node}`?):"
             f" {_describe(exc) or type(exc).__name__}",
             code="fleet_bucket_failed",
         ) from exc
-    return js, kv
+
+
+async def _open_bucket(
+    nc: Nats, config: FleetConfig, bucket: str = BUCKET
+) -> tuple[JetStreamContext, KeyValue]:
+    """Open (or create) the key-value ``bucket``, once JetStream serves it."""
+    from nats.js.errors import BucketNotFoundError
+
+    js = nc.jetstream(timeout=max(1.0, min(5.0, config.connect_timeout)))
+
+    async def open_it() -> KeyValue:
+        try:
+            return await js.key_value(bucket)
+        except BucketNotFoundError:
+            kv = await js.create_key_value(bucket=bucket, history=1, replicas=config.replicas)
+            log.info("fleet.bucket_created", bucket=bucket, replicas=config.replicas)
+            return kv
+
+    return js, await _when_ready(config, f"{bucket} bucket", open_it)
 
 
 async def _open_store(js: JetStreamContext, config: FleetConfig) -> ObjectStore:
-    """Open (or create) the ``sage_transcripts`` object store, as :func:`_open_bucket`
-    opens a bucket (JetStream is ready by now)."""
-    from nats.errors import Error as NatsError
+    """Open (or create) the ``sage_transcripts`` object store, once JetStream serves it
+    (a 3-replica stream created while the cluster is busy may time out at first)."""
     from nats.js.api import ObjectStoreConfig
     from nats.js.errors import NotFoundError
 
-    try:
-        with anyio.fail_after(BUCKET_WAIT * config.connect_timeout):
-            try:
-                return await js.object_store(TRANSCRIPTS)
-            except NotFoundError:
-                store = await js.create_object_store(
-                    TRANSCRIPTS,
-                    ObjectStoreConfig(bucket=TRANSCRIPTS, replicas=config.replicas),
-                )
-                log.info("fleet.bucket_created", bucket=TRANSCRIPTS, replicas=config.replicas)
-                return store
-    except (NatsError, TimeoutError) as exc:
-        raise FleetError(
-            f"fleet: cannot open the {TRANSCRIPTS} object store (the node's permissions from"
-            f" `astrid fleet permissions --node {config.node}`?): {_describe(exc)}",
-            code="fleet_bucket_failed",
-        ) from exc
+    async def open_it() -> ObjectStore:
+        try:
+            return await js.object_store(TRANSCRIPTS)
+        except NotFoundError:
+            store = await js.create_object_store(
+                TRANSCRIPTS, ObjectStoreConfig(bucket=TRANSCRIPTS, replicas=config.replicas)
+            )
+            log.info("fleet.bucket_created", bucket=TRANSCRIPTS, replicas=config.replicas)
+            return store
+
+    return await _when_ready(config, f"{TRANSCRIPTS} object store", open_it)
 
 
 @contextlib.asynccontextmanager
