@@ -13,6 +13,7 @@ is at bob's cap: it refuses his session and gives the claim back, and b takes it
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,7 +39,7 @@ LOST_AFTER = 1.5
 CS = "0d7c6c2e-3a4f-4b8e-9c1d-2e3f4a5b6c7d"
 SESSIONS = {
     "a": "max_live = 1\n",
-    "b": "max_live = 1\nwake_wait = 0.5\n",
+    "b": "max_live = 1\nwake_wait = 8\n",
     "c": "",
 }
 LIMITS = {"a": "", "b": "", "c": "max_sessions_per_principal = 2\n"}
@@ -107,8 +108,10 @@ def test_the_runner_refuses_an_adoption_past_its_limits(
     ok_json(b, "sage", "spawn", "alice", "--session", "hb")
     busy = b.astrid("sage", "send", "hb", "/fault hang", "--timeout", "1")
     assert busy.returncode != 0  # the turn goes on
+    began = time.monotonic()
     reply = adopt(b, "x1", "alice")
     assert (reply["ok"], reply["error"]) == (False, "host_full"), reply
+    assert time.monotonic() - began < 3.0  # at once (a spawn waits wake_wait): others have room
     assert "x1" not in local_rows(b)
     # c: two live sessions of bob is his cap (no hibernation there to make room)
     ok_json(c, "sage", "spawn", "bob", "--session", "cb1")

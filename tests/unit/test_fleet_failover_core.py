@@ -132,10 +132,10 @@ def test_adopters_are_the_least_loaded_first_and_each_session_counts() -> None:
 
 
 def test_every_node_plans_alike_and_ties_spread() -> None:
-    """Nodes equally loaded (no bound): the order is the hash's, the same on every node
-    whatever order it read the heartbeats in, and the sessions spread."""
+    """Nodes equally loaded (sessions asleep add no load): the order is the hash's, the
+    same on every node whatever order it read the heartbeats in, and the sessions spread."""
     views = [loaded(n, 0, max_live=None) for n in ("b", "c")]
-    found = lost_sessions(400)
+    found = lost_sessions(400, HIBERNATED)
     plan = adopters(found, views)
     assert plan == adopters(list(reversed(found)), list(reversed(views)))
     firsts = [order[0] for order in plan.values()]
