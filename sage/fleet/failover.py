@@ -11,12 +11,16 @@ run by the router (sage/fleet/router.py) of each node:
   session (``exited``) deletes the object, unless another node runs it now.
 - **Takeover.** Every second the node reads the verdicts; when a node is ``lost``
   (not ``stopped``), its registry entries that say ``resume`` are taken by the live
-  nodes that run their principal, each after ``STAGGER`` seconds per node ranked
-  before it for that session (so they spread over the survivors): the registry
-  update naming the entry's revision makes exactly one winner, which restores the transcript under the principal's
-  home and asks its runner to ``adopt`` the session (the same id, ``--resume`` on
-  the same conversation).  The runner's ``spawned`` then names this node in the
-  registry, so ``send`` and ``watch`` from any node reach it.
+  nodes that run their principal and have room by their heartbeats' loads, each
+  after ``STAGGER`` seconds per node ranked before it for that session (the least
+  loaded first, :func:`~sage.fleet.adoption.adopters`): the registry update naming
+  the entry's revision makes exactly one winner, which restores the transcript
+  under the principal's home and asks its runner to ``adopt`` the session (the same
+  id, ``--resume`` on the same conversation; a session hibernated there is adopted
+  asleep).  The runner's ``spawned`` (or ``hibernated``) then names this node in the
+  registry, so ``send`` and ``watch`` from any node reach it.  A runner that refuses
+  for a reason of its own (:data:`ADOPT_REFUSALS`: no room, a principal's cap) gives
+  the claim back, and the next ranked node takes it.
 - **Claims.** A node that starts again asks (``sage.v1.request.fleet.claims``),
   before its runner resumes anything, which of its sessions another node took;
   those it ends ``failed_over``, the rest it claims again in the registry (the same
