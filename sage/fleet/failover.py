@@ -278,8 +278,10 @@ class Failover:
         meta: TranscriptMeta | None = None
         why = ""
         try:
-            if principal is None:
-                raise TranscriptRefused(f"principal {entry.principal_id!r} is not configured here")
+            if principal is None:  # (a config reloaded since the plan): another may run it
+                why = f"unknown_principal: principal {entry.principal_id!r} is not configured here"
+                await self._release(sid, entry, claim, why)
+                return
             assert config.fleet is not None
             limit = config.fleet.transcript_max_bytes
             try:
