@@ -359,6 +359,20 @@ class Runner:
                 )
                 if not asleep:
                     await self.save(record)
+                if self.config.fleet is not None:  # the registry says it sleeps (its claim
+                    # at this start wrote it running): a node that adopts it keeps it asleep
+                    self.session_event(
+                        record.session_id,
+                        "hibernated",
+                        {
+                            "principal_id": record.principal_id,
+                            "session_id": record.session_id,
+                            "turns": record.turns,
+                            "hibernated_at": record.hibernated_at,
+                            "reason": "supervisor_restart",
+                        },
+                    )
+                    self.history.ended(record.session_id)
                 continue
             if (
                 self.config.sessions.resume

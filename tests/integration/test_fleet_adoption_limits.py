@@ -196,3 +196,42 @@ def test_a_node_at_its_principal_cap_leaves_the_session_to_the_next(
     sent = c.astrid("sage", "send", "p1", "still here", "--timeout", "20", "--principal", "bob")
     assert sent.returncode == 0, sent.stderr
     assert "echo: still here" in sent.stdout
+
+
+def test_a_session_asleep_across_a_restart_is_adopted_asleep(
+    fleet: tuple[NatsCluster, dict[str, Daemon]],
+) -> None:
+    """At its start a node claims its sessions again (the registry says them running):
+    those that sleep on say so again, so when it is lost they are adopted asleep."""
+    cluster, daemons = fleet
+    a = daemons["a"]
+    a.launch()  # back from the kill of the test before
+    a.wait_ready(30.0)
+    ok_json(a, "sage", "spawn", "alice", "--session", "y1")
+    y1_conversation = request(a, "sage.v1.request.conversation.y1", {})["claude_session"]
+    put_transcript(a, y1_conversation, TRANSCRIPT)
+    sent = a.astrid("sage", "send", "y1", "first turn", "--timeout", "20")
+    assert sent.returncode == 0, sent.stderr
+    wait_for(lambda: stored(cluster, "y1"), 10.0, "y1 replicated after its turn")
+    ok_json(a, "sage", "spawn", "bob", "--session", "y2")  # y1 (idle) hibernates for it
+    wait_for(lambda: local_rows(a)["y1"]["state"] == "hibernated", 10.0, "y1 hibernated")
+    a.stop()  # stopped, not lost: nobody takes its sessions; it keeps them at its start
+    a.launch()
+    a.wait_ready(30.0)
+    assert local_rows(a)["y1"]["state"] == "hibernated"
+    wait_for(lambda: rows(daemons["c"]).get("y2", {}).get("node") == "a", 10.0, "y2 on a")
+
+    a.signal(signal.SIGKILL)
+    assert a.proc is not None
+    a.proc.wait()
+
+    def adopted(sid: str) -> tuple[str, dict[str, Any]] | None:
+        for node in ("b", "c"):
+            row = local_rows(daemons[node]).get(sid)
+            if row is not None and row["state"] != "ended":
+                return node, row
+        return None
+
+    _, y1 = wait_for(lambda: adopted("y1"), LOST_AFTER + 20.0, "y1 adopted")
+    assert (y1["state"], y1.get("pid")) == ("hibernated", None), y1
+    wait_for(lambda: adopted("y2"), 20.0, "y2 adopted")
