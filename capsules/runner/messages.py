@@ -64,6 +64,9 @@ class AdoptRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: str = ""
     turns: int = 0
     fresh: bool = False
+    asleep: bool = False
+    """It was hibernated on the lost node: it is kept hibernated here (no child, no slot)
+    until a send wakes it."""
 
 
 class WakeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

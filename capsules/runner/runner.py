@@ -359,6 +359,20 @@ class Runner:
                 )
                 if not asleep:
                     await self.save(record)
+                if self.config.fleet is not None:  # the registry says it sleeps (its claim
+                    # at this start wrote it running): a node that adopts it keeps it asleep
+                    self.session_event(
+                        record.session_id,
+                        "hibernated",
+                        {
+                            "principal_id": record.principal_id,
+                            "session_id": record.session_id,
+                            "turns": record.turns,
+                            "hibernated_at": record.hibernated_at,
+                            "reason": "supervisor_restart",
+                        },
+                    )
+                    self.history.ended(record.session_id)
                 continue
             if (
                 self.config.sessions.resume
@@ -436,6 +450,36 @@ class Runner:
         )
         return SessionError(reason, message)
 
+    def _over_cap(self, sid: str, pid_: str, *, asleep: bool) -> SessionError | None:
+        """Why a new session ``sid`` of ``pid_`` may not join (a spawn's, or an adoption's)
+        under the per-principal caps: ``duplicate_session`` or ``principal_limit``; None
+        when it may.  A session that joins ``asleep`` counts against the logical cap
+        only; one that joins live may hibernate an idle session of the principal to
+        make room (:meth:`Hibernation.room_for`)."""
+        limits = self.config.limits
+        cap, logical_cap = (
+            limits.max_sessions_per_principal,
+            limits.max_logical_sessions_per_principal,
+        )
+        refusal = self.sessions.refusal(sid, pid_, None if asleep else cap, logical_cap)
+        if refusal == "duplicate_session":
+            return SessionError("duplicate_session", f"session {sid!r} exists")
+        if refusal != "principal_limit":
+            return None
+        if len(self.sessions.of(pid_)) >= logical_cap:
+            return SessionError(
+                "principal_limit",
+                f"principal {pid_!r} has {logical_cap} sessions already, hibernated"
+                " ones included ([limits] max_logical_sessions_per_principal)",
+            )
+        if asleep or self.hibernation.room_for(pid_):
+            return None
+        return SessionError(
+            "principal_limit",
+            f"principal {pid_!r} has {cap} live sessions already"
+            + (", none of them idle" if self.config.sessions.hibernation else ""),
+        )
+
     async def _spawn(self, request: Envelope) -> dict[str, Any]:
         req = msgspec.json.decode(request.payload, type=SpawnRequest)
         config = self.config
@@ -477,30 +521,10 @@ class Runner:
             raise self._reject(
                 request, pid_, "duplicate_session", f"session {sid!r} exists", session_id=sid
             )
-        cap = config.limits.max_sessions_per_principal
-        logical_cap = config.limits.max_logical_sessions_per_principal
-        refusal = self.sessions.refusal(sid, pid_, cap, logical_cap)
-        if refusal == "duplicate_session":
-            raise self._reject(
-                request, pid_, "duplicate_session", f"session {sid!r} exists", session_id=sid
-            )
-        if refusal == "principal_limit":
-            if len(self.sessions.of(pid_)) >= logical_cap:
-                raise self._reject(
-                    request,
-                    pid_,
-                    "principal_limit",
-                    f"principal {pid_!r} has {logical_cap} sessions already, hibernated"
-                    " ones included ([limits] max_logical_sessions_per_principal)",
-                )
-            if not self.hibernation.room_for(pid_):
-                raise self._reject(
-                    request,
-                    pid_,
-                    "principal_limit",
-                    f"principal {pid_!r} has {cap} live sessions already"
-                    + (", none of them idle" if config.sessions.hibernation else ""),
-                )
+        refused = self._over_cap(sid, pid_, asleep=False)
+        if refused is not None:
+            extra = {"session_id": sid} if refused.code == "duplicate_session" else {}
+            raise self._reject(request, pid_, refused.code, str(refused), **extra)
         # a spawn that names no session id may take a spare (its ids are chosen already)
         # (not while the host is full: the spare would wait, uncounted, for a slot)
         spare = (
@@ -711,8 +735,13 @@ class Runner:
             raise SessionError("interaction_mode_is_repl", f"principal {pid_!r} uses a terminal")
         cwd = work_folder(principal, self.config.home_of(principal), req.cwd or None)
         model = chosen_model(principal, req.model or None)
-        if sid in self.sessions or await self._taken_by_another(sid, pid_):
+        if await self._taken_by_another(sid, pid_):
             raise SessionError("duplicate_session", f"session {sid!r} exists")
+        # the caps of a spawn: a node that cannot take it refuses, and the next node may
+        refused = self._over_cap(sid, pid_, asleep=req.asleep)
+        if refused is not None:
+            raise refused
+        node = self.config.fleet.node if self.config.fleet is not None else ""
         record = SessionRecord(
             session_id=sid,
             principal_id=pid_,
@@ -722,12 +751,41 @@ class Runner:
             model=model,
             turns=req.turns,
         )
+        if req.asleep:  # it slept on the lost node: it sleeps here, and takes no slot
+            record.state, record.hibernated_at = RecordState.HIBERNATED, time.time()
+            session = Session(record, principal, state=SessionState.HIBERNATED, turns=req.turns)
+            self.sessions.add(session)
+            await self.save(record)
+            self.session_event(
+                sid,
+                "hibernated",
+                {
+                    "principal_id": pid_,
+                    "session_id": sid,
+                    "turns": req.turns,
+                    "hibernated_at": record.hibernated_at,
+                    "from_node": req.from_node,
+                },
+            )
+            self.history.ended(sid)  # its ring stays bounded with the asleep
+            self._failed_over(req, node, None)
+            return {"ok": True, "session_id": sid, "pid": None, "hibernated": True}
+        slots = self.hibernation.slots
+        if not slots.free and self.sessions.least_recent_idle() is None:
+            # a spawn would wait for a slot; an adoption leaves it to a node with room
+            raise SessionError(
+                "host_full",
+                f"the host runs {len(slots)} sessions of max_live {slots.limit}, none idle",
+            )
         session = Session(record, principal, turns=req.turns, last_active=time.monotonic())
         self.sessions.add(session)
         try:
             pid = await self.start(session, resume=not req.fresh, initial=None)
         except SessionError as exc:
             self.sessions.remove(session)
+            if exc.code == "host_full":  # no slot came: nothing of it ran here, nor ends
+                session.over()
+                raise
             await self.ended(session, None, f"{EndReason.RESUME_FAILED}: {exc}")
             raise
         self.session_event(
@@ -735,18 +793,22 @@ class Runner:
             "resumed",
             {"principal_id": pid_, "reason": "failover", "from_node": req.from_node},
         )
+        self._failed_over(req, node, pid)
+        return {"ok": True, "session_id": sid, "pid": pid}
+
+    def _failed_over(self, req: AdoptRequest, node: str, pid: int | None) -> None:
         self.audit(
             "session_failed_over",
             {
-                "principal_id": pid_,
-                "session_id": sid,
+                "principal_id": req.principal_id,
+                "session_id": req.session_id,
                 "from_node": req.from_node,
-                "node": self.config.fleet.node if self.config.fleet is not None else "",
+                "node": node,
                 "pid": pid,
                 "conversation": not req.fresh,
+                "asleep": req.asleep,
             },
         )
-        return {"ok": True, "session_id": sid, "pid": pid}
 
     async def _conversation(self, request: Envelope) -> dict[str, Any]:
         """What a replica of a live session's conversation needs (the supervisor only)."""

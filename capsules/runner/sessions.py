@@ -338,14 +338,14 @@ class SessionTable(Mapping[str, Session]):
         return [s for s in self._by_id.values() if s.idle and s.last_active < before]
 
     def refusal(
-        self, sid: str, principal_id: str, cap: int, logical_cap: int | None = None
+        self, sid: str, principal_id: str, cap: int | None, logical_cap: int | None = None
     ) -> str | None:
         """Why a new session ``sid`` of ``principal_id`` may not join: ``duplicate_session``,
         ``principal_limit`` (``cap`` live sessions, or ``logical_cap`` in all, already),
-        or None."""
+        or None.  ``cap`` None: it joins asleep, and takes no live place."""
         if sid in self._by_id:
             return "duplicate_session"
-        if len(self.live_of(principal_id)) >= cap:
+        if cap is not None and len(self.live_of(principal_id)) >= cap:
             return "principal_limit"
         if logical_cap is not None and len(self.of(principal_id)) >= logical_cap:
             return "principal_limit"

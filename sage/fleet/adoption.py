@@ -5,10 +5,15 @@
   node resumes sessions, for principals this node runs.  Every live node computes
   the same list; the registry update that names the entry's revision decides the
   one winner (sage/fleet/failover.py).
-- :func:`rank`: where a node stands for a session among the live nodes
-  (rendezvous hashing): the first tries at once, the next a little later, so a
-  lost node's sessions spread evenly over the survivors instead of going to the
-  fastest, and a node that cannot run one leaves it to the next.
+- :func:`adopters`: for each of those sessions, the live nodes that may adopt it in
+  the order they try, by load as placement orders a spawn
+  (:func:`sage.fleet.placement.why_not` and :func:`~sage.fleet.placement.share`):
+  full nodes and nodes without the principal left out, the least loaded first, each
+  session planned counting those planned before it, ties broken by rendezvous hashing
+  so every node computes the same order.  :func:`rank` is a node's place in it: the
+  first tries at once, the next a little later, and a node that cannot run one
+  leaves it to the next.  A session that slept on the lost node (its entry says
+  :data:`HIBERNATED`) is adopted asleep: it takes no slot, so a full node may take it.
 - :class:`Pending`: the replicas a node owes the object store, one per session
   (a burst of turns is one upload of the latest transcript; an end replaces an
   upload still owed), bounded.
@@ -23,14 +28,26 @@ from collections.abc import Callable, Iterable
 
 from sage.config import NAME_PATTERN
 from sage.fleet.nodes import NodeState, NodeView
+from sage.fleet.placement import share, why_not
 from sage.fleet.routes import SessionEntry
 
-__all__ = ("ADOPTING", "Owed", "Pending", "adoptable", "claimed", "live_nodes", "rank")
+__all__ = (
+    "ADOPTING",
+    "HIBERNATED",
+    "Owed",
+    "Pending",
+    "adoptable",
+    "adopters",
+    "claimed",
+    "rank",
+)
 
 _NAME = re.compile(NAME_PATTERN)
 
 ADOPTING = "adopting"
 """The registry state of a session a node won and is restoring."""
+HIBERNATED = "hibernated"
+"""The registry state of a session asleep on its node (no child)."""
 
 
 def adoptable(
@@ -54,18 +71,36 @@ def adoptable(
     ]
 
 
-def live_nodes(views: Iterable[NodeView]) -> list[str]:
-    return sorted(view.node for view in views if view.state is NodeState.LIVE)
+def adopters(
+    sessions: Iterable[tuple[str, SessionEntry, int]], views: Iterable[NodeView]
+) -> dict[str, list[str]]:
+    """sid -> the nodes that may adopt it, in the order they try (see the module
+    docstring); every node computes the same from the same heartbeats and entries."""
+    nodes = list(views)
+    more = {view.node: 0 for view in nodes}  # sessions planned on a node so far
+    plan: dict[str, list[str]] = {}
+    for sid, entry, _ in sorted(sessions, key=lambda found: found[0]):
+        asleep = entry.state == HIBERNATED
+        fit = [
+            view
+            for view in nodes
+            if why_not(view, entry.principal_id, more=more[view.node], slot=not asleep) is None
+        ]
+        fit.sort(key=lambda view: (share(view, more[view.node]), _weight(view.node, sid)))
+        plan[sid] = [view.node for view in fit]
+        if fit and not asleep:
+            more[fit[0].node] += 1
+    return plan
 
 
-def rank(sid: str, me: str, live: Iterable[str]) -> int:
-    """``me``'s place (0: first) in the order every node computes alike for ``sid``."""
+def rank(sid: str, me: str, plan: dict[str, list[str]]) -> int | None:
+    """``me``'s place (0: first) among the adopters of ``sid``; None: not one of them."""
+    order = plan.get(sid, [])
+    return order.index(me) if me in order else None
 
-    def weight(node: str) -> bytes:
-        return hashlib.sha256(f"{node}\0{sid}".encode()).digest()
 
-    order = sorted(set(live) | {me}, key=weight)
-    return order.index(me)
+def _weight(node: str, sid: str) -> bytes:
+    return hashlib.sha256(f"{node}\0{sid}".encode()).digest()
 
 
 def claimed(entry: SessionEntry, me: str, now: float) -> SessionEntry:

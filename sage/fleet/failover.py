@@ -11,12 +11,16 @@ run by the router (sage/fleet/router.py) of each node:
   session (``exited``) deletes the object, unless another node runs it now.
 - **Takeover.** Every second the node reads the verdicts; when a node is ``lost``
   (not ``stopped``), its registry entries that say ``resume`` are taken by the live
-  nodes that run their principal, each after ``STAGGER`` seconds per node ranked
-  before it for that session (so they spread over the survivors): the registry
-  update naming the entry's revision makes exactly one winner, which restores the transcript under the principal's
-  home and asks its runner to ``adopt`` the session (the same id, ``--resume`` on
-  the same conversation).  The runner's ``spawned`` then names this node in the
-  registry, so ``send`` and ``watch`` from any node reach it.
+  nodes that run their principal and have room by their heartbeats' loads, each
+  after ``STAGGER`` seconds per node ranked before it for that session (the least
+  loaded first, :func:`~sage.fleet.adoption.adopters`): the registry update naming
+  the entry's revision makes exactly one winner, which restores the transcript
+  under the principal's home and asks its runner to ``adopt`` the session (the same
+  id, ``--resume`` on the same conversation; a session hibernated there is adopted
+  asleep).  The runner's ``spawned`` (or ``hibernated``) then names this node in the
+  registry, so ``send`` and ``watch`` from any node reach it.  A runner that refuses
+  for a reason of its own (:data:`ADOPT_REFUSALS`: no room, a principal's cap) gives
+  the claim back, and the next ranked node takes it.
 - **Claims.** A node that starts again asks (``sage.v1.request.fleet.claims``),
   before its runner resumes anything, which of its sessions another node took;
   those it ends ``failed_over``, the rest it claims again in the registry (the same
@@ -42,9 +46,10 @@ from bus import Bus, BusError, Envelope, Identity
 from sage import replies
 from sage.config import Config, PrincipalConfig
 from sage.errors import SageError
-from sage.fleet.adoption import Owed, Pending, adoptable, claimed, live_nodes, rank
+from sage.fleet.adoption import HIBERNATED, Owed, Pending, adoptable, adopters, claimed, rank
 from sage.fleet.member import FleetMember
 from sage.fleet.nodes import NodeState
+from sage.fleet.placement import NODE_REFUSALS
 from sage.fleet.routes import SessionEntry, check_name, decode_entry
 from sage.fleet.transcripts import (
     TranscriptMeta,
@@ -64,6 +69,11 @@ CHECK = 1.0  # seconds between two looks at the node verdicts
 RESWEEP = 10.0  # seconds between two passes over the registry while a node stays lost
 ADOPTIONS = 4  # sessions restored and started at once
 STAGGER = 0.5  # seconds a node waits per node ranked before it for a session
+RECHECK = 2.0  # seconds to the next pass after a race lost: the winner may release it
+REFUSED_FOR = 30.0  # seconds a node leaves alone a session it refused (no room, say)
+ADOPT_REFUSALS = NODE_REFUSALS - {"fleet_unavailable"}
+"""A runner's refusals of an adoption another node might not give: the claim is released
+for the next node.  (No answer in time is not one: the session may yet start here.)"""
 OWED = 4096  # sessions whose replica may wait at once
 STORE_DEADLINE = 30.0
 
@@ -87,6 +97,10 @@ class Failover:
         self._owed = anyio.Event()
         self._adopting: set[str] = set()
         self._limiter = anyio.CapacityLimiter(ADOPTIONS)
+        self._refused: dict[str, float] = {}
+        """sid -> until when this node leaves it to others (it refused it)."""
+        self._recheck = False
+        """A race was lost: look again soon, the winner may release it."""
         self.replicated = 0
         """Transcripts put so far (for tests and the bench)."""
 
@@ -205,19 +219,29 @@ class Failover:
                         fresh = lost - seen
                         seen = lost
                         now = anyio.current_time()
-                        if not lost or (not fresh and now - swept < RESWEEP):
+                        every = RECHECK if self._recheck else RESWEEP
+                        if not lost or (not fresh and now - swept < every):
                             continue
-                        swept = now
+                        swept, self._recheck = now, False
                         entries = await self.member.session_revisions()
                 except Exception as exc:
                     log.warning("fleet.failover_check_failed", error=_describe(exc))
                     continue
-                live = live_nodes(views)
-                for sid, entry, revision in adoptable(entries, views, self.node, self._may_run):
-                    if sid not in self._adopting:
-                        self._adopting.add(sid)
-                        wait = rank(sid, self.node, live) * STAGGER
-                        tg.start_soon(self._adopt, sid, entry, revision, wait)
+                # every node plans alike: by the heartbeats' loads, for every principal
+                found = adoptable(entries, views, self.node, lambda _: True)
+                plan = adopters(found, views)
+                self._refused = {s: t for s, t in self._refused.items() if t > now}
+                for sid, entry, revision in found:
+                    place = rank(sid, self.node, plan)
+                    if (
+                        place is None  # full, or not for this node: the next ones take it
+                        or sid in self._adopting
+                        or sid in self._refused
+                        or not self._may_run(entry.principal_id)
+                    ):
+                        continue
+                    self._adopting.add(sid)
+                    tg.start_soon(self._adopt, sid, entry, revision, place * STAGGER)
 
     def _may_run(self, principal_id: str) -> bool:
         principal = self.config_of().principal(principal_id)
@@ -242,9 +266,10 @@ class Failover:
         mine = claimed(entry, self.node, time.time())
         try:
             with anyio.fail_after(5.0):
-                await registry.update(sid, mine.encode(), last=revision)
+                claim = await registry.update(sid, mine.encode(), last=revision)
         except KeyWrongLastSequenceError:
             log.info("fleet.failover_lost_race", session_id=sid, from_node=entry.node)
+            self._recheck = True
             return
         started = time.monotonic()
         log.info("fleet.failover_won", session_id=sid, from_node=entry.node)
@@ -253,8 +278,10 @@ class Failover:
         meta: TranscriptMeta | None = None
         why = ""
         try:
-            if principal is None:
-                raise TranscriptRefused(f"principal {entry.principal_id!r} is not configured here")
+            if principal is None:  # (a config reloaded since the plan): another may run it
+                why = f"unknown_principal: principal {entry.principal_id!r} is not configured here"
+                await self._release(sid, entry, claim, why)
+                return
             assert config.fleet is not None
             limit = config.fleet.transcript_max_bytes
             try:
@@ -286,10 +313,14 @@ class Failover:
                     "model": meta.model if meta else "",
                     "turns": meta.turns if meta else 0,
                     "fresh": meta is None,
+                    "asleep": entry.state == HIBERNATED,
                 },
             )
             if not reply.get("ok"):
                 why = f"{reply.get('error')}: {reply.get('message')}"
+                if reply.get("error") in ADOPT_REFUSALS:
+                    await self._release(sid, entry, claim, why)
+                    return
         except (SageError, OSError) as exc:
             why = str(exc)
         if not why:
@@ -316,6 +347,19 @@ class Failover:
                 got = await registry.get(sid)
                 if (decode_entry(sid, got.value or b"") or entry).node == self.node:
                     await registry.delete(sid, last=got.revision)
+            except Exception as exc:
+                log.warning("fleet.registry_write_failed", session_id=sid, error=_describe(exc))
+
+    async def _release(self, sid: str, entry: SessionEntry, claim: int, why: str) -> None:
+        """This node won ``sid`` but may not run it (no room, a cap): the entry goes back
+        as the lost node left it, for the next node to take."""
+        log.warning("fleet.failover_refused", session_id=sid, from_node=entry.node, reason=why)
+        self._refused[sid] = anyio.current_time() + REFUSED_FOR
+        registry = self.member.registry
+        assert registry is not None
+        with anyio.move_on_after(5.0):
+            try:
+                await registry.update(sid, entry.encode(), last=claim)
             except Exception as exc:
                 log.warning("fleet.registry_write_failed", session_id=sid, error=_describe(exc))
 

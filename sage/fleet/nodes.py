@@ -74,7 +74,12 @@ class NodeLoad(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     @property
     def full(self) -> bool:
         """At ``max_live`` with nothing idle to make room: a spawn there waits or fails."""
-        return self.max_live is not None and self.live >= self.max_live and self.idle == 0
+        return self.full_after(0)
+
+    def full_after(self, more: int) -> bool:
+        """Whether it is full once ``more`` sessions started there since this count (each
+        takes a free slot, else an idle session's, which hibernates to make room)."""
+        return self.max_live is not None and self.live + more >= self.max_live + self.idle
 
 
 class NodeRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):

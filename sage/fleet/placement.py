@@ -33,6 +33,8 @@ __all__ = (
     "Placement",
     "place",
     "refusal_text",
+    "share",
+    "why_not",
 )
 
 ANY = "any"
@@ -81,12 +83,17 @@ class Placement(msgspec.Struct, frozen=True):
     """The nodes not to ask, by name, each with why."""
 
 
-def _share(view: NodeView) -> float:
+def share(view: NodeView, more: int = 0) -> float:
+    """Its share of live slots in use (the load placement orders by), ``more`` sessions
+    started there since its heartbeat included."""
     assert view.load is not None
-    return view.load.live / (view.load.max_live or UNBOUNDED_SLOTS)
+    return (view.load.live + more) / (view.load.max_live or UNBOUNDED_SLOTS)
 
 
-def _why_not(view: NodeView, principal: str) -> str | None:
+def why_not(view: NodeView, principal: str, *, more: int = 0, slot: bool = True) -> str | None:
+    """Why ``view``'s node may not take a session of ``principal`` (None: it may):
+    ``more`` sessions started there since its heartbeat; ``slot`` False: the session
+    takes no live slot (it comes asleep), so a full node may take it."""
     if view.state is not NodeState.LIVE:
         return str(view.state.value)
     load = view.load
@@ -94,8 +101,8 @@ def _why_not(view: NodeView, principal: str) -> str | None:
         return "its load is unknown (an older node, or its runner did not answer)"
     if principal not in view.principals:
         return f"it does not serve principal {principal!r}"
-    if load.full:
-        return f"full: live {load.live}/{load.max_live}, none idle"
+    if slot and load.full_after(more):
+        return f"full: live {load.live + more}/{load.max_live}, none idle"
     return None
 
 
@@ -105,12 +112,12 @@ def place(nodes: list[NodeView], principal: str, local: str) -> Placement:
     candidates: list[NodeView] = []
     passed: list[Passed] = []
     for view in sorted(nodes, key=lambda v: v.node):
-        why = _why_not(view, principal)
+        why = why_not(view, principal)
         if why is None:
             candidates.append(view)
         else:
             passed.append(Passed(view.node, why))
-    candidates.sort(key=lambda v: (_share(v), v.node != local, v.node))
+    candidates.sort(key=lambda v: (share(v), v.node != local, v.node))
     return Placement(tuple(v.node for v in candidates), tuple(passed))
 
 

@@ -46,6 +46,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 from bus import Bus, BusError, Envelope, Identity, NoResponders, Subscription
 from sage import replies
 from sage.config import Config
+from sage.fleet.adoption import HIBERNATED
 from sage.fleet.failover import CLAIMS_TOPIC, Failover
 from sage.fleet.member import FleetMember
 from sage.fleet.nodes import NodeState
@@ -92,7 +93,7 @@ LOCAL_REQUESTS = (
 """What the router answers on the local bus (``sessions`` too, see :data:`LISTING`)."""
 LISTING = "sage.v1.request.fleet.sessions"
 APPROVALS_LISTING = "sage.v1.request.fleet.approvals"
-DEADLINES = {"spawn": 30.0, "send": 120.0, "wake": 120.0, "stop": 30.0}
+DEADLINES = {"spawn": 30.0, "send": 120.0, "wake": 120.0, "stop": 30.0, "adopt": 120.0}
 """Seconds a forwarded request may take at its owner (others: :data:`DEFAULT_DEADLINE`)."""
 DEFAULT_DEADLINE = 10.0
 NETWORK_SLACK = 2.0
@@ -207,10 +208,12 @@ class Router:
             if found is None:
                 continue
             sid, name = found
-            if name == "spawned" and envelope.principal:
+            if name in ("spawned", "hibernated") and envelope.principal:
+                # a hibernated session says so: a node that adopts it keeps it asleep
                 entry = SessionEntry(
                     node=self.node,
                     principal_id=envelope.principal,
+                    state="running" if name == "spawned" else HIBERNATED,
                     at=time.time(),
                     resume=self._resumes(),
                 )

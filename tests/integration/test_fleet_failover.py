@@ -300,6 +300,6 @@ def test_a_killed_nodes_session_resumes_on_another_node(
     assert sent.returncode == 0, sent.stderr
     assert "echo: from a again" in sent.stdout
     assert local_rows(adopter)["f1"]["pid"] == pid
-    ok_json(c, "sage", "stop", "f1")
+    ok_json(c, "sage", "stop", "f1", "--principal", "alice")  # wherever it runs (b or c)
     ok_json(c, "sage", "stop", "g1", "--principal", "bob")
     wait_for(lambda: stored(cluster, "f1") is None, 10.0, "f1's replica deleted at its end")

@@ -8,8 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from sage.fleet.adoption import ADOPTING, Owed, Pending, adoptable, claimed, live_nodes, rank
-from sage.fleet.nodes import NodeState, NodeView
+from sage.fleet.adoption import (
+    ADOPTING,
+    HIBERNATED,
+    Owed,
+    Pending,
+    adoptable,
+    adopters,
+    claimed,
+    rank,
+)
+from sage.fleet.nodes import NodeLoad, NodeState, NodeView
 from sage.fleet.routes import SessionEntry
 from sage.fleet.transcripts import (
     TranscriptMeta,
@@ -75,19 +84,71 @@ def test_the_claim_names_the_adopter_and_keeps_the_principal() -> None:
     )
 
 
-def test_every_node_ranks_the_live_nodes_alike_and_sessions_spread() -> None:
-    """Rendezvous ranks: one order per session that every node computes alike (each node
-    a distinct place), and a lost node's sessions spread over the survivors."""
-    live = live_nodes(VIEWS)
-    assert live == ["b", "c"]
-    firsts = []
-    for i in range(1000):
-        sid = f"s{i}"
-        places = sorted(rank(sid, node, live) for node in live)
-        assert places == [0, 1]
-        firsts.append(next(node for node in live if rank(sid, node, live) == 0))
-    assert 400 < firsts.count("b") < 600
-    assert rank("s1", "b", ["b", "c", "d"]) in (0, 1, 2)
+def loaded(node: str, live: int, max_live: int | None = 4, idle: int = 0, **kw: object) -> NodeView:
+    return NodeView(
+        node=node,
+        state=kw.get("state", NodeState.LIVE),  # type: ignore[arg-type]
+        host="h",
+        pid=1,
+        started_at=0.0,
+        heartbeat_at=0.0,
+        age_s=0.0,
+        load=NodeLoad(live=live, max_live=max_live, idle=idle),
+        principals=kw.get("principals", ["alice", "bob"]),  # type: ignore[arg-type]
+    )
+
+
+def lost_sessions(n: int, state: str = "running") -> list[tuple[str, SessionEntry, int]]:
+    return [
+        (f"s{i:03}", SessionEntry(node="a", principal_id="alice", state=state, resume=True), i)
+        for i in range(n)
+    ]
+
+
+def test_adopters_are_the_least_loaded_first_and_each_session_counts() -> None:
+    """b has 1 of 4 slots in use, c 3 of 4 (1 idle): b first until it is as loaded as c;
+    a full node is never an adopter; the lost node and a node without the principal
+    neither."""
+    views = [
+        loaded("a", 0, state=NodeState.LOST),
+        loaded("b", 1),
+        loaded("c", 3, idle=1),
+        loaded("d", 4),  # full, none idle
+        loaded("e", 0, principals=["bob"]),
+    ]
+    plan = adopters(lost_sessions(5), views)
+    firsts = [order[0] for order in plan.values() if order]
+    # b takes two (1 -> 3 of 4), then b and c are even (the hash decides), then full
+    assert firsts[:2] == ["b", "b"]
+    assert sorted(firsts) == ["b", "b", "b", "c", "c"]
+    assert all(
+        "d" not in order and "e" not in order and "a" not in order for order in plan.values()
+    )
+    assert plan["s000"] == ["b", "c"]
+    assert rank("s000", "b", plan) == 0
+    assert rank("s000", "c", plan) == 1
+    assert rank("s000", "d", plan) is None
+    assert rank("nope", "b", plan) is None
+
+
+def test_every_node_plans_alike_and_ties_spread() -> None:
+    """Nodes equally loaded (sessions asleep add no load): the order is the hash's, the
+    same on every node whatever order it read the heartbeats in, and the sessions spread."""
+    views = [loaded(n, 0, max_live=None) for n in ("b", "c")]
+    found = lost_sessions(400, HIBERNATED)
+    plan = adopters(found, views)
+    assert plan == adopters(list(reversed(found)), list(reversed(views)))
+    firsts = [order[0] for order in plan.values()]
+    assert 150 < firsts.count("b") < 250
+
+
+def test_a_hibernated_session_takes_no_slot_so_a_full_node_may_adopt_it() -> None:
+    views = [loaded("b", 4), loaded("c", 4, idle=1)]  # b full; c may hibernate one
+    asleep = lost_sessions(3, HIBERNATED)
+    plan = adopters(asleep, views)
+    assert all(sorted(order) == ["b", "c"] for order in plan.values())
+    awake = adopters(lost_sessions(2), views)
+    assert awake == {"s000": ["c"], "s001": []}  # c's idle one made room once
 
 
 def test_a_burst_of_turns_is_one_replica_and_an_end_wins() -> None:

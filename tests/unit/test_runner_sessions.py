@@ -406,6 +406,9 @@ def test_the_table_refuses_a_duplicate_and_a_principal_past_its_cap() -> None:
     table.add(made("s2", "alice"))
     assert table.refusal("s3", "alice", 2) == "principal_limit"
     assert table.refusal("s3", "bob", 2) is None
+    # a session that joins asleep (an adopted hibernated one) counts in all, not live
+    assert table.refusal("s3", "alice", None) is None
+    assert table.refusal("s3", "alice", None, logical_cap=2) == "principal_limit"
     with pytest.raises(IllegalTransition):
         table.add(made("s1", "bob"))
     assert [s.id for s in table.of("alice")] == ["s1", "s2"]
