@@ -737,6 +737,18 @@ class Runner:
         model = chosen_model(principal, req.model or None)
         if await self._taken_by_another(sid, pid_):
             raise SessionError("duplicate_session", f"session {sid!r} exists")
+        holder = next(
+            (
+                o
+                for o in self.sessions
+                if self.sessions[o].record.claude_session == req.claude_session
+            ),
+            None,
+        )
+        if holder is not None:  # never two sessions (two children) on one conversation
+            raise SessionError(
+                "duplicate_session", f"session {holder!r} here holds the conversation of {sid!r}"
+            )
         # the caps of a spawn: a node that cannot take it refuses, and the next node may
         refused = self._over_cap(sid, pid_, asleep=req.asleep)
         if refused is not None:

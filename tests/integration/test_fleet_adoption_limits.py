@@ -123,6 +123,11 @@ def test_the_runner_refuses_an_adoption_past_its_limits(
     reply = adopt(c, "x3", "bob", asleep=True)
     assert (reply["ok"], reply["pid"], reply["hibernated"]) == (True, None, True), reply
     assert local_rows(c)["x3"]["state"] == "hibernated"
+    # x3 holds conversation CS now: no second session (no second child) on it
+    reply = adopt(c, "x4", "bob", asleep=True)
+    assert (reply["ok"], reply["error"]) == (False, "duplicate_session"), reply
+    assert "'x3' here holds the conversation" in reply["message"], reply
+    assert "x4" not in local_rows(c)
     for sid in ("cb1", "cb2", "x3"):
         ok_json(c, "sage", "stop", sid, "--principal", "bob")
 
