@@ -60,7 +60,7 @@ from sage.fleet.transcripts import (
     transcript_rel,
 )
 
-__all__ = ("CLAIMS_TOPIC", "Failover")
+__all__ = ("CLAIMS_TOPIC", "Failover", "unclaimed")
 
 log = structlog.get_logger("sage.fleet.failover")
 
@@ -210,7 +210,7 @@ class Failover:
                         if not lost or (not fresh and now - swept < RESWEEP):
                             continue
                         swept = now
-                        entries = _unclaimed(
+                        entries = unclaimed(
                             await self.member.session_entries(),
                             {v.node for v in views if v.state is NodeState.LIVE},
                         )
@@ -403,7 +403,7 @@ class Failover:
             log.warning("fleet.audit_failed", kind=kind)
 
 
-def _unclaimed(
+def unclaimed(
     entries: list[tuple[str, SessionEntry, int]], live: set[str]
 ) -> dict[str, tuple[SessionEntry, int]]:
     """Per session id, the registry claim a lost node's session would be adopted from:

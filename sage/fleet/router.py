@@ -274,9 +274,20 @@ class Router:
     async def _forget(self, registry: Any, sid: str) -> None:
         """Delete this node's claim to ``sid`` (a session this node ended ``failed_over``
         runs on another, whose claim is under that node's name and stays).  Its
-        ``sage_claims`` key stays too: it says the session was taken from the node
-        whose stale claim may outlive it, so no one adopts that one again."""
+        ``sage_claims`` key goes too when it names this node and no other node claims
+        the session; while a lost node's stale claim remains, the key stays, saying the
+        session was taken from that node, so no one adopts it from there again."""
+        from nats.js.errors import KeyWrongLastSequenceError
+
         await registry.delete(registry_key(self.node, sid))
+        claims = self.member.claims
+        if claims is None:
+            return
+        claim, revision = await self.member.claim_of(sid)
+        if claim is None or claim.node != self.node or await self.member.claims_of(sid):
+            return
+        with contextlib.suppress(KeyWrongLastSequenceError):  # taken meanwhile: it stays
+            await claims.delete(sid, last=revision)
 
     async def _keep_registry(self) -> None:
         """Make the registry agree with the runner at start and after each outage: a
