@@ -240,9 +240,7 @@ def test_two_live_claimants_are_refused_and_logged(
 
     asked = len(forwarded(a, "t3")), len(forwarded(b, "t3"))
     anyio.run(claim, True)
-    _, out = wait_for(
-        lambda: (r := send(c, "t3", "to whom?"))[0] != 0 and r, 10.0, "c refusing t3"
-    )
+    _, out = wait_for(lambda: (r := send(c, "t3", "to whom?"))[0] != 0 and r, 10.0, "c refusing t3")
     assert "session_conflict" in out, out
     assert "a, b" in out, out
     conflicts = log_events(c, "fleet.session_conflict")
