@@ -13,18 +13,23 @@ run by the router (sage/fleet/router.py) of each node:
   (not ``stopped``), its registry entries that say ``resume`` are taken by the live
   nodes that run their principal and have room by their heartbeats' loads, each
   after ``STAGGER`` seconds per node ranked before it for that session (the least
-  loaded first, :func:`~sage.fleet.adoption.adopters`): the registry update naming
-  the entry's revision makes exactly one winner, which restores the transcript
-  under the principal's home and asks its runner to ``adopt`` the session (the same
-  id, ``--resume`` on the same conversation; a session hibernated there is adopted
-  asleep).  The runner's ``spawned`` (or ``hibernated``) then names this node in the
-  registry, so ``send`` and ``watch`` from any node reach it.  A runner that refuses
-  for a reason of its own (:data:`ADOPT_REFUSALS`: no room, a principal's cap) gives
-  the claim back, and the next ranked node takes it.
+  loaded first, :func:`~sage.fleet.adoption.adopters`).  A node writes only its own
+  registry keys, so the race is run in the ``sage_claims`` bucket (session id ->
+  :class:`~sage.fleet.routes.Claim`): the write naming the revision it read before
+  its wait makes exactly one winner, which puts its own ``<node>.<sid>`` claim
+  (state ``adopting``; the lost node's stays, and routing follows the live one),
+  restores the transcript under the principal's home and asks its runner to
+  ``adopt`` the session (the same id, ``--resume`` on the same conversation; a
+  session hibernated there is adopted asleep).  A runner that refuses for a reason
+  of its own (:data:`ADOPT_REFUSALS`: no room, a principal's cap) gives the claim
+  back to the lost node, and the next ranked node takes it.  A session whose
+  ``sage_claims`` key names another node than the lost one was taken from it
+  before: its stale claim is never adopted again.
 - **Claims.** A node that starts again asks (``sage.v1.request.fleet.claims``),
   before its runner resumes anything, which of its sessions another node took;
-  those it ends ``failed_over``, the rest it claims again in the registry (the same
-  revision race), so no conversation ever has two children.
+  those it ends ``failed_over`` (deleting its own registry claim at once), the
+  rest it claims again in ``sage_claims`` (the same revision race), so no
+  conversation ever has two children.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ from sage.fleet.adoption import HIBERNATED, Owed, Pending, adoptable, adopters, 
 from sage.fleet.member import FleetMember
 from sage.fleet.nodes import NodeState
 from sage.fleet.placement import NODE_REFUSALS
-from sage.fleet.routes import SessionEntry, check_name, decode_entry
+from sage.fleet.routes import Claim, SessionEntry, check_name, registry_key
 from sage.fleet.transcripts import (
     TranscriptMeta,
     TranscriptRefused,
@@ -60,7 +65,7 @@ from sage.fleet.transcripts import (
     transcript_rel,
 )
 
-__all__ = ("CLAIMS_TOPIC", "Failover")
+__all__ = ("CLAIMS_TOPIC", "Failover", "unclaimed")
 
 log = structlog.get_logger("sage.fleet.failover")
 
@@ -189,14 +194,11 @@ class Failover:
         """The object of a session that ended here, unless the registry names another node."""
         from nats.js.errors import NotFoundError
 
-        store, registry = self.member.transcripts, self.member.registry
-        if store is None or registry is None or not self.member.connected:
+        store = self.member.transcripts
+        if store is None or self.member.claims is None or not self.member.connected:
             return
-        try:
-            entry = decode_entry(sid, (await registry.get(sid)).value or b"")
-        except NotFoundError:
-            entry = None
-        if entry is not None and entry.node != self.node:
+        claim, _ = await self.member.claim_of(sid)
+        if claim is not None and claim.node != self.node and not claim.failed:
             return  # it runs elsewhere now (this node ended it failed_over)
         with contextlib.suppress(NotFoundError):
             await store.delete(sid)
@@ -223,7 +225,10 @@ class Failover:
                         if not lost or (not fresh and now - swept < every):
                             continue
                         swept, self._recheck = now, False
-                        entries = await self.member.session_revisions()
+                        entries = unclaimed(
+                            await self.member.session_entries(),
+                            {v.node for v in views if v.state is NodeState.LIVE},
+                        )
                 except Exception as exc:
                     log.warning("fleet.failover_check_failed", error=_describe(exc))
                     continue
@@ -249,6 +254,11 @@ class Failover:
 
     async def _adopt(self, sid: str, entry: SessionEntry, revision: int, wait: float) -> None:
         try:
+            with anyio.fail_after(5.0):  # read before the wait: a node first wins only once
+                claim, revision = await self.member.claim_of(sid)
+            if claim is not None and (claim.node != entry.node or claim.failed):
+                log.debug("fleet.failover_taken_before", session_id=sid, by=claim.node)
+                return
             await anyio.sleep(wait)  # the nodes ranked first for it try first
             async with self._limiter:
                 await self._take(sid, entry, revision)
@@ -260,17 +270,23 @@ class Failover:
     async def _take(self, sid: str, entry: SessionEntry, revision: int) -> None:
         from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 
-        registry, store = self.member.registry, self.member.transcripts
+        registry, store, claims = self.member.registry, self.member.transcripts, self.member.claims
         assert registry is not None
         assert store is not None
-        mine = claimed(entry, self.node, time.time())
+        assert claims is not None
+        now = time.time()
         try:
             with anyio.fail_after(5.0):
-                claim = await registry.update(sid, mine.encode(), last=revision)
+                won = await claims.update(
+                    sid, Claim(node=self.node, at=now).encode(), last=revision
+                )
         except KeyWrongLastSequenceError:
             log.info("fleet.failover_lost_race", session_id=sid, from_node=entry.node)
             self._recheck = True
             return
+        mine = registry_key(self.node, sid)
+        with anyio.fail_after(5.0):
+            await registry.put(mine, claimed(entry, self.node, now).encode())
         started = time.monotonic()
         log.info("fleet.failover_won", session_id=sid, from_node=entry.node)
         config = self.config_of()
@@ -280,7 +296,7 @@ class Failover:
         try:
             if principal is None:  # (a config reloaded since the plan): another may run it
                 why = f"unknown_principal: principal {entry.principal_id!r} is not configured here"
-                await self._release(sid, entry, claim, why)
+                await self._release(sid, entry, won, why)
                 return
             assert config.fleet is not None
             limit = config.fleet.transcript_max_bytes
@@ -319,10 +335,12 @@ class Failover:
             if not reply.get("ok"):
                 why = f"{reply.get('error')}: {reply.get('message')}"
                 if reply.get("error") in ADOPT_REFUSALS:
-                    await self._release(sid, entry, claim, why)
+                    await self._release(sid, entry, won, why)
                     return
-        except (SageError, OSError) as exc:
-            why = str(exc)
+        except Exception as exc:  # after the win, anything: the failure path, never silence
+            why = (str(exc) if isinstance(exc, (SageError, OSError)) else _describe(exc)) or repr(
+                exc
+            )
         if not why:
             log.info(
                 "fleet.failed_over",
@@ -343,23 +361,31 @@ class Failover:
             },
         )
         with anyio.move_on_after(5.0):
-            try:
-                got = await registry.get(sid)
-                if (decode_entry(sid, got.value or b"") or entry).node == self.node:
-                    await registry.delete(sid, last=got.revision)
+            try:  # given back to the lost node, which resumes it if it comes back
+                await registry.delete(mine)
+                back = Claim(node=entry.node, at=time.time(), failed=True)
+                with contextlib.suppress(KeyWrongLastSequenceError):
+                    await claims.update(sid, back.encode(), last=won)
             except Exception as exc:
                 log.warning("fleet.registry_write_failed", session_id=sid, error=_describe(exc))
 
-    async def _release(self, sid: str, entry: SessionEntry, claim: int, why: str) -> None:
-        """This node won ``sid`` but may not run it (no room, a cap): the entry goes back
-        as the lost node left it, for the next node to take."""
+    async def _release(self, sid: str, entry: SessionEntry, won: int, why: str) -> None:
+        """This node won ``sid`` but may not run it (no room, a cap): its own registry
+        claim goes and the race's claim goes back to the lost node (not failed), for the
+        next ranked node to take."""
+        from nats.js.errors import KeyWrongLastSequenceError
+
         log.warning("fleet.failover_refused", session_id=sid, from_node=entry.node, reason=why)
         self._refused[sid] = anyio.current_time() + REFUSED_FOR
-        registry = self.member.registry
+        registry, claims = self.member.registry, self.member.claims
         assert registry is not None
+        assert claims is not None
         with anyio.move_on_after(5.0):
             try:
-                await registry.update(sid, entry.encode(), last=claim)
+                await registry.delete(registry_key(self.node, sid))
+                back = Claim(node=entry.node, at=time.time())
+                with contextlib.suppress(KeyWrongLastSequenceError):
+                    await claims.update(sid, back.encode(), last=won)
             except Exception as exc:
                 log.warning("fleet.registry_write_failed", session_id=sid, error=_describe(exc))
 
@@ -388,7 +414,7 @@ class Failover:
     async def claims(self, request: Envelope) -> dict[str, Any]:
         """``{session_ids}`` -> ``{elsewhere: {sid: node}}``: those another node runs now;
         the others are claimed for this node (an admin's request only: the runner's)."""
-        from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
+        from nats.js.errors import KeyWrongLastSequenceError
 
         if request.principal is not None:
             return replies.error("not_authorized", "only the session runner asks this")
@@ -397,32 +423,23 @@ class Failover:
             sids = [check_name(str(s), "session id") for s in body.get("session_ids") or []]
         except (msgspec.DecodeError, AttributeError, SageError) as exc:
             return replies.error("bad_request", f"claims: {exc}")
-        registry = self.member.registry
-        if registry is None or not self.member.connected:
+        registry, claims = self.member.registry, self.member.claims
+        if registry is None or claims is None or not self.member.connected:
             return replies.error("fleet_unavailable", "NATS is not connected")
         elsewhere: dict[str, str] = {}
         try:
             with anyio.fail_after(10.0):
                 for sid in sids:
                     for _ in range(3):
-                        try:
-                            got = await registry.get(sid)
-                        except NotFoundError:
-                            break  # not in the registry: the router's resync writes it
-                        entry = decode_entry(sid, got.value or b"")
-                        if entry is None:
+                        claim, revision = await self.member.claim_of(sid)
+                        if claim is not None and claim.node != self.node and not claim.failed:
+                            elsewhere[sid] = claim.node
+                            # its claim goes now: two live claimants would be a conflict
+                            await registry.delete(registry_key(self.node, sid))
                             break
-                        if entry.node != self.node:
-                            elsewhere[sid] = entry.node
-                            break
-                        again = SessionEntry(
-                            node=self.node,
-                            principal_id=entry.principal_id,
-                            at=time.time(),
-                            resume=entry.resume,
-                        )
+                        again = Claim(node=self.node, at=time.time())
                         try:  # an adopter that read the same revision now loses its race
-                            await registry.update(sid, again.encode(), last=got.revision)
+                            await claims.update(sid, again.encode(), last=revision)
                             break
                         except KeyWrongLastSequenceError:
                             continue
@@ -437,6 +454,22 @@ class Failover:
             self.bus.publish(self.identity, f"sage.v1.audit.{kind}", payload)
         except BusError:
             log.warning("fleet.audit_failed", kind=kind)
+
+
+def unclaimed(
+    entries: list[tuple[str, SessionEntry, int]], live: set[str]
+) -> dict[str, tuple[SessionEntry, int]]:
+    """Per session id, the registry claim a lost node's session would be adopted from:
+    none for a session a live node claims (it runs there, or is being adopted); of
+    several claims of nodes none live, the latest."""
+    out: dict[str, tuple[SessionEntry, int]] = {}
+    taken: set[str] = set()
+    for sid, entry, revision in entries:
+        if entry.node in live:
+            taken.add(sid)
+        elif sid not in out or entry.at > out[sid][0].at:
+            out[sid] = (entry, revision)
+    return {sid: found for sid, found in out.items() if sid not in taken}
 
 
 def _home_of(config: Config, principal: PrincipalConfig) -> tuple[Path, int, int]:

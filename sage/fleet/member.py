@@ -52,7 +52,16 @@ from sage.fleet.nodes import (
     decode_record,
 )
 from sage.fleet.permissions import BUCKET, STREAM, inbox_prefix
-from sage.fleet.routes import REGISTRY, REGISTRY_STREAM, SessionEntry, decode_entry
+from sage.fleet.routes import (
+    CLAIMS,
+    REGISTRY,
+    REGISTRY_STREAM,
+    Claim,
+    SessionEntry,
+    check_name,
+    decode_claim,
+    decode_keyed,
+)
 from sage.fleet.transcripts import TRANSCRIPTS
 
 if TYPE_CHECKING:
@@ -220,13 +229,18 @@ class FleetMember:
         started_at: float,
         registry: KeyValue | None = None,
         transcripts: ObjectStore | None = None,
+        claims: KeyValue | None = None,
     ) -> None:
         self.config = config
         self.node = config.node
         self.nc = nc
         self.js = js
         self.registry = registry
-        """The ``sage_sessions`` bucket: session id -> node (sage/fleet/routes.py)."""
+        """The ``sage_sessions`` bucket: ``<node>.<sid>`` -> that node's claim
+        (sage/fleet/routes.py)."""
+        self.claims = claims
+        """The ``sage_claims`` bucket: session id -> the node that took it over (failover's
+        races only, sage/fleet/failover.py)."""
         self.transcripts = transcripts
         """The ``sage_transcripts`` object store: session id -> its conversation
         (sage/fleet/transcripts.py)."""
@@ -349,30 +363,49 @@ class FleetMember:
             log.warning("fleet.load_ignored", key=key, reason=why)
         return table.verdicts(time.time() if now is None else now)
 
-    async def sessions(self) -> dict[str, SessionEntry]:
-        """Every session of the registry (id -> entry); unusable entries are left out."""
-        return {sid: entry for sid, (entry, _) in (await self.session_revisions()).items()}
+    async def session_entries(self) -> list[tuple[str, SessionEntry, int]]:
+        """Every claim of the registry: ``(sid, entry, revision)``, the entry naming the
+        node whose key holds it; unusable ones are left out."""
+        return await self._registry_read(f"$KV.{REGISTRY}.>")
 
-    async def session_revisions(self) -> dict[str, tuple[SessionEntry, int]]:
-        """Every session of the registry with its revision (what an update names to win)."""
+    async def claims_of(self, sid: str) -> dict[str, SessionEntry]:
+        """Each node's claim to ``sid`` (node -> entry): the keys ``*.<sid>``."""
+        found = await self._registry_read(f"$KV.{REGISTRY}.*.{check_name(sid, 'session id')}")
+        return {entry.node: entry for _, entry, _ in found}
+
+    async def _registry_read(self, subjects: str) -> list[tuple[str, SessionEntry, int]]:
         from nats.js.errors import KeyNotFoundError
 
         registry = self.registry
         if registry is None:
-            return {}
+            return []
         prefix = f"$KV.{REGISTRY}."
-        info = await self._js.stream_info(REGISTRY_STREAM, subjects_filter=f"{prefix}>")
-        out: dict[str, tuple[SessionEntry, int]] = {}
+        info = await self._js.stream_info(REGISTRY_STREAM, subjects_filter=subjects)
+        out: list[tuple[str, SessionEntry, int]] = []
         for subject in sorted(info.state.subjects or {}):
-            sid = subject.removeprefix(prefix)
+            key = subject.removeprefix(prefix)
             try:
-                value = await registry.get(sid)
+                value = await registry.get(key)
             except KeyNotFoundError:  # deleted (a delete marker)
                 continue
-            entry = decode_entry(sid, value.value or b"")
-            if entry is not None and value.revision is not None:
-                out[sid] = (entry, value.revision)
+            keyed = decode_keyed(key, value.value or b"")
+            if keyed is not None and value.revision is not None:
+                out.append((keyed[0], keyed[1], value.revision))
         return out
+
+    async def claim_of(self, sid: str) -> tuple[Claim | None, int]:
+        """The ``sage_claims`` value of ``sid`` and the revision an update names to
+        replace it (0: never written; a delete marker's own revision after a delete)."""
+        from nats.js.errors import KeyNotFoundError
+
+        claims = self.claims
+        assert claims is not None
+        try:
+            got = await claims.get(check_name(sid, "session id"))
+        except KeyNotFoundError as exc:  # a deleted key's carries its delete marker
+            marker = getattr(exc.entry, "revision", None)
+            return None, marker if isinstance(marker, int) else 0
+        return decode_claim(got.value or b""), got.revision or 0
 
     async def leave(self) -> None:
         """Say this node stopped (best effort, NATS may be gone), then close the connection;
@@ -599,8 +632,9 @@ async def join(
     try:
         js, kv = await _open_bucket(nc, config)
         _, registry = await _open_bucket(nc, config, REGISTRY)
+        _, claims = await _open_bucket(nc, config, CLAIMS)
         transcripts = await _open_store(js, config)
-        member = FleetMember(nc, js, kv, config, started_at, registry, transcripts)
+        member = FleetMember(nc, js, kv, config, started_at, registry, transcripts, claims)
         member.principals = principals
         try:
             await member.first_beat(max(1.0, config.connect_timeout))
@@ -640,13 +674,13 @@ async def status_reply(
     try:
         with anyio.fail_after(deadline):
             nodes = await member.nodes()
-            sessions = await member.sessions()
+            sessions = await member.session_entries()
     except Exception as exc:
         return replies.error(
             "fleet_unavailable", f"cannot read the {BUCKET} bucket now: {_describe(exc)}"
         )
     per_node: dict[str, int] = {}
-    for entry in sessions.values():
+    for _, entry, _ in sessions:
         per_node[entry.node] = per_node.get(entry.node, 0) + 1
     rows = [{**view.to_builtins(), "sessions": per_node.get(view.node, 0)} for view in nodes]
     if principal is not None:

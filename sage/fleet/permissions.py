@@ -13,8 +13,13 @@ with exactly them:
   key's last value (direct get, or the message get when direct is off);
 - replies on an inbox of its own, ``_INBOX.<node>.>`` (the client is told to use
   that prefix), so one node cannot read the replies meant for another;
-- the session registry, the ``sage_sessions`` bucket: put and delete any session
-  id's key (an id is not a node's), read it, its stream's info;
+- the session registry, the ``sage_sessions`` bucket: put and delete only the keys
+  under its own name, ``$KV.sage_sessions.<node>.>`` (a key is ``<node>.<sid>``: a
+  node claims only for itself, and cannot rewrite or delete another's claim); read
+  every key, its stream's info, and watch it through a consumer of its own;
+- failover's races, the ``sage_claims`` bucket (session id -> the node that took it
+  over): put and delete any key (every node may adopt any lost session; a write names
+  the revision it read), read it: it decides who adopts, and routes nothing;
 - forwarded requests (sage/fleet/routes.py): publish on the peers' request
   prefixes with its own name as the origin, ``sage.fleet.<peer>.request.<node>.>``
   (every node's, ``*``, or the ``peers`` named), never with another's, so the
@@ -52,7 +57,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sage.fleet.routes import REGISTRY, REGISTRY_STREAM
+from sage.fleet.routes import CLAIMS, CLAIMS_STREAM, REGISTRY, REGISTRY_STREAM
 from sage.fleet.transcripts import TRANSCRIPTS, TRANSCRIPTS_STREAM
 
 __all__ = (
@@ -117,7 +122,7 @@ def node_permissions(node: str, peers: Sequence[str] = ()) -> dict[str, Any]:
                 f"$JS.API.STREAM.INFO.{STREAM}",
                 f"$JS.API.STREAM.MSG.GET.{STREAM}",
                 f"$JS.API.DIRECT.GET.{STREAM}.>",
-                f"$KV.{REGISTRY}.>",
+                f"$KV.{REGISTRY}.{node}.>",
                 f"$JS.API.STREAM.CREATE.{REGISTRY_STREAM}",
                 f"$JS.API.STREAM.INFO.{REGISTRY_STREAM}",
                 f"$JS.API.STREAM.MSG.GET.{REGISTRY_STREAM}",
@@ -126,6 +131,11 @@ def node_permissions(node: str, peers: Sequence[str] = ()) -> dict[str, Any]:
                 f"$JS.API.CONSUMER.CREATE.{REGISTRY_STREAM}.>",
                 f"$JS.API.CONSUMER.INFO.{REGISTRY_STREAM}.*",
                 f"$JS.API.CONSUMER.DELETE.{REGISTRY_STREAM}.*",
+                f"$KV.{CLAIMS}.>",
+                f"$JS.API.STREAM.CREATE.{CLAIMS_STREAM}",
+                f"$JS.API.STREAM.INFO.{CLAIMS_STREAM}",
+                f"$JS.API.STREAM.MSG.GET.{CLAIMS_STREAM}",
+                f"$JS.API.DIRECT.GET.{CLAIMS_STREAM}.>",
                 *targets,
                 f"sage.fleet.{node}.event.>",
                 f"sage.audit.{node}.entry",
@@ -187,7 +197,8 @@ def server_block(node: str, user: str, nkey: str = "", peers: Sequence[str] = ()
 
     return "\n".join(
         [
-            f"# sage fleet node {node!r}: its heartbeats, the session registry, its"
+            f"# sage fleet node {node!r}: its heartbeats, its claims in the session registry"
+            " and failover's claims, its"
             f" sessions' requests and events, its own audit in the {AUDIT_STREAM} stream,"
             " its tool catalogue and tool calls, the transcripts of failover",
             "{",

@@ -11,8 +11,9 @@ away.  So it is only a hint, and the router (sage/fleet/router.py) uses it under
 two rules that keep a stale copy from ever sending a request to the wrong node
 silently:
 
-- only a *remote* owner is taken from the copy; a miss, or an entry naming this
-  node, is asked of the bucket (this node's runner has already said it does not
+- only a *remote* owner is taken from the copy, and only when one node alone
+  claims the session; a miss, several claims (the live one is chosen, which
+  needs the node table), or an entry naming this node, is asked of the bucket (this node's runner has already said it does not
   have the session);
 - when the owner named by the copy answers with an error (``unknown_session``,
   or any other, or it cannot be reached), the bucket is asked afresh, and the
@@ -36,7 +37,7 @@ import anyio
 import anyio.abc
 import structlog
 
-from sage.fleet.routes import SessionEntry, decode_entry
+from sage.fleet.routes import SessionEntry, decode_keyed, parse_registry_key
 
 if TYPE_CHECKING:
     from nats.js.kv import KeyValue
@@ -52,10 +53,11 @@ CHECK = 0.5
 
 
 class RegistryCopy:
-    """Session id -> :class:`SessionEntry`, as the watch last saw the bucket."""
+    """Session id -> each node's claim (node -> :class:`SessionEntry`), as the watch last
+    saw the bucket's ``<node>.<sid>`` keys."""
 
     def __init__(self) -> None:
-        self._entries: dict[str, SessionEntry] = {}
+        self._entries: dict[str, dict[str, SessionEntry]] = {}
         self._synced = False
         self._stale = False
         self.updates = 0
@@ -69,8 +71,12 @@ class RegistryCopy:
         return self._synced
 
     def owner(self, sid: str) -> SessionEntry | None:
-        """The copy's entry for ``sid``; None when it has none or is not synced."""
-        return self._entries.get(sid) if self._synced else None
+        """The copy's entry for ``sid`` when one node alone claims it; None when it has
+        none, several, or is not synced."""
+        claims = self._entries.get(sid) if self._synced else None
+        if claims is None or len(claims) != 1:
+            return None
+        return next(iter(claims.values()))
 
     @property
     def stale(self) -> bool:
@@ -93,17 +99,25 @@ class RegistryCopy:
         """The watch delivered every current value: the copy may answer."""
         self._synced = True
 
-    def apply(self, sid: str, value: bytes | None) -> None:
-        """A put (``value``) or a delete or purge (None) of ``sid``; a value that
-        cannot be used counts as none."""
-        entry = None if value is None else decode_entry(sid, value)
-        if entry is None:
-            self._entries.pop(sid, None)
-        else:
-            self._entries[sid] = entry
+    def apply(self, key: str, value: bytes | None) -> None:
+        """A put (``value``) or a delete or purge (None) of the key ``<node>.<sid>``; a
+        value that cannot be used (or names another node than its key) counts as none."""
         self.updates += 1
+        found = parse_registry_key(key)
+        if found is None:
+            return
+        node, sid = found
+        keyed = None if value is None else decode_keyed(key, value)
+        claims = self._entries.setdefault(sid, {})
+        if keyed is None:
+            claims.pop(node, None)
+        else:
+            claims[node] = keyed[1]
+        if not claims:
+            del self._entries[sid]
 
     def __len__(self) -> int:
+        """Sessions claimed (by one node or more)."""
         return len(self._entries)
 
 

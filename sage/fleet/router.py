@@ -4,8 +4,11 @@ One :class:`Router` per node in a fleet, run by the supervisor beside the
 session runner, which knows nothing of it:
 
 - **Registry.** It follows the local bus's session events; a ``spawned``
-  puts ``{node, principal_id, state}`` under the session id in the
-  ``sage_sessions`` bucket, an ``exited`` deletes it.
+  puts ``{node, principal_id, state}`` under ``<node>.<sid>`` in the
+  ``sage_sessions`` bucket (the only keys its NATS user may write), an
+  ``exited`` deletes it.  A session claimed by several nodes is the live one's;
+  two live claimants are refused ``session_conflict`` and logged
+  (sage/fleet/routes.py, :func:`~sage.fleet.routes.resolve`).
 - **Events out.** Every local session event is published on NATS as
   ``sage.fleet.<node>.event.<sid>.<name>`` with its principal (a
   :class:`~sage.fleet.routes.ForwardedEvent`).
@@ -58,10 +61,10 @@ from sage.fleet.routes import (
     BadRoute,
     Forwarded,
     ForwardedEvent,
+    SessionConflict,
     SessionEntry,
     approval_answer,
     check_name,
-    decode_entry,
     decode_event,
     decode_forwarded,
     event_of,
@@ -70,7 +73,9 @@ from sage.fleet.routes import (
     local_topic,
     parse_event_subject,
     parse_request_subject,
+    registry_key,
     request_subject,
+    resolve,
     row_of,
     visible,
 )
@@ -265,24 +270,27 @@ class Router:
                     if entry is None:
                         await self._forget(registry, sid)
                     else:
-                        await registry.put(sid, entry.encode())
+                        await registry.put(registry_key(self.node, sid), entry.encode())
             except Exception as exc:
                 log.warning("fleet.registry_write_failed", session_id=sid, error=_describe(exc))
 
     async def _forget(self, registry: Any, sid: str) -> None:
-        """Delete ``sid``'s entry if it names this node: a session this node ended
-        ``failed_over`` runs on another, whose entry stays."""
-        from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
+        """Delete this node's claim to ``sid`` (a session this node ended ``failed_over``
+        runs on another, whose claim is under that node's name and stays).  Its
+        ``sage_claims`` key goes too when it names this node and no other node claims
+        the session; while a lost node's stale claim remains, the key stays, saying the
+        session was taken from that node, so no one adopts it from there again."""
+        from nats.js.errors import KeyWrongLastSequenceError
 
-        try:
-            got = await registry.get(sid)
-        except NotFoundError:
+        await registry.delete(registry_key(self.node, sid))
+        claims = self.member.claims
+        if claims is None:
             return
-        entry = decode_entry(sid, got.value or b"")
-        if entry is not None and entry.node != self.node:
+        claim, revision = await self.member.claim_of(sid)
+        if claim is None or claim.node != self.node or await self.member.claims_of(sid):
             return
-        with contextlib.suppress(KeyWrongLastSequenceError):  # rewritten meanwhile: not ours
-            await registry.delete(sid, last=got.revision)
+        with contextlib.suppress(KeyWrongLastSequenceError):  # taken meanwhile: it stays
+            await claims.delete(sid, last=revision)
 
     async def _keep_registry(self) -> None:
         """Make the registry agree with the runner at start and after each outage: a
@@ -317,14 +325,14 @@ class Router:
             self._exited_meanwhile = None
         try:
             with anyio.fail_after(LISTING_DEADLINE):
-                entries = await self.member.sessions()
+                entries = await self.member.session_entries()
         except Exception as exc:
             log.warning("fleet.registry_unreadable", error=_describe(exc))
             return False
+        mine = {sid: entry for sid, entry, _ in entries if entry.node == self.node}
         put = delete = 0
         for sid, principal in sorted(live.items()):
-            entry = entries.get(sid)
-            if principal and (entry is None or entry.node != self.node):
+            if principal and sid not in mine:
                 self._note(
                     sid,
                     SessionEntry(
@@ -332,26 +340,31 @@ class Router:
                     ),
                 )
                 put += 1
-        for sid, entry in sorted(entries.items()):
+        for sid, entry in sorted(mine.items()):
             # an entry written after the listing was taken is a spawn's: left alone
-            if entry.node == self.node and sid not in live and entry.at < since:
+            if sid not in live and entry.at < since:
                 self._note(sid, None)
                 delete += 1
         if put or delete:
             log.info("fleet.registry_resynced", put=put, deleted=delete)
         return True
 
-    async def lookup(self, sid: str) -> SessionEntry | None:
-        """The registry's entry for ``sid`` (raises what nats-py raised when it cannot ask)."""
-        from nats.js.errors import KeyNotFoundError
-
-        registry = self.member.registry
-        assert registry is not None
+    async def lookup(self, sid: str, principal: str | None = None) -> SessionEntry | None:
+        """The claim a request for ``sid`` by a caller acting for ``principal`` (None: an
+        admin) follows: of the claims it may see, the live node's when there are several
+        (sage/fleet/routes.py, :func:`~sage.fleet.routes.resolve`).  Two live claimants:
+        SessionConflict, logged; raises what nats-py raised when it cannot ask."""
+        claims = await self.member.claims_of(check_name(sid, "session id"))
+        claims = {node: entry for node, entry in claims.items() if visible(entry, principal)}
+        live: set[str] = set()
+        if len(claims) > 1:
+            views = await self.member.nodes()
+            live = {view.node for view in views if view.state is NodeState.LIVE}
         try:
-            entry = await registry.get(check_name(sid, "session id"))
-        except KeyNotFoundError:
-            return None
-        return decode_entry(sid, entry.value or b"")
+            return resolve(sid, claims, live)
+        except SessionConflict:
+            log.warning("fleet.session_conflict", session_id=sid, nodes=sorted(claims))
+            raise
 
     # -- requests in (from other nodes) ----------------------------------------
 
@@ -517,6 +530,8 @@ class Router:
         if entry is None:
             try:
                 entry = await self._remote_owner(sid, request.principal)
+            except SessionConflict as exc:
+                return replies.from_error(exc)
             except Exception as exc:
                 return unavailable(f"cannot read the session registry now: {_describe(exc)}")
         if entry is None:
@@ -528,6 +543,9 @@ class Router:
             # bucket decides, and only another node it names is asked again
             try:
                 fresh = await self._remote_owner(sid, request.principal)
+            except SessionConflict as exc:
+                self.registry_copy.found_stale()
+                return replies.from_error(exc)
             except Exception as exc:
                 return unavailable(f"cannot read the session registry now: {_describe(exc)}")
             if fresh is None or fresh.node != entry.node:
@@ -564,8 +582,8 @@ class Router:
     async def _remote_owner(self, sid: str, principal: str | None) -> SessionEntry | None:
         """The bucket's owner of ``sid`` if another node and visible to ``principal``."""
         with anyio.fail_after(LISTING_DEADLINE):
-            entry = await self.lookup(sid)
-        if entry is None or entry.node == self.node or not visible(entry, principal):
+            entry = await self.lookup(sid, principal)
+        if entry is None or entry.node == self.node:
             return None
         return entry
 
@@ -765,7 +783,7 @@ class Router:
         try:
             with anyio.fail_after(LISTING_DEADLINE):
                 nodes = await self.member.nodes()
-                entries = await self.member.sessions()
+                entries = await self.member.session_entries()
         except Exception as exc:
             reply["warning"] = f"this node's sessions only: {_describe(exc)}"
             return reply
@@ -787,20 +805,22 @@ class Router:
                 if node != self.node and state is NodeState.LIVE:
                     tg.start_soon(ask, node)
         for node in sorted(states):
-            if node == self.node:
-                continue
             answered = answers.get(node)
-            if answered is not None:
+            if node != self.node and answered is not None:
                 rows += answered
+        listed = {row.get("session_id") for row in rows}
+        for node in sorted(states):
+            if node == self.node or answers.get(node) is not None:
                 continue
-            # the node cannot (or will not) say: what the registry knows, with the node's state
+            # the node cannot (or will not) say: what the registry knows, with the node's
+            # state (a session another node listed, its adopter, is shown there only)
             shown = "unreachable" if states[node] is NodeState.LIVE else states[node].value
             if node in refused:
                 shown = "refused"
             rows += [
                 row_of(sid, entry, "lost" if shown == "lost" else shown)
-                for sid, entry in sorted(entries.items())
-                if entry.node == node and visible(entry, principal)
+                for sid, entry, _ in sorted(entries, key=lambda found: found[0])
+                if entry.node == node and visible(entry, principal) and sid not in listed
             ]
         reply["sessions"] = rows
         reply["nodes"] = {node: state.value for node, state in sorted(states.items())}

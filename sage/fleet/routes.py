@@ -14,8 +14,16 @@ The ``<origin>`` token is what the NATS server proves: a node's user may
 publish requests only with its own name there (sage/fleet/permissions.py), so
 the receiver takes the sending node from the subject, never from the payload.
 
-The session registry (the ``sage_sessions`` key-value bucket) maps a session
-id to a :class:`SessionEntry`.  Everything a subject is built from is checked
+The session registry (the ``sage_sessions`` key-value bucket) holds each node's
+claims: the key ``<node>.<sid>`` maps to a :class:`SessionEntry` naming that
+node, and a node's NATS user may write only keys under its own name
+(sage/fleet/permissions.py), so the server proves who claims what.  A session id
+claimed by several nodes is resolved by :func:`resolve`: the claim of the one live
+node (a lost node's claim stays until it comes back and deletes it itself); two
+live claimants are a :class:`SessionConflict`, forwarded to neither.  The
+``sage_claims`` bucket (key: the session id, value: a :class:`Claim`), which
+every node may write, only decides failover's races (sage/fleet/failover.py),
+and is never read to route anything.  Everything a subject is built from is checked
 here first (node names and session ids are ``[A-Za-z0-9_-]{1,64}``), so no
 ``.``, ``*`` or ``>`` from a caller ever reaches a subject.  Nothing here
 touches a socket: sage/fleet/router.py is the shell.
@@ -33,6 +41,8 @@ from sage.errors import SageError
 
 __all__ = (
     "APPROVAL_VERBS",
+    "CLAIMS",
+    "CLAIMS_STREAM",
     "KEYED_VERBS",
     "NODE_VERBS",
     "PRESENCE_VERBS",
@@ -40,28 +50,40 @@ __all__ = (
     "REGISTRY_STREAM",
     "SESSION_VERBS",
     "BadRoute",
+    "Claim",
     "Forwarded",
     "ForwardedEvent",
+    "SessionConflict",
     "SessionEntry",
     "approval_answer",
     "check_name",
+    "decode_claim",
     "decode_entry",
     "decode_event",
     "decode_forwarded",
+    "decode_keyed",
     "event_of",
     "event_pattern",
     "event_subject",
     "local_topic",
     "parse_event_subject",
+    "parse_registry_key",
     "parse_request_subject",
+    "registry_key",
     "request_subject",
+    "resolve",
     "row_of",
     "visible",
 )
 
 REGISTRY = "sage_sessions"
-"""The key-value bucket: session id -> the node that runs it, and whose it is."""
+"""The key-value bucket: ``<node>.<sid>`` -> that node's claim to run the session, and whose
+it is (a node may write only its own keys)."""
 REGISTRY_STREAM = f"KV_{REGISTRY}"
+CLAIMS = "sage_claims"
+"""The key-value bucket deciding failover's races: session id -> the node that took it
+(written by any node, always naming the revision it read; never used to route)."""
+CLAIMS_STREAM = f"KV_{CLAIMS}"
 
 SESSION_VERBS = frozenset({"send", "stop", "interrupt", "session", "wake"})
 """Requests about one session, routed to the node that owns it."""
@@ -90,6 +112,26 @@ def check_name(value: str, what: str) -> str:
         code = "invalid_session_id" if what == "session id" else "bad_request"
         raise BadRoute(f"{what} {value!r}: 1-64 of [A-Za-z0-9_-]", code=code)
     return value
+
+
+class SessionConflict(SageError):
+    """Two live nodes claim one session: a request for it is forwarded to neither."""
+
+    code = "session_conflict"
+
+
+def registry_key(node: str, sid: str) -> str:
+    """The registry key of ``node``'s claim to ``sid``: under the node's own name, the only
+    keys its NATS user may write."""
+    return f"{check_name(node, 'node')}.{check_name(sid, 'session id')}"
+
+
+def parse_registry_key(key: str) -> tuple[str, str] | None:
+    """``(node, sid)`` of a registry key; None for a key no node could have meant."""
+    parts = key.split(".")
+    if len(parts) != 2 or any(_NAME.match(part) is None for part in parts):
+        return None
+    return parts[0], parts[1]
 
 
 def request_subject(node: str, origin: str, verb: str, sid: str | None = None) -> str:
@@ -179,6 +221,33 @@ class SessionEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         return msgspec.json.encode(self)
 
 
+class Claim(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
+    """The ``sage_claims`` value of a session: the node that took it over (or took it back).
+
+    A lost node's claim in the registry may outlive the session (it stays until that
+    node comes back and deletes it): a node adopts it only while this names that node
+    (or nothing), so a session taken over once is never taken from the stale claim
+    again."""
+
+    node: str
+    at: float = 0.0
+    failed: bool = False
+    """The node that won could not run it and gave it back to ``node`` (the lost one): no
+    other node tries again; ``node`` resumes it when it comes back."""
+
+    def encode(self) -> bytes:
+        return msgspec.json.encode(self)
+
+
+def decode_claim(data: bytes) -> Claim | None:
+    try:
+        claim = msgspec.json.decode(data, type=Claim)
+        check_name(claim.node, "node")
+    except (msgspec.DecodeError, msgspec.ValidationError, BadRoute):
+        return None
+    return claim
+
+
 def decode_forwarded(data: bytes) -> Forwarded:
     try:
         forwarded = msgspec.json.decode(data, type=Forwarded)
@@ -204,6 +273,38 @@ def decode_entry(sid: str, data: bytes) -> SessionEntry | None:
     except (msgspec.DecodeError, msgspec.ValidationError, BadRoute):
         return None
     return entry
+
+
+def decode_keyed(key: str, data: bytes) -> tuple[str, SessionEntry] | None:
+    """``(sid, entry)`` of a registry key and value; None unless the key is
+    ``<node>.<sid>`` and the entry names that same node (the key is what the server
+    proves: a value naming another node is a lie, and ignored)."""
+    found = parse_registry_key(key)
+    if found is None:
+        return None
+    entry = decode_entry(found[1], data)
+    if entry is None or entry.node != found[0]:
+        return None
+    return found[1], entry
+
+
+def resolve(sid: str, claims: dict[str, SessionEntry], live: set[str]) -> SessionEntry | None:
+    """The entry a request for ``sid`` follows, of the nodes' ``claims`` (node -> entry):
+    the only one; of several, the one of the live node (``live``: the live nodes, needed
+    only then); with none live, the latest.  Two live claimants: SessionConflict."""
+    if not claims:
+        return None
+    if len(claims) == 1:
+        return next(iter(claims.values()))
+    living = sorted(node for node in claims if node in live)
+    if len(living) > 1:
+        raise SessionConflict(
+            f"session {sid!r} is claimed by more than one live node ({', '.join(living)}):"
+            " a request for it goes to none of them",
+        )
+    if living:
+        return claims[living[0]]
+    return max(claims.values(), key=lambda entry: (entry.at, entry.node))
 
 
 def local_topic(verb: str, sid: str | None) -> str:

@@ -3,8 +3,9 @@ never sends a request to the wrong node silently.
 
 Three real supervisors (the CLI double) over a real 3-server NATS cluster.  Node c's
 copy is made stale on purpose: the registry says b owns a session that runs on a (an
-admin's put, seen by c's watch), then c's watch consumer is deleted (an admin's
-JetStream request) and the registry is put right (a), which c's copy does not see.
+admin's put of ``b.<sid>`` and delete of ``a.<sid>``, seen by c's watch), then c's
+watch consumer is deleted (an admin's JetStream request) and the registry is put
+right (a), which c's copy does not see.
 A send from c goes to b, the copy's owner; b's runner does not know the session; c's
 router asks the bucket afresh, logs the stale copy, and forwards to a.
 """
@@ -22,7 +23,7 @@ import nats
 import pytest
 
 from sage.fleet.router import RESYNC_CHECK
-from sage.fleet.routes import REGISTRY, REGISTRY_STREAM, SessionEntry
+from sage.fleet.routes import REGISTRY, REGISTRY_STREAM, SessionEntry, registry_key
 from tests.support import FAKE_CLAUDE
 from tests.support.daemon import Daemon, short_dir
 from tests.support.nats_cluster import ADMIN, NatsCluster, wait_for
@@ -75,18 +76,24 @@ def send(daemon: Daemon, sid: str, text: str) -> tuple[int, str]:
 
 
 def owner_in_bucket(cluster: NatsCluster, sid: str) -> str:
+    """The node whose key claims ``sid`` ("": none; "a,b": several)."""
+
     async def main() -> str:
         admin = await nats.connect(
             cluster.urls, user=ADMIN, password=cluster.admin_password, allow_reconnect=False
         )
         try:
             kv = await admin.jetstream(timeout=2.0).key_value(REGISTRY)
-            value = (await kv.get(sid)).value or b"{}"
-        except nats.js.errors.KeyNotFoundError:
-            return ""
+            found = []
+            for node in NODES:
+                try:
+                    value = (await kv.get(registry_key(node, sid))).value or b"{}"
+                except nats.js.errors.KeyNotFoundError:
+                    continue
+                found.append(str(json.loads(value).get("node", "")))
         finally:
             await admin.close()
-        return str(json.loads(value).get("node", ""))
+        return ",".join(found)
 
     return anyio.run(main)
 
@@ -100,7 +107,10 @@ def put_owner(cluster: NatsCluster, sid: str, node: str) -> None:
             kv = await admin.jetstream(timeout=2.0).key_value(REGISTRY)
             # written now: a resync that listed its runner before leaves it alone
             entry = SessionEntry(node=node, principal_id="alice", at=time.time())
-            await kv.put(sid, entry.encode())
+            await kv.put(registry_key(node, sid), entry.encode())
+            for other in NODES:  # the session moved: no other node claims it
+                if other != node:
+                    await kv.delete(registry_key(other, sid))
         finally:
             await admin.close()
 

@@ -301,6 +301,23 @@ def test_the_transcripts_store_is_reached_through_its_own_stream_only() -> None:
     assert "$JS.API.STREAM.NAMES" in publish  # how nats-py finds the stream of the chunks
 
 
+def test_a_node_writes_registry_keys_under_its_own_name_only() -> None:
+    """Its claims are ``<node>.<sid>``: no wildcard reaches another node's; the claims
+    bucket (failover's races) is every node's, and its stream is only read."""
+    publish = node_permissions("a")["publish"]["allow"]
+    assert [p for p in publish if p.startswith("$KV.sage_sessions.")] == ["$KV.sage_sessions.a.>"]
+    assert [p for p in publish if p.startswith("$KV.sage_claims.")] == ["$KV.sage_claims.>"]
+    assert sorted(p for p in publish if "KV_sage_claims" in p) == sorted(
+        [
+            "$JS.API.STREAM.CREATE.KV_sage_claims",
+            "$JS.API.STREAM.INFO.KV_sage_claims",
+            "$JS.API.STREAM.MSG.GET.KV_sage_claims",
+            "$JS.API.DIRECT.GET.KV_sage_claims.>",
+        ]
+    )
+    assert not any(".PURGE.KV_" in p or ".MSG.DELETE." in p for p in publish)
+
+
 def test_peers_bound_where_a_node_may_forward() -> None:
     publish = node_permissions("a", ["b", "a"])["publish"]["allow"]
     assert [p for p in publish if ".request." in p] == ["sage.fleet.b.request.a.>"]

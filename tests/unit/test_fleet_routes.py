@@ -7,6 +7,8 @@ import pytest
 from sage.fleet.routes import (
     BadRoute,
     Forwarded,
+    SessionConflict,
+    SessionEntry,
     approval_answer,
     decode_entry,
     decode_forwarded,
@@ -16,7 +18,9 @@ from sage.fleet.routes import (
     local_topic,
     parse_event_subject,
     parse_request_subject,
+    registry_key,
     request_subject,
+    resolve,
 )
 
 BAD = ["*", ">", ".", "a.b", "a.*", "a.>", "", "a b", "x" * 65, "a\n"]
@@ -110,3 +114,42 @@ def test_the_holder_of_an_approval_answers_whoever_answered_first() -> None:
     assert approval_answer([unknown, refused]) is refused  # why the caller got nothing
     assert approval_answer([unknown, unknown]) is None
     assert approval_answer([]) is None
+
+
+def test_registry_keys_are_under_the_claiming_nodes_name() -> None:
+    """``<node>.<sid>``: the server lets a node write only keys under its own name."""
+    assert registry_key("a", "s1") == "a.s1"
+    for bad in BAD:
+        with pytest.raises(BadRoute):
+            registry_key(bad, "s1")
+        with pytest.raises(BadRoute):
+            registry_key("a", bad)
+
+
+def claim(node: str, at: float = 1.0) -> SessionEntry:
+    return SessionEntry(node=node, principal_id="alice", at=at)
+
+
+def test_a_session_claimed_by_a_live_and_a_lost_node_follows_the_live_one() -> None:
+    """An adopter's claim beside the lost node's own (kept until that node comes back
+    and deletes it): the live one, however old, never the lost one, however new."""
+    claims = {"a": claim("a", at=9.0), "c": claim("c", at=1.0)}
+    found = resolve("s1", claims, {"b", "c"})
+    assert found is not None
+    assert found.node == "c"
+    only = resolve("s1", {"a": claim("a")}, set())
+    assert only is not None
+    assert only.node == "a"  # one claim: followed (its node's loss shows when asked)
+    assert resolve("s1", {}, {"a"}) is None
+
+
+def test_two_live_claimants_are_a_conflict_naming_both() -> None:
+    with pytest.raises(SessionConflict, match="a, b") as raised:
+        resolve("s1", {"b": claim("b"), "a": claim("a")}, {"a", "b"})
+    assert raised.value.code == "session_conflict"
+
+
+def test_with_no_live_claimant_the_latest_claim_is_followed() -> None:
+    found = resolve("s1", {"a": claim("a", at=2.0), "b": claim("b", at=5.0)}, set())
+    assert found is not None
+    assert found.node == "b"

@@ -1,0 +1,254 @@
+"""The session registry's trust model: a node writes only its own claims, and the server
+enforces it (docs/security.md, "Fleet trust model").
+
+Three real supervisors (the CLI double) over a real 3-server NATS cluster whose node
+users hold exactly `astrid fleet permissions`' subjects.  A second connection with
+node b's own user stands in for a compromised node b: the server refuses its put and
+delete of node a's key ``a.<sid>``; what b may write (its own ``b.<sid>``, any
+``sage_claims`` key) never takes a live node's session: two live claimants are refused
+``session_conflict`` and logged, forwarded to neither; a claim under a lost node's name
+beside the live owner's is not followed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import nats
+import pytest
+
+from sage.fleet.nodes import NodeRecord
+from sage.fleet.permissions import BUCKET, inbox_prefix
+from sage.fleet.routes import CLAIMS, REGISTRY, Claim, SessionEntry, registry_key
+from tests.support import FAKE_CLAUDE
+from tests.support.daemon import Daemon, short_dir
+from tests.support.nats_cluster import ADMIN, NatsCluster, wait_for
+
+NODES = ["a", "b", "c"]
+ALICE_UID = 65533
+
+
+def node_config(cluster: NatsCluster, node: str) -> str:
+    urls = ", ".join(f'"{url}"' for url in cluster.urls)
+    return (
+        'capsules = ["runner"]\n'
+        f'[claude]\nbinary = "{FAKE_CLAUDE}"\nenv = {{ FAKE_CLAUDE_MODE = "" }}\n'
+        '[limits]\nstop_grace = 2.0\n[socket]\ngroup = "nogroup"\n'
+        f'[fleet]\nurl = [{urls}]\nnode = "{node}"\n'
+        f'password_file = "{cluster.password_file(node)}"\n'
+        "heartbeat = 0.5\nlost_after = 2.0\nconnect_timeout = 5.0\nreplicas = 3\n"
+        f'[[principals]]\nname = "alice"\nuids = [{ALICE_UID}]\noperator_key = true\n'
+    )
+
+
+def node_root() -> Path:
+    root = short_dir()
+    root.chmod(0o755)
+    return root
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[tuple[NatsCluster, dict[str, Daemon]]]:
+    with NatsCluster(NODES) as cluster:
+        env = {"ANTHROPIC_API_KEY": "sk-double"}
+        daemons = {node: Daemon(node_root(), node_config(cluster, node), env=env) for node in NODES}
+        try:
+            for daemon in daemons.values():
+                daemon.launch()
+            for daemon in daemons.values():
+                daemon.wait_ready(30.0)
+            yield cluster, daemons
+        finally:
+            for daemon in daemons.values():
+                daemon.stop()
+
+
+def send(daemon: Daemon, sid: str, text: str) -> tuple[int, str]:
+    result = daemon.astrid("sage", "send", sid, text, "--principal", "alice", timeout=30.0)
+    return result.returncode, result.stdout + result.stderr
+
+
+def spawn(daemon: Daemon, sid: str) -> None:
+    spawned = daemon.astrid("sage", "spawn", "alice", "--session", sid, timeout=30.0)
+    assert spawned.returncode == 0, spawned.stderr
+
+
+def log_events(daemon: Daemon, event: str) -> list[dict[str, Any]]:
+    found = []
+    for line in daemon.log().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("event") == event:
+            found.append(record)
+    return found
+
+
+def forwarded(daemon: Daemon, sid: str) -> list[dict[str, Any]]:
+    return [r for r in log_events(daemon, "fleet.forwarded_in") if r.get("session_id") == sid]
+
+
+class Rogue:
+    """A connection with node ``node``'s own NATS user (a compromised node), which
+    records the server's permission violations."""
+
+    def __init__(self, cluster: NatsCluster, node: str) -> None:
+        self.cluster = cluster
+        self.node = node
+        self.violations: list[str] = []
+
+    async def connect(self) -> Any:
+        async def errors(exc: Exception) -> None:
+            self.violations.append(str(exc))
+
+        return await nats.connect(
+            self.cluster.urls,
+            user=self.node,
+            password=self.cluster.passwords[self.node],
+            inbox_prefix=inbox_prefix(self.node),
+            allow_reconnect=False,
+            error_cb=errors,
+        )
+
+
+def registry_value(cluster: NatsCluster, key: str) -> bytes | None:
+    async def main() -> bytes | None:
+        admin = await nats.connect(
+            cluster.urls, user=ADMIN, password=cluster.admin_password, allow_reconnect=False
+        )
+        try:
+            kv = await admin.jetstream(timeout=2.0).key_value(REGISTRY)
+            return (await kv.get(key)).value
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        finally:
+            await admin.close()
+
+    return anyio.run(main)
+
+
+def test_a_node_cannot_put_or_delete_another_nodes_claim(
+    fleet: tuple[NatsCluster, dict[str, Daemon]],
+) -> None:
+    cluster, daemons = fleet
+    a, c = daemons["a"], daemons["c"]
+    spawn(a, "t1")
+    wait_for(lambda: registry_value(cluster, "a.t1") is not None, 10.0, "a's claim to t1")
+    before = registry_value(cluster, "a.t1")
+    rogue = Rogue(cluster, "b")
+
+    async def main() -> None:
+        nc = await rogue.connect()
+        try:
+            kv = await nc.jetstream(timeout=1.0).key_value(REGISTRY)
+            lie = SessionEntry(node="b", principal_id="alice", at=time.time()).encode()
+            with pytest.raises(nats.errors.TimeoutError):
+                await kv.put("a.t1", lie)
+            with pytest.raises(nats.errors.TimeoutError):
+                await kv.delete("a.t1")
+            with pytest.raises(nats.errors.TimeoutError):
+                await kv.purge("a.t1")
+            # its own key it may write (and delete)
+            assert await kv.put("b.elsewhere", lie) > 0
+            await kv.delete("b.elsewhere")
+        finally:
+            await nc.close()
+
+    anyio.run(main)
+    assert registry_value(cluster, "a.t1") == before
+    refused = [v for v in rogue.violations if "permissions violation" in v.lower()]
+    assert all("$kv.sage_sessions.a.t1" in v.lower() for v in refused), rogue.violations
+    assert len(refused) >= 3, rogue.violations
+    code, out = send(c, "t1", "still a's")
+    assert code == 0, out
+    assert forwarded(a, "t1")[-1]["ok"] is True
+
+
+def test_a_claim_under_a_lost_nodes_name_is_not_followed(
+    fleet: tuple[NatsCluster, dict[str, Daemon]],
+) -> None:
+    """A lost node's claim (as one left behind by a node that died) beside the live
+    owner's: the live one is followed, however new the other; and a ``sage_claims``
+    key naming b, which node b may write, routes nothing."""
+    cluster, daemons = fleet
+    a, c = daemons["a"], daemons["c"]
+    spawn(a, "t2")
+    wait_for(lambda: registry_value(cluster, "a.t2") is not None, 10.0, "a's claim to t2")
+
+    async def main() -> None:
+        admin = await nats.connect(
+            cluster.urls, user=ADMIN, password=cluster.admin_password, allow_reconnect=False
+        )
+        try:
+            js = admin.jetstream(timeout=2.0)
+            dead = NodeRecord(
+                node="d", host="h", pid=1, started_at=1.0, heartbeat_at=2.0, heartbeat=0.5
+            )
+            await (await js.key_value(BUCKET)).put("d", dead.encode())
+            newer = SessionEntry(node="d", principal_id="alice", at=time.time() + 3600)
+            await (await js.key_value(REGISTRY)).put(registry_key("d", "t2"), newer.encode())
+        finally:
+            await admin.close()
+        rogue = await Rogue(cluster, "b").connect()
+        try:
+            claims = await rogue.jetstream(timeout=1.0).key_value(CLAIMS)
+            await claims.put("t2", Claim(node="b", at=time.time()).encode())
+        finally:
+            await rogue.close()
+
+    anyio.run(main)
+    status = json.loads(c.astrid("fleet", "status", "--json", timeout=30.0).stdout)
+    assert {n["node"]: n["state"] for n in status["nodes"]}["d"] == "lost"
+    asked_b = len(forwarded(daemons["b"], "t2"))
+    code, out = send(c, "t2", "to the live one")
+    assert code == 0, out
+    assert "echo: to the live one" in out
+    assert forwarded(a, "t2")[-1]["ok"] is True
+    assert len(forwarded(daemons["b"], "t2")) == asked_b
+    assert not log_events(c, "fleet.session_conflict")
+
+
+def test_two_live_claimants_are_refused_and_logged(
+    fleet: tuple[NatsCluster, dict[str, Daemon]],
+) -> None:
+    """Node b claims a's session under its own name (all the server lets it write):
+    a request for it from c goes to neither, says why, and c's log names both; once
+    b's claim is gone, c reaches a again."""
+    cluster, daemons = fleet
+    a, b, c = daemons["a"], daemons["b"], daemons["c"]
+    spawn(a, "t3")
+    wait_for(lambda: send(c, "t3", "hello")[0] == 0, 10.0, "a send from c reaching a")
+    rogue = Rogue(cluster, "b")
+
+    async def claim(write: bool) -> None:
+        nc = await rogue.connect()
+        try:
+            kv = await nc.jetstream(timeout=1.0).key_value(REGISTRY)
+            if write:
+                lie = SessionEntry(node="b", principal_id="alice", at=time.time())
+                await kv.put(registry_key("b", "t3"), lie.encode())
+            else:
+                await kv.delete(registry_key("b", "t3"))
+        finally:
+            await nc.close()
+
+    asked = len(forwarded(a, "t3")), len(forwarded(b, "t3"))
+    anyio.run(claim, True)
+    _, out = wait_for(lambda: (r := send(c, "t3", "to whom?"))[0] != 0 and r, 10.0, "c refusing t3")
+    assert "session_conflict" in out, out
+    assert "a, b" in out, out
+    conflicts = log_events(c, "fleet.session_conflict")
+    assert conflicts
+    assert (conflicts[-1]["session_id"], conflicts[-1]["nodes"]) == ("t3", ["a", "b"])
+    assert conflicts[-1]["level"] == "warning"
+    assert (len(forwarded(a, "t3")), len(forwarded(b, "t3"))) == asked
+    assert not rogue.violations
+
+    anyio.run(claim, False)
+    wait_for(lambda: send(c, "t3", "a again")[0] == 0, 10.0, "a send from c reaching a again")
