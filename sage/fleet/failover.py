@@ -53,7 +53,7 @@ from sage.config import Config, PrincipalConfig
 from sage.errors import SageError
 from sage.fleet.adoption import HIBERNATED, Owed, Pending, adoptable, adopters, claimed, rank
 from sage.fleet.member import FleetMember
-from sage.fleet.nodes import NodeState
+from sage.fleet.nodes import NodeState, NodeView
 from sage.fleet.placement import NODE_REFUSALS
 from sage.fleet.routes import Claim, SessionEntry, check_name, registry_key
 from sage.fleet.transcripts import (
@@ -64,6 +64,7 @@ from sage.fleet.transcripts import (
     restore_transcript,
     transcript_rel,
 )
+from sage.fleet.vouching import NotVouched, check_vouched
 
 __all__ = ("CLAIMS_TOPIC", "Failover", "unclaimed")
 
@@ -104,6 +105,8 @@ class Failover:
         self._limiter = anyio.CapacityLimiter(ADOPTIONS)
         self._refused: dict[str, float] = {}
         """sid -> until when this node leaves it to others (it refused it)."""
+        self._unvouched: set[str] = set()
+        """Sessions whose lost node may not act for their principal here (audited once)."""
         self._recheck = False
         """A race was lost: look again soon, the winner may release it."""
         self.replicated = 0
@@ -235,6 +238,7 @@ class Failover:
                 # every node plans alike: by the heartbeats' loads, for every principal
                 found = adoptable(entries, views, self.node, lambda _: True)
                 plan = adopters(found, views)
+                self._unvouched &= {sid for sid, _, _ in found}
                 self._refused = {s: t for s, t in self._refused.items() if t > now}
                 for sid, entry, revision in found:
                     place = rank(sid, self.node, plan)
@@ -243,10 +247,44 @@ class Failover:
                         or sid in self._adopting
                         or sid in self._refused
                         or not self._may_run(entry.principal_id)
+                        or not self._vouched(sid, entry, views)
                     ):
                         continue
                     self._adopting.add(sid)
                     tg.start_soon(self._adopt, sid, entry, revision, place * STAGGER)
+
+    def _vouched(self, sid: str, entry: SessionEntry, views: list[NodeView]) -> bool:
+        """Whether the lost node that ran ``sid`` could act for its principal here, as a
+        request it forwarded would be checked (its last record declares the principal,
+        this node's ``[fleet.peers.<node>]`` allows it): a session, and the transcript
+        that comes with it, is that node's word, so a node pinned to alice cannot plant
+        a conversation in bob's home by writing an entry and going silent.  Refused:
+        logged and audited ``fleet_principal_rejected`` once per session."""
+        fleet = self.config_of().fleet
+        view = next((v for v in views if v.node == entry.node), None)
+        declared = None if view is None or view.principals is None else frozenset(view.principals)
+        try:
+            check_vouched(
+                entry.node,
+                entry.principal_id,
+                declared,
+                None if fleet is None else fleet.peers.get(entry.node),
+            )
+        except NotVouched as exc:
+            if sid not in self._unvouched:
+                self._unvouched.add(sid)
+                refused = {
+                    "origin": entry.node,
+                    "principal_id": entry.principal_id,
+                    "verb": "adopt",
+                    "session_id": sid,
+                    "subject": "",
+                    "reason": str(exc),
+                }
+                log.warning("fleet.principal_rejected", **refused)
+                self._audit("fleet_principal_rejected", refused)
+            return False
+        return True
 
     def _may_run(self, principal_id: str) -> bool:
         principal = self.config_of().principal(principal_id)
