@@ -141,6 +141,8 @@ class Router:
             None if config_of is None else Failover(bus, member, config_of, self._ask_as_supervisor)
         )
         self._relays: dict[str, _Relay] = {}
+        self._relay_locks: dict[str, anyio.Lock] = {}
+        """sid -> held while its relay is opened: one subscription per session."""
         self._stand_ins: dict[str, tuple[Subscription, float]] = {}
         """sid -> this bus's approver subscription for a client on another node, and until when."""
         self._registry_writes: MemoryObjectSendStream[tuple[str, SessionEntry | None]]
@@ -519,7 +521,7 @@ class Router:
         if entry is None:
             # another principal's session looks the same as none, as on one node
             return replies.error("unknown_session", f"no session {sid!r}")
-        relay, reply = await self._forward_session(entry.node, verb, sid, request)
+        relay, reply = await self._forward_session(entry, verb, sid, request)
         if cached is not None and not reply.get("ok"):
             # the copy may be stale (the session moved, ended, or its node is gone): the
             # bucket decides, and only another node it names is asked again
@@ -537,7 +539,7 @@ class Router:
                 )
             if fresh is not None and fresh.node != entry.node:
                 entry = fresh
-                relay, reply = await self._forward_session(entry.node, verb, sid, request)
+                relay, reply = await self._forward_session(entry, verb, sid, request)
         if verb == "session":
             ids = relay.ids if relay is not None else {}
             for event in reply.get("events") or []:
@@ -567,13 +569,15 @@ class Router:
         return entry
 
     async def _forward_session(
-        self, node: str, verb: str, sid: str, request: Envelope
+        self, entry: SessionEntry, verb: str, sid: str, request: Envelope
     ) -> tuple[_Relay | None, dict[str, Any]]:
-        """Forward a request about ``sid`` to its owner ``node``, with the relay of its
-        events opened first when the caller follows them."""
+        """Forward a request about ``sid`` to its owner (``entry.node``), with the relay of
+        its events opened first when the caller follows them: only the events of the
+        session's principal in the registry are republished."""
+        node = entry.node
         relay = None
         if verb in ("send", "session", "wake"):  # the caller follows the events
-            relay = await self._relay(node, sid, request.principal)
+            relay = await self._relay(node, sid, request.principal, entry.principal_id)
             if relay is not None and verb == "send" and self._approver_here(sid):
                 relay.approver = True  # before the turn: its first tool call may need us
                 await self._tell_approver(node, sid, relay)
@@ -807,7 +811,22 @@ class Router:
 
     # -- events of remote sessions, republished here -------------------------------
 
-    async def _relay(self, node: str, sid: str, principal: str | None) -> _Relay | None:
+    async def _relay(self, node: str, sid: str, principal: str | None, owner: str) -> _Relay | None:
+        """The relay of ``sid``'s events from ``node``: one per session however many
+        requests open it at once (each would otherwise subscribe, and the losers'
+        subscriptions republish every event again, for ever)."""
+        lock = self._relay_locks.setdefault(sid, anyio.Lock())
+        try:
+            async with lock:
+                return await self._open_relay(node, sid, principal, owner)
+        finally:
+            stats = lock.statistics()
+            if not stats.locked and not stats.tasks_waiting:
+                self._relay_locks.pop(sid, None)
+
+    async def _open_relay(
+        self, node: str, sid: str, principal: str | None, owner: str
+    ) -> _Relay | None:
         relay = self._relays.get(sid)
         if relay is not None and relay.node == node and not relay.ended:
             return relay
@@ -815,14 +834,29 @@ class Router:
             self._drop_relay_soon(sid)
         source = Identity(f"fleet:{node}")
         ids: dict[int, int] = {}
+        warned = False
 
         async def republish(msg: Msg) -> None:
+            nonlocal warned
             try:
                 _, event_sid, name = parse_event_subject(msg.subject)
                 event = decode_event(msg.data)
             except BadRoute:
                 return
             if event_sid != sid:
+                return
+            if event.principal != owner:
+                # the owner's word for another principal: never on this bus as that one
+                if not warned:
+                    warned = True
+                    log.warning(
+                        "fleet.relayed_event_dropped",
+                        node=node,
+                        session_id=sid,
+                        event_name=name,
+                        principal_id=event.principal,
+                        expected=owner,
+                    )
                 return
             with contextlib.suppress(BusError):
                 local = self.bus.publish_raw(
