@@ -47,6 +47,7 @@ from bus import Bus, BusError, Envelope, Identity, NoResponders, Subscription
 from sage import replies
 from sage.config import Config
 from sage.fleet.failover import CLAIMS_TOPIC, Failover
+from sage.fleet.inflight import MAX_IN_FLIGHT, FleetBusy, InFlight
 from sage.fleet.member import FleetMember
 from sage.fleet.nodes import NodeState
 from sage.fleet.placement import ANY, NODE_REFUSALS, Passed, Placement, place, refusal_text
@@ -154,6 +155,8 @@ class Router:
         self._exited_meanwhile: set[str] | None = None
         """During a resync: the sessions whose ``exited`` came after its listing was asked."""
         self._tg: anyio.abc.TaskGroup | None = None
+        self._in_flight = InFlight("forwarded requests")
+        """Each peer's forwarded requests being answered: at most MAX_IN_FLIGHT at once."""
         self.vouched = VouchedPrincipals(
             member.record_of, member.config.peers, ttl=member.config.heartbeat
         )
@@ -365,8 +368,22 @@ class Router:
         except BadRoute as exc:
             await _respond(msg, replies.from_error(exc))
             return
+        try:
+            self._in_flight.take(origin)
+        except FleetBusy as exc:
+            log.warning("fleet.peer_busy", origin=origin, verb=verb, in_flight=MAX_IN_FLIGHT)
+            await _respond(msg, replies.from_error(exc))
+            return
         assert self._tg is not None
-        self._tg.start_soon(self._answer_forwarded, msg, origin, verb, sid, forwarded)
+        self._tg.start_soon(self._answer_counted, msg, origin, verb, sid, forwarded)
+
+    async def _answer_counted(
+        self, msg: Msg, origin: str, verb: str, sid: str | None, forwarded: Forwarded
+    ) -> None:
+        try:
+            await self._answer_forwarded(msg, origin, verb, sid, forwarded)
+        finally:
+            self._in_flight.give_back(origin)
 
     async def _vouched(
         self, msg: Msg, origin: str, verb: str, sid: str | None, principal: str | None
