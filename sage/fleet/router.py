@@ -48,6 +48,7 @@ from sage import replies
 from sage.config import Config
 from sage.fleet.failover import CLAIMS_TOPIC, Failover
 from sage.fleet.inflight import MAX_IN_FLIGHT, FleetBusy, InFlight
+from sage.fleet.lifecycle import LifecycleEvents
 from sage.fleet.member import FleetMember
 from sage.fleet.nodes import NodeState
 from sage.fleet.placement import ANY, NODE_REFUSALS, Passed, Placement, place, refusal_text
@@ -155,6 +156,8 @@ class Router:
         self._exited_meanwhile: set[str] | None = None
         """During a resync: the sessions whose ``exited`` came after its listing was asked."""
         self._tg: anyio.abc.TaskGroup | None = None
+        self._lifecycle = LifecycleEvents(self.identity)
+        """The lifecycle events' own queue (made again, and added to the bus, by run)."""
         self._in_flight = InFlight("forwarded requests")
         """Each peer's forwarded requests being answered: at most MAX_IN_FLIGHT at once."""
         self.vouched = VouchedPrincipals(
@@ -168,6 +171,8 @@ class Router:
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         events = self.bus.subscribe("sage.v1.event.>", self.identity, limit=8192)
+        lifecycle = self._lifecycle = LifecycleEvents(self.identity)
+        self.bus.add(lifecycle)  # the registry's and failover's own queue: no delta fills it
         local = [
             self.bus.subscribe(pattern, self.identity) for pattern in (*LOCAL_REQUESTS, LISTING)
         ]
@@ -181,6 +186,7 @@ class Router:
                     f"sage.fleet.{self.node}.request.>", cb=self._forwarded_in
                 )
                 tg.start_soon(self._events_out, events)
+                tg.start_soon(self._keep_books, lifecycle.queue)
                 tg.start_soon(self._write_registry, receive)
                 for sub in local:
                     tg.start_soon(self._serve_local, sub)
@@ -193,6 +199,10 @@ class Router:
                     tg.start_soon(follow, self.member.registry, self.registry_copy, connected)
                 task_status.started()
         finally:
+            self.bus.remove(lifecycle)
+            lifecycle.close()
+            send.close()
+            receive.close()
             with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
                 if nats_sub is not None:
                     with contextlib.suppress(Exception):
@@ -203,11 +213,12 @@ class Router:
 
     # -- registry and events out -----------------------------------------------
 
-    async def _events_out(self, events: Any) -> None:
-        nc = self.member.nc
-        async for envelope in events:
+    async def _keep_books(self, lifecycle: Any) -> None:
+        """The registry and failover follow this node's sessions' lifecycle events (their
+        own queue, sage/fleet/lifecycle.py: deltas never crowd them out)."""
+        async for envelope in lifecycle:
             if envelope.source.startswith("fleet:"):
-                continue  # another node's event, republished here: not ours to send on
+                continue  # another node's session, republished here: not in our books
             found = event_of(envelope.topic)
             if found is None:
                 continue
@@ -230,6 +241,16 @@ class Router:
                     self.failover.ended(sid)
             elif name == "done" and self.failover is not None:
                 self.failover.turn_done(sid)
+
+    async def _events_out(self, events: Any) -> None:
+        nc = self.member.nc
+        async for envelope in events:
+            if envelope.source.startswith("fleet:"):
+                continue  # another node's event, republished here: not ours to send on
+            found = event_of(envelope.topic)
+            if found is None:
+                continue
+            sid, name = found
             if not nc.is_connected:
                 continue  # the fleet is away: local watchers still have them
             event = ForwardedEvent(
@@ -292,6 +313,9 @@ class Router:
         sessions without ``exited``) is written again."""
         synced = False
         while True:
+            if self._lifecycle.lost:  # a spawned or exited was dropped (logged): look again
+                self._lifecycle.lost = False
+                synced = False
             connected = self.member.connected
             if connected and not synced:
                 synced = await self._resync()
