@@ -42,27 +42,23 @@ class LifecycleEvents:
         """What the router reads (``async for``), oldest first."""
         self.lost = False
         """An event was dropped since the router last looked: its books need a resync."""
-
-    @property
-    def delivered(self) -> int:
-        return self.queue.delivered
-
-    @property
-    def dropped(self) -> int:
-        return self.queue.dropped
+        self.delivered = 0
+        self.dropped = 0
 
     def deliver(self, envelope: Envelope) -> bool:
         name = envelope.topic.rsplit(".", 1)[-1]
         if name not in LIFECYCLE:
             return True  # not one of ours: nothing to keep, nothing lost
         if self.queue.deliver(envelope):
+            self.delivered += 1
             return True
+        self.dropped += 1
         self.lost = True
         log.warning(
             "fleet.lifecycle_event_dropped",
             topic=envelope.topic,
             queued=len(self.queue),
-            dropped=self.queue.dropped,
+            dropped=self.dropped,
         )
         return False
 

@@ -357,7 +357,7 @@ class FleetTools:
             return
         origin = parse_call_subject(self.node, msg.subject)
         if origin is None or not valid_node(origin):
-            await self._serve_call(msg, origin)  # refused at once: bad tool call
+            await self._serve_call(msg)  # refused at once: a bad tool call
             return
         try:
             self._in_flight.take(origin)
@@ -370,11 +370,14 @@ class FleetTools:
 
     async def _serve_counted(self, msg: Msg, origin: str) -> None:
         try:
-            await self._serve_call(msg, origin)
+            await self._serve_call(msg)
         finally:
             self._in_flight.give_back(origin)
 
-    async def _serve_call(self, msg: Msg, origin: str | None) -> None:
+    async def _serve_call(self, msg: Msg) -> None:
+        if not msg.reply:
+            return
+        origin = parse_call_subject(self.node, msg.subject)
         result = await self.run_remote(origin, msg.data)
         try:
             await msg.respond(msgspec.json.encode(result))

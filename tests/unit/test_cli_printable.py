@@ -95,9 +95,10 @@ def test_another_nodes_listing_rows_are_printed_escaped(
 
     class Client(_FleetClient):
         async def request(self, topic: str, payload: object, deadline: float) -> object:
+            import json
             from types import SimpleNamespace
 
-            return SimpleNamespace(payload=sage_cmd.msgspec.json.encode(self.reply))
+            return SimpleNamespace(payload=json.dumps(self.reply).encode())
 
     import contextlib
 
