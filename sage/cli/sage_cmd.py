@@ -307,8 +307,8 @@ async def _spawn(args: argparse.Namespace) -> int:
                 data = await _in_fleet(client, "spawn", payload, PLACE_TIMEOUT)
             except _NoFleet:  # a single host
                 data = await call_runner(client, "sage.v1.request.spawn", payload, SPAWN_TIMEOUT)
-    if data.get("warning"):
-        print(f"astrid: {data['warning']}", file=sys.stderr)
+    if data.get("warning"):  # another node's words, maybe: never the terminal's orders
+        print(f"astrid: {printable(data['warning'])}", file=sys.stderr)
     if args.json:
         print_json(data)
         return 0
@@ -579,8 +579,8 @@ async def _sessions(args: argparse.Namespace) -> int:
                 )
                 rows += page["sessions"]
                 offset = page.get("next_offset")
-    if data.get("warning"):
-        print(f"astrid: {data['warning']}", file=sys.stderr)
+    if data.get("warning"):  # other nodes' words: never the terminal's orders
+        print(f"astrid: {printable(data['warning'])}", file=sys.stderr)
     if args.json:
         print_json(rows)
         return 0
@@ -593,11 +593,12 @@ async def _sessions(args: argparse.Namespace) -> int:
         + f"{'SESSION':<20} {'PRINCIPAL':<12} {'PID':>8} {'STATE':<11} {'AGE':>8} {'TURNS':>5} COST"
     )
     for row in rows:
-        print(
-            (f"{row.get('node', ''):<10} " if fleet else "")
-            + f"{row['session_id']:<20} {row.get('principal_id', ''):<12} "
-            f"{row.get('pid') or '-':>8} {row['state']:<11} {_age(_row_age(row)):>8} "
-            f"{row.get('turns', 0):>5} ${row.get('cost_usd', 0.0):.4f}"
+        print(  # rows of other nodes too: their text is shown, never obeyed
+            (f"{printable(row.get('node', '')):<10} " if fleet else "")
+            + f"{printable(row['session_id']):<20} {printable(row.get('principal_id', '')):<12} "
+            f"{printable(row.get('pid') or '-'):>8} {printable(row['state']):<11}"
+            f" {_age(_row_age(row)):>8} "
+            f"{printable(row.get('turns', 0)):>5} ${row.get('cost_usd', 0.0):.4f}"
             + (f"  {_how(row)}" if row["state"] == "ended" else "")
         )
     return 0
@@ -616,7 +617,7 @@ def _how(row: dict[str, Any]) -> str:
     code = row.get("exit_code")
     sig = row.get("signal")
     how = f"signal {sig}" if sig is not None else f"exit {code}" if code is not None else ""
-    return f"ended {when}: {row.get('reason', '')}{' (' + how + ')' if how else ''}"
+    return printable(f"ended {when}: {row.get('reason', '')}{' (' + how + ')' if how else ''}")
 
 
 def _age(seconds: float) -> str:
@@ -672,8 +673,8 @@ async def _approvals(args: argparse.Namespace) -> int:
         except _NoFleet:
             data = await call_runner(client, "sage.v1.request.approvals", {}, 10.0)
     rows = data["approvals"]
-    if data.get("warning"):
-        print(f"astrid: {data['warning']}", file=sys.stderr)
+    if data.get("warning"):  # other nodes' words: never the terminal's orders
+        print(f"astrid: {printable(data['warning'])}", file=sys.stderr)
     if args.json:
         print_json(rows)
         return 0
@@ -687,9 +688,10 @@ async def _approvals(args: argparse.Namespace) -> int:
     )
     for row in rows:
         print(
-            (f"{row.get('node', ''):<10} " if fleet else "")
-            + f"{row['approval_id']:<32}  {row['session_id']:<14} {row['principal_id']:<12}"
-            f" {row['age_s']:>4.0f}s {row['expires_in_s']:>4.0f}s  {row['tool_name']}"
+            (f"{printable(row.get('node', '')):<10} " if fleet else "")
+            + f"{printable(row['approval_id']):<32}  {printable(row['session_id']):<14}"
+            f" {printable(row['principal_id']):<12}"
+            f" {row['age_s']:>4.0f}s {row['expires_in_s']:>4.0f}s  {printable(row['tool_name'])}"
             f" {_short(row.get('arguments', {}))}"
         )
     return 0

@@ -51,6 +51,8 @@ from sage import replies
 from sage.config import Config
 from sage.fleet.adoption import HIBERNATED
 from sage.fleet.failover import CLAIMS_TOPIC, Failover
+from sage.fleet.inflight import MAX_IN_FLIGHT, FleetBusy, InFlight
+from sage.fleet.lifecycle import LifecycleEvents
 from sage.fleet.member import FleetMember
 from sage.fleet.nodes import NodeState
 from sage.fleet.placement import ANY, NODE_REFUSALS, Passed, Placement, place, refusal_text
@@ -147,6 +149,8 @@ class Router:
             None if config_of is None else Failover(bus, member, config_of, self._ask_as_supervisor)
         )
         self._relays: dict[str, _Relay] = {}
+        self._relay_locks: dict[str, anyio.Lock] = {}
+        """sid -> held while its relay is opened: one subscription per session."""
         self._stand_ins: dict[str, tuple[Subscription, float]] = {}
         """sid -> this bus's approver subscription for a client on another node, and until when."""
         self._registry_writes: MemoryObjectSendStream[tuple[str, SessionEntry | None]]
@@ -158,6 +162,10 @@ class Router:
         self._exited_meanwhile: set[str] | None = None
         """During a resync: the sessions whose ``exited`` came after its listing was asked."""
         self._tg: anyio.abc.TaskGroup | None = None
+        self._lifecycle = LifecycleEvents(self.identity)
+        """The lifecycle events' own queue (made again, and added to the bus, by run)."""
+        self._in_flight = InFlight("forwarded requests")
+        """Each peer's forwarded requests being answered: at most MAX_IN_FLIGHT at once."""
         self.vouched = VouchedPrincipals(
             member.record_of, member.config.peers, ttl=member.config.heartbeat
         )
@@ -169,6 +177,8 @@ class Router:
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         events = self.bus.subscribe("sage.v1.event.>", self.identity, limit=8192)
+        lifecycle = self._lifecycle = LifecycleEvents(self.identity)
+        self.bus.add(lifecycle)  # the registry's and failover's own queue: no delta fills it
         local = [
             self.bus.subscribe(pattern, self.identity) for pattern in (*LOCAL_REQUESTS, LISTING)
         ]
@@ -182,6 +192,7 @@ class Router:
                     f"sage.fleet.{self.node}.request.>", cb=self._forwarded_in
                 )
                 tg.start_soon(self._events_out, events)
+                tg.start_soon(self._keep_books, lifecycle.queue)
                 tg.start_soon(self._write_registry, receive)
                 for sub in local:
                     tg.start_soon(self._serve_local, sub)
@@ -194,6 +205,10 @@ class Router:
                     tg.start_soon(follow, self.member.registry, self.registry_copy, connected)
                 task_status.started()
         finally:
+            self.bus.remove(lifecycle)
+            lifecycle.close()
+            send.close()
+            receive.close()
             with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
                 if nats_sub is not None:
                     with contextlib.suppress(Exception):
@@ -204,11 +219,12 @@ class Router:
 
     # -- registry and events out -----------------------------------------------
 
-    async def _events_out(self, events: Any) -> None:
-        nc = self.member.nc
-        async for envelope in events:
+    async def _keep_books(self, lifecycle: Any) -> None:
+        """The registry and failover follow this node's sessions' lifecycle events (their
+        own queue, sage/fleet/lifecycle.py: deltas never crowd them out)."""
+        async for envelope in lifecycle:
             if envelope.source.startswith("fleet:"):
-                continue  # another node's event, republished here: not ours to send on
+                continue  # another node's session, republished here: not in our books
             found = event_of(envelope.topic)
             if found is None:
                 continue
@@ -233,6 +249,16 @@ class Router:
                     self.failover.ended(sid)
             elif name == "done" and self.failover is not None:
                 self.failover.turn_done(sid)
+
+    async def _events_out(self, events: Any) -> None:
+        nc = self.member.nc
+        async for envelope in events:
+            if envelope.source.startswith("fleet:"):
+                continue  # another node's event, republished here: not ours to send on
+            found = event_of(envelope.topic)
+            if found is None:
+                continue
+            sid, name = found
             if not nc.is_connected:
                 continue  # the fleet is away: local watchers still have them
             event = ForwardedEvent(
@@ -258,8 +284,9 @@ class Router:
     def _note(self, sid: str, entry: SessionEntry | None) -> None:
         try:
             self._registry_writes.send_nowait((sid, entry))
-        except anyio.WouldBlock:
+        except anyio.WouldBlock:  # the registry is told again by the next resync
             log.warning("fleet.registry_write_dropped", session_id=sid)
+            self._lifecycle.lost = True
 
     async def _write_registry(self, writes: Any) -> None:
         registry = self.member.registry
@@ -298,6 +325,9 @@ class Router:
         sessions without ``exited``) is written again."""
         synced = False
         while True:
+            if self._lifecycle.lost:  # a spawned or exited was dropped (logged): look again
+                self._lifecycle.lost = False
+                synced = False
             connected = self.member.connected
             if connected and not synced:
                 synced = await self._resync()
@@ -379,8 +409,22 @@ class Router:
         except BadRoute as exc:
             await _respond(msg, replies.from_error(exc))
             return
+        try:
+            self._in_flight.take(origin)
+        except FleetBusy as exc:
+            log.warning("fleet.peer_busy", origin=origin, verb=verb, in_flight=MAX_IN_FLIGHT)
+            await _respond(msg, replies.from_error(exc))
+            return
         assert self._tg is not None
-        self._tg.start_soon(self._answer_forwarded, msg, origin, verb, sid, forwarded)
+        self._tg.start_soon(self._answer_counted, msg, origin, verb, sid, forwarded)
+
+    async def _answer_counted(
+        self, msg: Msg, origin: str, verb: str, sid: str | None, forwarded: Forwarded
+    ) -> None:
+        try:
+            await self._answer_forwarded(msg, origin, verb, sid, forwarded)
+        finally:
+            self._in_flight.give_back(origin)
 
     async def _vouched(
         self, msg: Msg, origin: str, verb: str, sid: str | None, principal: str | None
@@ -537,7 +581,7 @@ class Router:
         if entry is None:
             # another principal's session looks the same as none, as on one node
             return replies.error("unknown_session", f"no session {sid!r}")
-        relay, reply = await self._forward_session(entry.node, verb, sid, request)
+        relay, reply = await self._forward_session(entry, verb, sid, request)
         if cached is not None and not reply.get("ok"):
             # the copy may be stale (the session moved, ended, or its node is gone): the
             # bucket decides, and only another node it names is asked again
@@ -558,7 +602,7 @@ class Router:
                 )
             if fresh is not None and fresh.node != entry.node:
                 entry = fresh
-                relay, reply = await self._forward_session(entry.node, verb, sid, request)
+                relay, reply = await self._forward_session(entry, verb, sid, request)
         if verb == "session":
             ids = relay.ids if relay is not None else {}
             for event in reply.get("events") or []:
@@ -588,13 +632,15 @@ class Router:
         return entry
 
     async def _forward_session(
-        self, node: str, verb: str, sid: str, request: Envelope
+        self, entry: SessionEntry, verb: str, sid: str, request: Envelope
     ) -> tuple[_Relay | None, dict[str, Any]]:
-        """Forward a request about ``sid`` to its owner ``node``, with the relay of its
-        events opened first when the caller follows them."""
+        """Forward a request about ``sid`` to its owner (``entry.node``), with the relay of
+        its events opened first when the caller follows them: only the events of the
+        session's principal in the registry are republished."""
+        node = entry.node
         relay = None
         if verb in ("send", "session", "wake"):  # the caller follows the events
-            relay = await self._relay(node, sid, request.principal)
+            relay = await self._relay(node, sid, request.principal, entry.principal_id)
             if relay is not None and verb == "send" and self._approver_here(sid):
                 relay.approver = True  # before the turn: its first tool call may need us
                 await self._tell_approver(node, sid, relay)
@@ -830,7 +876,22 @@ class Router:
 
     # -- events of remote sessions, republished here -------------------------------
 
-    async def _relay(self, node: str, sid: str, principal: str | None) -> _Relay | None:
+    async def _relay(self, node: str, sid: str, principal: str | None, owner: str) -> _Relay | None:
+        """The relay of ``sid``'s events from ``node``: one per session however many
+        requests open it at once (each would otherwise subscribe, and the losers'
+        subscriptions republish every event again, for ever)."""
+        lock = self._relay_locks.setdefault(sid, anyio.Lock())
+        try:
+            async with lock:
+                return await self._open_relay(node, sid, principal, owner)
+        finally:
+            stats = lock.statistics()
+            if not stats.locked and not stats.tasks_waiting:
+                self._relay_locks.pop(sid, None)
+
+    async def _open_relay(
+        self, node: str, sid: str, principal: str | None, owner: str
+    ) -> _Relay | None:
         relay = self._relays.get(sid)
         if relay is not None and relay.node == node and not relay.ended:
             return relay
@@ -838,14 +899,29 @@ class Router:
             self._drop_relay_soon(sid)
         source = Identity(f"fleet:{node}")
         ids: dict[int, int] = {}
+        warned = False
 
         async def republish(msg: Msg) -> None:
+            nonlocal warned
             try:
                 _, event_sid, name = parse_event_subject(msg.subject)
                 event = decode_event(msg.data)
             except BadRoute:
                 return
             if event_sid != sid:
+                return
+            if event.principal != owner:
+                # the owner's word for another principal: never on this bus as that one
+                if not warned:
+                    warned = True
+                    log.warning(
+                        "fleet.relayed_event_dropped",
+                        node=node,
+                        session_id=sid,
+                        event_name=name,
+                        principal_id=event.principal,
+                        expected=owner,
+                    )
                 return
             with contextlib.suppress(BusError):
                 local = self.bus.publish_raw(

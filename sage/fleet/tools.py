@@ -46,6 +46,7 @@ import structlog
 
 from bus import Bus, BusError, Envelope, Identity, NoResponders, Subscription
 from sage.config import NAME_PATTERN
+from sage.fleet.inflight import MAX_IN_FLIGHT, FleetBusy, InFlight
 from sage.fleet.member import FleetMember
 from sage.fleet.nodes import NodeState
 from sage.fleet.permissions import TOOLS_BUCKET, call_subject, parse_call_subject
@@ -171,6 +172,8 @@ class FleetTools:
         self.vouched = VouchedPrincipals(
             member.record_of, member.config.peers, ttl=member.config.heartbeat
         )
+        self._in_flight = InFlight("tool calls")
+        """Each peer's calls being served here: at most MAX_IN_FLIGHT at once."""
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
         """Subscribe on the local bus, then start; runs until cancelled."""
@@ -342,10 +345,34 @@ class FleetTools:
                 await anyio.sleep(max(1.0, self.member.config.heartbeat))
         try:
             async for msg in sub.messages:
-                tg.start_soon(self._serve_call, msg)
+                await self._take_call(tg, msg)
         finally:
             with anyio.move_on_after(1.0, shield=True), contextlib.suppress(Exception):
                 await sub.unsubscribe()
+
+    async def _take_call(self, tg: anyio.abc.TaskGroup, msg: Msg) -> None:
+        """Serve ``msg`` in a task of its own, unless its origin has MAX_IN_FLIGHT calls
+        being served here already: then an ``isError`` result ``fleet_busy`` at once."""
+        if not msg.reply:
+            return
+        origin = parse_call_subject(self.node, msg.subject)
+        if origin is None or not valid_node(origin):
+            await self._serve_call(msg)  # refused at once: a bad tool call
+            return
+        try:
+            self._in_flight.take(origin)
+        except FleetBusy as exc:
+            log.warning("fleet.peer_busy", origin=origin, verb="tool.call", in_flight=MAX_IN_FLIGHT)
+            with contextlib.suppress(Exception):
+                await msg.respond(msgspec.json.encode(error_result(f"{exc.code}: {exc}")))
+            return
+        tg.start_soon(self._serve_counted, msg, origin)
+
+    async def _serve_counted(self, msg: Msg, origin: str) -> None:
+        try:
+            await self._serve_call(msg)
+        finally:
+            self._in_flight.give_back(origin)
 
     async def _serve_call(self, msg: Msg) -> None:
         if not msg.reply:

@@ -21,7 +21,8 @@ reader again when the read is older than ``ttl`` (a principal removed on the
 origin stops being taken within ``ttl``), or older than ``reread_after`` when
 the principal is not among what it holds (one just added there is seen soon,
 and a node naming principals it does not declare costs at most one read per
-``reread_after``, however fast it asks).
+``reread_after``, however fast it asks).  Checks that need a read of the same
+origin at the same time share one read.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ class VouchedPrincipals:
         self._reread_after = min(reread_after, ttl)
         self._clock = clock
         self._held: dict[str, tuple[float, frozenset[str] | None]] = {}
+        self._reading: dict[str, _Reading] = {}
 
     async def check(self, origin: str, principal: str | None) -> None:
         """Raise NotVouched unless ``origin`` may act for ``principal`` here; what the
@@ -110,7 +112,37 @@ class VouchedPrincipals:
         age = now - held[0] if held is not None else float("inf")
         known = held is not None and held[1] is not None and principal in held[1]
         if age >= self._ttl or (not known and age >= self._reread_after):
+            await self._reread(origin, now)
+        check_vouched(origin, principal, self._held[origin][1], pin)
+
+    async def _reread(self, origin: str, now: float) -> None:
+        """Read ``origin``'s record, once however many checks want it at the same time:
+        the others wait for that read and take its record or its error (a read
+        cancelled, its caller's deadline passed, leaves the next waiter to read)."""
+        while (reading := self._reading.get(origin)) is not None:
+            await reading.done.wait()
+            if reading.error is not None:
+                raise reading.error
+            if reading.read:
+                return
+        reading = self._reading[origin] = _Reading()
+        try:
             record = await self._read(origin)
             declared = None if record is None else frozenset(record.principals or ())
             self._held[origin] = (now, declared)
-        check_vouched(origin, principal, self._held[origin][1], pin)
+            reading.read = True
+        except Exception as exc:
+            reading.error = exc
+            raise
+        finally:
+            del self._reading[origin]
+            reading.done.set()
+
+
+class _Reading:
+    """A read of one origin's record under way, for the checks that wait on it."""
+
+    def __init__(self) -> None:
+        self.done = anyio.Event()
+        self.read = False
+        self.error: Exception | None = None

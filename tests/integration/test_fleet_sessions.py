@@ -490,6 +490,110 @@ def test_a_node_may_act_only_for_the_principals_it_authenticates(
     ok_json(a, "sage", "stop", "s13", principal="dave")
 
 
+def test_concurrent_watchers_share_one_relay(
+    fleet: tuple[NatsCluster, dict[str, Daemon]],
+) -> None:
+    """Four requests for a remote session's events at once, then a send: each event is
+    republished once (one NATS subscription for the session, not one per request)."""
+    _, daemons = fleet
+    a, b = daemons["a"], daemons["b"]
+    ok_json(b, "sage", "spawn", "alice", "--session", "s40")
+
+    async def main() -> tuple[dict[str, Any], dict[str, int]]:
+        from bus.client import BusClient
+
+        async with BusClient.connect(a.socket, role="cli", name="t", principal="alice") as client:
+            events = await client.subscribe("sage.v1.event.s40.>")
+            async with anyio.create_task_group() as tg:
+                for _ in range(4):
+                    tg.start_soon(client.request, "sage.v1.request.fleet.session.s40", {})
+            topic = "sage.v1.request.fleet.send.s40"
+            reply = json.loads((await client.request(topic, {"text": "hi"}, deadline=20)).payload)
+            counts: dict[str, int] = {}
+            with anyio.move_on_after(2.0):  # the done, then time for any copy of it
+                async for envelope in events:
+                    name = envelope.topic.rsplit(".", 1)[1]
+                    counts[name] = counts.get(name, 0) + 1
+            return reply, counts
+
+    reply, counts = anyio.run(main)
+    assert reply["ok"], reply
+    assert counts.get("done") == 1, counts
+    assert all(n == 1 for name, n in counts.items() if name != "text"), counts
+    ok_json(b, "sage", "stop", "s40")
+
+
+def test_a_relayed_event_of_another_principal_is_dropped(
+    fleet: tuple[NatsCluster, dict[str, Daemon]],
+) -> None:
+    """Node b (its own NATS user, so the server lets it) publishes an approval_request
+    for alice's session s41 as bob: a's relay drops it (logged once) and relays alice's."""
+    cluster, daemons = fleet
+    a, b = daemons["a"], daemons["b"]
+    ok_json(b, "sage", "spawn", "alice", "--session", "s41")
+
+    async def main() -> tuple[list[str], list[str]]:
+        from nats.aio.client import Client
+
+        from bus.client import BusClient
+
+        nc = Client()
+        await nc.connect(
+            servers=cluster.urls,
+            user="b",
+            password=cluster.passwords["b"],
+            inbox_prefix="_INBOX.b",
+            allow_reconnect=False,
+        )
+
+        def event(principal: str, payload: Any) -> bytes:
+            return json.dumps({"principal": principal, "ts": 1.0, "payload": payload}).encode()
+
+        try:
+            async with (
+                BusClient.connect(a.socket, role="cli", name="t", principal="alice") as alice,
+                BusClient.connect(a.socket, role="cli", name="t", principal="bob") as bob,
+            ):
+                alice_events = await alice.subscribe("sage.v1.event.s41.>")
+                bob_events = await bob.subscribe("sage.v1.event.s41.>")
+                reply = await alice.request("sage.v1.request.fleet.session.s41", {})
+                assert json.loads(reply.payload)["ok"], reply.payload
+                forged = event("bob", {"call_id": "c1", "tool_name": "rm"})
+                for _ in range(2):
+                    await nc.publish("sage.fleet.b.event.s41.approval_request", forged)
+                await nc.publish("sage.fleet.b.event.s41.text", event("alice", {"text": "m"}))
+                await nc.flush()
+                seen: list[str] = []
+                with anyio.fail_after(5.0):
+                    async for envelope in alice_events:
+                        seen.append(envelope.topic)
+                        if envelope.topic.endswith(".text"):
+                            break
+                leaked: list[str] = []
+                with anyio.move_on_after(0.5):
+                    async for envelope in bob_events:
+                        leaked.append(envelope.topic)
+                return seen, leaked
+        finally:
+            await nc.close()
+
+    seen, leaked = anyio.run(main)
+    assert "sage.v1.event.s41.text" in seen, seen
+    forged = "sage.v1.event.s41.approval_request"
+    assert forged not in seen, seen
+    assert forged not in leaked, leaked
+
+    def dropped_lines() -> list[str]:
+        return [line for line in a.log().splitlines() if "fleet.relayed_event_dropped" in line]
+
+    wait_for(lambda: bool(dropped_lines()), 5.0, "the dropped event logged")
+    dropped = dropped_lines()
+    assert len(dropped) == 1, dropped
+    assert '"s41"' in dropped[0]
+    assert '"bob"' in dropped[0]
+    ok_json(b, "sage", "stop", "s41")
+
+
 ASK = '/fault ask mcp__sage__greet {"name":"Ada"}'
 
 

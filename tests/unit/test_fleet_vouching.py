@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import anyio
 import pytest
 
 from sage.config import FleetPeerConfig
@@ -141,3 +142,69 @@ async def test_a_bucket_that_cannot_be_read_is_not_a_refusal() -> None:
 
     with pytest.raises(TimeoutError):
         await VouchedPrincipals(broken, {}, ttl=2.0).check("b", "alice")
+
+
+class _SlowBucket(_Bucket):
+    """A bucket whose reads wait until ``release`` is set (or fail with ``error``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = anyio.Event()
+        self.error: Exception | None = None
+
+    async def read(self, node: str) -> NodeRecord | None:
+        self.reads += 1
+        await self.release.wait()
+        if self.error is not None:
+            raise self.error
+        return self.records.get(node)
+
+
+@pytest.mark.anyio
+async def test_concurrent_checks_of_one_origin_share_one_read() -> None:
+    """Fifty requests of b naming a principal not held at once: one read of b's record,
+    whose answer each takes (taken or refused); c's check reads c's record beside it.
+    A read that fails fails every check that waited on it, and the next check reads."""
+    bucket = _SlowBucket()
+    bucket.records["b"] = _record("b", "alice")
+    bucket.records["c"] = _record("c", "alice")
+    vouched = VouchedPrincipals(bucket.read, {}, ttl=2.0)
+    outcomes: list[str] = []
+
+    async def check(origin: str, principal: str) -> None:
+        try:
+            await vouched.check(origin, principal)
+            outcomes.append("taken")
+        except NotVouched:
+            outcomes.append("refused")
+
+    async with anyio.create_task_group() as tg:
+        for i in range(50):
+            tg.start_soon(check, "b", "alice" if i % 2 else "bob")
+        tg.start_soon(check, "c", "alice")
+        await anyio.wait_all_tasks_blocked()
+        assert bucket.reads == 2  # b's once, c's once
+        bucket.release.set()
+    assert bucket.reads == 2
+    assert (outcomes.count("taken"), outcomes.count("refused")) == (26, 25)
+
+    bucket.release = anyio.Event()
+    bucket.error = TimeoutError("nats: timeout")
+    failed: list[BaseException] = []
+
+    async def failing() -> None:
+        try:
+            await vouched.check("d", "alice")
+        except TimeoutError as exc:
+            failed.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(10):
+            tg.start_soon(failing)
+        await anyio.wait_all_tasks_blocked()
+        bucket.release.set()
+    assert (bucket.reads, len(failed)) == (3, 10)
+    bucket.error = None
+    with pytest.raises(NotVouched, match="no heartbeat record"):
+        await vouched.check("d", "alice")
+    assert bucket.reads == 4
