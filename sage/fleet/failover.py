@@ -35,6 +35,7 @@ run by the router (sage/fleet/router.py) of each node:
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import time
 import uuid
@@ -85,6 +86,29 @@ STORE_DEADLINE = 30.0
 
 Ask = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
 """A request to the local runner as the supervisor (an admin): topic, payload -> reply."""
+
+
+class CappedBuffer(io.BufferedIOBase):
+    """Where an object store read lands: at most ``limit`` bytes, then TranscriptRefused
+    (nats-py reads the object's info again inside ``get``, so a size checked before is
+    no bound on what arrives)."""
+
+    def __init__(self, sid: str, limit: int) -> None:
+        super().__init__()
+        self.sid = sid
+        self.limit = limit
+        self.data = bytearray()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, chunk: Any) -> int:
+        if len(self.data) + len(chunk) > self.limit:
+            raise TranscriptRefused(
+                f"transcript of {self.sid!r}: more than the {self.limit} bytes allowed"
+            )
+        self.data += chunk
+        return len(chunk)
 
 
 class Failover:
@@ -345,12 +369,14 @@ class Failover:
                         raise TranscriptRefused(
                             f"transcript of {sid!r}: {size} bytes, over the {limit} allowed"
                         )
-                    result = await store.get(sid)
+                    # read into a capped buffer: the object may be replaced after get_info
+                    capped = CappedBuffer(sid, limit)
+                    result = await store.get(sid, writeinto=capped)
             except NotFoundError:
                 log.warning("fleet.failover_no_transcript", session_id=sid, from_node=entry.node)
             else:
                 meta = check_meta(sid, entry.principal_id, result.info.description)
-                data = bytes(result.data or b"")
+                data = bytes(capped.data)
                 if len(data) != meta.size:
                     raise TranscriptRefused(
                         f"transcript of {sid!r}: {len(data)} bytes, not {meta.size}"

@@ -18,6 +18,7 @@ from sage.fleet.adoption import (
     claimed,
     rank,
 )
+from sage.fleet.failover import CappedBuffer
 from sage.fleet.nodes import NodeLoad, NodeState, NodeView
 from sage.fleet.routes import SessionEntry
 from sage.fleet.transcripts import (
@@ -297,3 +298,16 @@ def test_a_restore_never_writes_through_a_link(tmp_path: Path) -> None:
     assert list(outside.iterdir()) == []
     with pytest.raises(TranscriptRefused, match="not a transcript path"):
         restore_transcript(home, Path("../x/y/z"), b"", os.getuid(), os.getgid())
+
+
+def test_an_object_read_lands_in_a_capped_buffer() -> None:
+    """What nats-py writes into it stops at the cap, however large the object grew after
+    its size was checked."""
+    capped = CappedBuffer("s1", 10)
+    assert capped.writable()
+    assert capped.write(b"12345") == 5
+    assert capped.write(b"67890") == 5
+    assert bytes(capped.data) == b"1234567890"
+    with pytest.raises(TranscriptRefused, match="more than the 10 bytes allowed"):
+        capped.write(b"x")
+    assert bytes(capped.data) == b"1234567890"
