@@ -23,7 +23,7 @@ import pytest
 
 from sage.fleet.transcripts import TRANSCRIPTS, transcript_rel
 from tests.support import FAKE_CLAUDE
-from tests.support.daemon import Daemon, descendants, short_dir
+from tests.support.daemon import Daemon, all_running, descendants, short_dir
 from tests.support.nats_cluster import NatsCluster, stored_object, wait_for
 
 NODES = ["a", "b", "c"]
@@ -51,16 +51,10 @@ def node_config(cluster: NatsCluster, node: str) -> str:
 def fleet() -> Iterator[tuple[NatsCluster, dict[str, Daemon]]]:
     with NatsCluster(NODES) as cluster:
         env = {"ANTHROPIC_API_KEY": "sk-double"}
-        daemons = {node: Daemon(short_dir(), node_config(cluster, node), env=env) for node in NODES}
-        try:
-            for daemon in daemons.values():
-                daemon.launch()
-            for daemon in daemons.values():
-                daemon.wait_ready(30.0)
+        with all_running(
+            {node: Daemon(short_dir(), node_config(cluster, node), env=env) for node in NODES}
+        ) as daemons:
             yield cluster, daemons
-        finally:
-            for daemon in daemons.values():
-                daemon.stop()
 
 
 def ok_json(daemon: Daemon, *args: str) -> Any:

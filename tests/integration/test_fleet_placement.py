@@ -22,7 +22,7 @@ import pytest
 
 from sage.fleet.permissions import BUCKET, inbox_prefix
 from tests.support import FAKE_CLAUDE
-from tests.support.daemon import Daemon, short_dir
+from tests.support.daemon import Daemon, all_running, short_dir
 from tests.support.nats_cluster import NatsCluster, wait_for
 
 HEARTBEAT = 0.4
@@ -57,16 +57,10 @@ def node_config(cluster: NatsCluster, node: str) -> str:
 def fleet() -> Iterator[tuple[NatsCluster, dict[str, Daemon]]]:
     with NatsCluster([*SETUP, "d"]) as cluster:
         env = {"ANTHROPIC_API_KEY": "sk-double"}
-        daemons = {n: Daemon(short_dir(), node_config(cluster, n), env=env) for n in SETUP}
-        try:
-            for daemon in daemons.values():
-                daemon.launch()
-            for daemon in daemons.values():
-                daemon.wait_ready(30.0)
+        with all_running(
+            {n: Daemon(short_dir(), node_config(cluster, n), env=env) for n in SETUP}
+        ) as daemons:
             yield cluster, daemons
-        finally:
-            for daemon in daemons.values():
-                daemon.stop()
 
 
 def astrid(daemon: Daemon, *args: str, principal: str = "alice") -> Any:

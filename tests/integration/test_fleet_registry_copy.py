@@ -25,7 +25,7 @@ import pytest
 from sage.fleet.router import RESYNC_CHECK
 from sage.fleet.routes import REGISTRY, REGISTRY_STREAM, SessionEntry, registry_key
 from tests.support import FAKE_CLAUDE
-from tests.support.daemon import Daemon, short_dir
+from tests.support.daemon import Daemon, all_running, short_dir
 from tests.support.nats_cluster import ADMIN, NatsCluster, wait_for
 
 NODES = ["a", "b", "c"]
@@ -58,16 +58,10 @@ def node_root() -> Path:
 def fleet() -> Iterator[tuple[NatsCluster, dict[str, Daemon]]]:
     with NatsCluster(NODES) as cluster:
         env = {"ANTHROPIC_API_KEY": "sk-double"}
-        daemons = {node: Daemon(node_root(), node_config(cluster, node), env=env) for node in NODES}
-        try:
-            for daemon in daemons.values():
-                daemon.launch()
-            for daemon in daemons.values():
-                daemon.wait_ready(30.0)
+        with all_running(
+            {node: Daemon(node_root(), node_config(cluster, node), env=env) for node in NODES}
+        ) as daemons:
             yield cluster, daemons
-        finally:
-            for daemon in daemons.values():
-                daemon.stop()
 
 
 def send(daemon: Daemon, sid: str, text: str) -> tuple[int, str]:

@@ -24,7 +24,7 @@ import pytest
 
 from tests.support import FAKE_CLAUDE
 from tests.support.as_uid import NOGROUP
-from tests.support.daemon import ASTRID, Daemon, short_dir
+from tests.support.daemon import ASTRID, Daemon, all_running, short_dir
 from tests.support.nats_cluster import NatsCluster, wait_for
 
 NODES = ["a", "b", "c"]
@@ -80,16 +80,10 @@ def fleet() -> Iterator[tuple[NatsCluster, dict[str, Daemon]]]:
     # "d" is a NATS user of the cluster with no supervisor: it may forward to b only
     with NatsCluster([*NODES, "d"], peers={"d": ["b"]}) as cluster:
         env = {"ANTHROPIC_API_KEY": "sk-double"}
-        daemons = {node: Daemon(node_root(), node_config(cluster, node), env=env) for node in NODES}
-        try:
-            for daemon in daemons.values():
-                daemon.launch()
-            for daemon in daemons.values():
-                daemon.wait_ready(30.0)
+        with all_running(
+            {node: Daemon(node_root(), node_config(cluster, node), env=env) for node in NODES}
+        ) as daemons:
             yield cluster, daemons
-        finally:
-            for daemon in daemons.values():
-                daemon.stop()
 
 
 def astrid(daemon: Daemon, *args: str, principal: str = "alice") -> Any:

@@ -22,7 +22,7 @@ import pytest
 
 from bus.client import BusClient
 from tests.support import FAKE_CLAUDE
-from tests.support.daemon import Daemon, short_dir
+from tests.support.daemon import Daemon, all_running, short_dir
 from tests.support.nats_cluster import NatsCluster, wait_for
 from tests.support.sage_harness import Sage
 
@@ -51,17 +51,13 @@ def node_config(cluster: NatsCluster, node: str) -> str:
 
 @pytest.fixture
 def fleet() -> Iterator[tuple[NatsCluster, dict[str, Daemon]]]:
-    with NatsCluster(NODES) as cluster:
-        daemons = {node: Daemon(short_dir(), node_config(cluster, node), env=ENV) for node in NODES}
-        try:
-            for daemon in daemons.values():
-                daemon.launch()
-            for daemon in daemons.values():
-                daemon.wait_ready(30.0)  # three nodes joining a fresh cluster on a loaded host
-            yield cluster, daemons
-        finally:
-            for daemon in daemons.values():
-                daemon.stop()
+    with (
+        NatsCluster(NODES) as cluster,
+        all_running(
+            {node: Daemon(short_dir(), node_config(cluster, node), env=ENV) for node in NODES}
+        ) as daemons,
+    ):
+        yield cluster, daemons
 
 
 def tools(daemon: Daemon) -> dict[str, dict[str, Any]]:

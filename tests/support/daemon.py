@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -138,3 +139,19 @@ class Daemon:
             self._log.close()
             self._log = None
         return code
+
+
+@contextlib.contextmanager
+def all_running(daemons: Mapping[str, Daemon], ready: float = 30.0) -> Iterator[dict[str, Daemon]]:
+    """Launch every supervisor of ``daemons`` at once (nodes of one fleet join together),
+    wait until each is ready (30 s: several nodes joining a fresh cluster on a loaded
+    host), and stop them all when the block ends, however it ends."""
+    try:
+        for daemon in daemons.values():
+            daemon.launch()
+        for daemon in daemons.values():
+            daemon.wait_ready(ready)
+        yield dict(daemons)
+    finally:
+        for daemon in daemons.values():
+            daemon.stop()
