@@ -1,0 +1,40 @@
+"""Fencing's sans-IO core (sage/fleet/fencing.py): when a node looks, what it ends, and
+which of its sessions each slow sweep reads."""
+
+from __future__ import annotations
+
+from sage.fleet.fencing import Sweep, may_have_been_lost, runs_elsewhere
+from sage.fleet.routes import Claim
+
+
+def test_a_gap_past_half_of_lost_after_or_failed_beats_mean_a_look() -> None:
+    assert not may_have_been_lost(100.0, 102.5, 6.0)  # a beat of 2 s, a slow one
+    assert may_have_been_lost(100.0, 103.5, 6.0)  # the others' clocks may be ahead
+    assert may_have_been_lost(100.0, 160.0, 6.0)  # SIGSTOP for a minute
+    assert may_have_been_lost(100.0, 100.5, 6.0, failing=True)  # NATS was away
+
+
+def test_only_another_nodes_claim_that_did_not_fail_takes_a_session() -> None:
+    assert runs_elsewhere("a", None) is None
+    assert runs_elsewhere("a", Claim(node="a", at=1.0)) is None
+    assert runs_elsewhere("a", Claim(node="b", at=1.0)) == "b"
+    # b won but could not run it: given back to a, which keeps it
+    assert runs_elsewhere("a", Claim(node="b", at=1.0, failed=True)) is None
+
+
+def test_sweeps_read_every_session_a_batch_at_a_time_and_go_round() -> None:
+    sweep = Sweep(batch=2)
+    here = {"s5", "s1", "s3", "s2", "s4"}
+    assert sweep.next(here) == ["s1", "s2"]
+    assert sweep.next(here) == ["s3", "s4"]
+    assert sweep.next(here) == ["s5", "s1"]  # past the end: round again
+    assert sweep.next(here) == ["s2", "s3"]
+    here -= {"s4"}  # ended meanwhile
+    assert sweep.next(here) == ["s5", "s1"]
+
+
+def test_a_sweep_of_few_sessions_reads_them_all_each_time() -> None:
+    sweep = Sweep(batch=8)
+    assert sweep.next({"b", "a"}) == ["a", "b"]
+    assert sweep.next({"b", "a", "c"}) == ["a", "b", "c"]
+    assert sweep.next(set()) == []
