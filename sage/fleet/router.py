@@ -51,7 +51,7 @@ from sage import replies
 from sage.config import Config
 from sage.fleet.adoption import HIBERNATED
 from sage.fleet.failover import CLAIMS_TOPIC, Failover
-from sage.fleet.fencing import SWEEP_BEATS, Sweep, runs_elsewhere
+from sage.fleet.fencing import BATCH, SWEEP_BEATS, Sweep, runs_elsewhere
 from sage.fleet.inflight import MAX_IN_FLIGHT, FleetBusy, InFlight
 from sage.fleet.lifecycle import LifecycleEvents
 from sage.fleet.member import FleetMember
@@ -343,31 +343,39 @@ class Router:
                 returned = True
             if returned:
                 self.member.returned = anyio.Event()
-                sids = sorted(self._here)  # all of them, now
+                sids = sorted(self._here)  # all of them, now, and claimed again
             else:
                 sids = sweep.next(self._here)
             if sids and self.member.connected:
-                await self.fence(sids)
+                await self.fence(sids, take_back=returned)
 
-    async def fence(self, sids: list[str]) -> list[str]:
+    async def fence(self, sids: list[str], *, take_back: bool = False) -> list[str]:
         """End ``failed_over`` each of ``sids`` (sessions here) whose ``sage_claims`` key
         names another node; the sessions still this node's are returned (those whose
-        claim could not be read too: the next sweep looks again)."""
+        claim could not be read too: the next sweep looks again).  ``take_back`` (the
+        node is back after it may have been judged lost): the others are claimed again
+        for this node, so an adoption under way loses its race
+        (:meth:`~sage.fleet.failover.Failover.take_back`)."""
         if self.member.claims is None:
             return sids
-        kept: list[str] = []
-        for sid in sids:
+        elsewhere: dict[str, str] = {}
+        unread: set[str] = set()
+        for at in range(0, len(sids), BATCH):
+            batch = sids[at : at + BATCH]
             try:
-                with anyio.fail_after(5.0):
-                    claim, _ = await self.member.claim_of(sid)
+                with anyio.fail_after(10.0):
+                    if take_back and self.failover is not None:
+                        elsewhere |= await self.failover.take_back(batch)
+                        continue
+                    for sid in batch:
+                        claim, _ = await self.member.claim_of(sid)
+                        node = runs_elsewhere(self.node, claim)
+                        if node is not None:
+                            elsewhere[sid] = node
             except Exception as exc:
-                log.warning("fleet.fence_check_failed", session_id=sid, error=_describe(exc))
-                kept.append(sid)
-                continue
-            node = runs_elsewhere(self.node, claim)
-            if node is None:
-                kept.append(sid)
-                continue
+                log.warning("fleet.fence_check_failed", sessions=len(batch), error=_describe(exc))
+                unread |= set(batch) - elsewhere.keys()
+        for sid, node in sorted(elsewhere.items()):
             log.warning("fleet.fenced", session_id=sid, node=node)
             reply = await self._ask_runner(
                 self.identity,
@@ -380,7 +388,7 @@ class Router:
                 log.error("fleet.fence_failed", session_id=sid, node=node, reply=reply)
                 continue  # still here: the next sweep tries again
             self._here.discard(sid)
-        return kept
+        return [sid for sid in sids if sid not in elsewhere or sid in unread]
 
     async def _keep_registry(self) -> None:
         """Make the registry agree with the runner at start and after each outage: a
