@@ -11,23 +11,28 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Iterator
+
+import pytest
 
 from sage.fleet.routes import CLAIMS, REGISTRY
 from tests.integration.test_fleet_failover import (
     LOST_AFTER,
+    NODES,
     TRANSCRIPT,
     argv_of,
     audit_rows,
     conversation_of,
     fleet,
     local_rows,
+    node_config,
     put_transcript,
     request,
     rows,
     stored,
 )
 from tests.integration.test_fleet_readoption import running, value
-from tests.support.daemon import Daemon, descendants
+from tests.support.daemon import Daemon, descendants, short_dir
 from tests.support.nats_cluster import NatsCluster, wait_for
 
 __all__ = ("fleet",)  # the module's fixture: its own cluster and nodes
@@ -153,3 +158,83 @@ def _as_alice(daemon: Daemon, topic: str, payload: object) -> dict[str, object]:
             return data
 
     return anyio.run(main)
+
+
+@pytest.fixture(scope="module")
+def sleepy_fleet() -> Iterator[tuple[NatsCluster, dict[str, Daemon]]]:
+    """The same fleet, but a's idle sessions hibernate after 1 s."""
+    with NatsCluster(NODES) as cluster:
+        env = {"ANTHROPIC_API_KEY": "sk-double"}
+        daemons = {}
+        for node in NODES:
+            config = node_config(cluster, node)
+            if node == "a":
+                config = config.replace(
+                    "[sessions]\nresume = true\n",
+                    "[sessions]\nresume = true\nhibernate_after = 1.0\n",
+                )
+            daemons[node] = Daemon(short_dir(), config, env=env)
+        try:
+            for daemon in daemons.values():
+                daemon.launch()
+            for daemon in daemons.values():
+                daemon.wait_ready(30.0)
+            yield cluster, daemons
+        finally:
+            for daemon in daemons.values():
+                daemon.stop()
+
+
+def test_a_frozen_nodes_hibernated_session_adopted_asleep_ends_there_without_a_child(
+    sleepy_fleet: tuple[NatsCluster, dict[str, Daemon]],
+) -> None:
+    cluster, daemons = sleepy_fleet
+    a = daemons["a"]
+    ok = a.astrid("sage", "spawn", "alice", "--session", "h1", "--json")
+    assert ok.returncode == 0, ok.stderr
+    claude_session = conversation_of(rows(a)["h1"]["pid"])
+    put_transcript(a, claude_session, TRANSCRIPT)
+    sent = a.astrid("sage", "send", "h1", "t1", "--timeout", "20")
+    assert sent.returncode == 0, sent.stderr
+    wait_for(lambda: stored(cluster, "h1"), 10.0, "h1 replicated after its turn")
+    wait_for(
+        lambda: (value(cluster, REGISTRY, "a.h1") or {}).get("state") == "hibernated",
+        10.0,
+        "h1 hibernated on a",
+    )
+
+    a.signal(signal.SIGSTOP)
+    try:
+        adopter_name = wait_for(
+            lambda: next(
+                (
+                    n
+                    for n in ("b", "c")
+                    if local_rows(daemons[n]).get("h1", {}).get("state") == "hibernated"
+                ),
+                None,
+            ),
+            LOST_AFTER + 15.0,
+            "h1 adopted asleep by b or c",
+        )
+    finally:
+        a.signal(signal.SIGCONT)
+    adopter = daemons[adopter_name]
+
+    def ended_here() -> bool:
+        return local_rows(a)["h1"]["state"] == "ended"
+
+    wait_for(ended_here, 8.0, "a's copy of h1 ended")
+    assert local_rows(a)["h1"]["reason"] == "failed_over"
+    (fenced,) = [
+        r for r in audit_rows(a, "sage.v1.audit.session_fenced") if r["session_id"] == "h1"
+    ]
+    assert (fenced["node"], fenced["pid"], fenced["state"]) == (adopter_name, None, "hibernated")
+    wait_for(lambda: value(cluster, REGISTRY, "a.h1") is None, 10.0, "a's own claim gone")
+
+    # a send through a wakes it on the adopter, never on a
+    sent = a.astrid("sage", "send", "h1", "wake up", "--timeout", "20", "--principal", "alice")
+    assert sent.returncode == 0, sent.stderr
+    assert "echo: wake up" in sent.stdout
+    assert not children_on(a, claude_session)
+    assert len(children_on(adopter, claude_session)) == 1
