@@ -14,7 +14,9 @@ Requests (each answered with ``{"ok": true, ...}`` or ``{"ok": false,
   and ``sage.v1.request.conversation.<sid>``: the supervisor's fleet side only (an
   admin; refused to every principal): run a session another node lost here, under
   its own id with ``--resume``, and what a replica of a conversation needs
-  (docs/fleet.md, "Failover").  The runner knows nothing of NATS.
+  (docs/fleet.md, "Failover").  ``sage.v1.request.yield.<sid>`` ``{node}`` (the same
+  side only): ``node`` runs the session now, this node's copy ends ``failed_over``.
+  The runner knows nothing of NATS.
 
 The principals' administration (settings, install, the principals listing)
 is :mod:`capsules.runner.admin`; tool-call approvals and hook callbacks are

@@ -29,7 +29,9 @@ run by the router (sage/fleet/router.py) of each node:
   before its runner resumes anything, which of its sessions another node took;
   those it ends ``failed_over`` (deleting its own registry claim at once), the
   rest it claims again in ``sage_claims`` (the same revision race), so no
-  conversation ever has two children.
+  conversation ever has two children.  A node back after it may have been judged
+  lost while alive does the same (:meth:`Failover.take_back`, from the router's
+  fencing: sage/fleet/fencing.py).
 """
 
 from __future__ import annotations

@@ -28,6 +28,11 @@ session runner, which knows nothing of it:
   on behalf of the session's principal), so ``send`` and ``watch`` work
   unchanged.  The local path is the same as on a single host.
 
+- **Fencing.** Back after it may have been judged lost (a SIGSTOP, a partition),
+  and every few heartbeats, it ends ``failed_over`` each of its sessions that
+  ``sage_claims`` gives another node (``sage.v1.request.yield.<sid>`` to its runner;
+  sage/fleet/fencing.py).
+
 The principal a forwarded request carries is the local envelope's, which the
 bus set from the caller's connection (SO_PEERCRED): nothing in the caller's
 payload can name another (docs/security.md, "Fleet trust model").
