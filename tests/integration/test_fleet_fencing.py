@@ -222,7 +222,7 @@ def test_a_frozen_nodes_hibernated_session_adopted_asleep_ends_there_without_a_c
     adopter = daemons[adopter_name]
 
     def ended_here() -> bool:
-        return local_rows(a)["h1"]["state"] == "ended"
+        return bool(local_rows(a)["h1"]["state"] == "ended")
 
     wait_for(ended_here, 8.0, "a's copy of h1 ended")
     assert local_rows(a)["h1"]["reason"] == "failed_over"
