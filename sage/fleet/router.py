@@ -380,8 +380,13 @@ class Router:
             except Exception as exc:
                 log.warning("fleet.fence_check_failed", sessions=len(batch), error=_describe(exc))
                 unread |= set(batch) - elsewhere.keys()
+        registry = self.member.registry
         for sid, node in sorted(elsewhere.items()):
             log.warning("fleet.fenced", session_id=sid, node=node)
+            if not take_back and registry is not None:  # (take_back deleted it already)
+                # this node's claim goes first: beside the adopter's, a conflict
+                with contextlib.suppress(Exception), anyio.move_on_after(5.0):
+                    await registry.delete(registry_key(self.node, sid))
             reply = await self._ask_runner(
                 self.identity,
                 f"sage.v1.request.yield.{sid}",

@@ -15,8 +15,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from sage.fleet.fencing import SWEEP_BEATS
 from sage.fleet.routes import CLAIMS, REGISTRY
 from tests.integration.test_fleet_failover import (
+    HEARTBEAT,
     LOST_AFTER,
     NODES,
     TRANSCRIPT,
@@ -140,6 +142,44 @@ def test_yielding_a_session_is_the_supervisors_alone(
     local = local_rows(b)["y1"]
     assert (local["state"], local["reason"]) == ("ended", "failed_over")
     assert [r for r in audit_rows(b, "sage.v1.audit.session_fenced") if r["session_id"] == "y1"]
+
+
+def test_the_slow_sweep_ends_a_session_sage_claims_gives_another_node(
+    fleet: tuple[NatsCluster, dict[str, Daemon]],
+) -> None:
+    """No return noticed (the node never paused): the sweep every few beats finds it."""
+    cluster, daemons = fleet
+    b = daemons["b"]
+    ok = b.astrid("sage", "spawn", "alice", "--session", "w1", "--json")
+    assert ok.returncode == 0, ok.stderr
+    wait_for(lambda: value(cluster, REGISTRY, "b.w1"), 10.0, "b's claim to w1")
+    put_claim(cluster, "w1", {"node": "c", "at": time.time(), "failed": False})
+    wait_for(lambda: not running(b, "w1"), 4 * SWEEP_BEATS * HEARTBEAT, "w1 fenced by a sweep")
+    local = local_rows(b)["w1"]
+    assert (local["state"], local["reason"]) == ("ended", "failed_over")
+    assert value(cluster, REGISTRY, "b.w1") is None
+    assert "fleet.may_have_been_lost" not in b.log()
+
+
+def put_claim(cluster: NatsCluster, sid: str, claim: dict[str, object]) -> None:
+    import json
+
+    import anyio
+    import nats
+
+    from tests.support.nats_cluster import ADMIN
+
+    async def main() -> None:
+        admin = await nats.connect(
+            cluster.urls, user=ADMIN, password=cluster.admin_password, allow_reconnect=False
+        )
+        try:
+            kv = await admin.jetstream(timeout=2.0).key_value(CLAIMS)
+            await kv.put(sid, json.dumps(claim).encode())
+        finally:
+            await admin.close()
+
+    anyio.run(main)
 
 
 def _as_alice(daemon: Daemon, topic: str, payload: object) -> dict[str, object]:
