@@ -302,11 +302,23 @@ class Failover:
                 return
             await anyio.sleep(wait)  # the nodes ranked first for it try first
             async with self._limiter:
+                if await self._back(entry.node):
+                    # it was alive after all (a pause, a partition): it keeps its sessions
+                    # and claims them again; a race won now would only be fenced there
+                    log.info("fleet.failover_node_back", session_id=sid, node=entry.node)
+                    return
                 await self._take(sid, entry, revision)
         except Exception as exc:
             log.error("fleet.failover_failed", session_id=sid, error=_describe(exc))
         finally:
             self._adopting.discard(sid)
+
+    async def _back(self, node: str) -> bool:
+        """Whether ``node``, judged lost when this adoption was planned, is live again
+        (its heartbeats came back): read once more just before the race."""
+        with anyio.fail_after(5.0):
+            views = await self.member.nodes()
+        return any(v.node == node and v.state is NodeState.LIVE for v in views)
 
     async def _take(self, sid: str, entry: SessionEntry, revision: int) -> None:
         from nats.js.errors import KeyWrongLastSequenceError, NotFoundError

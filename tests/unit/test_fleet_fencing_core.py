@@ -1,10 +1,20 @@
 """Fencing's sans-IO core (sage/fleet/fencing.py): when a node looks, what it ends, and
-which of its sessions each slow sweep reads."""
+which of its sessions each slow sweep reads; and an adopter leaves a node back before
+its race its sessions."""
 
 from __future__ import annotations
 
+from typing import Any, cast
+
+import pytest
+
+from bus import Bus
+from sage.config import Config
+from sage.fleet.failover import Failover
 from sage.fleet.fencing import Sweep, may_have_been_lost, runs_elsewhere
-from sage.fleet.routes import Claim
+from sage.fleet.member import FleetMember
+from sage.fleet.nodes import NodeState, NodeView
+from sage.fleet.routes import Claim, SessionEntry
 
 
 def test_a_gap_past_half_of_lost_after_or_failed_beats_mean_a_look() -> None:
@@ -38,3 +48,54 @@ def test_a_sweep_of_few_sessions_reads_them_all_each_time() -> None:
     assert sweep.next({"b", "a"}) == ["a", "b"]
     assert sweep.next({"b", "a", "c"}) == ["a", "b", "c"]
     assert sweep.next(set()) == []
+
+
+# -- the adopter's side: a lost node back before the race is left its sessions --------------
+
+
+class _Member:
+    """What an adoption reads of the fleet: the claim, and the nodes as judged now."""
+
+    node = "b"
+
+    def __init__(self, a_state: NodeState) -> None:
+        self.a_state = a_state
+
+    async def claim_of(self, sid: str) -> tuple[Claim | None, int]:
+        return None, 0
+
+    async def nodes(self) -> list[NodeView]:
+        return [
+            NodeView(
+                node=name,
+                state=state,
+                host="h",
+                pid=1,
+                started_at=0.0,
+                heartbeat_at=0.0,
+                age_s=0.0,
+            )
+            for name, state in (("a", self.a_state), ("b", NodeState.LIVE))
+        ]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("a_state", "raced"), [(NodeState.LOST, True), (NodeState.LIVE, False)])
+async def test_an_adoption_runs_its_race_only_while_the_node_is_still_lost(
+    a_state: NodeState, raced: bool
+) -> None:
+    member = _Member(a_state)
+    failover = Failover(cast(Bus, None), cast(FleetMember, member), Config, _never)
+    taken: list[str] = []
+
+    async def take(sid: str, entry: SessionEntry, revision: int) -> None:
+        taken.append(sid)
+
+    failover._take = take  # type: ignore[method-assign]
+    entry = SessionEntry(node="a", principal_id="alice", resume=True)
+    await failover._adopt("s1", entry, 0, 0.0)
+    assert taken == (["s1"] if raced else [])
+
+
+async def _never(topic: str, payload: dict[str, Any]) -> dict[str, Any]:
+    raise AssertionError("the runner is not asked")
