@@ -69,6 +69,14 @@ class AdoptRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     until a send wakes it."""
 
 
+class YieldRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``sage.v1.request.yield.<sid>`` (the supervisor's fleet side only, never a
+    principal): another node of the fleet, ``node``, runs the session now; this node's
+    copy ends ``failed_over``."""
+
+    node: str
+
+
 class WakeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """``sage.v1.request.wake.<sid>``: wake a hibernated session (no fields)."""
 

@@ -14,7 +14,9 @@ Requests (each answered with ``{"ok": true, ...}`` or ``{"ok": false,
   and ``sage.v1.request.conversation.<sid>``: the supervisor's fleet side only (an
   admin; refused to every principal): run a session another node lost here, under
   its own id with ``--resume``, and what a replica of a conversation needs
-  (docs/fleet.md, "Failover").  The runner knows nothing of NATS.
+  (docs/fleet.md, "Failover").  ``sage.v1.request.yield.<sid>`` ``{node}`` (the same
+  side only): ``node`` runs the session now, this node's copy ends ``failed_over``.
+  The runner knows nothing of NATS.
 
 The principals' administration (settings, install, the principals listing)
 is :mod:`capsules.runner.admin`; tool-call approvals and hook callbacks are
@@ -75,6 +77,7 @@ from capsules.runner.messages import (
     SpawnRequest,
     ToolsChanged,
     WakeRequest,
+    YieldRequest,
 )
 from capsules.runner.principals import SettingsError
 from capsules.runner.sessions import (
@@ -148,6 +151,9 @@ class Runner:
         self.spares = SpareKeeper(ctx, self.admin, self.launcher, self.mcp, hooks=HOOKS)
         self.hibernation = Hibernation(self)
         self._tg: anyio.abc.TaskGroup | None = None
+        self._unsure: set[str] = set()
+        """Sessions kept asleep at start because the fleet could not say whether another
+        node took them: asked again before they wake."""
 
     @property
     def config(self) -> Config:
@@ -174,6 +180,7 @@ class Runner:
             "sage.v1.request.slots": self._slots,
             "sage.v1.request.adopt": self._adopt_request,
             "sage.v1.request.conversation.*": self._conversation,
+            "sage.v1.request.yield.*": self._yield_request,
         }
         self.hibernation.configure()
         self.launcher.resolve_binary()
@@ -345,6 +352,8 @@ class Runner:
                 or unsure
                 or (self.config.sessions.resume and not self.hibernation.slots.free)
             ):
+                if unsure:
+                    self._unsure.add(record.session_id)
                 # it sleeps on (or, past max_live, starts to): the next send wakes it
                 record.state, record.pid = RecordState.HIBERNATED, None
                 record.hibernated_at = record.hibernated_at or time.time()
@@ -685,7 +694,8 @@ class Runner:
             self.sessions.remove(session)
             session.over()
             raise  # the first start failed: the spawn request says why
-        await self.ended(session, ending, ending.reason if ending is not None else EndReason.EXITED)
+        reason = ending.reason if ending is not None else EndReason.EXITED
+        await self.ended(session, ending, session.end_reason or reason)
 
     async def _abandon(self, session: Session, ending: Ending | None) -> None:
         self.audit(
@@ -822,6 +832,72 @@ class Runner:
             },
         )
 
+    async def _yield_request(self, request: Envelope) -> dict[str, Any]:
+        """Another node of the fleet runs this session now (it took it over while this
+        node was judged lost): this node's copy ends ``failed_over``, its child stopped
+        at once (docs/fleet.md, "Failover").  The supervisor's fleet side only."""
+        if request.principal is not None:
+            raise SessionError(
+                "not_authorized", "only the supervisor yields a session to another node"
+            )
+        sid = request.topic.rsplit(".", 1)[1]
+        req = msgspec.json.decode(request.payload or b"{}", type=YieldRequest)
+        if not _check_id(req.node):
+            raise SessionError("bad_request", "node is 1-64 of [A-Za-z0-9_-]")
+        session = self.sessions.get(sid)
+        if session is None:
+            raise SessionError("unknown_session", f"no session {sid!r} here")
+        await self.fence(session, req.node)
+        return {"ok": True, "session_id": sid, "node": req.node}
+
+    async def _still_here(self, session: Session) -> None:
+        """Before a session kept asleep at start, when the fleet could not say whether
+        another node took it, wakes: ask again.  Taken: it ends ``failed_over`` here
+        (``unknown_session``: the fleet's router finds it there); the fleet still
+        cannot say: ``fleet_unavailable``, and it sleeps on (never a second child)."""
+        sid = session.id
+        if sid not in self._unsure:
+            return
+        elsewhere = await self._taken_elsewhere([sid])
+        if elsewhere is None:
+            raise SessionError(
+                "fleet_unavailable",
+                f"session {sid!r} sleeps until the fleet can say whether another node"
+                " took it over (NATS unreachable?); try again",
+            )
+        self._unsure.discard(sid)
+        node = elsewhere.get(sid)
+        if node is not None and sid in self.sessions:
+            await self.fence(session, node)
+            raise SessionError("unknown_session", f"session {sid!r} runs on another node now")
+
+    async def fence(self, session: Session, node: str) -> None:
+        """End ``session`` here ``failed_over``: ``node`` runs it now.  Audited
+        ``session_fenced`` (with the child's pid, if one ran); returns once it ended."""
+        proc = session.proc
+        pid = proc.pid if proc is not None and session.state not in ASLEEP else None
+        log.warning("session.fenced", session_id=session.id, node=node, pid=pid)
+        self.audit(
+            "session_fenced",
+            {
+                "principal_id": session.record.principal_id,
+                "session_id": session.id,
+                "node": node,
+                "pid": pid,
+                "state": session.state.value,
+            },
+        )
+        session.end_reason = EndReason.FAILED_OVER
+        self._unsure.discard(session.id)
+        if session.state is SessionState.HIBERNATED:  # no child: it ends now
+            await self.ended(session, None, EndReason.FAILED_OVER)
+            return
+        session.stop()
+        if session.proc is not None:
+            await session.proc.stop(EndReason.FAILED_OVER)
+        with anyio.move_on_after(self.config.limits.stop_grace * 3 + 5):
+            await session.done.wait()
+
     async def _conversation(self, request: Envelope) -> dict[str, Any]:
         """What a replica of a live session's conversation needs (the supervisor only)."""
         if request.principal is not None:
@@ -846,6 +922,7 @@ class Runner:
         session = await self._target(request)
         msgspec.json.decode(request.payload or b"{}", type=WakeRequest)
         was = session.state
+        await self._still_here(session)
         await self.hibernation.awake(session)
         return {"ok": True, "session_id": session.id, "woken": was in ASLEEP}
 
@@ -1085,6 +1162,7 @@ class Runner:
             raise SessionError("bad_request", "session_id does not match the topic")
         session.sending += 1  # from its wake to its turn written, the session is not idle
         try:
+            await self._still_here(session)
             await self.hibernation.awake(session)
             proc = self._proc(session)
             return await self._write_turn(session, proc, req.text)

@@ -170,6 +170,7 @@ class Session:
     settled: anyio.Event | None = None  # set when a hibernation or a wake is over
     wake_error: SageError | None = None  # why the last wake put it back to sleep
     sending: int = 0  # sends between their wake and their turn written: not idle
+    end_reason: str | None = None  # why it ends whatever its child says (a fleet's fence)
 
     @property
     def id(self) -> str:

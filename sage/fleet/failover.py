@@ -29,7 +29,9 @@ run by the router (sage/fleet/router.py) of each node:
   before its runner resumes anything, which of its sessions another node took;
   those it ends ``failed_over`` (deleting its own registry claim at once), the
   rest it claims again in ``sage_claims`` (the same revision race), so no
-  conversation ever has two children.
+  conversation ever has two children.  A node back after it may have been judged
+  lost while alive does the same (:meth:`Failover.take_back`, from the router's
+  fencing: sage/fleet/fencing.py).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from sage import replies
 from sage.config import Config, PrincipalConfig
 from sage.errors import SageError
 from sage.fleet.adoption import HIBERNATED, Owed, Pending, adoptable, adopters, claimed, rank
+from sage.fleet.fencing import runs_elsewhere
 from sage.fleet.member import FleetMember
 from sage.fleet.nodes import NodeState, NodeView
 from sage.fleet.placement import NODE_REFUSALS
@@ -323,11 +326,23 @@ class Failover:
                 return
             await anyio.sleep(wait)  # the nodes ranked first for it try first
             async with self._limiter:
+                if await self._back(entry.node):
+                    # it was alive after all (a pause, a partition): it keeps its sessions
+                    # and claims them again; a race won now would only be fenced there
+                    log.info("fleet.failover_node_back", session_id=sid, node=entry.node)
+                    return
                 await self._take(sid, entry, revision)
         except Exception as exc:
             log.error("fleet.failover_failed", session_id=sid, error=_describe(exc))
         finally:
             self._adopting.discard(sid)
+
+    async def _back(self, node: str) -> bool:
+        """Whether ``node``, judged lost when this adoption was planned, is live again
+        (its heartbeats came back): read once more just before the race."""
+        with anyio.fail_after(5.0):
+            views = await self.member.nodes()
+        return any(v.node == node and v.state is NodeState.LIVE for v in views)
 
     async def _take(self, sid: str, entry: SessionEntry, revision: int) -> None:
         from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
@@ -478,8 +493,6 @@ class Failover:
     async def claims(self, request: Envelope) -> dict[str, Any]:
         """``{session_ids}`` -> ``{elsewhere: {sid: node}}``: those another node runs now;
         the others are claimed for this node (an admin's request only: the runner's)."""
-        from nats.js.errors import KeyWrongLastSequenceError
-
         if request.principal is not None:
             return replies.error("not_authorized", "only the session runner asks this")
         try:
@@ -490,28 +503,42 @@ class Failover:
         registry, claims = self.member.registry, self.member.claims
         if registry is None or claims is None or not self.member.connected:
             return replies.error("fleet_unavailable", "NATS is not connected")
-        elsewhere: dict[str, str] = {}
         try:
             with anyio.fail_after(10.0):
-                for sid in sids:
-                    for _ in range(3):
-                        claim, revision = await self.member.claim_of(sid)
-                        if claim is not None and claim.node != self.node and not claim.failed:
-                            elsewhere[sid] = claim.node
-                            # its claim goes now: two live claimants would be a conflict
-                            await registry.delete(registry_key(self.node, sid))
-                            break
-                        again = Claim(node=self.node, at=time.time())
-                        try:  # an adopter that read the same revision now loses its race
-                            await claims.update(sid, again.encode(), last=revision)
-                            break
-                        except KeyWrongLastSequenceError:
-                            continue
+                elsewhere = await self.take_back(sids)
         except Exception as exc:
             return replies.error("fleet_unavailable", f"the registry: {_describe(exc)}")
         if elsewhere:
             log.info("fleet.sessions_taken_elsewhere", sessions=elsewhere)
         return replies.ok(elsewhere=elsewhere)
+
+    async def take_back(self, sids: list[str]) -> dict[str, str]:
+        """Of ``sids`` (this node's sessions, at its start or back after it may have
+        been judged lost), those another node took (id -> node): this node's registry
+        claim to each goes at once (two live claimants would be a conflict).  The others
+        are claimed again for this node in ``sage_claims``: an adopter that read the
+        revision before is late and loses its race.  Raises what nats-py raised."""
+        from nats.js.errors import KeyWrongLastSequenceError
+
+        registry, claims = self.member.registry, self.member.claims
+        assert registry is not None
+        assert claims is not None
+        elsewhere: dict[str, str] = {}
+        for sid in sids:
+            for _ in range(3):
+                claim, revision = await self.member.claim_of(sid)
+                node = runs_elsewhere(self.node, claim)
+                if node is not None:
+                    elsewhere[sid] = node
+                    await registry.delete(registry_key(self.node, sid))
+                    break
+                again = Claim(node=self.node, at=time.time())
+                try:  # an adopter that read the same revision now loses its race
+                    await claims.update(sid, again.encode(), last=revision)
+                    break
+                except KeyWrongLastSequenceError:
+                    continue
+        return elsewhere
 
     def _audit(self, kind: str, payload: dict[str, Any]) -> None:
         try:

@@ -43,6 +43,7 @@ from sage.config import FleetConfig
 from sage.errors import SageError
 from sage.files import read_private
 from sage.fleet.creds import UserCreds, parse_creds
+from sage.fleet.fencing import may_have_been_lost
 from sage.fleet.nodes import (
     FleetRecordError,
     NodeLoad,
@@ -249,7 +250,12 @@ class FleetMember:
         self._kv = kv
         self._started_at = started_at
         self._failing = False
+        self._last_beat = time.monotonic()
         self.beats = 0
+        self.returned = anyio.Event()
+        """Set when this node may have been judged lost and is back (a heartbeat after a
+        gap or after failures): the router looks for sessions taken meanwhile
+        (sage/fleet/fencing.py) and makes a new event."""
         self.load_source: Callable[[], Awaitable[NodeLoad | None]] | None = None
         """What the node's load is now (set by the supervisor); None: not said."""
         self.principals: Callable[[], list[str]] | None = None
@@ -314,7 +320,9 @@ class FleetMember:
             await anyio.sleep(0.2)
 
     async def beat_every(self) -> None:
-        """Heartbeat for ever; a failure is logged once, and its end once."""
+        """Heartbeat for ever; a failure is logged once, and its end once.  A beat after a
+        gap or after failures sets :attr:`returned`."""
+        self._last_beat = time.monotonic()
         while True:
             await anyio.sleep(self.config.heartbeat)
             try:
@@ -325,6 +333,17 @@ class FleetMember:
                     log.warning("fleet.heartbeat_failed", node=self.node, error=_describe(exc))
                 self._failing = True
                 continue
+            now = time.monotonic()
+            if may_have_been_lost(
+                self._last_beat, now, self.config.lost_after, failing=self._failing
+            ):
+                log.warning(
+                    "fleet.may_have_been_lost",
+                    node=self.node,
+                    seconds=round(now - self._last_beat, 3),
+                )
+                self.returned.set()
+            self._last_beat = now
             if self._failing:
                 log.info("fleet.heartbeat_resumed", node=self.node)
             self._failing = False

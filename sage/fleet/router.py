@@ -28,6 +28,11 @@ session runner, which knows nothing of it:
   on behalf of the session's principal), so ``send`` and ``watch`` work
   unchanged.  The local path is the same as on a single host.
 
+- **Fencing.** Back after it may have been judged lost (a SIGSTOP, a partition),
+  and every few heartbeats, it ends ``failed_over`` each of its sessions that
+  ``sage_claims`` gives another node (``sage.v1.request.yield.<sid>`` to its runner;
+  sage/fleet/fencing.py).
+
 The principal a forwarded request carries is the local envelope's, which the
 bus set from the caller's connection (SO_PEERCRED): nothing in the caller's
 payload can name another (docs/security.md, "Fleet trust model").
@@ -51,6 +56,7 @@ from sage import replies
 from sage.config import Config
 from sage.fleet.adoption import HIBERNATED
 from sage.fleet.failover import CLAIMS_TOPIC, Failover
+from sage.fleet.fencing import BATCH, SWEEP_BEATS, Sweep, runs_elsewhere
 from sage.fleet.inflight import MAX_IN_FLIGHT, FleetBusy, InFlight
 from sage.fleet.lifecycle import LifecycleEvents
 from sage.fleet.member import FleetMember
@@ -100,7 +106,14 @@ LOCAL_REQUESTS = (
 """What the router answers on the local bus (``sessions`` too, see :data:`LISTING`)."""
 LISTING = "sage.v1.request.fleet.sessions"
 APPROVALS_LISTING = "sage.v1.request.fleet.approvals"
-DEADLINES = {"spawn": 30.0, "send": 120.0, "wake": 120.0, "stop": 30.0, "adopt": 120.0}
+DEADLINES = {
+    "spawn": 30.0,
+    "send": 120.0,
+    "wake": 120.0,
+    "stop": 30.0,
+    "adopt": 120.0,
+    "yield": 30.0,
+}
 """Seconds a forwarded request may take at its owner (others: :data:`DEFAULT_DEADLINE`)."""
 DEFAULT_DEADLINE = 10.0
 NETWORK_SLACK = 2.0
@@ -198,6 +211,7 @@ class Router:
                     tg.start_soon(self._serve_local, sub)
                 tg.start_soon(self._prune_relays)
                 tg.start_soon(self._keep_registry)
+                tg.start_soon(self._keep_fenced)
                 if self.failover is not None:
                     await self.failover.run(tg)
                 if self.member.registry is not None:
@@ -319,6 +333,73 @@ class Router:
         with contextlib.suppress(KeyWrongLastSequenceError):  # taken meanwhile: it stays
             await claims.delete(sid, last=revision)
 
+    # -- fencing: sessions another node took while this one was judged lost ------
+
+    async def _keep_fenced(self) -> None:
+        """Look for this node's sessions another node runs now (sage/fleet/fencing.py):
+        at once when the node may have been judged lost and is back, else every
+        :data:`~sage.fleet.fencing.SWEEP_BEATS` heartbeats, a batch at a time."""
+        sweep = Sweep()
+        every = SWEEP_BEATS * self.member.config.heartbeat
+        while True:
+            returned = False
+            with anyio.move_on_after(every):
+                await self.member.returned.wait()
+                returned = True
+            if returned:
+                self.member.returned = anyio.Event()
+                sids = sorted(self._here)  # all of them, now, and claimed again
+            else:
+                sids = sweep.next(self._here)
+            if sids and self.member.connected:
+                await self.fence(sids, take_back=returned)
+
+    async def fence(self, sids: list[str], *, take_back: bool = False) -> list[str]:
+        """End ``failed_over`` each of ``sids`` (sessions here) whose ``sage_claims`` key
+        names another node; the sessions still this node's are returned (those whose
+        claim could not be read too: the next sweep looks again).  ``take_back`` (the
+        node is back after it may have been judged lost): the others are claimed again
+        for this node, so an adoption under way loses its race
+        (:meth:`~sage.fleet.failover.Failover.take_back`)."""
+        if self.member.claims is None:
+            return sids
+        elsewhere: dict[str, str] = {}
+        unread: set[str] = set()
+        for at in range(0, len(sids), BATCH):
+            batch = sids[at : at + BATCH]
+            try:
+                with anyio.fail_after(10.0):
+                    if take_back and self.failover is not None:
+                        elsewhere |= await self.failover.take_back(batch)
+                        continue
+                    for sid in batch:
+                        claim, _ = await self.member.claim_of(sid)
+                        node = runs_elsewhere(self.node, claim)
+                        if node is not None:
+                            elsewhere[sid] = node
+            except Exception as exc:
+                log.warning("fleet.fence_check_failed", sessions=len(batch), error=_describe(exc))
+                unread |= set(batch) - elsewhere.keys()
+        registry = self.member.registry
+        for sid, node in sorted(elsewhere.items()):
+            log.warning("fleet.fenced", session_id=sid, node=node)
+            if not take_back and registry is not None:  # (take_back deleted it already)
+                # this node's claim goes first: beside the adopter's, a conflict
+                with contextlib.suppress(Exception), anyio.move_on_after(5.0):
+                    await registry.delete(registry_key(self.node, sid))
+            reply = await self._ask_runner(
+                self.identity,
+                f"sage.v1.request.yield.{sid}",
+                msgspec.json.encode({"node": node}),
+                None,
+                "yield",
+            )
+            if not reply.get("ok") and reply.get("error") != "unknown_session":
+                log.error("fleet.fence_failed", session_id=sid, node=node, reply=reply)
+                continue  # still here: the next sweep tries again
+            self._here.discard(sid)
+        return [sid for sid in sids if sid not in elsewhere or sid in unread]
+
     async def _keep_registry(self) -> None:
         """Make the registry agree with the runner at start and after each outage: a
         spawn or an end whose write was lost meanwhile (or a restart that ended
@@ -360,9 +441,13 @@ class Router:
             log.warning("fleet.registry_unreadable", error=_describe(exc))
             return False
         mine = {sid: entry for sid, entry, _ in entries if entry.node == self.node}
+        # a session another node took while this one was away is never claimed again:
+        # it ends here (its exited deletes this node's claim), the adopter keeps it
+        missing = [sid for sid, principal in live.items() if principal and sid not in mine]
+        taken = set(missing) - set(await self.fence(sorted(missing)))
         put = delete = 0
         for sid, principal in sorted(live.items()):
-            if principal and sid not in mine:
+            if principal and sid not in mine and sid not in taken:
                 self._note(
                     sid,
                     SessionEntry(

@@ -75,6 +75,8 @@ class Member:
         self.nc = Nats()
         self.registry = Registry()
         self.connected = False  # no resync: only the events write the registry here
+        self.claims = None  # no fencing reads either
+        self.returned = anyio.Event()
 
     async def record_of(self, name: str) -> None:
         return None

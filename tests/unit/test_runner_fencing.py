@@ -1,0 +1,166 @@
+"""The runner's side of fencing, without processes: ``sage.v1.request.yield.<sid>`` is the
+supervisor's alone and ends a session ``failed_over`` (audited ``session_fenced``), and a
+session kept asleep at start because the fleet could not say whether another node took it
+is asked about again before it wakes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from bus import Envelope, NoResponders
+from capsules.runner.errors import SessionError
+from capsules.runner.runner import Runner
+from capsules.runner.sessions import RecordState, Session, SessionRecord, SessionState
+from sage.config import Config, FleetConfig, PrincipalConfig, SupervisorConfig
+from sage.fleet.failover import CLAIMS_TOPIC
+
+pytestmark = pytest.mark.anyio
+
+
+class _State:
+    """The state store, in memory."""
+
+    def __init__(self) -> None:
+        self.data: dict[tuple[str, str], Any] = {}
+
+    async def put(self, namespace: str, key: str, value: Any) -> None:
+        self.data[namespace, key] = value
+
+    async def get(self, namespace: str, key: str) -> Any:
+        return self.data.get((namespace, key))
+
+    async def delete(self, namespace: str, key: str) -> None:
+        self.data.pop((namespace, key), None)
+
+    async def items(self, namespace: str) -> list[tuple[str, Any]]:
+        return [(k, v) for (n, k), v in self.data.items() if n == namespace]
+
+
+class _Context:
+    """What the runner uses of a CapsuleContext here; the fleet's claims answer is
+    ``claims`` (None: no answer, as with NATS away)."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.config = Config(
+            supervisor=SupervisorConfig(state_dir=str(tmp)),
+            fleet=FleetConfig(url="nats://127.0.0.1:4222", node="a"),
+            principals=[PrincipalConfig(name="alice")],
+        )
+        self.state = _State()
+        self.published: list[tuple[str, Any]] = []
+        self.claims: dict[str, Any] | None = None
+        self.asked: list[Any] = []
+
+    def publish(self, topic: str, payload: Any, *, on_behalf_of: str | None = None) -> Envelope:
+        self.published.append((topic, payload))
+        return Envelope(id=len(self.published), topic=topic, payload=b"{}", source="runner")
+
+    async def request(self, topic: str, payload: Any, *, deadline: float | None = None) -> Any:
+        assert topic == CLAIMS_TOPIC
+        self.asked.append(payload)
+        if self.claims is None:
+            raise NoResponders("nobody answers")
+        return Envelope(id=1, topic=topic, payload=msgspec.json.encode(self.claims), source="f")
+
+
+def asleep(runner: Runner, sid: str = "s1") -> Session:
+    record = SessionRecord(
+        session_id=sid, principal_id="alice", claude_session="c", state=RecordState.HIBERNATED
+    )
+    session = Session(record, PrincipalConfig(name="alice"), state=SessionState.HIBERNATED)
+    runner.sessions.add(session)
+    return session
+
+
+def state_of(session: Session) -> SessionState:
+    return session.state  # (read afresh: a request changed it)
+
+
+def envelope(topic: str, payload: Any, principal: str | None = None) -> Envelope:
+    return Envelope(
+        id=1,
+        topic=topic,
+        payload=msgspec.json.encode(payload),
+        source="client",
+        principal=principal,
+    )
+
+
+def audits(ctx: _Context, kind: str) -> list[Any]:
+    return [p for t, p in ctx.published if t == f"sage.v1.audit.{kind}"]
+
+
+def exited(ctx: _Context) -> list[Any]:
+    return [p for t, p in ctx.published if t.endswith(".exited")]
+
+
+async def test_yield_is_refused_to_a_principal_and_ends_a_session_failed_over(
+    tmp_path: Path,
+) -> None:
+    ctx = _Context(tmp_path)
+    runner = Runner(ctx)  # type: ignore[arg-type]
+    session = asleep(runner)
+    with pytest.raises(SessionError) as refused:
+        await runner._yield_request(envelope("sage.v1.request.yield.s1", {"node": "b"}, "alice"))
+    assert refused.value.code == "not_authorized"
+    assert session.state is SessionState.HIBERNATED
+
+    reply = await runner._yield_request(envelope("sage.v1.request.yield.s1", {"node": "b"}))
+    assert reply == {"ok": True, "session_id": "s1", "node": "b"}
+    assert state_of(session) is SessionState.ENDED
+    assert "s1" not in runner.sessions
+    assert ctx.state.data["sessions", "s1"]["reason"] == "failed_over"
+    assert [e["reason"] for e in exited(ctx)] == ["failed_over"]
+    assert audits(ctx, "session_fenced") == [
+        {
+            "principal_id": "alice",
+            "session_id": "s1",
+            "node": "b",
+            "pid": None,
+            "state": "hibernated",
+        }
+    ]
+    with pytest.raises(SessionError) as gone:
+        await runner._yield_request(envelope("sage.v1.request.yield.s1", {"node": "b"}))
+    assert gone.value.code == "unknown_session"
+
+
+async def test_a_session_the_fleet_could_not_vouch_for_is_asked_about_before_it_wakes(
+    tmp_path: Path,
+) -> None:
+    ctx = _Context(tmp_path)
+    runner = Runner(ctx)  # type: ignore[arg-type]
+    session = asleep(runner)
+    runner._unsure.add("s1")
+    # the fleet still cannot say: no wake (never a second child), it sleeps on
+    with pytest.raises(SessionError) as unknown:
+        await runner._still_here(session)
+    assert unknown.value.code == "fleet_unavailable"
+    assert session.state is SessionState.HIBERNATED
+    # another node took it meanwhile: it ends here, and the send goes to that node
+    ctx.claims = {"ok": True, "elsewhere": {"s1": "b"}}
+    with pytest.raises(SessionError) as moved:
+        await runner._still_here(session)
+    assert moved.value.code == "unknown_session"
+    assert state_of(session) is SessionState.ENDED
+    assert [e["reason"] for e in exited(ctx)] == ["failed_over"]
+    assert ctx.asked == [{"session_ids": ["s1"]}, {"session_ids": ["s1"]}]
+
+
+async def test_a_session_still_this_nodes_wakes_and_is_asked_about_once(tmp_path: Path) -> None:
+    ctx = _Context(tmp_path)
+    runner = Runner(ctx)  # type: ignore[arg-type]
+    session = asleep(runner)
+    runner._unsure.add("s1")
+    ctx.claims = {"ok": True, "elsewhere": {}}
+    await runner._still_here(session)
+    await runner._still_here(session)
+    assert ctx.asked == [{"session_ids": ["s1"]}]
+    assert session.state is SessionState.HIBERNATED  # the wake goes on from here
+    other = asleep(runner, "s2")  # never in doubt: nothing asked
+    await runner._still_here(other)
+    assert len(ctx.asked) == 1
