@@ -113,7 +113,9 @@ async def test_spawned_from_b_sent_and_watched_from_c_approved_from_b(
                 ("t3", "a")
             ]  # a's runner has it: the child is a's
 
-            watch = start(c, "sage", "watch", "t3")
+            # --replay: what the session did before c's relay of its events was up is
+            # printed first (the watch starts beside the send, not before it)
+            watch = start(c, "sage", "watch", "t3", "--replay", "256")
             standin.push(ToolUse(GREET, {"name": "Ada"}), Text("greeted Ada", chunks=2))
             send = start(c, "sage", "send", "t3", "greet Ada", "--approve", "ask")
 
@@ -147,8 +149,10 @@ async def test_spawned_from_b_sent_and_watched_from_c_approved_from_b(
             assert watch.returncode == 0, err
             events = [json.loads(line) for line in seen.splitlines()]
             names = [e["event"] for e in events]
+            assert names.count("tool_use") == 1, names  # replayed or live, never both
+            turn = names[names.index("tool_use") :]
             # the watcher on c saw the turn on a: the tool call, its approval, the reply, the end
-            assert [n for n in names if n != "text"] == [
+            assert [n for n in turn if n != "text"] == [
                 "tool_use",
                 "approval_request",
                 "approval",

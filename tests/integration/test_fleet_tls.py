@@ -30,7 +30,7 @@ def section(cluster: NatsCluster, **tls: Path) -> str:
         f"url = [{urls}]",
         'node = "a"',
         f'password_file = "{cluster.password_file("a")}"',
-        "connect_timeout = 1.0",
+        "connect_timeout = 5.0",  # the bucket waits 4x this for JetStream (a loaded host)
         "replicas = 3",
         *(f'{key} = "{value}"' for key, value in tls.items()),
     ]
