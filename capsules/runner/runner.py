@@ -873,7 +873,12 @@ class Runner:
 
     async def fence(self, session: Session, node: str) -> None:
         """End ``session`` here ``failed_over``: ``node`` runs it now.  Audited
-        ``session_fenced`` (with the child's pid, if one ran); returns once it ended."""
+        ``session_fenced`` (with the child's pid, if one ran); returns once it ended.
+        Fenced already (the return and the sweep may both ask): it waits for that end."""
+        if session.end_reason == EndReason.FAILED_OVER:
+            with anyio.move_on_after(self.config.limits.stop_grace * 3 + 5):
+                await session.done.wait()
+            return
         proc = session.proc
         pid = proc.pid if proc is not None and session.state not in ASLEEP else None
         log.warning("session.fenced", session_id=session.id, node=node, pid=pid)

@@ -164,3 +164,29 @@ async def test_a_session_still_this_nodes_wakes_and_is_asked_about_once(tmp_path
     other = asleep(runner, "s2")  # never in doubt: nothing asked
     await runner._still_here(other)
     assert len(ctx.asked) == 1
+
+
+async def test_a_session_fenced_twice_at_once_is_audited_once(tmp_path: Path) -> None:
+    """The return and the sweep may both yield a live session: one fence, one audit row,
+    and both wait for its end."""
+    import anyio
+
+    ctx = _Context(tmp_path)
+    runner = Runner(ctx)  # type: ignore[arg-type]
+    record = SessionRecord(session_id="s2", principal_id="alice", claude_session="c2")
+    session = Session(record, PrincipalConfig(name="alice"), state=SessionState.RUNNING)
+    runner.sessions.add(session)
+    returned: list[str] = []
+
+    async def yield_it(who: str) -> None:
+        await runner.fence(session, "b")
+        returned.append(who)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(yield_it, "return")
+        tg.start_soon(yield_it, "sweep")
+        await anyio.sleep(0.05)
+        assert returned == []  # both wait for the child's end
+        session.done.set()
+    assert sorted(returned) == ["return", "sweep"]
+    assert [a["session_id"] for a in audits(ctx, "session_fenced")] == ["s2"]
