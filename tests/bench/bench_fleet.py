@@ -72,7 +72,7 @@ from sage.cli.sage_cmd import call_session
 from sage.fleet.transcripts import TRANSCRIPTS, transcript_rel
 from tests.bench.bench_sessions import FAKE, _pct, _reap_leftovers, _remove
 from tests.bench.report import Report
-from tests.support.daemon import Daemon, short_dir
+from tests.support.daemon import Daemon, node_root, short_dir
 from tests.support.nats_cluster import NatsCluster, stored_object
 
 NODES = ("a", "c")
@@ -104,10 +104,8 @@ def _fleet() -> Iterator[dict[str, Daemon]]:
         daemons: dict[str, Daemon] = {}
         try:
             for node in NODES:
-                root = short_dir()
-                root.chmod(0o755)  # alice's uid reaches the socket's folder through it
-                daemons[node] = Daemon(
-                    root, _config(cluster, node), env={"ANTHROPIC_API_KEY": "sk"}
+                daemons[node] = Daemon(  # alice's uid reaches the socket through node_root
+                    node_root(), _config(cluster, node), env={"ANTHROPIC_API_KEY": "sk"}
                 )
                 daemons[node].launch()
             for daemon in daemons.values():

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -26,7 +25,7 @@ from sage.fleet.nodes import NodeRecord
 from sage.fleet.permissions import BUCKET, inbox_prefix
 from sage.fleet.routes import CLAIMS, REGISTRY, Claim, SessionEntry, registry_key
 from tests.support import FAKE_CLAUDE
-from tests.support.daemon import Daemon, all_running, short_dir
+from tests.support.daemon import Daemon, all_running, node_root
 from tests.support.nats_cluster import ADMIN, NatsCluster, wait_for
 
 NODES = ["a", "b", "c"]
@@ -44,12 +43,6 @@ def node_config(cluster: NatsCluster, node: str) -> str:
         "heartbeat = 0.5\nlost_after = 2.0\nconnect_timeout = 5.0\nreplicas = 3\n"
         f'[[principals]]\nname = "alice"\nuids = [{ALICE_UID}]\noperator_key = true\n'
     )
-
-
-def node_root() -> Path:
-    root = short_dir()
-    root.chmod(0o755)
-    return root
 
 
 @pytest.fixture(scope="module")

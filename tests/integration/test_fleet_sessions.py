@@ -16,7 +16,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -24,7 +23,7 @@ import pytest
 
 from tests.support import FAKE_CLAUDE
 from tests.support.as_uid import NOGROUP
-from tests.support.daemon import ASTRID, Daemon, all_running, short_dir
+from tests.support.daemon import ASTRID, Daemon, all_running, node_root, short_dir
 from tests.support.nats_cluster import NatsCluster, wait_for
 
 NODES = ["a", "b", "c"]
@@ -67,12 +66,6 @@ def node_config(cluster: NatsCluster, node: str) -> str:
         + f'[[principals]]\nname = "bob"\nuids = [{BOB_UID}]\noperator_key = true\n'
         + EXTRA.get(node, "")
     )
-
-
-def node_root() -> Path:
-    root = short_dir()
-    root.chmod(0o755)  # other uids reach the socket's folder (group nogroup) through it
-    return root
 
 
 @pytest.fixture(scope="module")

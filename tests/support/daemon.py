@@ -30,6 +30,14 @@ def short_dir() -> Path:
     return root
 
 
+def node_root() -> Path:
+    """A :func:`short_dir` for a supervisor whose socket other uids (mapped principals,
+    an unmapped uid) must reach: they traverse its folder, so it is 0755."""
+    root = short_dir()
+    root.chmod(0o755)
+    return root
+
+
 def descendants(root: int) -> list[int]:
     """Every live process below ``root`` (children first found, from /proc)."""
     children: dict[int, list[int]] = {}
