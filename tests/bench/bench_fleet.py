@@ -85,15 +85,12 @@ DEADLINE = 30.0
 
 
 def _config(cluster: NatsCluster, node: str) -> str:
-    urls = ", ".join(f'"{url}"' for url in cluster.urls)
     return (
         'capsules = ["runner"]\n'
         f'[claude]\nbinary = "{FAKE}"\nenv = {{ FAKE_CLAUDE_MODE = "" }}\n'
         '[limits]\nstop_grace = 2.0\n[socket]\ngroup = "nogroup"\n'
-        f'[fleet]\nurl = [{urls}]\nnode = "{node}"\n'
-        f'password_file = "{cluster.password_file(node)}"\n'
-        "connect_timeout = 5.0\nreplicas = 3\n"
-        f'[[principals]]\nname = "alice"\nuids = [{ALICE_UID}]\noperator_key = true\n'
+        + cluster.fleet_section(node, heartbeat=None, lost_after=None)
+        + f'[[principals]]\nname = "alice"\nuids = [{ALICE_UID}]\noperator_key = true\n'
     )
 
 
@@ -346,15 +343,12 @@ FAILOVER_NODES = ("a", "b", "c")
 
 def _failover_config(cluster: NatsCluster, node: str) -> str:
     """Default heartbeat and lost_after: what the goal is stated for."""
-    urls = ", ".join(f'"{url}"' for url in cluster.urls)
     return (
         'capsules = ["runner"]\n'
         f'[claude]\nbinary = "{FAKE}"\nenv = {{ FAKE_CLAUDE_MODE = "" }}\n'
         "[limits]\nstop_grace = 2.0\n[sessions]\nresume = true\n"
-        f'[fleet]\nurl = [{urls}]\nnode = "{node}"\n'
-        f'password_file = "{cluster.password_file(node)}"\n'
-        "connect_timeout = 5.0\nreplicas = 3\n"
-        '[[principals]]\nname = "alice"\noperator_key = true\n'
+        + cluster.fleet_section(node, heartbeat=None, lost_after=None)
+        + '[[principals]]\nname = "alice"\noperator_key = true\n'
     )
 
 

@@ -26,12 +26,7 @@ LOST_AFTER = 2.0
 
 
 def _config(claude_bin: Path, standin: Standin, cluster: NatsCluster, node: str) -> str:
-    urls = ", ".join(f'"{url}"' for url in cluster.urls)
-    fleet = (
-        f'[fleet]\nurl = [{urls}]\nnode = "{node}"\n'
-        f'password_file = "{cluster.password_file(node)}"\n'
-        f"heartbeat = 0.5\nlost_after = {LOST_AFTER}\nconnect_timeout = 5.0\nreplicas = 1\n"
-    )
+    fleet = cluster.fleet_section(node, lost_after=LOST_AFTER, replicas=1)
     return sage_config(
         claude_bin,
         standin.offline_env(),

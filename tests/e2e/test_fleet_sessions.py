@@ -20,13 +20,10 @@ pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
 
 def _config(claude_bin: Path, standin: Standin, cluster: NatsCluster, node: str) -> str:
-    urls = ", ".join(f'"{url}"' for url in cluster.urls)
     fleet = (
-        f'[fleet]\nurl = [{urls}]\nnode = "{node}"\n'
-        f'password_file = "{cluster.password_file(node)}"\n'
-        "heartbeat = 0.5\nlost_after = 2.0\nconnect_timeout = 5.0\nreplicas = 1\n"
+        cluster.fleet_section(node, replicas=1)
         # the test's commands are an admin's (no --principal): b's admins are a's
-        '[fleet.peers.b]\nadmins = true\nprincipals = ["alice"]\n'
+        + '[fleet.peers.b]\nadmins = true\nprincipals = ["alice"]\n'
     )
     return sage_config(
         claude_bin,

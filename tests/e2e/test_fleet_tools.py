@@ -32,15 +32,12 @@ GREET = "mcp__sage__greet"
 def node_config(
     cluster: NatsCluster, node: str, capsules: str, binary: Path, env: dict[str, str]
 ) -> str:
-    urls = ", ".join(f'"{url}"' for url in cluster.urls)
     env_toml = ", ".join(f"{k} = {json.dumps(v)}" for k, v in env.items())
     return (
         f"capsules = {capsules}\n"
         f"[claude]\nbinary = {json.dumps(str(binary))}\nenv = {{ {env_toml} }}\n"
-        f'[fleet]\nurl = [{urls}]\nnode = "{node}"\n'
-        f'password_file = "{cluster.password_file(node)}"\n'
-        "heartbeat = 0.4\nlost_after = 1.5\nconnect_timeout = 5.0\nreplicas = 3\n"
-        f'[[principals]]\nname = "alice"\nuids = [{os.getuid()}]\noperator_key = true\n'
+        + cluster.fleet_section(node, heartbeat=0.4, lost_after=1.5)
+        + f'[[principals]]\nname = "alice"\nuids = [{os.getuid()}]\noperator_key = true\n'
         f'allowed_tools = ["{GREET}"]\n'
     )
 

@@ -46,16 +46,13 @@ LIMITS = {"a": "", "b": "", "c": "max_sessions_per_principal = 2\n"}
 
 
 def node_config(cluster: NatsCluster, node: str) -> str:
-    urls = ", ".join(f'"{url}"' for url in cluster.urls)
     return (
         'capsules = ["runner"]\n'
         f'[claude]\nbinary = "{FAKE_CLAUDE}"\nenv = {{ FAKE_CLAUDE_MODE = "" }}\n'
         f"[limits]\nstop_grace = 2.0\n{LIMITS[node]}"
         f"[sessions]\nresume = true\n{SESSIONS[node]}"
-        f'[fleet]\nurl = [{urls}]\nnode = "{node}"\n'
-        f'password_file = "{cluster.password_file(node)}"\n'
-        f"heartbeat = {HEARTBEAT}\nlost_after = {LOST_AFTER}\nconnect_timeout = 5.0\nreplicas = 3\n"
-        '[[principals]]\nname = "alice"\noperator_key = true\n'
+        + cluster.fleet_section(node, heartbeat=HEARTBEAT, lost_after=LOST_AFTER)
+        + '[[principals]]\nname = "alice"\noperator_key = true\n'
         '[[principals]]\nname = "bob"\noperator_key = true\n'
     )
 

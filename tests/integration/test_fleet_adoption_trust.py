@@ -27,7 +27,7 @@ from tests.integration.test_fleet_failover import (
     node_config,
 )
 from tests.support.daemon import Daemon, short_dir
-from tests.support.nats_cluster import NatsCluster, wait_for
+from tests.support.nats_cluster import JS_TIMEOUT, NatsCluster, wait_for
 
 PLANTED = "11111111-2222-4333-8444-555555555555"
 
@@ -35,14 +35,10 @@ PLANTED = "11111111-2222-4333-8444-555555555555"
 async def _play_rogue(cluster: NatsCluster) -> None:
     """As node r: a record declaring alice and bob, claims to a1 (alice) and b1 (bob), and a
     transcript for b1; then silence (its record ages into lost)."""
-    from nats.aio.client import Client
     from nats.js.api import ObjectMeta
 
-    nc = Client()
-    password = cluster.password_file("r").read_text().strip()
-    await nc.connect(cluster.urls, user="r", password=password, inbox_prefix="_INBOX.r")
-    try:
-        js = nc.jetstream()
+    async with cluster.client("r") as nc:
+        js = nc.jetstream(timeout=JS_TIMEOUT)
         now = time.time()
         record = NodeRecord(
             node="r",
@@ -71,8 +67,6 @@ async def _play_rogue(cluster: NatsCluster) -> None:
         )
         store = await js.object_store("sage_transcripts")
         await store.put("b1", data, meta=ObjectMeta(name="b1", description=meta.encode()))
-    finally:
-        await nc.close()
 
 
 def test_a_lost_node_pinned_to_alice_cannot_plant_a_session_of_bob() -> None:

@@ -23,28 +23,23 @@ import pytest
 from sage.audit.chain import entry_hash
 from sage.fleet.audit_check import StreamedEntry, subject_of
 from tests.support.daemon import Daemon, short_dir
-from tests.support.nats_cluster import NatsCluster
+from tests.support.nats_cluster import JS_TIMEOUT, NatsCluster
 
 NODES = ["a", "b", "c"]
 
 
-def fleet_section(cluster: NatsCluster, node: str) -> str:
-    urls = ", ".join(f'"{url}"' for url in cluster.urls)
+def node_config(cluster: NatsCluster, node: str) -> str:
     return (
-        "[fleet]\n"
-        f"url = [{urls}]\n"
-        f'node = "{node}"\n'
-        f'password_file = "{cluster.password_file(node)}"\n'
-        "heartbeat = 0.5\nlost_after = 3.0\nconnect_timeout = 5.0\nreplicas = 3\n"
+        cluster.fleet_section(node, lost_after=3.0)
         # a checkpoint every 4 entries: the stream holds several
-        "[audit]\ncheckpoint_every = 4\n"
+        + "[audit]\ncheckpoint_every = 4\n"
     )
 
 
 @pytest.fixture
 def fleet() -> Iterator[tuple[NatsCluster, dict[str, Daemon]]]:
     with NatsCluster(NODES) as cluster:
-        daemons = {node: Daemon(short_dir(), fleet_section(cluster, node)) for node in NODES}
+        daemons = {node: Daemon(short_dir(), node_config(cluster, node)) for node in NODES}
         try:
             for daemon in daemons.values():
                 daemon.launch()
@@ -128,24 +123,12 @@ async def forge_as_b(cluster: NatsCluster, secret: str) -> list[str]:
     """As node b's own user: read the stream (the secret is not in it), try to forge a's
     entry, purge and delete (each refused: no answer), publish garbage on its own key
     subject (allowed).  The server's error callbacks, as text."""
-    import nats
     from nats.errors import TimeoutError as NatsTimeout
 
     errors: list[str] = []
 
-    async def on_error(exc: Exception) -> None:
-        errors.append(str(exc))
-
-    nc = await nats.connect(
-        servers=cluster.urls,
-        user="b",
-        password=cluster.passwords["b"],
-        inbox_prefix="_INBOX.b",
-        error_cb=on_error,
-        allow_reconnect=False,
-    )
-    try:
-        js = nc.jetstream(timeout=2.0)
+    async with cluster.client("b", errors=errors) as nc:
+        js = nc.jetstream(timeout=JS_TIMEOUT)
         info = await js.stream_info("sage_audit")
         payloads = []
         for seq in range(info.state.first_seq, info.state.last_seq + 1):
@@ -175,8 +158,6 @@ async def forge_as_b(cluster: NatsCluster, secret: str) -> list[str]:
         # its own subject is allowed (the server acknowledges it)
         ack = await js.publish(subject_of("b", "key"), b"{}")
         assert ack.stream == "sage_audit"
-    finally:
-        await nc.close()
     return errors
 
 
@@ -281,8 +262,7 @@ def test_a_nats_outage_then_catch_up_loses_no_entry(
     cluster, daemons = fleet
     a = daemons["a"]
     wait_streamed(daemons)
-    for index in range(cluster.size):
-        cluster.kill(index)
+    cluster.kill_all()
     emit(a, 8, "outage")
     assert local_head(a) >= 9
     for index in range(cluster.size):

@@ -25,24 +25,9 @@ LOST_AFTER = 1.5
 SLACK = 2.0
 
 
-def fleet_section(cluster: NatsCluster, node: str, **extra: str) -> str:
-    urls = ", ".join(f'"{url}"' for url in cluster.urls)
-    lines = [
-        "[fleet]",
-        f"url = [{urls}]",
-        f'node = "{node}"',
-        f'password_file = "{cluster.password_file(node)}"',
-        f"heartbeat = {HEARTBEAT}",
-        f"lost_after = {LOST_AFTER}",
-        "connect_timeout = 5.0",
-        "replicas = 3",
-        *(f"{key} = {value}" for key, value in extra.items()),
-    ]
-    return "\n".join(lines) + "\n"
-
-
 def fleet_daemon(cluster: NatsCluster, node: str) -> Daemon:
-    return Daemon(short_dir(), 'capsules = ["echo"]\n' + fleet_section(cluster, node))
+    section = cluster.fleet_section(node, heartbeat=HEARTBEAT, lost_after=LOST_AFTER)
+    return Daemon(short_dir(), 'capsules = ["echo"]\n' + section)
 
 
 @pytest.fixture
@@ -176,8 +161,7 @@ def test_with_every_server_gone_nodes_serve_locally_stop_cleanly_and_resume(
     cluster, daemons = fleet
     a, b = daemons["a"], daemons["b"]
     earlier = len(a.log())  # what the module's earlier tests (a server killed) left in it
-    for index in range(cluster.size):
-        cluster.kill(index)
+    cluster.kill_all()
     wait_for(
         lambda: '"fleet.heartbeat_failed"' in a.log()[earlier:], 10.0, "a notes failed heartbeats"
     )
@@ -189,8 +173,9 @@ def test_with_every_server_gone_nodes_serve_locally_stop_cleanly_and_resume(
     )
     since = a.log()[earlier:]
     assert since.count('"fleet.heartbeat_failed"') == 1
-    # every failed reconnect attempt (two a second) is not a warning of its own
-    assert since.count('"fleet.disconnected"') == 1
+    # every failed reconnect attempt (two a second) is not a warning of its own: one per
+    # outage (a reconnect that won a race with the kills ends one)
+    assert since.count('"fleet.disconnected"') == 1 + since.count('"fleet.reconnected"')
     assert since.count('"fleet.nats_error"') <= 2, since[-3000:]
 
     t0 = time.monotonic()

@@ -18,9 +18,9 @@ import nats
 import pytest
 
 from sage.fleet.nodes import NodeRecord
-from sage.fleet.permissions import BUCKET, inbox_prefix, node_permissions
+from sage.fleet.permissions import BUCKET, node_permissions
 from tests.support.daemon import ASTRID, Daemon, short_dir
-from tests.support.nats_cluster import NatsCluster, wait_for
+from tests.support.nats_cluster import JS_TIMEOUT, NatsCluster, refused_kv, wait_for
 from tests.support.nats_jwt import Operator
 
 
@@ -150,28 +150,15 @@ async def test_the_permissions_in_the_user_jwt_hold(cluster: NatsCluster) -> Non
     its put of a's."""
     daemon = Daemon(short_dir(), section(cluster.urls, "a", cluster.creds_file("a"))).start()
     try:
-        nc = await nats.connect(
-            cluster.urls,
-            user_credentials=str(cluster.creds_file("b")),
-            inbox_prefix=inbox_prefix("b"),
-            allow_reconnect=False,
-            error_cb=_quiet,
-        )
-        try:
-            kv = await nc.jetstream(timeout=1.0).key_value(BUCKET)
+        async with cluster.client("b") as nc:
+            kv = await nc.jetstream(timeout=JS_TIMEOUT).key_value(BUCKET)
             own = NodeRecord(
                 node="b", host="h", pid=1, started_at=1.0, heartbeat_at=2.0, heartbeat=1.0
             )
             assert await kv.put("b", own.encode()) > 0
             with pytest.raises(nats.errors.TimeoutError):
-                await kv.put("a", b"forged")
+                await (await refused_kv(nc, BUCKET)).put("a", b"forged")
             await anyio.sleep(0.3)
             assert json.loads((await kv.get("a")).value or b"{}")["node"] == "a"
-        finally:
-            await nc.close()
     finally:
         assert daemon.stop() == 0
-
-
-async def _quiet(exc: Exception) -> None:
-    """nats-py's default prints a traceback for each async error (a denied publish)."""

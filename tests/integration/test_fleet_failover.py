@@ -33,15 +33,12 @@ TRANSCRIPT = b'{"type":"user","message":"remember tangerine"}\n{"type":"assistan
 
 
 def node_config(cluster: NatsCluster, node: str) -> str:
-    urls = ", ".join(f'"{url}"' for url in cluster.urls)
     return (
         'capsules = ["runner"]\n'
         f'[claude]\nbinary = "{FAKE_CLAUDE}"\nenv = {{ FAKE_CLAUDE_MODE = "" }}\n'
         "[limits]\nstop_grace = 2.0\n[sessions]\nresume = true\n"
-        f'[fleet]\nurl = [{urls}]\nnode = "{node}"\n'
-        f'password_file = "{cluster.password_file(node)}"\n'
-        f"heartbeat = {HEARTBEAT}\nlost_after = {LOST_AFTER}\nconnect_timeout = 5.0\nreplicas = 3\n"
-        '[[principals]]\nname = "alice"\noperator_key = true\n'
+        + cluster.fleet_section(node, heartbeat=HEARTBEAT, lost_after=LOST_AFTER)
+        + '[[principals]]\nname = "alice"\noperator_key = true\n'
         # bob only on a and c: b cannot run his sessions, so it never takes them
         + ('[[principals]]\nname = "bob"\noperator_key = true\n' if node != "b" else "")
     )

@@ -164,22 +164,7 @@ def test_the_slow_sweep_ends_a_session_sage_claims_gives_another_node(
 def put_claim(cluster: NatsCluster, sid: str, claim: dict[str, object]) -> None:
     import json
 
-    import anyio
-    import nats
-
-    from tests.support.nats_cluster import ADMIN
-
-    async def main() -> None:
-        admin = await nats.connect(
-            cluster.urls, user=ADMIN, password=cluster.admin_password, allow_reconnect=False
-        )
-        try:
-            kv = await admin.jetstream(timeout=2.0).key_value(CLAIMS)
-            await kv.put(sid, json.dumps(claim).encode())
-        finally:
-            await admin.close()
-
-    anyio.run(main)
+    cluster.admin_put(CLAIMS, sid, json.dumps(claim).encode())
 
 
 def _as_alice(daemon: Daemon, topic: str, payload: object) -> dict[str, object]:

@@ -17,13 +17,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import anyio
-import nats
 import pytest
 
-from sage.fleet.permissions import BUCKET, inbox_prefix
+from sage.fleet.permissions import BUCKET
 from tests.support import FAKE_CLAUDE
 from tests.support.daemon import Daemon, all_running, short_dir
-from tests.support.nats_cluster import NatsCluster, wait_for
+from tests.support.nats_cluster import JS_TIMEOUT, NatsCluster, wait_for
 
 HEARTBEAT = 0.4
 LOST_AFTER = 1.5
@@ -36,16 +35,13 @@ SETUP = {
 
 def node_config(cluster: NatsCluster, node: str) -> str:
     placement, max_live, principals, limits = SETUP[node]
-    urls = ", ".join(f'"{url}"' for url in cluster.urls)
     return (
         'capsules = ["runner"]\n'
         f'[claude]\nbinary = "{FAKE_CLAUDE}"\nenv = {{ FAKE_CLAUDE_MODE = "" }}\n'
         f"[limits]\nstop_grace = 2.0\n{limits}"
         f"[sessions]\nmax_live = {max_live}\nwake_wait = 1.0\n"
-        f'[fleet]\nurl = [{urls}]\nnode = "{node}"\n'
-        f'password_file = "{cluster.password_file(node)}"\n'
-        f"heartbeat = {HEARTBEAT}\nlost_after = {LOST_AFTER}\nconnect_timeout = 5.0\n"
-        f"replicas = 3\n{placement}"
+        + cluster.fleet_section(node, heartbeat=HEARTBEAT, lost_after=LOST_AFTER)
+        + placement
         # c's admins spawn here for alice, whom c does not serve (docs/fleet.md,
         # "Who may act for whom": another node's admins are not admins here by default)
         + ("" if node == "c" else "[fleet.peers.c]\nadmins = true\n")
@@ -124,15 +120,8 @@ def claim_absurd_load(cluster: NatsCluster) -> None:
     children of 4, its clock a minute ahead so it stays live for the test."""
 
     async def main() -> None:
-        nc = await nats.connect(
-            cluster.urls,
-            user="d",
-            password=cluster.passwords["d"],
-            inbox_prefix=inbox_prefix("d"),
-            allow_reconnect=False,
-        )
-        try:
-            kv = await nc.jetstream(timeout=2.0).key_value(BUCKET)
+        async with cluster.client("d") as nc:
+            kv = await nc.jetstream(timeout=JS_TIMEOUT).key_value(BUCKET)
             record = {
                 "node": "d",
                 "host": "h",
@@ -144,8 +133,6 @@ def claim_absurd_load(cluster: NatsCluster) -> None:
                 "principals": ["alice"],
             }
             await kv.put("d", json.dumps(record).encode())
-        finally:
-            await nc.close()
 
     anyio.run(main)
 

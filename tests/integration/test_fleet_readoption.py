@@ -13,9 +13,6 @@ import json
 import signal
 import time
 
-import anyio
-import nats
-
 from sage.fleet.failover import RESWEEP
 from sage.fleet.routes import CLAIMS, REGISTRY
 from tests.integration.test_fleet_failover import (
@@ -26,25 +23,13 @@ from tests.integration.test_fleet_failover import (
     ok_json,
 )
 from tests.support.daemon import Daemon
-from tests.support.nats_cluster import ADMIN, NatsCluster, wait_for
+from tests.support.nats_cluster import NatsCluster, wait_for
 
 __all__ = ("fleet",)  # the module's fixture: its own cluster and nodes
 
 
 def value(cluster: NatsCluster, bucket: str, key: str) -> dict[str, object] | None:
-    async def main() -> bytes | None:
-        admin = await nats.connect(
-            cluster.urls, user=ADMIN, password=cluster.admin_password, allow_reconnect=False
-        )
-        try:
-            kv = await admin.jetstream(timeout=2.0).key_value(bucket)
-            return (await kv.get(key)).value
-        except nats.js.errors.KeyNotFoundError:
-            return None
-        finally:
-            await admin.close()
-
-    found = anyio.run(main)
+    found = cluster.admin_get(bucket, key)
     return None if found is None else json.loads(found)
 
 

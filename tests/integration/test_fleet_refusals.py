@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 from collections.abc import Iterator
-from typing import Any
 
 import anyio
 import nats
@@ -16,9 +15,9 @@ import pytest
 from nats.js.errors import KeyNotFoundError
 
 from sage.fleet.nodes import NodeRecord
-from sage.fleet.permissions import BUCKET, inbox_prefix
+from sage.fleet.permissions import BUCKET
 from tests.support.daemon import ASTRID, Daemon, short_dir
-from tests.support.nats_cluster import ADMIN, NatsCluster, free_port, new_user_seed
+from tests.support.nats_cluster import JS_TIMEOUT, NatsCluster, free_port, new_user_seed, refused_kv
 
 NODES = ["a", "b"]
 
@@ -109,21 +108,6 @@ def test_without_fleet_status_says_not_in_a_fleet() -> None:
         assert daemon.stop() == 0
 
 
-async def _as_node(cluster: NatsCluster, node: str) -> Any:
-    return await nats.connect(
-        cluster.urls,
-        user=node,
-        password=cluster.passwords[node],
-        inbox_prefix=inbox_prefix(node),
-        allow_reconnect=False,
-        error_cb=_quiet,
-    )
-
-
-async def _quiet(exc: Exception) -> None:
-    """nats-py's default prints a traceback for each async error (a denied publish)."""
-
-
 @pytest.mark.anyio
 async def test_a_node_may_put_its_own_key_and_never_another_nodes(cluster: NatsCluster) -> None:
     """With exactly the permissions `astrid fleet permissions` prints, node a creates and
@@ -132,10 +116,9 @@ async def test_a_node_may_put_its_own_key_and_never_another_nodes(cluster: NatsC
         short_dir(), section(cluster.urls, "b", str(cluster.password_file("b")))
     ).start()  # node b, a real supervisor, heartbeats into the bucket
     try:
-        nc = await _as_node(cluster, "a")
-        try:
-            js = nc.jetstream(timeout=1.0)
-            kv = await js.key_value(BUCKET)
+        async with cluster.client("a") as nc:
+            kv = await nc.jetstream(timeout=JS_TIMEOUT).key_value(BUCKET)
+            denied = await refused_kv(nc, BUCKET)
             own = NodeRecord(
                 node="a", host="h", pid=1, started_at=1.0, heartbeat_at=2.0, heartbeat=1.0
             )
@@ -144,7 +127,7 @@ async def test_a_node_may_put_its_own_key_and_never_another_nodes(cluster: NatsC
             before = (await kv.get("b")).value
             forged = forged_record("b")
             with pytest.raises(nats.errors.TimeoutError):
-                await kv.put("b", forged)
+                await denied.put("b", forged)
             await anyio.sleep(0.3)
             current = (await kv.get("b")).value
             assert current != forged
@@ -152,12 +135,10 @@ async def test_a_node_may_put_its_own_key_and_never_another_nodes(cluster: NatsC
             assert before is not None
             # nor may it delete or purge another node's key (both are publishes there)
             with pytest.raises(nats.errors.TimeoutError):
-                await kv.delete("b")
+                await denied.delete("b")
             assert (await kv.get("b")).value != forged
             with pytest.raises(KeyNotFoundError):
                 await kv.get("nobody")
-        finally:
-            await nc.close()
     finally:
         assert daemon.stop() == 0
 
@@ -183,14 +164,9 @@ async def test_a_malformed_record_is_ignored_and_logged(cluster: NatsCluster) ->
         short_dir(), section(cluster.urls, "a", str(cluster.password_file("a")))
     ).start()
     try:
-        admin = await nats.connect(
-            cluster.urls, user=ADMIN, password=cluster.admin_password, allow_reconnect=False
-        )
-        try:
-            kv = await admin.jetstream(timeout=2.0).key_value(BUCKET)
+        async with cluster.client() as admin:
+            kv = await admin.jetstream(timeout=JS_TIMEOUT).key_value(BUCKET)
             await kv.put("zz", b"\x00not json")
-        finally:
-            await admin.close()
         result = await anyio.to_thread.run_sync(lambda: daemon.astrid("fleet", "status", "--json"))
         assert result.returncode == 0, result.stderr
         names = [n["node"] for n in json.loads(result.stdout)["nodes"]]

@@ -25,7 +25,7 @@ from sage.fleet.router import RESYNC_CHECK
 from sage.fleet.routes import REGISTRY, REGISTRY_STREAM, SessionEntry, registry_key
 from tests.support import FAKE_CLAUDE
 from tests.support.daemon import Daemon, all_running, node_root
-from tests.support.nats_cluster import ADMIN, NatsCluster, wait_for
+from tests.support.nats_cluster import JS_TIMEOUT, NatsCluster, wait_for
 
 NODES = ["a", "b", "c"]
 ALICE_UID = 65533
@@ -33,17 +33,14 @@ ALICE_UID = 65533
 
 def node_config(cluster: NatsCluster, node: str) -> str:
     """The runner with the double; on node b an idle session hibernates after 0.5 s."""
-    urls = ", ".join(f'"{url}"' for url in cluster.urls)
     sleepy = "[sessions]\nhibernate_after = 0.5\n" if node == "b" else ""
     return (
         'capsules = ["runner"]\n'
         f'[claude]\nbinary = "{FAKE_CLAUDE}"\nenv = {{ FAKE_CLAUDE_MODE = "" }}\n'
         '[limits]\nstop_grace = 2.0\n[socket]\ngroup = "nogroup"\n'
         + sleepy
-        + f'[fleet]\nurl = [{urls}]\nnode = "{node}"\n'
-        f'password_file = "{cluster.password_file(node)}"\n'
-        "heartbeat = 0.5\nlost_after = 2.0\nconnect_timeout = 5.0\nreplicas = 3\n"
-        f'[[principals]]\nname = "alice"\nuids = [{ALICE_UID}]\noperator_key = true\n'
+        + cluster.fleet_section(node)
+        + f'[[principals]]\nname = "alice"\nuids = [{ALICE_UID}]\noperator_key = true\n'
     )
 
 
@@ -66,11 +63,8 @@ def owner_in_bucket(cluster: NatsCluster, sid: str) -> str:
     """The node whose key claims ``sid`` ("": none; "a,b": several)."""
 
     async def main() -> str:
-        admin = await nats.connect(
-            cluster.urls, user=ADMIN, password=cluster.admin_password, allow_reconnect=False
-        )
-        try:
-            kv = await admin.jetstream(timeout=2.0).key_value(REGISTRY)
+        async with cluster.client() as admin:
+            kv = await admin.jetstream(timeout=JS_TIMEOUT).key_value(REGISTRY)
             found = []
             for node in NODES:
                 try:
@@ -78,8 +72,6 @@ def owner_in_bucket(cluster: NatsCluster, sid: str) -> str:
                 except nats.js.errors.KeyNotFoundError:
                     continue
                 found.append(str(json.loads(value).get("node", "")))
-        finally:
-            await admin.close()
         return ",".join(found)
 
     return anyio.run(main)
@@ -87,19 +79,14 @@ def owner_in_bucket(cluster: NatsCluster, sid: str) -> str:
 
 def put_owner(cluster: NatsCluster, sid: str, node: str) -> None:
     async def main() -> None:
-        admin = await nats.connect(
-            cluster.urls, user=ADMIN, password=cluster.admin_password, allow_reconnect=False
-        )
-        try:
-            kv = await admin.jetstream(timeout=2.0).key_value(REGISTRY)
+        async with cluster.client() as admin:
+            kv = await admin.jetstream(timeout=JS_TIMEOUT).key_value(REGISTRY)
             # written now: a resync that listed its runner before leaves it alone
             entry = SessionEntry(node=node, principal_id="alice", at=time.time())
             await kv.put(registry_key(node, sid), entry.encode())
             for other in NODES:  # the session moved: no other node claims it
                 if other != node:
                     await kv.delete(registry_key(other, sid))
-        finally:
-            await admin.close()
 
     anyio.run(main)
 
@@ -109,11 +96,8 @@ def delete_watch_of(cluster: NatsCluster, node: str) -> int:
     to the node's own inboxes); how many."""
 
     async def main() -> int:
-        admin = await nats.connect(
-            cluster.urls, user=ADMIN, password=cluster.admin_password, allow_reconnect=False
-        )
-        try:
-            js = admin.jetstream(timeout=2.0)
+        async with cluster.client() as admin:
+            js = admin.jetstream(timeout=JS_TIMEOUT)
             deleted = 0
             for info in await js.consumers_info(REGISTRY_STREAM):
                 deliver = info.config.deliver_subject or ""
@@ -121,8 +105,6 @@ def delete_watch_of(cluster: NatsCluster, node: str) -> int:
                     await js.delete_consumer(REGISTRY_STREAM, info.name)
                     deleted += 1
             return deleted
-        finally:
-            await admin.close()
 
     return anyio.run(main)
 
@@ -159,13 +141,8 @@ def watching_nodes(cluster: NatsCluster) -> set[str]:
     """The nodes with a consumer of the registry stream delivered to their inboxes."""
 
     async def main() -> set[str]:
-        admin = await nats.connect(
-            cluster.urls, user=ADMIN, password=cluster.admin_password, allow_reconnect=False
-        )
-        try:
-            infos = await admin.jetstream(timeout=2.0).consumers_info(REGISTRY_STREAM)
-        finally:
-            await admin.close()
+        async with cluster.client() as admin:
+            infos = await admin.jetstream(timeout=JS_TIMEOUT).consumers_info(REGISTRY_STREAM)
         subjects = [info.config.deliver_subject or "" for info in infos]
         return {node for node in NODES if any(s.startswith(f"_INBOX.{node}.") for s in subjects)}
 
@@ -227,7 +204,7 @@ def test_a_stale_copy_is_corrected_by_the_bucket_and_said(
 
     # the stale copy's watch is started anew at once (nats-py alone would take 10 s or
     # more to miss two heartbeats), and the next send needs no correction
-    wait_for(lambda: "c" in watching_nodes(cluster), 5.0, "c's new registry watch")
+    wait_for(lambda: "c" in watching_nodes(cluster), 8.0, "c's new registry watch")
     code, out = send(c, "moving", "once more")
     assert code == 0, out
     assert len(log_events(c, "fleet.registry_copy_stale")) == len(stale)

@@ -22,26 +22,23 @@ import nats
 import pytest
 
 from sage.fleet.nodes import NodeRecord
-from sage.fleet.permissions import BUCKET, inbox_prefix
+from sage.fleet.permissions import BUCKET
 from sage.fleet.routes import CLAIMS, REGISTRY, Claim, SessionEntry, registry_key
 from tests.support import FAKE_CLAUDE
 from tests.support.daemon import Daemon, all_running, node_root
-from tests.support.nats_cluster import ADMIN, NatsCluster, wait_for
+from tests.support.nats_cluster import JS_TIMEOUT, NatsCluster, refused_kv, wait_for
 
 NODES = ["a", "b", "c"]
 ALICE_UID = 65533
 
 
 def node_config(cluster: NatsCluster, node: str) -> str:
-    urls = ", ".join(f'"{url}"' for url in cluster.urls)
     return (
         'capsules = ["runner"]\n'
         f'[claude]\nbinary = "{FAKE_CLAUDE}"\nenv = {{ FAKE_CLAUDE_MODE = "" }}\n'
         '[limits]\nstop_grace = 2.0\n[socket]\ngroup = "nogroup"\n'
-        f'[fleet]\nurl = [{urls}]\nnode = "{node}"\n'
-        f'password_file = "{cluster.password_file(node)}"\n'
-        "heartbeat = 0.5\nlost_after = 2.0\nconnect_timeout = 5.0\nreplicas = 3\n"
-        f'[[principals]]\nname = "alice"\nuids = [{ALICE_UID}]\noperator_key = true\n'
+        + cluster.fleet_section(node)
+        + f'[[principals]]\nname = "alice"\nuids = [{ALICE_UID}]\noperator_key = true\n'
     )
 
 
@@ -81,43 +78,8 @@ def forwarded(daemon: Daemon, sid: str) -> list[dict[str, Any]]:
     return [r for r in log_events(daemon, "fleet.forwarded_in") if r.get("session_id") == sid]
 
 
-class Rogue:
-    """A connection with node ``node``'s own NATS user (a compromised node), which
-    records the server's permission violations."""
-
-    def __init__(self, cluster: NatsCluster, node: str) -> None:
-        self.cluster = cluster
-        self.node = node
-        self.violations: list[str] = []
-
-    async def connect(self) -> Any:
-        async def errors(exc: Exception) -> None:
-            self.violations.append(str(exc))
-
-        return await nats.connect(
-            self.cluster.urls,
-            user=self.node,
-            password=self.cluster.passwords[self.node],
-            inbox_prefix=inbox_prefix(self.node),
-            allow_reconnect=False,
-            error_cb=errors,
-        )
-
-
 def registry_value(cluster: NatsCluster, key: str) -> bytes | None:
-    async def main() -> bytes | None:
-        admin = await nats.connect(
-            cluster.urls, user=ADMIN, password=cluster.admin_password, allow_reconnect=False
-        )
-        try:
-            kv = await admin.jetstream(timeout=2.0).key_value(REGISTRY)
-            return (await kv.get(key)).value
-        except nats.js.errors.KeyNotFoundError:
-            return None
-        finally:
-            await admin.close()
-
-    return anyio.run(main)
+    return cluster.admin_get(REGISTRY, key)
 
 
 def test_a_node_cannot_put_or_delete_another_nodes_claim(
@@ -128,30 +90,28 @@ def test_a_node_cannot_put_or_delete_another_nodes_claim(
     spawn(a, "t1")
     wait_for(lambda: registry_value(cluster, "a.t1") is not None, 10.0, "a's claim to t1")
     before = registry_value(cluster, "a.t1")
-    rogue = Rogue(cluster, "b")
+    violations: list[str] = []
 
     async def main() -> None:
-        nc = await rogue.connect()
-        try:
-            kv = await nc.jetstream(timeout=1.0).key_value(REGISTRY)
+        async with cluster.client("b", errors=violations) as nc:  # a rogue node b
+            denied = await refused_kv(nc, REGISTRY)
             lie = SessionEntry(node="b", principal_id="alice", at=time.time()).encode()
             with pytest.raises(nats.errors.TimeoutError):
-                await kv.put("a.t1", lie)
+                await denied.put("a.t1", lie)
             with pytest.raises(nats.errors.TimeoutError):
-                await kv.delete("a.t1")
+                await denied.delete("a.t1")
             with pytest.raises(nats.errors.TimeoutError):
-                await kv.purge("a.t1")
+                await denied.purge("a.t1")
             # its own key it may write (and delete)
+            kv = await nc.jetstream(timeout=JS_TIMEOUT).key_value(REGISTRY)
             assert await kv.put("b.elsewhere", lie) > 0
             await kv.delete("b.elsewhere")
-        finally:
-            await nc.close()
 
     anyio.run(main)
     assert registry_value(cluster, "a.t1") == before
-    refused = [v for v in rogue.violations if "permissions violation" in v.lower()]
-    assert all("$kv.sage_sessions.a.t1" in v.lower() for v in refused), rogue.violations
-    assert len(refused) >= 3, rogue.violations
+    refused = [v for v in violations if "permissions violation" in v.lower()]
+    assert all("$kv.sage_sessions.a.t1" in v.lower() for v in refused), violations
+    assert len(refused) >= 3, violations
     code, out = send(c, "t1", "still a's")
     assert code == 0, out
     assert forwarded(a, "t1")[-1]["ok"] is True
@@ -168,26 +128,15 @@ def test_a_claim_under_a_lost_nodes_name_is_not_followed(
     spawn(a, "t2")
     wait_for(lambda: registry_value(cluster, "a.t2") is not None, 10.0, "a's claim to t2")
 
+    dead = NodeRecord(node="d", host="h", pid=1, started_at=1.0, heartbeat_at=2.0, heartbeat=0.5)
+    cluster.admin_put(BUCKET, "d", dead.encode())
+    newer = SessionEntry(node="d", principal_id="alice", at=time.time() + 3600)
+    cluster.admin_put(REGISTRY, registry_key("d", "t2"), newer.encode())
+
     async def main() -> None:
-        admin = await nats.connect(
-            cluster.urls, user=ADMIN, password=cluster.admin_password, allow_reconnect=False
-        )
-        try:
-            js = admin.jetstream(timeout=2.0)
-            dead = NodeRecord(
-                node="d", host="h", pid=1, started_at=1.0, heartbeat_at=2.0, heartbeat=0.5
-            )
-            await (await js.key_value(BUCKET)).put("d", dead.encode())
-            newer = SessionEntry(node="d", principal_id="alice", at=time.time() + 3600)
-            await (await js.key_value(REGISTRY)).put(registry_key("d", "t2"), newer.encode())
-        finally:
-            await admin.close()
-        rogue = await Rogue(cluster, "b").connect()
-        try:
-            claims = await rogue.jetstream(timeout=1.0).key_value(CLAIMS)
+        async with cluster.client("b") as rogue:
+            claims = await rogue.jetstream(timeout=JS_TIMEOUT).key_value(CLAIMS)
             await claims.put("t2", Claim(node="b", at=time.time()).encode())
-        finally:
-            await rogue.close()
 
     anyio.run(main)
     status = json.loads(c.astrid("fleet", "status", "--json", timeout=30.0).stdout)
@@ -211,19 +160,16 @@ def test_two_live_claimants_are_refused_and_logged(
     a, b, c = daemons["a"], daemons["b"], daemons["c"]
     spawn(a, "t3")
     wait_for(lambda: send(c, "t3", "hello")[0] == 0, 10.0, "a send from c reaching a")
-    rogue = Rogue(cluster, "b")
+    violations: list[str] = []
 
     async def claim(write: bool) -> None:
-        nc = await rogue.connect()
-        try:
-            kv = await nc.jetstream(timeout=1.0).key_value(REGISTRY)
+        async with cluster.client("b", errors=violations) as rogue:
+            kv = await rogue.jetstream(timeout=JS_TIMEOUT).key_value(REGISTRY)
             if write:
                 lie = SessionEntry(node="b", principal_id="alice", at=time.time())
                 await kv.put(registry_key("b", "t3"), lie.encode())
             else:
                 await kv.delete(registry_key("b", "t3"))
-        finally:
-            await nc.close()
 
     asked = len(forwarded(a, "t3")), len(forwarded(b, "t3"))
     anyio.run(claim, True)
@@ -235,7 +181,7 @@ def test_two_live_claimants_are_refused_and_logged(
     assert (conflicts[-1]["session_id"], conflicts[-1]["nodes"]) == ("t3", ["a", "b"])
     assert conflicts[-1]["level"] == "warning"
     assert (len(forwarded(a, "t3")), len(forwarded(b, "t3"))) == asked
-    assert not rogue.violations
+    assert not violations
 
     anyio.run(claim, False)
     wait_for(lambda: send(c, "t3", "a again")[0] == 0, 10.0, "a send from c reaching a again")

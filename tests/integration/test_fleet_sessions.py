@@ -31,15 +31,6 @@ HEARTBEAT = 0.4
 LOST_AFTER = 1.5
 
 
-def fleet_section(cluster: NatsCluster, node: str) -> str:
-    urls = ", ".join(f'"{url}"' for url in cluster.urls)
-    return (
-        f'[fleet]\nurl = [{urls}]\nnode = "{node}"\n'
-        f'password_file = "{cluster.password_file(node)}"\n'
-        f"heartbeat = {HEARTBEAT}\nlost_after = {LOST_AFTER}\nconnect_timeout = 5.0\nreplicas = 3\n"
-    )
-
-
 ALICE_UID, BOB_UID, CAROL_UID, DAVE_UID = 65533, 65534, 65532, 65531
 
 EXTRA = {
@@ -61,7 +52,7 @@ def node_config(cluster: NatsCluster, node: str) -> str:
         'capsules = ["runner"]\n'
         f'[claude]\nbinary = "{FAKE_CLAUDE}"\nenv = {{ FAKE_CLAUDE_MODE = "" }}\n'
         '[limits]\nstop_grace = 2.0\n[socket]\ngroup = "nogroup"\n'
-        + fleet_section(cluster, node)
+        + cluster.fleet_section(node, heartbeat=HEARTBEAT, lost_after=LOST_AFTER)
         + f'[[principals]]\nname = "alice"\nuids = [{ALICE_UID}]\noperator_key = true\n'
         + f'[[principals]]\nname = "bob"\nuids = [{BOB_UID}]\noperator_key = true\n'
         + EXTRA.get(node, "")
@@ -308,28 +299,13 @@ def test_a_node_may_not_publish_on_a_peer_it_was_not_given(
     errors: list[str] = []
 
     async def main() -> None:
-        from nats.aio.client import Client
 
-        async def on_error(exc: Exception) -> None:
-            errors.append(str(exc))
-
-        nc = Client()
-        await nc.connect(
-            servers=cluster.urls,
-            user="d",
-            password=cluster.passwords["d"],
-            inbox_prefix="_INBOX.d",
-            error_cb=on_error,
-            allow_reconnect=False,
-        )
-        try:
+        async with cluster.client("d", errors=errors) as nc:
             payload = json.dumps({"principal": None, "payload": {}}).encode()
             await nc.publish("sage.fleet.a.request.d.stop.s2", payload, reply="_INBOX.d.x")
             await nc.subscribe("sage.fleet.a.request.>")
             await nc.flush()
             await anyio.sleep(0.5)
-        finally:
-            await nc.close()
 
     anyio.run(main)
     assert any(
@@ -358,21 +334,8 @@ def test_a_node_may_not_name_another_as_the_origin(
     errors: list[str] = []
 
     async def main() -> dict[str, Any]:
-        from nats.aio.client import Client
 
-        async def on_error(exc: Exception) -> None:
-            errors.append(str(exc))
-
-        nc = Client()
-        await nc.connect(
-            servers=cluster.urls,
-            user="b",
-            password=cluster.passwords["b"],
-            inbox_prefix="_INBOX.b",
-            error_cb=on_error,
-            allow_reconnect=False,
-        )
-        try:
+        async with cluster.client("b", errors=errors) as nc:
             payload = json.dumps({"principal": "alice", "payload": {}}).encode()
             await nc.publish("sage.fleet.a.request.c.session.s11", payload, reply="_INBOX.b.x")
             await nc.flush()
@@ -380,8 +343,6 @@ def test_a_node_may_not_name_another_as_the_origin(
             own = await nc.request("sage.fleet.a.request.b.session.s11", payload, timeout=5.0)
             answer: dict[str, Any] = json.loads(own.data)
             return answer
-        finally:
-            await nc.close()
 
     answer = anyio.run(main)
     assert any(
@@ -400,21 +361,10 @@ def raw_node_request(cluster: NatsCluster, node: str, subject: str, principal: s
     answer."""
 
     async def main() -> Any:
-        from nats.aio.client import Client
 
-        nc = Client()
-        await nc.connect(
-            servers=cluster.urls,
-            user=node,
-            password=cluster.passwords[node],
-            inbox_prefix=f"_INBOX.{node}",
-            allow_reconnect=False,
-        )
-        try:
+        async with cluster.client(node) as nc:
             payload = json.dumps({"principal": principal, "payload": {}}).encode()
             return json.loads((await nc.request(subject, payload, timeout=5.0)).data)
-        finally:
-            await nc.close()
 
     return anyio.run(main)
 
@@ -520,49 +470,36 @@ def test_a_relayed_event_of_another_principal_is_dropped(
     ok_json(b, "sage", "spawn", "alice", "--session", "s41")
 
     async def main() -> tuple[list[str], list[str]]:
-        from nats.aio.client import Client
-
         from bus.client import BusClient
-
-        nc = Client()
-        await nc.connect(
-            servers=cluster.urls,
-            user="b",
-            password=cluster.passwords["b"],
-            inbox_prefix="_INBOX.b",
-            allow_reconnect=False,
-        )
 
         def event(principal: str, payload: Any) -> bytes:
             return json.dumps({"principal": principal, "ts": 1.0, "payload": payload}).encode()
 
-        try:
-            async with (
-                BusClient.connect(a.socket, role="cli", name="t", principal="alice") as alice,
-                BusClient.connect(a.socket, role="cli", name="t", principal="bob") as bob,
-            ):
-                alice_events = await alice.subscribe("sage.v1.event.s41.>")
-                bob_events = await bob.subscribe("sage.v1.event.s41.>")
-                reply = await alice.request("sage.v1.request.fleet.session.s41", {})
-                assert json.loads(reply.payload)["ok"], reply.payload
-                forged = event("bob", {"call_id": "c1", "tool_name": "rm"})
-                for _ in range(2):
-                    await nc.publish("sage.fleet.b.event.s41.approval_request", forged)
-                await nc.publish("sage.fleet.b.event.s41.text", event("alice", {"text": "m"}))
-                await nc.flush()
-                seen: list[str] = []
-                with anyio.fail_after(5.0):
-                    async for envelope in alice_events:
-                        seen.append(envelope.topic)
-                        if envelope.topic.endswith(".text"):
-                            break
-                leaked: list[str] = []
-                with anyio.move_on_after(0.5):
-                    async for envelope in bob_events:
-                        leaked.append(envelope.topic)
-                return seen, leaked
-        finally:
-            await nc.close()
+        async with (
+            cluster.client("b") as nc,
+            BusClient.connect(a.socket, role="cli", name="t", principal="alice") as alice,
+            BusClient.connect(a.socket, role="cli", name="t", principal="bob") as bob,
+        ):
+            alice_events = await alice.subscribe("sage.v1.event.s41.>")
+            bob_events = await bob.subscribe("sage.v1.event.s41.>")
+            reply = await alice.request("sage.v1.request.fleet.session.s41", {})
+            assert json.loads(reply.payload)["ok"], reply.payload
+            forged = event("bob", {"call_id": "c1", "tool_name": "rm"})
+            for _ in range(2):
+                await nc.publish("sage.fleet.b.event.s41.approval_request", forged)
+            await nc.publish("sage.fleet.b.event.s41.text", event("alice", {"text": "m"}))
+            await nc.flush()
+            seen: list[str] = []
+            with anyio.fail_after(5.0):
+                async for envelope in alice_events:
+                    seen.append(envelope.topic)
+                    if envelope.topic.endswith(".text"):
+                        break
+            leaked: list[str] = []
+            with anyio.move_on_after(0.5):
+                async for envelope in bob_events:
+                    leaked.append(envelope.topic)
+            return seen, leaked
 
     seen, leaked = anyio.run(main)
     assert "sage.v1.event.s41.text" in seen, seen
@@ -754,8 +691,7 @@ def test_with_nats_gone_local_sessions_go_on_and_remote_ones_say_so(
     ok_json(a, "sage", "spawn", "alice", "--session", "s5")
     ok_json(b, "sage", "spawn", "alice", "--session", "s6")
     wait_for(lambda: "s6" in rows(a), 5.0, "s6 listed on a")
-    for index in range(cluster.size):
-        cluster.kill(index)
+    cluster.kill_all()
     wait_for(lambda: '"fleet.disconnected"' in a.log(), 10.0, "a sees NATS gone")
     sent = astrid(a, "sage", "send", "s5", "still here", "--timeout", "20")
     assert sent.returncode == 0, sent.stderr

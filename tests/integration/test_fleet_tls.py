@@ -23,18 +23,9 @@ def tls_cluster() -> Iterator[tuple[NatsCluster, TlsFiles]]:
 
 
 def section(cluster: NatsCluster, **tls: Path) -> str:
-    urls = ", ".join(f'"{url}"' for url in cluster.urls)
-    lines = [
-        'capsules = ["echo"]',
-        "[fleet]",
-        f"url = [{urls}]",
-        'node = "a"',
-        f'password_file = "{cluster.password_file("a")}"',
-        "connect_timeout = 5.0",  # the bucket waits 4x this for JetStream (a loaded host)
-        "replicas = 3",
-        *(f'{key} = "{value}"' for key, value in tls.items()),
-    ]
-    return "\n".join(lines) + "\n"
+    # connect_timeout 5 s: the bucket waits 4x this for JetStream (a loaded host)
+    fleet = cluster.fleet_section("a", heartbeat=None, lost_after=None)
+    return 'capsules = ["echo"]\n' + fleet + "".join(f'{k} = "{v}"\n' for k, v in tls.items())
 
 
 def test_a_node_with_the_ca_and_its_certificate_joins(

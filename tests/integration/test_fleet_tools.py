@@ -23,7 +23,7 @@ import pytest
 from bus.client import BusClient
 from tests.support import FAKE_CLAUDE
 from tests.support.daemon import Daemon, all_running, short_dir
-from tests.support.nats_cluster import NatsCluster, wait_for
+from tests.support.nats_cluster import JS_TIMEOUT, NatsCluster, refused_kv, wait_for
 from tests.support.sage_harness import Sage
 
 NODES = ["a", "b", "c"]
@@ -35,16 +35,13 @@ ENV = {"ANTHROPIC_API_KEY": "sk-double"}
 
 
 def node_config(cluster: NatsCluster, node: str) -> str:
-    urls = ", ".join(f'"{url}"' for url in cluster.urls)
     env = ", ".join(f"{k} = {json.dumps(v)}" for k, v in ENV.items())
     return (
         f"capsules = {CAPSULES[node]}\n"
         f'[claude]\nbinary = "{FAKE_CLAUDE}"\nenv = {{ {env} }}\n'
         f"[limits]\nexecute_deadline = {DEADLINE}\n"
-        f'[fleet]\nurl = [{urls}]\nnode = "{node}"\n'
-        f'password_file = "{cluster.password_file(node)}"\n'
-        f"heartbeat = {HEARTBEAT}\nlost_after = {LOST_AFTER}\nconnect_timeout = 5.0\nreplicas = 3\n"
-        f'[[principals]]\nname = "alice"\nuids = [{os.getuid()}]\noperator_key = true\n'
+        + cluster.fleet_section(node, heartbeat=HEARTBEAT, lost_after=LOST_AFTER)
+        + f'[[principals]]\nname = "alice"\nuids = [{os.getuid()}]\noperator_key = true\n'
         'allowed_tools = ["mcp__sage__greet"]\n'
     )
 
@@ -92,22 +89,12 @@ async def call_greet(sage: Sage, sid: str, name: str) -> str:
 
 async def raw_call(cluster: NatsCluster, origin: str, node: str, principal: str | None) -> Any:
     """greet of ``node`` called by NATS user ``origin`` as a node would, for ``principal``."""
-    import nats
 
-    nc = await nats.connect(
-        cluster.urls,
-        user=origin,
-        password=cluster.passwords[origin],
-        inbox_prefix=f"_INBOX.{origin}",
-        allow_reconnect=False,
-    )
-    try:
+    async with cluster.client(origin) as nc:
         call = {"tool_name": "greet", "arguments": {"name": "Eve"}, "principal_id": principal}
         data = msgspec.json.encode({"call": call})
         msg = await nc.request(f"sage.fleet.{node}.tool.call.{origin}", data, timeout=5.0)
         return msgspec.json.decode(msg.data)
-    finally:
-        await nc.close()
 
 
 @pytest.mark.anyio
@@ -177,7 +164,6 @@ def test_a_node_cannot_forge_another_nodes_catalogue_or_take_its_calls() -> None
     """NATS refuses node a a put of b's key in sage_tools, a subscription to b's
     call subjects, a call to its own, and a call to b naming c as the origin; a's own
     key is put."""
-    import nats
     from nats.errors import Error as NatsError
 
     with NatsCluster(NODES) as cluster:
@@ -185,23 +171,12 @@ def test_a_node_cannot_forge_another_nodes_catalogue_or_take_its_calls() -> None
 
         async def main() -> None:
             errors: list[str] = []
-
-            async def on_error(exc: Exception) -> None:
-                errors.append(str(exc))
-
-            nc = await nats.connect(
-                cluster.urls,
-                user="a",
-                password=cluster.passwords["a"],
-                inbox_prefix="_INBOX.a",
-                error_cb=on_error,
-            )
-            try:
-                js = nc.jetstream(timeout=2.0)
+            async with cluster.client("a", errors=errors) as nc:
+                js = nc.jetstream(timeout=JS_TIMEOUT)
                 kv = await js.create_key_value(bucket="sage_tools", history=1, replicas=3)
                 forged = msgspec.json.encode({"node": "b", "tools": []})
                 with pytest.raises((NatsError, TimeoutError)):
-                    await kv.put("b", forged)
+                    await (await refused_kv(nc, "sage_tools")).put("b", forged)
                 await kv.put("a", msgspec.json.encode({"node": "a", "tools": []}))
                 await nc.subscribe("sage.fleet.b.tool.call.*")
                 with pytest.raises(TimeoutError):  # refused: no "no responders" either
@@ -213,7 +188,5 @@ def test_a_node_cannot_forge_another_nodes_catalogue_or_take_its_calls() -> None
                 assert any("subscription" in e and "sage.fleet.b.tool.call.*" in e for e in errors)
                 assert any("publish" in e and "sage.fleet.a.tool.call.a" in e for e in errors)
                 assert any("publish" in e and "sage.fleet.b.tool.call.c" in e for e in errors)
-            finally:
-                await nc.close()
 
         anyio.run(main)

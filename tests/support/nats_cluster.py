@@ -31,26 +31,36 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from sage.fleet.permissions import node_permissions
+from sage.fleet.permissions import inbox_prefix, node_permissions
 from sage.process import tie_to_parent
 from tests.support.nats_jwt import Operator
 from tests.support.tls_files import TlsFiles
 
 __all__ = (
+    "ADMIN",
+    "JS_TIMEOUT",
     "NatsCluster",
     "free_port",
     "nats_server_binary",
     "new_user_seed",
     "public_key",
+    "refused_kv",
+    "stored_object",
     "wait_for",
 )
 
 ADMIN = "admin"
+
+JS_TIMEOUT = 10.0
+"""How long a test waits for a JetStream answer it expects: a loaded host (CI, two
+cores, three servers and three supervisors) takes seconds at times, and a test that
+waits 1 or 2 s fails there for nothing.  A refusal a test expects to time out keeps
+its own short timeout."""
 
 
 def nats_server_binary() -> Path:
@@ -145,6 +155,91 @@ class NatsCluster:
             path.write_text(self.operator.user_creds(node, permissions))
             path.chmod(0o600)
         return path
+
+    def fleet_section(
+        self,
+        node: str,
+        *,
+        heartbeat: float | None = 0.5,
+        lost_after: float | None = 2.0,
+        replicas: int = 3,
+        connect_timeout: float = 5.0,
+        secret: str | None = None,
+    ) -> str:
+        """The ``[fleet]`` table of a supervisor config for ``node`` of this cluster: every
+        URL, the node's password file (or ``secret``, a whole line such as ``creds = ...``),
+        fast beats unless ``heartbeat``/``lost_after`` are None (the defaults then), and
+        ``connect_timeout`` 5 s (the bucket waits a multiple of it for JetStream)."""
+        urls = ", ".join(f'"{url}"' for url in self.urls)
+        lines = [
+            "[fleet]",
+            f"url = [{urls}]",
+            f'node = "{node}"',
+            secret or f'password_file = "{self.password_file(node)}"',
+            f"connect_timeout = {connect_timeout}",
+            f"replicas = {replicas}",
+        ]
+        if heartbeat is not None:
+            lines.append(f"heartbeat = {heartbeat}")
+        if lost_after is not None:
+            lines.append(f"lost_after = {lost_after}")
+        return "\n".join(lines) + "\n"
+
+    @contextlib.asynccontextmanager
+    async def client(
+        self, user: str = ADMIN, *, errors: list[str] | None = None
+    ) -> AsyncIterator[Any]:
+        """A NATS client of the cluster as ``user``: ``ADMIN`` may do anything; a node's
+        name signs in as that node's user (exactly its permissions and its inbox
+        prefix), the way a supervisor, or a rogue one, would; in operator mode with a
+        ``.creds`` file of its own.  No reconnects.  Async
+        errors (a denied publish) go to ``errors`` instead of nats-py's traceback."""
+        import nats
+
+        async def on_error(exc: Exception) -> None:
+            if errors is not None:
+                errors.append(str(exc))
+
+        auth: dict[str, Any] = {} if user == ADMIN else {"inbox_prefix": inbox_prefix(user)}
+        if self.operator is not None:  # operator mode: JWT users only
+            auth["user_credentials"] = str(self.creds_file(user))
+        elif user == ADMIN:
+            auth.update(user=ADMIN, password=self.admin_password)
+        else:
+            auth.update(user=user, password=self.passwords[user])
+        nc = await nats.connect(
+            self.urls, allow_reconnect=False, error_cb=on_error, connect_timeout=5, **auth
+        )
+        try:
+            yield nc
+        finally:
+            await nc.close()
+
+    def admin_get(self, bucket: str, key: str) -> bytes | None:
+        """``key`` of the KV ``bucket`` read as the admin (None: no such key); blocking."""
+        import anyio
+        from nats.js.errors import KeyNotFoundError
+
+        async def main() -> bytes | None:
+            async with self.client() as admin:
+                kv = await admin.jetstream(timeout=JS_TIMEOUT).key_value(bucket)
+                try:
+                    return bytes((await kv.get(key)).value or b"")
+                except KeyNotFoundError:
+                    return None
+
+        return anyio.run(main)
+
+    def admin_put(self, bucket: str, key: str, value: bytes) -> None:
+        """Put ``value`` at ``key`` of the KV ``bucket`` as the admin; blocking."""
+        import anyio
+
+        async def main() -> None:
+            async with self.client() as admin:
+                kv = await admin.jetstream(timeout=JS_TIMEOUT).key_value(bucket)
+                await kv.put(key, value)
+
+        anyio.run(main)
 
     def _auth(self) -> dict[str, object]:
         if self.operator is not None:
@@ -258,6 +353,15 @@ class NatsCluster:
             proc.kill()
             proc.wait()
 
+    def kill_all(self) -> None:
+        """SIGKILL every running server at once (then reap them): killed one by one, a
+        client may reconnect to the next server between two kills."""
+        running = [proc for proc in self.procs if proc is not None and proc.poll() is None]
+        for proc in running:
+            proc.kill()
+        for proc in running:
+            proc.wait()
+
     def logs(self) -> str:
         return "\n".join(
             path.read_text(errors="replace")[-3000:] for path in sorted(self.root.glob("n*.log"))
@@ -289,22 +393,35 @@ class NatsCluster:
             self.stop()
 
 
+async def refused_kv(nc: Any, bucket: str, patience: float = 1.0) -> Any:
+    """The KV ``bucket`` (looked up within :data:`JS_TIMEOUT`) whose writes give up after
+    ``patience`` seconds: for a write the server refuses, which gets no answer (the server only
+    tells the client's error callback), so the client times out."""
+    from nats.js.kv import KeyValue
+
+    stream = f"KV_{bucket}"
+    info = await nc.jetstream(timeout=JS_TIMEOUT).stream_info(stream)
+    return KeyValue(
+        name=bucket,
+        stream=stream,
+        pre=f"$KV.{bucket}.",
+        js=nc.jetstream(timeout=patience),
+        direct=bool(info.config.allow_direct),
+    )
+
+
 async def stored_object(cluster: NatsCluster, bucket: str, name: str) -> tuple[bytes, str] | None:
     """Object ``name`` of the object store ``bucket`` and its description, read as the
     cluster's admin (None: there is none)."""
-    import nats
     from nats.js.errors import NotFoundError
 
-    nc = await nats.connect(cluster.urls, user=ADMIN, password=cluster.admin_password)
-    try:
-        store = await nc.jetstream().object_store(bucket)
+    async with cluster.client() as nc:
+        store = await nc.jetstream(timeout=JS_TIMEOUT).object_store(bucket)
         try:
             result = await store.get(name)
         except NotFoundError:
             return None
         return bytes(result.data or b""), result.info.description or ""
-    finally:
-        await nc.close()
 
 
 def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:
