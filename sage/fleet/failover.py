@@ -68,7 +68,7 @@ from sage.fleet.transcripts import (
     restore_transcript,
     transcript_rel,
 )
-from sage.fleet.vouching import NotVouched, check_vouched
+from sage.fleet.vouching import REJECTED, REJECTED_EVENT, NotVouched, check_vouched, rejected_row
 
 __all__ = ("CLAIMS_TOPIC", "Failover", "unclaimed")
 
@@ -300,16 +300,9 @@ class Failover:
         except NotVouched as exc:
             if sid not in self._unvouched:
                 self._unvouched.add(sid)
-                refused = {
-                    "origin": entry.node,
-                    "principal_id": entry.principal_id,
-                    "verb": "adopt",
-                    "session_id": sid,
-                    "subject": "",
-                    "reason": str(exc),
-                }
-                log.warning("fleet.principal_rejected", **refused)
-                self._audit("fleet_principal_rejected", refused)
+                refused = rejected_row(entry.node, entry.principal_id, "adopt", sid, "", exc)
+                log.warning(REJECTED_EVENT, **refused)
+                self._audit(REJECTED, refused)
             return False
         return True
 

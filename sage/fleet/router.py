@@ -87,7 +87,13 @@ from sage.fleet.routes import (
     row_of,
     visible,
 )
-from sage.fleet.vouching import NotVouched, VouchedPrincipals
+from sage.fleet.vouching import (
+    REJECTED,
+    REJECTED_EVENT,
+    NotVouched,
+    VouchedPrincipals,
+    rejected_row,
+)
 
 if TYPE_CHECKING:
     from nats.aio.msg import Msg
@@ -521,17 +527,10 @@ class Router:
                 await self.vouched.check(origin, principal)
             return True
         except NotVouched as exc:
-            refused = {
-                "origin": origin,
-                "principal_id": principal,
-                "verb": verb,
-                "session_id": sid,
-                "subject": msg.subject,
-                "reason": str(exc),
-            }
-            log.warning("fleet.principal_rejected", **refused)
+            refused = rejected_row(origin, principal, verb, sid, msg.subject, exc)
+            log.warning(REJECTED_EVENT, **refused)
             with contextlib.suppress(BusError):
-                self.bus.publish(self.identity, "sage.v1.audit.fleet_principal_rejected", refused)
+                self.bus.publish(self.identity, f"sage.v1.audit.{REJECTED}", refused)
             await _respond(msg, replies.from_error(exc))
         except Exception as exc:  # the node bucket cannot be read now
             await _respond(

@@ -50,7 +50,14 @@ from sage.fleet.inflight import MAX_IN_FLIGHT, FleetBusy, InFlight
 from sage.fleet.member import FleetMember
 from sage.fleet.nodes import NodeState
 from sage.fleet.permissions import TOOLS_BUCKET, call_subject, parse_call_subject
-from sage.fleet.vouching import NotVouched, VouchedPrincipals
+from sage.fleet.vouching import (
+    REJECTED,
+    REJECTED_EVENT,
+    TOOL_CALL,
+    NotVouched,
+    VouchedPrincipals,
+    rejected_row,
+)
 
 if TYPE_CHECKING:
     from nats.aio.msg import Msg
@@ -426,18 +433,18 @@ class FleetTools:
         except NotVouched as exc:
             tool = call.get("tool_name")
             session = call.get("session_id")
-            refused = {
-                "origin": origin,
-                "principal_id": principal[:64] if principal is not None else None,
-                "verb": "tool.call",
-                "tool_name": tool[:128] if isinstance(tool, str) else None,
-                "session_id": session[:64] if isinstance(session, str) else None,
-                "subject": call_subject(self.node, origin),
-                "reason": str(exc),
-            }
-            log.warning("fleet.principal_rejected", **refused)
+            refused = rejected_row(
+                origin,
+                principal,
+                TOOL_CALL,
+                session if isinstance(session, str) else None,
+                call_subject(self.node, origin),
+                exc,
+                tool_name=tool if isinstance(tool, str) else None,
+            )
+            log.warning(REJECTED_EVENT, **refused)
             with contextlib.suppress(BusError):
-                self.bus.publish(self.identity, "sage.v1.audit.fleet_principal_rejected", refused)
+                self.bus.publish(self.identity, f"sage.v1.audit.{REJECTED}", refused)
             return error_result(f"{exc.code}: {exc}")
         except Exception as exc:  # the node bucket cannot be read now
             return error_result(

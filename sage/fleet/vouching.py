@@ -14,7 +14,10 @@ decides whether that node may speak for that principal here:
 - an admin of the origin (no principal) is an admin here only with
   ``[fleet.peers.<origin>] admins = true``.
 
-Anything else is :class:`NotVouched` (``principal_not_authenticated``).  The
+Anything else is :class:`NotVouched` (``principal_not_authenticated``), which
+the refusing node logs and audits as :data:`REJECTED` with the row of
+:func:`rejected_row` (one builder for the forwarded request, the forwarded tool
+call and the adoption, so the three rows cannot drift apart).  The
 check is pure (:func:`check_vouched`); :class:`VouchedPrincipals` keeps the
 origins' declared principals between reads of the bucket, asking the injected
 reader again when the read is older than ``ttl`` (a principal removed on the
@@ -35,7 +38,24 @@ from sage.config import FleetPeerConfig
 from sage.errors import SageError
 from sage.fleet.nodes import NodeRecord
 
-__all__ = ("NotVouched", "VouchedPrincipals", "check_vouched")
+__all__ = (
+    "REJECTED",
+    "REJECTED_EVENT",
+    "TOOL_CALL",
+    "NotVouched",
+    "VouchedPrincipals",
+    "check_vouched",
+    "rejected_row",
+)
+
+REJECTED = "fleet_principal_rejected"
+"""The audit kind of a refusal: its row goes to ``sage.v1.audit.fleet_principal_rejected``."""
+REJECTED_EVENT = "fleet.principal_rejected"
+"""The log event of a refusal; its fields are the audit row's."""
+TOOL_CALL = "tool.call"
+"""The verb of a forwarded tool call's refusal, whose row also names the tool."""
+NAME_MAX = 64
+TOOL_NAME_MAX = 128
 
 
 class NotVouched(SageError):
@@ -76,6 +96,37 @@ def check_vouched(
             f"node {origin!r} may not vouch for principal {principal!r} here"
             f" ([fleet.peers.{origin}] principals)"
         )
+
+
+def rejected_row(
+    origin: str,
+    principal: str | None,
+    verb: str,
+    session_id: str | None,
+    subject: str,
+    refusal: NotVouched,
+    tool_name: str | None = None,
+) -> dict[str, str | None]:
+    """The audit row (and log fields) of ``origin`` refused for ``principal``: what was
+    asked (``verb``: a request's verb, ``tool.call``, or ``adopt`` with ``subject``
+    empty), of which session, and why.  Only a tool call's row has ``tool_name``.
+    Never the request's payload or the call's arguments; the names a sender chose are
+    cut to their longest valid length, so a row stays small whatever it sent."""
+    row: dict[str, str | None] = {
+        "origin": origin,
+        "principal_id": _clip(principal, NAME_MAX),
+        "verb": verb,
+    }
+    if verb == TOOL_CALL:
+        row["tool_name"] = _clip(tool_name, TOOL_NAME_MAX)
+    row["session_id"] = _clip(session_id, NAME_MAX)
+    row["subject"] = subject
+    row["reason"] = str(refusal)
+    return row
+
+
+def _clip(value: str | None, most: int) -> str | None:
+    return None if value is None else value[:most]
 
 
 RecordReader = Callable[[str], Awaitable[NodeRecord | None]]

@@ -7,7 +7,13 @@ import pytest
 
 from sage.config import FleetPeerConfig
 from sage.fleet.nodes import NodeRecord, decode_record
-from sage.fleet.vouching import NotVouched, VouchedPrincipals, check_vouched
+from sage.fleet.vouching import (
+    TOOL_CALL,
+    NotVouched,
+    VouchedPrincipals,
+    check_vouched,
+    rejected_row,
+)
 
 DECLARED = frozenset({"alice", "bob"})
 
@@ -51,6 +57,52 @@ def test_a_pin_narrows_but_never_widens_the_record() -> None:
     with pytest.raises(NotVouched):
         check_vouched("b", "carol", DECLARED, pin)
     check_vouched("b", None, None, pin)
+
+
+def _refusal(principal: str | None) -> NotVouched:
+    with pytest.raises(NotVouched) as caught:
+        check_vouched("b", principal, DECLARED, None)
+    return caught.value
+
+
+ROW = ["origin", "principal_id", "verb", "session_id", "subject", "reason"]
+
+
+def test_a_refusal_row_has_exactly_its_fields_and_never_a_payload() -> None:
+    """The row of a forwarded request, a tool call (which also names the tool) and an
+    adoption: these keys in this order, the reason the refusal's text, and nothing of
+    what was sent (no payload, no arguments)."""
+    refusal = _refusal("carol")
+    request = rejected_row("b", "carol", "send", "s1", "sage.fleet.a.request.b.send.s1", refusal)
+    assert request == {
+        "origin": "b",
+        "principal_id": "carol",
+        "verb": "send",
+        "session_id": "s1",
+        "subject": "sage.fleet.a.request.b.send.s1",
+        "reason": "node 'b' does not authenticate principal 'carol'"
+        " (not among the principals its heartbeat record declares)",
+    }
+    assert list(request) == ROW
+    call = rejected_row("b", "carol", TOOL_CALL, None, "s", refusal, tool_name="greet")
+    assert list(call) == [*ROW[:3], "tool_name", *ROW[3:]]
+    assert (call["tool_name"], call["session_id"]) == ("greet", None)
+    adopt = rejected_row("b", None, "adopt", "s1", "", _refusal(None))
+    assert list(adopt) == ROW
+    assert adopt["principal_id"] is None
+    assert "an admin's request" in str(adopt["reason"])
+    assert "tool_name" not in rejected_row("b", "carol", "adopt", "s1", "", refusal, "greet")
+
+
+def test_a_refusal_row_cuts_the_names_a_sender_chose() -> None:
+    """A tool call's principal, session id and tool name are the sender's: the row keeps
+    their longest valid length, however long they came."""
+    row = rejected_row("b", "p" * 500, TOOL_CALL, "s" * 500, "x", _refusal("carol"), "t" * 500)
+    assert (row["principal_id"], row["session_id"], row["tool_name"]) == (
+        "p" * 64,
+        "s" * 64,
+        "t" * 128,
+    )
 
 
 def _record(node: str, *principals: str) -> NodeRecord:
