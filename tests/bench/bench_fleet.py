@@ -61,7 +61,8 @@ import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import anyio
 import anyio.abc
@@ -95,19 +96,22 @@ def _config(cluster: NatsCluster, node: str) -> str:
 
 
 @contextlib.contextmanager
-def _fleet() -> Iterator[dict[str, Daemon]]:
-    """The cluster and one supervisor per node; all stopped and checked gone after."""
-    with NatsCluster(["a", "b", "c"]) as cluster:
+def _nodes(
+    nodes: Sequence[str], config: Callable[[NatsCluster, str], str], root: Callable[[], Path]
+) -> Iterator[tuple[NatsCluster, dict[str, Daemon]]]:
+    """A cluster and one supervisor per node (its config, in a folder from ``root``); all
+    stopped, reaped and checked gone after."""
+    with NatsCluster(list(nodes)) as cluster:
         daemons: dict[str, Daemon] = {}
         try:
-            for node in NODES:
-                daemons[node] = Daemon(  # alice's uid reaches the socket through node_root
-                    node_root(), _config(cluster, node), env={"ANTHROPIC_API_KEY": "sk"}
+            for node in nodes:
+                daemons[node] = Daemon(
+                    root(), config(cluster, node), env={"ANTHROPIC_API_KEY": "sk"}
                 )
                 daemons[node].launch()
             for daemon in daemons.values():
                 daemon.wait_ready(30.0)
-            yield daemons
+            yield cluster, daemons
         finally:
             left: list[int] = []
             for daemon in daemons.values():
@@ -118,6 +122,13 @@ def _fleet() -> Iterator[dict[str, Daemon]]:
     alive = [p.pid for p in servers if p is not None and p.poll() is None]
     if left or alive:
         raise RuntimeError(f"outlived the bench: claude doubles {left}, nats-servers {alive}")
+
+
+@contextlib.contextmanager
+def _fleet() -> Iterator[dict[str, Daemon]]:
+    """Nodes a, b, c; alice's uid reaches their sockets through node_root."""
+    with _nodes(NODES, _config, node_root) as (_, daemons):
+        yield daemons
 
 
 def _client(daemon: Daemon) -> contextlib.AbstractAsyncContextManager[BusClient]:
@@ -439,27 +450,8 @@ async def _failover(cluster: NatsCluster, daemons: dict[str, Daemon], report: Re
 
 @contextlib.contextmanager
 def _failover_fleet() -> Iterator[tuple[NatsCluster, dict[str, Daemon]]]:
-    with NatsCluster(list(FAILOVER_NODES)) as cluster:
-        daemons: dict[str, Daemon] = {}
-        try:
-            for node in FAILOVER_NODES:
-                daemons[node] = Daemon(
-                    short_dir(), _failover_config(cluster, node), env={"ANTHROPIC_API_KEY": "sk"}
-                )
-                daemons[node].launch()
-            for daemon in daemons.values():
-                daemon.wait_ready(30.0)
-            yield cluster, daemons
-        finally:
-            left: list[int] = []
-            for daemon in daemons.values():
-                daemon.stop()
-                left += anyio.run(_reap_leftovers, daemon.root)
-                _remove(daemon.root)
-            servers = list(cluster.procs)
-    alive = [p.pid for p in servers if p is not None and p.poll() is None]
-    if left or alive:
-        raise RuntimeError(f"outlived the bench: claude doubles {left}, nats-servers {alive}")
+    with _nodes(FAILOVER_NODES, _failover_config, short_dir) as fleet:
+        yield fleet
 
 
 def run(report: Report) -> None:
