@@ -136,7 +136,7 @@ def test_a_lost_nodes_sessions_go_where_there_is_room_and_asleep_stay_asleep(
     wait_for(lambda: stored(cluster, "z1"), 10.0, "z1 replicated after its turn")
     ok_json(a, "sage", "spawn", "alice", "--session", "m1")  # z1 (idle) hibernates for it
     wait_for(lambda: local_rows(a)["z1"]["state"] == "hibernated", 10.0, "z1 hibernated")
-    wait_for(lambda: rows(c).get("z1", {}).get("node") == "a", 5.0, "z1 listed on c")
+    wait_for(lambda: rows(c).get("z1", {}).get("node") == "a", 15.0, "z1 listed on c")
 
     a.signal(signal.SIGKILL)
     assert a.proc is not None
@@ -177,7 +177,7 @@ def test_a_node_at_its_principal_cap_leaves_the_session_to_the_next(
     ok_json(a, "sage", "spawn", "bob", "--session", "p1")
     ok_json(b, "sage", "interrupt", "hb")  # b: at max_live, its one session idle now
     wait_for(lambda: local_rows(b)["hb"]["state"] == "ready", 10.0, "hb idle")
-    wait_for(lambda: rows(c).get("p1", {}).get("node") == "a", 5.0, "p1 listed on c")
+    wait_for(lambda: rows(c).get("p1", {}).get("node") == "a", 15.0, "p1 listed on c")
 
     a.signal(signal.SIGKILL)
     assert a.proc is not None

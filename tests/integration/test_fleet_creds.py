@@ -74,7 +74,7 @@ def test_a_node_with_creds_joins_heartbeats_and_its_secrets_are_in_no_log(
     daemon = Daemon(short_dir(), section(cluster.urls, "a", creds)).start()
     try:
         first = _heartbeat_at(daemon, "a")
-        wait_for(lambda: _heartbeat_at(daemon, "a") > first, 5.0, "a later heartbeat of node a")
+        wait_for(lambda: _heartbeat_at(daemon, "a") > first, 15.0, "a later heartbeat of node a")
         assert daemon.proc is not None
         with open(f"/proc/{daemon.proc.pid}/cmdline", "rb") as file:
             argv = file.read()
