@@ -14,6 +14,13 @@ With an ``operator`` (tests/support/nats_jwt.py) the servers are in operator mod
 instead (decentralized JWT auth, no ``authorization`` block): they trust that
 operator's accounts, and each node signs in with a ``.creds`` file
 (:meth:`NatsCluster.creds_file`) whose user JWT carries the node's permissions.
+
+What the fleet suites share, so that no suite writes its own: the ``[fleet]`` table of
+a node's config (:meth:`NatsCluster.fleet_section`), a NATS client as the admin or as a
+node's own user, a rogue node's (:meth:`NatsCluster.client`), the admin's KV reads and
+writes (:meth:`NatsCluster.admin_get`, :meth:`NatsCluster.admin_put`) and a KV whose
+writes the server must refuse (:func:`refused_kv`).  Every JetStream answer a test
+expects waits :data:`JS_TIMEOUT`: a loaded CI host answers in seconds at times.
 """
 
 from __future__ import annotations
