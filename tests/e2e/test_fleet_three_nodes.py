@@ -47,7 +47,7 @@ def node_config(
         f"capsules = {capsules}\n"
         f"[claude]\nbinary = {json.dumps(str(binary))}\nenv = {{ {env_toml} }}\n"
         "[limits]\nstop_grace = 2.0\ninit_timeout = 30.0\n"
-        + cluster.fleet_section(node, heartbeat=0.4, lost_after=1.5)
+        + cluster.fleet_section(node, heartbeat=0.4)
         + f'[[principals]]\nname = "alice"\nuids = [{os.getuid()}]\noperator_key = true\n'
     )
 

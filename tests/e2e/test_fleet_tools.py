@@ -36,7 +36,7 @@ def node_config(
     return (
         f"capsules = {capsules}\n"
         f"[claude]\nbinary = {json.dumps(str(binary))}\nenv = {{ {env_toml} }}\n"
-        + cluster.fleet_section(node, heartbeat=0.4, lost_after=1.5)
+        + cluster.fleet_section(node, heartbeat=0.4)
         + f'[[principals]]\nname = "alice"\nuids = [{os.getuid()}]\noperator_key = true\n'
         f'allowed_tools = ["{GREET}"]\n'
     )

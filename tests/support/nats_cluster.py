@@ -168,7 +168,7 @@ class NatsCluster:
         node: str,
         *,
         heartbeat: float | None = 0.5,
-        lost_after: float | None = 2.0,
+        lost_after: float | None = 10.0,
         replicas: int = 3,
         connect_timeout: float = 5.0,
         secret: str | None = None,
@@ -176,7 +176,11 @@ class NatsCluster:
         """The ``[fleet]`` table of a supervisor config for ``node`` of this cluster: every
         URL, the node's password file (or ``secret``, a whole line such as ``creds = ...``),
         fast beats unless ``heartbeat``/``lost_after`` are None (the defaults then), and
-        ``connect_timeout`` 5 s (the bucket waits a multiple of it for JetStream)."""
+        ``connect_timeout`` 5 s (the bucket waits a multiple of it for JetStream).
+        A node is judged lost after 10 s by default: a suite that means to lose one
+        passes its own ``lost_after``; below that, a loaded host's late beats make a
+        live node lost by accident (its claims lose to a dead node's, its tools leave
+        the catalogue)."""
         urls = ", ".join(f'"{url}"' for url in self.urls)
         lines = [
             "[fleet]",
