@@ -20,6 +20,12 @@ silently:
   request goes to the node it names, if another; the copy is then known stale,
   and its watch is started anew.
 
+The fleet listing (``astrid sage sessions`` on a fleet node) reads its rows of
+the nodes that do not answer it from the copy too (:meth:`RegistryCopy.entries`),
+while the copy is synced and not found stale, else from the bucket key by key: a
+row there is only shown, never acted on, and the copy lags the bucket by no more
+than the watch's delivery.
+
 Until the watch has delivered the bucket's current values the copy answers
 nothing, and every lookup goes to the bucket, as without a copy.  The same holds
 from the moment the NATS connection drops (a watch's consumer may not survive
@@ -77,6 +83,18 @@ class RegistryCopy:
         if claims is None or len(claims) != 1:
             return None
         return next(iter(claims.values()))
+
+    def entries(self) -> list[tuple[str, SessionEntry]] | None:
+        """Every claim ``(sid, entry)``, by session id then node, as the bucket's keys
+        hold them; None unless the copy is synced and not found stale (then the bucket is
+        read instead)."""
+        if not self._synced or self._stale:
+            return None
+        found: list[tuple[str, SessionEntry]] = []
+        for sid in sorted(self._entries):
+            claims = self._entries[sid]
+            found += [(sid, claims[node]) for node in sorted(claims)]
+        return found
 
     @property
     def stale(self) -> bool:

@@ -41,6 +41,7 @@ payload can name another (docs/security.md, "Fleet trust model").
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -82,9 +83,9 @@ from sage.fleet.routes import (
     parse_event_subject,
     parse_request_subject,
     registry_key,
+    registry_rows,
     request_subject,
     resolve,
-    row_of,
     visible,
 )
 from sage.fleet.vouching import (
@@ -128,6 +129,10 @@ LISTING_DEADLINE = 3.0
 APPROVER_FOR = 3.0  # seconds an approver presence told to the owner lasts (renewed each second)
 IDS_KEPT = 512  # republished events whose owner's id a relay remembers (watch --replay: 256)
 RESYNC_CHECK = 1.0  # seconds between two looks at whether the registry needs a resync
+LISTING_FROM_BUCKET = "ASTRID_TEST_LISTING_FROM_BUCKET"
+"""Set to ``1`` in a supervisor's environment, its fleet listing reads the bucket even
+while the registry copy could answer: for the bench and tests only (they compare the two
+paths), never a config option."""
 
 
 def unavailable(message: str) -> dict[str, Any]:
@@ -175,6 +180,9 @@ class Router:
         self._registry_writes: MemoryObjectSendStream[tuple[str, SessionEntry | None]]
         self.registry_copy = RegistryCopy()
         """The registry as a watch keeps it here: a remote owner without a NATS round trip."""
+        self._listing_from_copy = os.environ.get(LISTING_FROM_BUCKET) != "1"
+        self.listings = {"copy": 0, "bucket": 0}
+        """Fleet listings that took the registry from the copy, and from the bucket."""
         self._here: set[str] = set()
         """Sessions this node's runner has: spawned and not exited, as its events said, and
         those its listing had at a resync (restored at a start, say)."""
@@ -913,7 +921,7 @@ class Router:
         try:
             with anyio.fail_after(LISTING_DEADLINE):
                 nodes = await self.member.nodes()
-                entries = await self.member.session_entries()
+                entries = await self._listed_entries()
         except Exception as exc:
             reply["warning"] = f"this node's sessions only: {_describe(exc)}"
             return reply
@@ -939,24 +947,34 @@ class Router:
             if node != self.node and answered is not None:
                 rows += answered
         listed = {row.get("session_id") for row in rows}
-        for node in sorted(states):
-            if node == self.node or answers.get(node) is not None:
-                continue
-            # the node cannot (or will not) say: what the registry knows, with the node's
-            # state (a session another node listed, its adopter, is shown there only)
-            shown = "unreachable" if states[node] is NodeState.LIVE else states[node].value
-            if node in refused:
-                shown = "refused"
-            rows += [
-                row_of(sid, entry, "lost" if shown == "lost" else shown)
-                for sid, entry, _ in sorted(entries, key=lambda found: found[0])
-                if entry.node == node and visible(entry, principal) and sid not in listed
-            ]
+        # a node that cannot (or will not) say: what the registry knows, with the node's
+        # state (a session another node listed, its adopter, is shown there only)
+        shown = {
+            node: "refused"
+            if node in refused
+            else "unreachable"
+            if state is NodeState.LIVE
+            else state.value
+            for node, state in states.items()
+            if node != self.node and answers.get(node) is None
+        }
+        rows += registry_rows(entries, shown, listed, principal)
         reply["sessions"] = rows
         reply["nodes"] = {node: state.value for node, state in sorted(states.items())}
         if refused:
             reply["warning"] = _refusals(refused)
         return reply
+
+    async def _listed_entries(self) -> list[tuple[str, SessionEntry]]:
+        """The registry's claims for the listing: from the registry copy while it is synced
+        and not found stale (no NATS round trip; thousands of keys read one at a time
+        would not fit :data:`LISTING_DEADLINE`), else from the bucket, key by key."""
+        copied = self.registry_copy.entries() if self._listing_from_copy else None
+        if copied is not None:
+            self.listings["copy"] += 1
+            return copied
+        self.listings["bucket"] += 1
+        return [(sid, entry) for sid, entry, _ in await self.member.session_entries()]
 
     # -- events of remote sessions, republished here -------------------------------
 
