@@ -181,8 +181,6 @@ class Router:
         self.registry_copy = RegistryCopy()
         """The registry as a watch keeps it here: a remote owner without a NATS round trip."""
         self._listing_from_copy = os.environ.get(LISTING_FROM_BUCKET) != "1"
-        self.listings = {"copy": 0, "bucket": 0}
-        """Fleet listings that took the registry from the copy, and from the bucket."""
         self._here: set[str] = set()
         """Sessions this node's runner has: spawned and not exited, as its events said, and
         those its listing had at a resync (restored at a start, say)."""
@@ -921,7 +919,7 @@ class Router:
         try:
             with anyio.fail_after(LISTING_DEADLINE):
                 nodes = await self.member.nodes()
-                entries = await self._listed_entries()
+                source, entries = await self._listed_entries()
         except Exception as exc:
             reply["warning"] = f"this node's sessions only: {_describe(exc)}"
             return reply
@@ -959,22 +957,22 @@ class Router:
             if node != self.node and answers.get(node) is None
         }
         rows += registry_rows(entries, shown, listed, principal)
+        log.info("fleet.listing", registry=source, claims=len(entries), rows=len(rows))
         reply["sessions"] = rows
         reply["nodes"] = {node: state.value for node, state in sorted(states.items())}
         if refused:
             reply["warning"] = _refusals(refused)
         return reply
 
-    async def _listed_entries(self) -> list[tuple[str, SessionEntry]]:
-        """The registry's claims for the listing: from the registry copy while it is synced
-        and not found stale (no NATS round trip; thousands of keys read one at a time
-        would not fit :data:`LISTING_DEADLINE`), else from the bucket, key by key."""
+    async def _listed_entries(self) -> tuple[str, list[tuple[str, SessionEntry]]]:
+        """Where the listing took the registry's claims from (``copy`` or ``bucket``), and
+        them: from the registry copy while it is synced and not found stale (no NATS round
+        trip; thousands of keys read one at a time would not fit :data:`LISTING_DEADLINE`),
+        else from the bucket, key by key."""
         copied = self.registry_copy.entries() if self._listing_from_copy else None
         if copied is not None:
-            self.listings["copy"] += 1
-            return copied
-        self.listings["bucket"] += 1
-        return [(sid, entry) for sid, entry, _ in await self.member.session_entries()]
+            return "copy", copied
+        return "bucket", [(sid, entry) for sid, entry, _ in await self.member.session_entries()]
 
     # -- events of remote sessions, republished here -------------------------------
 
