@@ -48,16 +48,17 @@ sits on each node's socket, acting for alice as the CLI does.
     bounded below by ``lost_after`` less the age of a's last heartbeat: the loss
     must first be seen (goal <= 10 s).
 
-(d) The listing at scale, on the first rig after (b).  ``LISTED`` registry claims of sessions of ``SILENT`` nodes
-    that stopped (their records and claims put by the admin, as those nodes would have
-    left them; no supervisor runs for them), then ``astrid sage sessions --json`` on
-    a, whose router takes the silent nodes' rows from its registry copy, and on c,
-    whose router reads the bucket key by key (``ASTRID_TEST_LISTING_FROM_BUCKET=1``
-    in c's environment, a test-only hook; nothing else of c changes), alternating,
-    ``LISTING_ROUNDS`` of each: the CLI's whole run (a new process each), and the
-    listing request alone on a bus client (``sage.v1.request.fleet.sessions``).  p50
-    of each and the bucket's against the copy's.  Both must list the same rows (every
-    claim, unless the bucket's read runs out of its 3 s deadline: then said).
+(d) The listing at scale, on the first rig after (b). ``LISTED`` registry claims of
+    sessions of ``SILENT`` nodes that stopped (their records and claims put by the
+    admin, as those nodes would have left them; no supervisor runs for them), then
+    ``astrid sage sessions --json`` on a, whose router takes the silent nodes' rows from
+    its registry copy, and on c, whose router reads the bucket key by key
+    (``ASTRID_TEST_LISTING_FROM_BUCKET=1`` in c's environment, a test-only hook; nothing
+    else of c changes), alternating, ``LISTING_ROUNDS`` of each: the CLI's whole run (a
+    new process each), and the listing request alone on a bus client
+    (``sage.v1.request.fleet.sessions``). p50 of each and the bucket's against the
+    copy's. Both must list the same rows (every claim, unless the bucket's read runs out
+    of its 3 s deadline: then said).
 
 Every process started here is stopped and checked gone, also on failure: the
 supervisors' children (by their socket in the environment) and the NATS servers.
