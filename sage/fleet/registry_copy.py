@@ -22,9 +22,10 @@ silently:
 
 The fleet listing (``astrid sage sessions`` on a fleet node) reads its rows of
 the nodes that do not answer it from the copy too (:meth:`RegistryCopy.entries`),
-while the copy is synced and not found stale, else from the bucket key by key: a
-row there is only shown, never acted on, and the copy lags the bucket by no more
-than the watch's delivery.
+once the watch has delivered the bucket stream's last sequence (one round trip asks
+it), so the rows are those of the bucket at that moment; a copy not synced, found
+stale, or behind (a watch whose consumer vanished silently) leaves the listing to
+the bucket, read key by key.
 
 Until the watch has delivered the bucket's current values the copy answers
 nothing, and every lookup goes to the bucket, as without a copy.  The same holds
@@ -70,6 +71,9 @@ class RegistryCopy:
         """Watch updates applied (puts and deletes), for status and tests."""
         self.watches = 0
         """Watches started: the first, and one after each outage or stale copy."""
+        self.revision = 0
+        """The highest revision (the bucket stream's sequence) the watch delivered: the
+        copy holds every update up to the stream's last sequence once it reaches it."""
 
     @property
     def synced(self) -> bool:
@@ -84,11 +88,12 @@ class RegistryCopy:
             return None
         return next(iter(claims.values()))
 
-    def entries(self) -> list[tuple[str, SessionEntry]] | None:
+    def entries(self, last: int) -> list[tuple[str, SessionEntry]] | None:
         """Every claim ``(sid, entry)``, by session id then node, as the bucket's keys
-        hold them; None unless the copy is synced and not found stale (then the bucket is
+        hold them when its stream's last sequence is ``last``; None unless the copy is
+        synced, not found stale, and has every update up to ``last`` (then the bucket is
         read instead)."""
-        if not self._synced or self._stale:
+        if not self._synced or self._stale or self.revision < last:
             return None
         found: list[tuple[str, SessionEntry]] = []
         for sid in sorted(self._entries):
@@ -112,15 +117,18 @@ class RegistryCopy:
         self._synced = False
         self._stale = False
         self._entries.clear()
+        self.revision = 0
 
     def caught_up(self) -> None:
         """The watch delivered every current value: the copy may answer."""
         self._synced = True
 
-    def apply(self, key: str, value: bytes | None) -> None:
-        """A put (``value``) or a delete or purge (None) of the key ``<node>.<sid>``; a
-        value that cannot be used (or names another node than its key) counts as none."""
+    def apply(self, key: str, value: bytes | None, revision: int = 0) -> None:
+        """A put (``value``) or a delete or purge (None) of the key ``<node>.<sid>`` at
+        ``revision``; a value that cannot be used (or names another node than its key)
+        counts as none."""
         self.updates += 1
+        self.revision = max(self.revision, revision)
         found = parse_registry_key(key)
         if found is None:
             return
@@ -190,7 +198,8 @@ async def _watch_while_trusted(
                         copy.caught_up()
                     continue
                 deleted = update.operation in ("DEL", "PURGE")
-                copy.apply(update.key, None if deleted else (update.value or b""))
+                value = None if deleted else (update.value or b"")
+                copy.apply(update.key, value, update.revision or 0)
     finally:
         # the connection may be gone with it
         with (

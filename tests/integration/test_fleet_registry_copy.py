@@ -303,3 +303,32 @@ def test_the_listing_takes_a_silent_nodes_sessions_from_the_copy(
     assert listing().keys() == {"z1", "z2", "z3"}
     sources = [r["registry"] for r in log_events(c, "fleet.listing")]
     assert sources[-2:] == ["copy", "copy"], sources  # alice's listing and the admin's
+
+
+def test_a_copy_behind_the_bucket_leaves_the_listing_to_the_bucket(
+    fleet: tuple[NatsCluster, dict[str, Daemon]],
+) -> None:
+    """c's watch is cut (its consumer deleted), then z's claims change: c's copy misses
+    it, so the listing (which asks the bucket's last revision first) reads the bucket,
+    and shows the change."""
+    cluster, daemons = fleet
+    c = daemons["c"]
+    wait_for(lambda: "c" in watching_nodes(cluster), 8.0, "c's registry watch")
+    assert delete_watch_of(cluster, "c") >= 1
+    cluster.admin_put(
+        REGISTRY,
+        registry_key("z", "z4"),
+        SessionEntry(node="z", principal_id="alice", at=time.time()).encode(),
+    )
+
+    async def forget_z1() -> None:
+        async with cluster.client() as admin:
+            kv = await admin.jetstream(timeout=JS_TIMEOUT).key_value(REGISTRY)
+            await kv.delete(registry_key("z", "z1"))
+
+    anyio.run(forget_z1)
+    result = c.astrid("sage", "sessions", "--json", "--principal", "alice", timeout=30.0)
+    assert result.returncode == 0, result.stderr
+    listed = {r["session_id"] for r in json.loads(result.stdout) if r["node"] == "z"}
+    assert listed == {"z3", "z4"}
+    assert log_events(c, "fleet.listing")[-1]["registry"] == "bucket"

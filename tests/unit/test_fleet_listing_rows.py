@@ -37,16 +37,22 @@ def bucket_read(keys: dict[str, bytes]) -> list[tuple[str, SessionEntry]]:
 
 
 def synced_copy(keys: dict[str, bytes]) -> RegistryCopy:
-    """A copy the watch fed with ``keys`` in another order, and a put since deleted."""
+    """A copy the watch fed with ``keys`` in another order, and a put since deleted: the
+    revisions 1 to :func:`last_of` ``keys``."""
     copy = RegistryCopy()
     shuffled = list(keys.items())
     random.Random(7).shuffle(shuffled)
-    for key, data in shuffled:
-        copy.apply(key, data)
-    copy.apply("gone.ended", value("gone"))
-    copy.apply("gone.ended", None)
+    for revision, (key, data) in enumerate(shuffled, start=1):
+        copy.apply(key, data, revision)
+    copy.apply("gone.ended", value("gone"), len(keys) + 1)
+    copy.apply("gone.ended", None, len(keys) + 2)
     copy.caught_up()
     return copy
+
+
+def last_of(keys: dict[str, bytes]) -> int:
+    """The bucket stream's last sequence once :func:`synced_copy`'s updates are in."""
+    return len(keys) + 2
 
 
 SHOWN = {"lost1": "lost", "gone": "stopped", "busy": "refused"}
@@ -54,7 +60,7 @@ SHOWN = {"lost1": "lost", "gone": "stopped", "busy": "refused"}
 
 def test_the_copy_gives_the_rows_the_bucket_gives() -> None:
     keys = bucket()
-    copied = synced_copy(keys).entries()
+    copied = synced_copy(keys).entries(last_of(keys))
     assert copied is not None
     assert sorted(copied, key=lambda e: (e[0], e[1].node)) == sorted(
         bucket_read(keys), key=lambda e: (e[0], e[1].node)
@@ -84,7 +90,8 @@ def test_the_copy_gives_the_rows_the_bucket_gives() -> None:
 
 
 def test_only_the_callers_sessions_and_only_of_nodes_that_did_not_answer() -> None:
-    copied = synced_copy(bucket()).entries()
+    keys = bucket()
+    copied = synced_copy(keys).entries(last_of(keys))
     assert copied is not None
     alice = registry_rows(copied, {"lost1": "lost"}, set(), "alice")
     assert len(alice) == 20
@@ -97,21 +104,32 @@ def test_only_the_callers_sessions_and_only_of_nodes_that_did_not_answer() -> No
     assert registry_rows(copied, {}, set(), ADMIN) == []
 
 
-def test_a_copy_not_caught_up_or_found_stale_gives_nothing() -> None:
-    """The listing then reads the bucket: a copy that may miss claims must not hide rows."""
+def test_a_copy_not_caught_up_behind_or_found_stale_gives_nothing() -> None:
+    """The listing then reads the bucket: a copy that may miss claims must not hide rows,
+    nor show ones gone."""
     keys = bucket()
     copy = RegistryCopy()
-    for key, data in keys.items():
-        copy.apply(key, data)
-    assert copy.entries() is None  # the watch has not delivered every current value
+    for revision, (key, data) in enumerate(keys.items(), start=1):
+        copy.apply(key, data, revision)
+    assert copy.entries(len(keys)) is None  # the watch has not delivered every current value
     copy.caught_up()
-    assert copy.entries() is not None
+    s000 = ("s000", SessionEntry(node="lost1", principal_id="bob", at=0.0))
+    assert s000 in (copy.entries(len(keys)) or [])
+    assert copy.entries(0) is not None  # (an older last sequence: read before the copy)
+    # the bucket had an update since, which the watch has not delivered (yet)
+    assert copy.entries(len(keys) + 1) is None
+    copy.apply("lost1.s000", None, len(keys) + 1)
+    after = copy.entries(len(keys) + 1)
+    assert after is not None
+    assert s000 not in after
     copy.found_stale()
-    assert copy.entries() is None
+    assert copy.entries(0) is None
     copy.caught_up()  # the old watch's end of the current values, come late
-    assert copy.entries() is None
+    assert copy.entries(0) is None
     copy.restart()  # the new watch
-    copy.apply("lost1.s001", keys["lost1.s001"])
-    assert copy.entries() is None
+    assert copy.revision == 0
+    copy.apply("lost1.s001", keys["lost1.s001"], 7)
+    assert copy.entries(7) is None
     copy.caught_up()
-    assert copy.entries() == [("s001", SessionEntry(node="lost1", principal_id="alice", at=1.0))]
+    assert copy.entries(8) is None
+    assert copy.entries(7) == [("s001", SessionEntry(node="lost1", principal_id="alice", at=1.0))]
