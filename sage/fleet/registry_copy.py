@@ -37,7 +37,7 @@ up after it is back.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -49,7 +49,7 @@ from sage.fleet.routes import SessionEntry, decode_keyed, parse_registry_key
 if TYPE_CHECKING:
     from nats.js.kv import KeyValue
 
-__all__ = ("RegistryCopy", "follow")
+__all__ = ("RegistryCopy", "current_claims", "follow")
 
 log = structlog.get_logger("sage.fleet.registry")
 
@@ -57,6 +57,10 @@ RETRY = 2.0
 """Seconds between a failed watch and the next try."""
 CHECK = 0.5
 """Seconds between two looks at the connection and at a stale copy, while watching."""
+CATCH_UP = 0.5
+"""Seconds a reader waits for the watch to deliver the bucket's latest update before it
+reads the bucket instead (:func:`current_claims`)."""
+CATCH_UP_CHECK = 0.005  # seconds between two looks at the copy meanwhile
 
 
 class RegistryCopy:
@@ -65,6 +69,8 @@ class RegistryCopy:
 
     def __init__(self) -> None:
         self._entries: dict[str, dict[str, SessionEntry]] = {}
+        self._revisions: dict[str, int] = {}
+        """Registry key -> the revision of its value here."""
         self._synced = False
         self._stale = False
         self.updates = 0
@@ -93,12 +99,21 @@ class RegistryCopy:
         hold them when its stream's last sequence is ``last``; None unless the copy is
         synced, not found stale, and has every update up to ``last`` (then the bucket is
         read instead)."""
+        found = self.claims(last)
+        return None if found is None else [(sid, entry) for sid, entry, _ in found]
+
+    def claims(self, last: int) -> list[tuple[str, SessionEntry, int]] | None:
+        """:meth:`entries` with each claim's revision, as the bucket's read gives them
+        (sage/fleet/member.py, ``session_entries``)."""
         if not self._synced or self._stale or self.revision < last:
             return None
-        found: list[tuple[str, SessionEntry]] = []
+        found: list[tuple[str, SessionEntry, int]] = []
         for sid in sorted(self._entries):
             claims = self._entries[sid]
-            found += [(sid, claims[node]) for node in sorted(claims)]
+            found += [
+                (sid, claims[node], self._revisions.get(f"{node}.{sid}", 0))
+                for node in sorted(claims)
+            ]
         return found
 
     @property
@@ -117,6 +132,7 @@ class RegistryCopy:
         self._synced = False
         self._stale = False
         self._entries.clear()
+        self._revisions.clear()
         self.revision = 0
 
     def caught_up(self) -> None:
@@ -137,8 +153,10 @@ class RegistryCopy:
         claims = self._entries.setdefault(sid, {})
         if keyed is None:
             claims.pop(node, None)
+            self._revisions.pop(key, None)
         else:
             claims[node] = keyed[1]
+            self._revisions[key] = revision
         if not claims:
             del self._entries[sid]
 
@@ -177,6 +195,24 @@ async def follow(
         if failing:
             log.info("fleet.registry_watch_resumed")
         failing = False
+
+
+async def current_claims(
+    copy: RegistryCopy, last: Callable[[], Awaitable[int]]
+) -> list[tuple[str, SessionEntry, int]] | None:
+    """The copy's claims as the bucket holds them now: ``last()`` (a round trip) says the
+    bucket stream's last sequence, and the watch is given up to :data:`CATCH_UP` seconds
+    to deliver it; None when the copy is not synced, found stale, or still behind (the
+    caller reads the bucket then)."""
+    if not copy.synced:
+        return None
+    newest = await last()
+    with anyio.move_on_after(CATCH_UP):  # an update on its way to the watch
+        while True:  # (follow() applies the watch's updates and sets no event)
+            if not copy.synced or copy.revision >= newest:
+                break
+            await anyio.sleep(CATCH_UP_CHECK)
+    return copy.claims(newest)
 
 
 async def _watch_while_trusted(

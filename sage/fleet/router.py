@@ -63,7 +63,7 @@ from sage.fleet.lifecycle import LifecycleEvents
 from sage.fleet.member import FleetMember
 from sage.fleet.nodes import NodeState
 from sage.fleet.placement import ANY, NODE_REFUSALS, Passed, Placement, place, refusal_text
-from sage.fleet.registry_copy import RegistryCopy, follow
+from sage.fleet.registry_copy import RegistryCopy, current_claims, follow
 from sage.fleet.routes import (
     APPROVAL_VERBS,
     SESSION_VERBS,
@@ -129,10 +129,6 @@ LISTING_DEADLINE = 3.0
 APPROVER_FOR = 3.0  # seconds an approver presence told to the owner lasts (renewed each second)
 IDS_KEPT = 512  # republished events whose owner's id a relay remembers (watch --replay: 256)
 RESYNC_CHECK = 1.0  # seconds between two looks at whether the registry needs a resync
-COPY_CATCH_UP = 0.5
-"""Seconds a listing waits for the registry copy to receive the bucket's latest update
-before it reads the bucket instead."""
-COPY_CHECK = 0.005  # seconds between two looks at the copy meanwhile
 LISTING_FROM_BUCKET = "ASTRID_TEST_LISTING_FROM_BUCKET"
 """Set to ``1`` in a supervisor's environment, its fleet listing reads the bucket even
 while the registry copy could answer: for the bench and tests only (they compare the two
@@ -973,17 +969,10 @@ class Router:
         them: from the registry copy once it holds the bucket's latest update (one round
         trip asks which; thousands of keys read one at a time would not fit
         :data:`LISTING_DEADLINE`), else from the bucket, key by key."""
-        copy = self.registry_copy
-        if self._listing_from_copy and copy.synced:
-            last = await self.member.registry_revision()
-            with anyio.move_on_after(COPY_CATCH_UP):  # an update on its way to the watch
-                while True:  # (the watch's updates are applied by follow(), set no event)
-                    if not copy.synced or copy.revision >= last:
-                        break
-                    await anyio.sleep(COPY_CHECK)
-            copied = copy.entries(last)
-            if copied is not None:
-                return "copy", copied
+        if self._listing_from_copy:
+            found = await current_claims(self.registry_copy, self.member.registry_revision)
+            if found is not None:
+                return "copy", [(sid, entry) for sid, entry, _ in found]
         return "bucket", [(sid, entry) for sid, entry, _ in await self.member.session_entries()]
 
     # -- events of remote sessions, republished here -------------------------------

@@ -133,3 +133,24 @@ def test_a_copy_not_caught_up_behind_or_found_stale_gives_nothing() -> None:
     copy.caught_up()
     assert copy.entries(8) is None
     assert copy.entries(7) == [("s001", SessionEntry(node="lost1", principal_id="alice", at=1.0))]
+
+
+def test_the_sweeps_claims_carry_the_revisions_the_bucket_gives() -> None:
+    """A takeover's sweep reads ``(sid, entry, revision)`` (sage/fleet/failover.py): each
+    key's revision is the stream sequence of its latest put, as a read of the key says."""
+    copy = RegistryCopy()
+    copy.apply("lost1.s1", value("lost1"), 1)
+    copy.apply("lost1.s2", value("lost1"), 2)
+    copy.apply("live.s1", value("live", at=5.0), 3)
+    copy.apply("lost1.s2", value("lost1", at=9.0), 4)  # written again
+    copy.apply("live.s1", None, 5)  # deleted
+    copy.apply("lost1.s3", b"junk", 6)  # unusable: no claim, as the bucket's read
+    copy.caught_up()
+    assert copy.claims(6) == [
+        ("s1", SessionEntry(node="lost1", principal_id="alice", at=1.0), 1),
+        ("s2", SessionEntry(node="lost1", principal_id="alice", at=9.0), 4),
+    ]
+    assert copy.claims(7) is None
+    copy.restart()
+    copy.caught_up()
+    assert copy.claims(0) == []
