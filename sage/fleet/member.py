@@ -387,6 +387,12 @@ class FleetMember:
         node whose key holds it; unusable ones are left out."""
         return await self._registry_read(f"$KV.{REGISTRY}.>")
 
+    async def registry_revision(self) -> int:
+        """The registry stream's last sequence: the revision of its latest put or delete
+        (what a watch that delivered it has seen everything up to)."""
+        info = await self._js.stream_info(REGISTRY_STREAM)
+        return int(info.state.last_seq or 0)
+
     async def claims_of(self, sid: str) -> dict[str, SessionEntry]:
         """Each node's claim to ``sid`` (node -> entry): the keys ``*.<sid>``."""
         found = await self._registry_read(f"$KV.{REGISTRY}.*.{check_name(sid, 'session id')}")

@@ -20,6 +20,13 @@ silently:
   request goes to the node it names, if another; the copy is then known stale,
   and its watch is started anew.
 
+The fleet listing (``astrid sage sessions`` on a fleet node) reads its rows of
+the nodes that do not answer it from the copy too (:meth:`RegistryCopy.entries`),
+once the watch has delivered the bucket stream's last sequence (one round trip asks
+it), so the rows are those of the bucket at that moment; a copy not synced, found
+stale, or behind (a watch whose consumer vanished silently) leaves the listing to
+the bucket, read key by key.
+
 Until the watch has delivered the bucket's current values the copy answers
 nothing, and every lookup goes to the bucket, as without a copy.  The same holds
 from the moment the NATS connection drops (a watch's consumer may not survive
@@ -30,7 +37,7 @@ up after it is back.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -42,7 +49,7 @@ from sage.fleet.routes import SessionEntry, decode_keyed, parse_registry_key
 if TYPE_CHECKING:
     from nats.js.kv import KeyValue
 
-__all__ = ("RegistryCopy", "follow")
+__all__ = ("RegistryCopy", "current_claims", "follow")
 
 log = structlog.get_logger("sage.fleet.registry")
 
@@ -50,6 +57,10 @@ RETRY = 2.0
 """Seconds between a failed watch and the next try."""
 CHECK = 0.5
 """Seconds between two looks at the connection and at a stale copy, while watching."""
+CATCH_UP = 0.5
+"""Seconds a reader waits for the watch to deliver the bucket's latest update before it
+reads the bucket instead (:func:`current_claims`)."""
+CATCH_UP_CHECK = 0.005  # seconds between two looks at the copy meanwhile
 
 
 class RegistryCopy:
@@ -58,12 +69,17 @@ class RegistryCopy:
 
     def __init__(self) -> None:
         self._entries: dict[str, dict[str, SessionEntry]] = {}
+        self._revisions: dict[str, int] = {}
+        """Registry key -> the revision of its value here."""
         self._synced = False
         self._stale = False
         self.updates = 0
         """Watch updates applied (puts and deletes), for status and tests."""
         self.watches = 0
         """Watches started: the first, and one after each outage or stale copy."""
+        self.revision = 0
+        """The highest revision (the bucket stream's sequence) the watch delivered: the
+        copy holds every update up to the stream's last sequence once it reaches it."""
 
     @property
     def synced(self) -> bool:
@@ -77,6 +93,28 @@ class RegistryCopy:
         if claims is None or len(claims) != 1:
             return None
         return next(iter(claims.values()))
+
+    def entries(self, last: int) -> list[tuple[str, SessionEntry]] | None:
+        """Every claim ``(sid, entry)``, by session id then node, as the bucket's keys
+        hold them when its stream's last sequence is ``last``; None unless the copy is
+        synced, not found stale, and has every update up to ``last`` (then the bucket is
+        read instead)."""
+        found = self.claims(last)
+        return None if found is None else [(sid, entry) for sid, entry, _ in found]
+
+    def claims(self, last: int) -> list[tuple[str, SessionEntry, int]] | None:
+        """:meth:`entries` with each claim's revision, as the bucket's read gives them
+        (sage/fleet/member.py, ``session_entries``)."""
+        if not self._synced or self._stale or self.revision < last:
+            return None
+        found: list[tuple[str, SessionEntry, int]] = []
+        for sid in sorted(self._entries):
+            claims = self._entries[sid]
+            found += [
+                (sid, claims[node], self._revisions.get(f"{node}.{sid}", 0))
+                for node in sorted(claims)
+            ]
+        return found
 
     @property
     def stale(self) -> bool:
@@ -94,15 +132,19 @@ class RegistryCopy:
         self._synced = False
         self._stale = False
         self._entries.clear()
+        self._revisions.clear()
+        self.revision = 0
 
     def caught_up(self) -> None:
         """The watch delivered every current value: the copy may answer."""
         self._synced = True
 
-    def apply(self, key: str, value: bytes | None) -> None:
-        """A put (``value``) or a delete or purge (None) of the key ``<node>.<sid>``; a
-        value that cannot be used (or names another node than its key) counts as none."""
+    def apply(self, key: str, value: bytes | None, revision: int = 0) -> None:
+        """A put (``value``) or a delete or purge (None) of the key ``<node>.<sid>`` at
+        ``revision``; a value that cannot be used (or names another node than its key)
+        counts as none."""
         self.updates += 1
+        self.revision = max(self.revision, revision)
         found = parse_registry_key(key)
         if found is None:
             return
@@ -111,8 +153,10 @@ class RegistryCopy:
         claims = self._entries.setdefault(sid, {})
         if keyed is None:
             claims.pop(node, None)
+            self._revisions.pop(key, None)
         else:
             claims[node] = keyed[1]
+            self._revisions[key] = revision
         if not claims:
             del self._entries[sid]
 
@@ -153,6 +197,24 @@ async def follow(
         failing = False
 
 
+async def current_claims(
+    copy: RegistryCopy, last: Callable[[], Awaitable[int]]
+) -> list[tuple[str, SessionEntry, int]] | None:
+    """The copy's claims as the bucket holds them now: ``last()`` (a round trip) says the
+    bucket stream's last sequence, and the watch is given up to :data:`CATCH_UP` seconds
+    to deliver it; None when the copy is not synced, found stale, or still behind (the
+    caller reads the bucket then)."""
+    if not copy.synced:
+        return None
+    newest = await last()
+    with anyio.move_on_after(CATCH_UP):  # an update on its way to the watch
+        while True:  # (follow() applies the watch's updates and sets no event)
+            if not copy.synced or copy.revision >= newest:
+                break
+            await anyio.sleep(CATCH_UP_CHECK)
+    return copy.claims(newest)
+
+
 async def _watch_while_trusted(
     kv: KeyValue, copy: RegistryCopy, connected: Callable[[], bool]
 ) -> None:
@@ -172,7 +234,8 @@ async def _watch_while_trusted(
                         copy.caught_up()
                     continue
                 deleted = update.operation in ("DEL", "PURGE")
-                copy.apply(update.key, None if deleted else (update.value or b""))
+                value = None if deleted else (update.value or b"")
+                copy.apply(update.key, value, update.revision or 0)
     finally:
         # the connection may be gone with it
         with (

@@ -41,6 +41,7 @@ payload can name another (docs/security.md, "Fleet trust model").
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -62,7 +63,7 @@ from sage.fleet.lifecycle import LifecycleEvents
 from sage.fleet.member import FleetMember
 from sage.fleet.nodes import NodeState
 from sage.fleet.placement import ANY, NODE_REFUSALS, Passed, Placement, place, refusal_text
-from sage.fleet.registry_copy import RegistryCopy, follow
+from sage.fleet.registry_copy import RegistryCopy, current_claims, follow
 from sage.fleet.routes import (
     APPROVAL_VERBS,
     SESSION_VERBS,
@@ -82,9 +83,9 @@ from sage.fleet.routes import (
     parse_event_subject,
     parse_request_subject,
     registry_key,
+    registry_rows,
     request_subject,
     resolve,
-    row_of,
     visible,
 )
 from sage.fleet.vouching import (
@@ -128,6 +129,10 @@ LISTING_DEADLINE = 3.0
 APPROVER_FOR = 3.0  # seconds an approver presence told to the owner lasts (renewed each second)
 IDS_KEPT = 512  # republished events whose owner's id a relay remembers (watch --replay: 256)
 RESYNC_CHECK = 1.0  # seconds between two looks at whether the registry needs a resync
+LISTING_FROM_BUCKET = "ASTRID_TEST_LISTING_FROM_BUCKET"
+"""Set to ``1`` in a supervisor's environment, its fleet listing reads the bucket even
+while the registry copy could answer: for the bench and tests only (they compare the two
+paths), never a config option."""
 
 
 def unavailable(message: str) -> dict[str, Any]:
@@ -175,6 +180,7 @@ class Router:
         self._registry_writes: MemoryObjectSendStream[tuple[str, SessionEntry | None]]
         self.registry_copy = RegistryCopy()
         """The registry as a watch keeps it here: a remote owner without a NATS round trip."""
+        self._listing_from_copy = os.environ.get(LISTING_FROM_BUCKET) != "1"
         self._here: set[str] = set()
         """Sessions this node's runner has: spawned and not exited, as its events said, and
         those its listing had at a resync (restored at a start, say)."""
@@ -913,7 +919,7 @@ class Router:
         try:
             with anyio.fail_after(LISTING_DEADLINE):
                 nodes = await self.member.nodes()
-                entries = await self.member.session_entries()
+                source, entries = await self._listed_entries()
         except Exception as exc:
             reply["warning"] = f"this node's sessions only: {_describe(exc)}"
             return reply
@@ -939,24 +945,35 @@ class Router:
             if node != self.node and answered is not None:
                 rows += answered
         listed = {row.get("session_id") for row in rows}
-        for node in sorted(states):
-            if node == self.node or answers.get(node) is not None:
-                continue
-            # the node cannot (or will not) say: what the registry knows, with the node's
-            # state (a session another node listed, its adopter, is shown there only)
-            shown = "unreachable" if states[node] is NodeState.LIVE else states[node].value
-            if node in refused:
-                shown = "refused"
-            rows += [
-                row_of(sid, entry, "lost" if shown == "lost" else shown)
-                for sid, entry, _ in sorted(entries, key=lambda found: found[0])
-                if entry.node == node and visible(entry, principal) and sid not in listed
-            ]
+        # a node that cannot (or will not) say: what the registry knows, with the node's
+        # state (a session another node listed, its adopter, is shown there only)
+        shown = {
+            node: "refused"
+            if node in refused
+            else "unreachable"
+            if state is NodeState.LIVE
+            else state.value
+            for node, state in states.items()
+            if node != self.node and answers.get(node) is None
+        }
+        rows += registry_rows(entries, shown, listed, principal)
+        log.info("fleet.listing", registry=source, claims=len(entries), rows=len(rows))
         reply["sessions"] = rows
         reply["nodes"] = {node: state.value for node, state in sorted(states.items())}
         if refused:
             reply["warning"] = _refusals(refused)
         return reply
+
+    async def _listed_entries(self) -> tuple[str, list[tuple[str, SessionEntry]]]:
+        """Where the listing took the registry's claims from (``copy`` or ``bucket``), and
+        them: from the registry copy once it holds the bucket's latest update (one round
+        trip asks which; thousands of keys read one at a time would not fit
+        :data:`LISTING_DEADLINE`), else from the bucket, key by key."""
+        if self._listing_from_copy:
+            found = await current_claims(self.registry_copy, self.member.registry_revision)
+            if found is not None:
+                return "copy", [(sid, entry) for sid, entry, _ in found]
+        return "bucket", [(sid, entry) for sid, entry, _ in await self.member.session_entries()]
 
     # -- events of remote sessions, republished here -------------------------------
 

@@ -32,6 +32,7 @@ touches a socket: sage/fleet/router.py is the shell.
 from __future__ import annotations
 
 import re
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import msgspec
@@ -70,6 +71,7 @@ __all__ = (
     "parse_registry_key",
     "parse_request_subject",
     "registry_key",
+    "registry_rows",
     "request_subject",
     "resolve",
     "row_of",
@@ -337,6 +339,29 @@ def row_of(sid: str, entry: SessionEntry, state: str) -> dict[str, Any]:
         "node": entry.node,
         "started_at": entry.at,
     }
+
+
+def registry_rows(
+    entries: Iterable[tuple[str, SessionEntry]],
+    shown: Mapping[str, str],
+    listed: Collection[object],
+    principal: str | None,
+) -> list[dict[str, Any]]:
+    """The fleet listing's rows of the nodes that did not answer it, from the registry's
+    claims ``entries`` (``(sid, entry)``, the bucket's or the registry copy's, in any
+    order): ``shown`` maps each such node to the state its rows say (``lost``,
+    ``stopped``, ``unreachable``, ``refused``); by node, then session id; only what
+    ``principal`` may see, and no session in ``listed`` (a node that answered has it:
+    its adopter, say)."""
+    by_sid = sorted(entries, key=lambda found: found[0])
+    rows: list[dict[str, Any]] = []
+    for node in sorted(shown):
+        rows += [
+            row_of(sid, entry, shown[node])
+            for sid, entry in by_sid
+            if entry.node == node and visible(entry, principal) and sid not in listed
+        ]
+    return rows
 
 
 def approval_answer(answers: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -48,6 +48,18 @@ sits on each node's socket, acting for alice as the CLI does.
     bounded below by ``lost_after`` less the age of a's last heartbeat: the loss
     must first be seen (goal <= 10 s).
 
+(d) The listing at scale, on the first rig after (b). ``LISTED`` registry claims of
+    sessions of ``SILENT`` nodes that stopped (their records and claims put by the
+    admin, as those nodes would have left them; no supervisor runs for them), then
+    ``astrid sage sessions --json`` on a, whose router takes the silent nodes' rows from
+    its registry copy, and on c, whose router reads the bucket key by key
+    (``ASTRID_TEST_LISTING_FROM_BUCKET=1`` in c's environment, a test-only hook; nothing
+    else of c changes), alternating, ``LISTING_ROUNDS`` of each: the CLI's whole run (a
+    new process each), and the listing request alone on a bus client
+    (``sage.v1.request.fleet.sessions``). p50 of each and the bucket's against the
+    copy's. Both must list the same rows (every claim, unless the bucket's read runs out
+    of its 3 s deadline: then said).
+
 Every process started here is stopped and checked gone, also on failure: the
 supervisors' children (by their socket in the environment) and the NATS servers.
 """
@@ -55,6 +67,7 @@ supervisors' children (by their socket in the environment) and the NATS servers.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import statistics
@@ -66,15 +79,20 @@ from pathlib import Path
 
 import anyio
 import anyio.abc
+import anyio.to_thread
 
 from bus.client import BusClient, RemoteSubscription
 from sage.cli._common import call_runner
 from sage.cli.sage_cmd import call_session
+from sage.fleet.nodes import NodeRecord
+from sage.fleet.permissions import BUCKET
+from sage.fleet.router import LISTING, LISTING_FROM_BUCKET
+from sage.fleet.routes import REGISTRY, SessionEntry, registry_key
 from sage.fleet.transcripts import TRANSCRIPTS, transcript_rel
 from tests.bench.bench_sessions import FAKE, _pct, _reap_leftovers, _remove
 from tests.bench.report import Report
 from tests.support.daemon import Daemon, node_root, short_dir
-from tests.support.nats_cluster import NatsCluster, stored_object
+from tests.support.nats_cluster import JS_TIMEOUT, NatsCluster, stored_object
 
 NODES = ("a", "c")
 ROUNDS = 100  # of each path, alternating
@@ -83,6 +101,10 @@ BURSTS = 5
 BURST = 1000  # turns sent back to back, queued by the session
 ALICE_UID = 65533
 DEADLINE = 30.0
+LISTED = 3000  # registry claims of sessions on nodes that stopped
+SILENT = 3  # those nodes
+LISTING_ROUNDS = 10  # of each path, alternating
+FROM_BUCKET = "c"  # the node whose listing reads the bucket (a's reads its copy)
 
 
 def _config(cluster: NatsCluster, node: str) -> str:
@@ -97,17 +119,19 @@ def _config(cluster: NatsCluster, node: str) -> str:
 
 @contextlib.contextmanager
 def _nodes(
-    nodes: Sequence[str], config: Callable[[NatsCluster, str], str], root: Callable[[], Path]
+    nodes: Sequence[str],
+    config: Callable[[NatsCluster, str], str],
+    root: Callable[[], Path],
+    extra_env: Callable[[str], dict[str, str]] = lambda node: {},
 ) -> Iterator[tuple[NatsCluster, dict[str, Daemon]]]:
-    """A cluster and one supervisor per node (its config, in a folder from ``root``); all
-    stopped, reaped and checked gone after."""
+    """A cluster and one supervisor per node (its config, in a folder from ``root``, with
+    ``extra_env(node)`` in its environment); all stopped, reaped and checked gone after."""
     with NatsCluster(list(nodes)) as cluster:
         daemons: dict[str, Daemon] = {}
         try:
             for node in nodes:
-                daemons[node] = Daemon(
-                    root(), config(cluster, node), env={"ANTHROPIC_API_KEY": "sk"}
-                )
+                env = {"ANTHROPIC_API_KEY": "sk", **extra_env(node)}
+                daemons[node] = Daemon(root(), config(cluster, node), env=env)
                 daemons[node].launch()
             for daemon in daemons.values():
                 daemon.wait_ready(30.0)
@@ -125,10 +149,15 @@ def _nodes(
 
 
 @contextlib.contextmanager
-def _fleet() -> Iterator[dict[str, Daemon]]:
-    """Nodes a, b, c; alice's uid reaches their sockets through node_root."""
-    with _nodes(NODES, _config, node_root) as (_, daemons):
-        yield daemons
+def _fleet() -> Iterator[tuple[NatsCluster, dict[str, Daemon]]]:
+    """Nodes a and c (alice's uid reaches their sockets through node_root); c's fleet
+    listing reads the bucket, a's its registry copy."""
+
+    def extra_env(node: str) -> dict[str, str]:
+        return {LISTING_FROM_BUCKET: "1"} if node == FROM_BUCKET else {}
+
+    with _nodes(NODES, _config, node_root, extra_env) as fleet:
+        yield fleet
 
 
 def _client(daemon: Daemon) -> contextlib.AbstractAsyncContextManager[BusClient]:
@@ -348,6 +377,131 @@ async def _watch_burst(
     into[node] = (when, seen)
 
 
+async def _put_silent_nodes(cluster: NatsCluster) -> None:
+    """The records of ``SILENT`` stopped nodes and ``LISTED`` claims of theirs, alice's."""
+    now = time.time()
+    async with cluster.client() as admin:
+        js = admin.jetstream(timeout=JS_TIMEOUT)
+        nodes, registry = await js.key_value(BUCKET), await js.key_value(REGISTRY)
+        for i in range(SILENT):
+            node = f"silent{i}"
+            record = NodeRecord(
+                node=node,
+                host="gone",
+                pid=1,
+                started_at=now,
+                heartbeat_at=now,
+                heartbeat=2.0,
+                stopped=True,
+            )
+            await nodes.put(node, record.encode())
+
+        async def put(first: int) -> None:
+            for n in range(first, LISTED, 50):
+                node = f"silent{n % SILENT}"
+                entry = SessionEntry(node=node, principal_id="alice", at=now)
+                await registry.put(registry_key(node, f"listed{n:05d}"), entry.encode())
+
+        async with anyio.create_task_group() as tg:
+            for first in range(50):
+                tg.start_soon(put, first)
+
+
+def _cli_listing(daemon: Daemon) -> tuple[float, list[dict[str, object]], str]:
+    """One ``astrid sage sessions --json`` for alice: (s, its rows, its stderr)."""
+    t0 = time.perf_counter()
+    result = daemon.astrid("sage", "sessions", "--json", "--principal", "alice", timeout=60.0)
+    took = time.perf_counter() - t0
+    if result.returncode != 0:
+        raise RuntimeError(f"the listing failed: {result.stderr}")
+    return took, json.loads(result.stdout), result.stderr
+
+
+async def _bus_listing(client: BusClient) -> tuple[float, list[dict[str, object]]]:
+    """The router's listing asked straight on a bus client: (s, its rows)."""
+    t0 = time.perf_counter()
+    reply = await call_runner(client, LISTING, {}, DEADLINE)
+    return time.perf_counter() - t0, list(reply.get("sessions") or [])
+
+
+async def _listing_at_scale(
+    cluster: NatsCluster, daemons: dict[str, Daemon], report: Report
+) -> None:
+    t0 = time.perf_counter()
+    await _put_silent_nodes(cluster)
+    put_s = time.perf_counter() - t0
+    copy_node = "a"
+
+    def silent(rows: list[dict[str, object]]) -> list[tuple[object, ...]]:
+        return sorted(
+            (r["session_id"], r["node"], r["state"])
+            for r in rows
+            if str(r.get("node")).startswith("silent")
+        )
+
+    expected = [(f"listed{n:05d}", f"silent{n % SILENT}", "stopped") for n in range(LISTED)]
+    with anyio.fail_after(DEADLINE):  # a's copy has them all (its watch delivered them)
+        while True:
+            _, rows, _ = await anyio.to_thread.run_sync(_cli_listing, daemons[copy_node])
+            if silent(rows) == expected:
+                break
+            await anyio.sleep(0.2)
+    cli: dict[str, list[float]] = {copy_node: [], FROM_BUCKET: []}
+    bus: dict[str, list[float]] = {copy_node: [], FROM_BUCKET: []}
+    found: dict[str, list[tuple[object, ...]]] = {}
+    warnings: dict[str, str] = {}
+    async with _client(daemons[copy_node]) as on_copy, _client(daemons[FROM_BUCKET]) as on_bucket:
+        clients = {copy_node: on_copy, FROM_BUCKET: on_bucket}
+        for _ in range(LISTING_ROUNDS):
+            for node in (copy_node, FROM_BUCKET):
+                took, rows, stderr = await anyio.to_thread.run_sync(_cli_listing, daemons[node])
+                cli[node].append(took)
+                found[node] = silent(rows)
+                if stderr.strip():
+                    warnings[node] = stderr.strip().splitlines()[-1]
+                took, rows = await _bus_listing(clients[node])
+                bus[node].append(took)
+    complete = len(found[FROM_BUCKET]) == LISTED
+    if found[copy_node] != expected:
+        raise RuntimeError(f"the copy's listing has {len(found[copy_node])} of {LISTED} rows")
+    if complete and found[FROM_BUCKET] != found[copy_node]:
+        raise RuntimeError("the copy's listing and the bucket's differ")
+    ms = {
+        what: {node: statistics.median(values) * 1e3 for node, values in timed.items()}
+        for what, timed in (("cli", cli), ("bus", bus))
+    }
+    bucket_said = (
+        "listed them all"
+        if complete
+        else f"listed {len(found[FROM_BUCKET])} ({warnings.get(FROM_BUCKET, 'no warning')})"
+    )
+    print(
+        f"  fleet: listing at scale: {LISTED} claims of {SILENT} stopped nodes put in"
+        f" {put_s:.1f} s; the bucket's listing {bucket_said}",
+        flush=True,
+    )
+    for what, name in (
+        ("cli", "astrid sage sessions --json"),
+        ("bus", "the listing request alone"),
+    ):
+        print(
+            f"  fleet: {name}, {LISTING_ROUNDS} rounds: from the copy p50"
+            f" {ms[what][copy_node]:.1f} ms; from the bucket p50 {ms[what][FROM_BUCKET]:.1f} ms;"
+            f" ratio {ms[what][FROM_BUCKET] / ms[what][copy_node]:.1f}x",
+            flush=True,
+        )
+        report.add(
+            "fleet",
+            f"{name}, {LISTED} claims, from the copy p50",
+            ms[what][copy_node],
+            "ms",
+            reference=ms[what][FROM_BUCKET],
+            reference_name="the bucket read key by key",
+            goal="well under the 3 s listing deadline",
+            higher_is_better=False,
+        )
+
+
 KILLS = 3
 FAILOVER_NODES = ("a", "b", "c")
 
@@ -456,7 +610,7 @@ def _failover_fleet() -> Iterator[tuple[NatsCluster, dict[str, Daemon]]]:
 
 def run(report: Report) -> None:
     t0 = time.perf_counter()
-    with _fleet() as daemons:
+    with _fleet() as (cluster, daemons):
         print(
             f"  fleet: 3 NATS servers and nodes {', '.join(NODES)} ready in"
             f" {time.perf_counter() - t0:.1f} s",
@@ -464,6 +618,7 @@ def run(report: Report) -> None:
         )
         anyio.run(_routed_vs_local, daemons, report)
         anyio.run(_events_across, daemons, report)
+        anyio.run(_listing_at_scale, cluster, daemons, report)
     with _failover_fleet() as (cluster, daemons):
         anyio.run(_failover, cluster, daemons, report)
     print(f"  fleet: the bench took {time.perf_counter() - t0:.0f} s", flush=True)
@@ -474,6 +629,9 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["failover"]:  # the failover rig alone
         with _failover_fleet() as (cluster, daemons):
             anyio.run(_failover, cluster, daemons, r)
+    elif sys.argv[1:] == ["listing"]:  # the listing at scale alone
+        with _fleet() as (cluster, daemons):
+            anyio.run(_listing_at_scale, cluster, daemons, r)
     else:
         run(r)
     print(r.render())

@@ -21,6 +21,8 @@ import anyio
 import nats
 import pytest
 
+from sage.fleet.nodes import NodeRecord
+from sage.fleet.permissions import BUCKET
 from sage.fleet.router import RESYNC_CHECK
 from sage.fleet.routes import REGISTRY, REGISTRY_STREAM, SessionEntry, registry_key
 from tests.support import FAKE_CLAUDE
@@ -266,3 +268,67 @@ def test_a_session_restored_at_a_restart_is_left_to_the_runner_too(
     assert reply["error"] == "unknown_session"
     code, out = send(b, "sleeper", "good morning")
     assert code == 0, out
+
+
+def test_the_listing_takes_a_silent_nodes_sessions_from_the_copy(
+    fleet: tuple[NatsCluster, dict[str, Daemon]],
+) -> None:
+    """Node z stopped (its record says so) and left claims in the registry: a listing
+    shows them, stopped, from the copy (no key read one at a time), and only the
+    caller's; an admin sees them all."""
+    cluster, daemons = fleet
+    c = daemons["c"]
+    now = time.time()
+    record = NodeRecord(
+        node="z", host="gone", pid=1, started_at=now, heartbeat_at=now, heartbeat=2.0, stopped=True
+    )
+    cluster.admin_put(BUCKET, "z", record.encode())
+    for sid, principal in (("z1", "alice"), ("z2", "bob"), ("z3", "alice")):
+        entry = SessionEntry(node="z", principal_id=principal, at=now)
+        cluster.admin_put(REGISTRY, registry_key("z", sid), entry.encode())
+
+    def listing(*principal: str) -> dict[str, Any]:
+        result = c.astrid("sage", "sessions", "--json", *principal, timeout=30.0)
+        assert result.returncode == 0, result.stderr
+        return {r["session_id"]: r for r in json.loads(result.stdout) if r["node"] == "z"}
+
+    alice = wait_for(
+        lambda: (found := listing("--principal", "alice")).keys() == {"z1", "z3"} and found,
+        10.0,
+        "z's sessions in c's listing",
+    )
+    assert {r["state"] for r in alice.values()} == {"stopped"}
+    assert alice["z1"]["principal_id"] == "alice"
+    assert alice["z1"]["pid"] is None
+    assert listing().keys() == {"z1", "z2", "z3"}
+    sources = [r["registry"] for r in log_events(c, "fleet.listing")]
+    assert sources[-2:] == ["copy", "copy"], sources  # alice's listing and the admin's
+
+
+def test_a_copy_behind_the_bucket_leaves_the_listing_to_the_bucket(
+    fleet: tuple[NatsCluster, dict[str, Daemon]],
+) -> None:
+    """c's watch is cut (its consumer deleted), then z's claims change: c's copy misses
+    it, so the listing (which asks the bucket's last revision first) reads the bucket,
+    and shows the change."""
+    cluster, daemons = fleet
+    c = daemons["c"]
+    wait_for(lambda: "c" in watching_nodes(cluster), 8.0, "c's registry watch")
+    assert delete_watch_of(cluster, "c") >= 1
+    cluster.admin_put(
+        REGISTRY,
+        registry_key("z", "z4"),
+        SessionEntry(node="z", principal_id="alice", at=time.time()).encode(),
+    )
+
+    async def forget_z1() -> None:
+        async with cluster.client() as admin:
+            kv = await admin.jetstream(timeout=JS_TIMEOUT).key_value(REGISTRY)
+            await kv.delete(registry_key("z", "z1"))
+
+    anyio.run(forget_z1)
+    result = c.astrid("sage", "sessions", "--json", "--principal", "alice", timeout=30.0)
+    assert result.returncode == 0, result.stderr
+    listed = {r["session_id"] for r in json.loads(result.stdout) if r["node"] == "z"}
+    assert listed == {"z3", "z4"}
+    assert log_events(c, "fleet.listing")[-1]["registry"] == "bucket"
