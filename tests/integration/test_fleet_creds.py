@@ -9,7 +9,6 @@ an operator, its system account and a SAGE account with JetStream, all minted in
 from __future__ import annotations
 
 import json
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import pytest
 
 from sage.fleet.nodes import NodeRecord
 from sage.fleet.permissions import BUCKET, node_permissions
-from tests.support.daemon import ASTRID, Daemon, short_dir
+from tests.support.daemon import Daemon, short_dir
 from tests.support.nats_cluster import JS_TIMEOUT, NatsCluster, refused_kv, wait_for
 from tests.support.nats_jwt import Operator
 
@@ -36,17 +35,6 @@ def section(urls: list[str], node: str, creds: Path) -> str:
         'capsules = ["echo"]\n[fleet]\n'
         f'url = [{quoted}]\nnode = "{node}"\ncreds = "{creds}"\n'
         "heartbeat = 0.5\nlost_after = 2.0\nconnect_timeout = 5\nreplicas = 3\n"
-    )
-
-
-def refused_start(daemon: Daemon) -> subprocess.CompletedProcess[str]:
-    """Run the supervisor, which must end by itself."""
-    return subprocess.run(
-        [*ASTRID, "supervisor", "run", "--config", str(daemon.config)],
-        capture_output=True,
-        text=True,
-        timeout=20,
-        env=daemon.env,
     )
 
 
@@ -98,7 +86,7 @@ def test_a_user_jwt_of_an_account_the_operator_does_not_trust_is_refused(
     stranger = root / "stranger.creds"
     stranger.write_text(Operator("other").user_creds("a", node_permissions("a")))
     stranger.chmod(0o600)
-    result = refused_start(Daemon(root, section(cluster.urls, "a", stranger)))
+    result = Daemon(root, section(cluster.urls, "a", stranger)).run_refused()
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("astrid: fleet: NATS at nats://127.0.0.1:"), last
@@ -114,7 +102,7 @@ def test_a_creds_file_open_to_group_is_refused(cluster: NatsCluster) -> None:
     creds = root / "a.creds"
     creds.write_text(cluster.creds_file("a").read_text())
     creds.chmod(0o640)
-    result = refused_start(Daemon(root, section(cluster.urls, "a", creds)))
+    result = Daemon(root, section(cluster.urls, "a", creds)).run_refused()
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert last == (
@@ -134,7 +122,7 @@ def test_a_malformed_creds_file_is_refused_unechoed(cluster: NatsCluster) -> Non
     jwt, _ = secrets_of(cluster.creds_file("a"))
     creds.write_text(good.replace(jwt, "eyJnot-a-jwt-but-maybe-a-secret-7781"))
     creds.chmod(0o600)
-    result = refused_start(Daemon(root, section(cluster.urls, "a", creds)))
+    result = Daemon(root, section(cluster.urls, "a", creds)).run_refused()
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == (
         f"astrid: fleet: {creds}: the user JWT is malformed: not three base64url parts"

@@ -6,7 +6,6 @@ Real nats-server processes (the pinned one in the virtualenv), real supervisors.
 from __future__ import annotations
 
 import json
-import subprocess
 from collections.abc import Iterator
 
 import anyio
@@ -16,7 +15,7 @@ from nats.js.errors import KeyNotFoundError
 
 from sage.fleet.nodes import NodeRecord
 from sage.fleet.permissions import BUCKET
-from tests.support.daemon import ASTRID, Daemon, short_dir
+from tests.support.daemon import Daemon, short_dir
 from tests.support.nats_cluster import JS_TIMEOUT, NatsCluster, free_port, new_user_seed, refused_kv
 
 NODES = ["a", "b"]
@@ -40,17 +39,6 @@ def section(
     )
 
 
-def refused_start(daemon: Daemon, timeout: float = 20.0) -> subprocess.CompletedProcess[str]:
-    """Run the supervisor, which must end by itself."""
-    return subprocess.run(
-        [*ASTRID, "supervisor", "run", "--config", str(daemon.config)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=daemon.env,
-    )
-
-
 def test_wrong_password_is_refused_with_a_clear_error(cluster: NatsCluster) -> None:
     """A node whose password is wrong does not start: one line, fleet_auth_failed's words,
     no traceback, and the wrong password is nowhere in what it printed."""
@@ -59,7 +47,7 @@ def test_wrong_password_is_refused_with_a_clear_error(cluster: NatsCluster) -> N
     wrong.write_text("not-the-password-0451\n")
     wrong.chmod(0o600)
     daemon = Daemon(root, section(cluster.urls, "a", str(wrong)))
-    result = refused_start(daemon)
+    result = daemon.run_refused()
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("astrid: fleet: NATS at nats://127.0.0.1:"), last
@@ -76,7 +64,7 @@ def test_unreachable_nats_is_refused_naming_the_url() -> None:
     password.chmod(0o600)
     url = f"nats://127.0.0.1:{free_port()}"
     daemon = Daemon(root, section([url], "a", str(password), timeout=1.0))
-    result = refused_start(daemon)
+    result = daemon.run_refused()
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"astrid: fleet: cannot reach NATS at {url} within 1 s"), last
@@ -89,7 +77,7 @@ def test_a_password_file_open_to_others_is_refused(cluster: NatsCluster) -> None
     open_file = root / "open.password"
     open_file.write_text(cluster.passwords["a"] + "\n")
     open_file.chmod(0o644)
-    result = refused_start(Daemon(root, section(cluster.urls, "a", str(open_file))))
+    result = Daemon(root, section(cluster.urls, "a", str(open_file))).run_refused()
     assert result.returncode == 1
     assert "accessible by group or other" in result.stderr
     assert cluster.passwords["a"] not in result.stderr
@@ -206,7 +194,7 @@ def test_an_nkey_the_servers_do_not_know_is_refused(cluster: NatsCluster) -> Non
     seed = new_user_seed()
     stranger.write_text(seed + "\n")
     stranger.chmod(0o600)
-    result = refused_start(Daemon(root, section(cluster.urls, "k", "", key=str(stranger))))
+    result = Daemon(root, section(cluster.urls, "k", "", key=str(stranger))).run_refused()
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert f"refused the NKey of {stranger}: a key its servers do not know" in last, last
@@ -220,7 +208,7 @@ def test_a_file_that_is_no_nkey_seed_is_refused_unechoed(cluster: NatsCluster) -
     bogus = root / "bogus.nk"
     bogus.write_text("SUnot-a-seed-but-maybe-a-secret-7781\n")
     bogus.chmod(0o600)
-    result = refused_start(Daemon(root, section(cluster.urls, "k", "", key=str(bogus))))
+    result = Daemon(root, section(cluster.urls, "k", "", key=str(bogus))).run_refused()
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == f"astrid: fleet: {bogus}: not an NKey seed"
     assert "maybe-a-secret" not in result.stderr

@@ -127,16 +127,20 @@ def ask_router(daemon: Daemon, sid: str) -> Any:
     return anyio.run(main)
 
 
-def log_events(daemon: Daemon, event: str) -> list[dict[str, object]]:
-    found = []
-    for line in daemon.log().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if record.get("event") == event:
-            found.append(record)
-    return found
+def forwarded(daemon: Daemon, sid: str) -> list[dict[str, Any]]:
+    """The requests for ``sid`` that other nodes forwarded to ``daemon``, as it logged them."""
+    return [r for r in daemon.log_events("fleet.forwarded_in") if r.get("session_id") == sid]
+
+
+def router_leaves_to_runner(daemon: Daemon, sid: str, what: str) -> None:
+    """Wait until ``daemon``'s router answers a send for ``sid`` as its runner's session:
+    ``unknown_session``, "... is on this node" (it forwards nothing)."""
+    reply = wait_for(
+        lambda: (r := ask_router(daemon, sid)).get("message", "").endswith("is on this node") and r,
+        10.0,
+        what,
+    )
+    assert reply["error"] == "unknown_session"
 
 
 def watching_nodes(cluster: NatsCluster) -> set[str]:
@@ -159,7 +163,7 @@ def test_every_node_watches_the_registry_with_its_own_permissions(
     cluster, daemons = fleet
     wait_for(lambda: watching_nodes(cluster) == set(NODES), 15.0, "every node's registry watch")
     for daemon in daemons.values():
-        assert not log_events(daemon, "fleet.registry_watch_failed")
+        assert not daemon.log_events("fleet.registry_watch_failed")
 
 
 def test_a_stale_copy_is_corrected_by_the_bucket_and_said(
@@ -187,21 +191,21 @@ def test_a_stale_copy_is_corrected_by_the_bucket_and_said(
         )
 
     wait_for(lie_holds, 30.0, "the registry naming b for good")
-    before = len(log_events(c, "fleet.registry_copy_stale"))
+    before = len(c.log_events("fleet.registry_copy_stale"))
 
     # c's watch is cut, and the registry put right: c's copy still says b
     assert delete_watch_of(cluster, "c") >= 1
     put_owner(cluster, "moving", "a")
     code, out = send(c, "moving", "after the move")
     assert code == 0, out
-    stale = log_events(c, "fleet.registry_copy_stale")
+    stale = c.log_events("fleet.registry_copy_stale")
     assert len(stale) > before, "c's router did not find its copy stale"
     assert (stale[-1]["copy"], stale[-1]["node"], stale[-1]["session_id"]) == ("b", "a", "moving")
     # b was asked and said no; a answered
-    asked_b = [r for r in log_events(b, "fleet.forwarded_in") if r.get("session_id") == "moving"]
+    asked_b = forwarded(b, "moving")
     assert asked_b
     assert asked_b[-1]["ok"] is False
-    answered = [r for r in log_events(a, "fleet.forwarded_in") if r.get("session_id") == "moving"]
+    answered = forwarded(a, "moving")
     assert answered[-1]["ok"] is True
 
     # the stale copy's watch is started anew at once (nats-py alone would take 10 s or
@@ -209,7 +213,7 @@ def test_a_stale_copy_is_corrected_by_the_bucket_and_said(
     wait_for(lambda: "c" in watching_nodes(cluster), 8.0, "c's new registry watch")
     code, out = send(c, "moving", "once more")
     assert code == 0, out
-    assert len(log_events(c, "fleet.registry_copy_stale")) == len(stale)
+    assert len(c.log_events("fleet.registry_copy_stale")) == len(stale)
 
 
 def test_the_router_leaves_a_session_of_its_own_node_to_its_runner(
@@ -223,20 +227,11 @@ def test_the_router_leaves_a_session_of_its_own_node_to_its_runner(
     spawned = a.astrid("sage", "spawn", "alice", "--session", "homebody", timeout=30.0)
     assert spawned.returncode == 0, spawned.stderr
 
-    reply = wait_for(
-        lambda: (
-            (r := ask_router(a, "homebody")).get("message", "").endswith("is on this node") and r
-        ),
-        10.0,
-        "a's router knowing its runner has the session",
-    )
-    assert reply["error"] == "unknown_session"
+    router_leaves_to_runner(a, "homebody", "a's router knowing its runner has the session")
     code, out = send(a, "homebody", "hello")
     assert code == 0, out
     for daemon in daemons.values():
-        assert not [
-            r for r in log_events(daemon, "fleet.forwarded_in") if r.get("session_id") == "homebody"
-        ]
+        assert not forwarded(daemon, "homebody")
 
 
 def test_a_session_restored_at_a_restart_is_left_to_the_runner_too(
@@ -258,14 +253,7 @@ def test_a_session_restored_at_a_restart_is_left_to_the_runner_too(
     wait_for(lambda: state() == "hibernated", 15.0, "the session hibernated on b")
     assert b.stop() == 0
     b.start(30.0)
-    reply = wait_for(
-        lambda: (
-            (r := ask_router(b, "sleeper")).get("message", "").endswith("is on this node") and r
-        ),
-        10.0,
-        "b's router knowing its runner has the restored session",
-    )
-    assert reply["error"] == "unknown_session"
+    router_leaves_to_runner(b, "sleeper", "b's router knowing its runner has the restored session")
     code, out = send(b, "sleeper", "good morning")
     assert code == 0, out
 
@@ -301,7 +289,7 @@ def test_the_listing_takes_a_silent_nodes_sessions_from_the_copy(
     assert alice["z1"]["principal_id"] == "alice"
     assert alice["z1"]["pid"] is None
     assert listing().keys() == {"z1", "z2", "z3"}
-    sources = [r["registry"] for r in log_events(c, "fleet.listing")]
+    sources = [r["registry"] for r in c.log_events("fleet.listing")]
     assert sources[-2:] == ["copy", "copy"], sources  # alice's listing and the admin's
 
 
@@ -331,4 +319,4 @@ def test_a_copy_behind_the_bucket_leaves_the_listing_to_the_bucket(
     assert result.returncode == 0, result.stderr
     listed = {r["session_id"] for r in json.loads(result.stdout) if r["node"] == "z"}
     assert listed == {"z3", "z4"}
-    assert log_events(c, "fleet.listing")[-1]["registry"] == "bucket"
+    assert c.log_events("fleet.listing")[-1]["registry"] == "bucket"

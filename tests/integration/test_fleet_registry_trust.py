@@ -2,7 +2,8 @@
 enforces it (docs/security.md, "Fleet trust model").
 
 Three real supervisors (the CLI double) over a real 3-server NATS cluster whose node
-users hold exactly `astrid fleet permissions`' subjects.  A second connection with
+users hold exactly `astrid fleet permissions`' subjects: test_fleet_registry_copy's
+fleet (its node b hibernates idle sessions; no session here is b's).  A second connection with
 node b's own user stands in for a compromised node b: the server refuses its put and
 delete of node a's key ``a.<sid>``; what b may write (its own ``b.<sid>``, any
 ``sage_claims`` key) never takes a live node's session: two live claimants are refused
@@ -14,8 +15,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
-from typing import Any
 
 import anyio
 import nats
@@ -24,58 +23,16 @@ import pytest
 from sage.fleet.nodes import NodeRecord
 from sage.fleet.permissions import BUCKET
 from sage.fleet.routes import CLAIMS, REGISTRY, Claim, SessionEntry, registry_key
-from tests.support import FAKE_CLAUDE
-from tests.support.daemon import Daemon, all_running, node_root
+from tests.integration.test_fleet_registry_copy import fleet, forwarded, send
+from tests.support.daemon import Daemon
 from tests.support.nats_cluster import JS_TIMEOUT, NatsCluster, refused_kv, wait_for
 
-NODES = ["a", "b", "c"]
-ALICE_UID = 65533
-
-
-def node_config(cluster: NatsCluster, node: str) -> str:
-    return (
-        'capsules = ["runner"]\n'
-        f'[claude]\nbinary = "{FAKE_CLAUDE}"\nenv = {{ FAKE_CLAUDE_MODE = "" }}\n'
-        '[limits]\nstop_grace = 2.0\n[socket]\ngroup = "nogroup"\n'
-        + cluster.fleet_section(node)
-        + f'[[principals]]\nname = "alice"\nuids = [{ALICE_UID}]\noperator_key = true\n'
-    )
-
-
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[tuple[NatsCluster, dict[str, Daemon]]]:
-    with NatsCluster(NODES) as cluster:
-        env = {"ANTHROPIC_API_KEY": "sk-double"}
-        with all_running(
-            {node: Daemon(node_root(), node_config(cluster, node), env=env) for node in NODES}
-        ) as daemons:
-            yield cluster, daemons
-
-
-def send(daemon: Daemon, sid: str, text: str) -> tuple[int, str]:
-    result = daemon.astrid("sage", "send", sid, text, "--principal", "alice", timeout=30.0)
-    return result.returncode, result.stdout + result.stderr
+__all__ = ("fleet",)  # the module's fixture: its own cluster and nodes
 
 
 def spawn(daemon: Daemon, sid: str) -> None:
     spawned = daemon.astrid("sage", "spawn", "alice", "--session", sid, timeout=30.0)
     assert spawned.returncode == 0, spawned.stderr
-
-
-def log_events(daemon: Daemon, event: str) -> list[dict[str, Any]]:
-    found = []
-    for line in daemon.log().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if record.get("event") == event:
-            found.append(record)
-    return found
-
-
-def forwarded(daemon: Daemon, sid: str) -> list[dict[str, Any]]:
-    return [r for r in log_events(daemon, "fleet.forwarded_in") if r.get("session_id") == sid]
 
 
 def registry_value(cluster: NatsCluster, key: str) -> bytes | None:
@@ -147,7 +104,7 @@ def test_a_claim_under_a_lost_nodes_name_is_not_followed(
     assert "echo: to the live one" in out
     assert forwarded(a, "t2")[-1]["ok"] is True
     assert len(forwarded(daemons["b"], "t2")) == asked_b
-    assert not log_events(c, "fleet.session_conflict")
+    assert not c.log_events("fleet.session_conflict")
 
 
 def test_two_live_claimants_are_refused_and_logged(
@@ -176,7 +133,7 @@ def test_two_live_claimants_are_refused_and_logged(
     _, out = wait_for(lambda: (r := send(c, "t3", "to whom?"))[0] != 0 and r, 10.0, "c refusing t3")
     assert "session_conflict" in out, out
     assert "a, b" in out, out
-    conflicts = log_events(c, "fleet.session_conflict")
+    conflicts = c.log_events("fleet.session_conflict")
     assert conflicts
     assert (conflicts[-1]["session_id"], conflicts[-1]["nodes"]) == ("t3", ["a", "b"])
     assert conflicts[-1]["level"] == "warning"

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.support.daemon import ASTRID, Daemon, short_dir
+from tests.support.daemon import Daemon, short_dir
 from tests.support.nats_cluster import NatsCluster
 from tests.support.tls_files import TlsFiles, make_tls_files
 
@@ -45,16 +44,6 @@ def test_a_node_with_the_ca_and_its_certificate_joins(
         assert daemon.stop() == 0
 
 
-def run_refused(daemon: Daemon) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*ASTRID, "supervisor", "run", "--config", str(daemon.config)],
-        capture_output=True,
-        text=True,
-        timeout=20,
-        env=daemon.env,
-    )
-
-
 @pytest.mark.parametrize(
     ("which", "expected"),
     [
@@ -71,7 +60,7 @@ def test_a_node_that_cannot_complete_tls_does_not_start(
         extra = section(cluster, ca=files.other_ca, cert=files.client_cert, key=files.client_key)
     else:
         extra = section(cluster, ca=files.ca)
-    result = run_refused(Daemon(short_dir(), extra))
+    result = Daemon(short_dir(), extra).run_refused()
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("astrid: fleet: TLS with NATS at nats://127.0.0.1:"), last
@@ -86,8 +75,8 @@ def test_a_key_file_open_to_others_is_refused(tls_cluster: tuple[NatsCluster, Tl
     key = root / "client.key"
     key.write_bytes(files.client_key.read_bytes())
     key.chmod(0o640)
-    result = run_refused(
-        Daemon(root, section(cluster, ca=files.ca, cert=files.client_cert, key=key))
-    )
+    result = Daemon(
+        root, section(cluster, ca=files.ca, cert=files.client_cert, key=key)
+    ).run_refused()
     assert result.returncode == 1
     assert "TLS key file is accessible by group or other" in result.stderr

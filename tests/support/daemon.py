@@ -109,6 +109,29 @@ class Daemon:
         """What the supervisor wrote to stderr so far (JSON lines)."""
         return self.log_path.read_text(errors="replace")
 
+    def log_events(self, event: str) -> list[dict[str, Any]]:
+        """The log's records of ``event``, in order (lines that are no JSON are passed)."""
+        found = []
+        for line in self.log().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("event") == event:
+                found.append(record)
+        return found
+
+    def run_refused(self, timeout: float = 20.0) -> subprocess.CompletedProcess[str]:
+        """Run the supervisor in the foreground where it must refuse to start and end by
+        itself: its exit code and output."""
+        return subprocess.run(
+            [*ASTRID, "supervisor", "run", "--config", str(self.config)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=self.env,
+        )
+
     def astrid(
         self, *args: str, input: bytes | None = None, timeout: float = 20.0
     ) -> subprocess.CompletedProcess[str]:
