@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Collection, Iterable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -242,12 +242,8 @@ class Claim(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Fal
 
 
 def decode_claim(data: bytes) -> Claim | None:
-    try:
-        claim = msgspec.json.decode(data, type=Claim)
-        check_name(claim.node, "node")
-    except (msgspec.DecodeError, msgspec.ValidationError, BadRoute):
-        return None
-    return claim
+    """A ``sage_claims`` value, or None when it cannot be used."""
+    return _of_a_node(data, Claim)
 
 
 def decode_forwarded(data: bytes) -> Forwarded:
@@ -269,12 +265,21 @@ def decode_event(data: bytes) -> ForwardedEvent:
 
 def decode_entry(sid: str, data: bytes) -> SessionEntry | None:
     """The registry entry of ``sid``, or None when it cannot be used."""
+    return _of_a_node(data, SessionEntry)
+
+
+_NodeNamed = TypeVar("_NodeNamed", Claim, SessionEntry)
+
+
+def _of_a_node(data: bytes, kind: type[_NodeNamed]) -> _NodeNamed | None:
+    """``data`` decoded as ``kind``, a value that names a node: None when it is not one,
+    or its node is no valid name (a value other nodes wrote is read as hostile)."""
     try:
-        entry = msgspec.json.decode(data, type=SessionEntry)
-        check_name(entry.node, "node")
+        value = msgspec.json.decode(data, type=kind)
+        check_name(value.node, "node")
     except (msgspec.DecodeError, msgspec.ValidationError, BadRoute):
         return None
-    return entry
+    return value
 
 
 def decode_keyed(key: str, data: bytes) -> tuple[str, SessionEntry] | None:
