@@ -30,7 +30,7 @@ from tests.integration.test_fleet_failover import (
     transcript_path,
 )
 from tests.support import FAKE_CLAUDE
-from tests.support.daemon import Daemon, all_running, descendants, short_dir
+from tests.support.daemon import Daemon, all_running, descendant_argvs, short_dir
 from tests.support.nats_cluster import NatsCluster, wait_for
 
 NODES = ["a", "b", "c"]
@@ -80,15 +80,9 @@ def adopt(daemon: Daemon, sid: str, principal: str, *, asleep: bool = False) -> 
 
 
 def children_of(daemon: Daemon) -> list[str]:
+    """The command line of each process below ``daemon``, its arguments joined by spaces."""
     assert daemon.proc is not None
-    out = []
-    for pid in descendants(daemon.proc.pid):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as file:
-                out.append(file.read().replace(b"\0", b" ").decode())
-        except OSError:
-            continue
-    return out
+    return [" ".join(argv) for argv in descendant_argvs(daemon.proc.pid).values()]
 
 
 def test_the_runner_refuses_an_adoption_past_its_limits(

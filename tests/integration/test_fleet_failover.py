@@ -23,7 +23,7 @@ import pytest
 
 from sage.fleet.transcripts import TRANSCRIPTS, transcript_rel
 from tests.support import FAKE_CLAUDE
-from tests.support.daemon import Daemon, all_running, descendants, short_dir
+from tests.support.daemon import Daemon, all_running, descendant_argvs, short_dir
 from tests.support.nats_cluster import NatsCluster, stored_object, wait_for
 
 NODES = ["a", "b", "c"]
@@ -284,7 +284,7 @@ def test_a_killed_nodes_session_resumes_on_another_node(
     assert a.proc is not None
     local = local_rows(a)["f1"]
     assert (local["state"], local["reason"]) == ("ended", "failed_over")
-    children = [argv_of(p) for p in descendants(a.proc.pid)]
+    children = list(descendant_argvs(a.proc.pid).values())
     assert not any(f"--resume={claude_session}" in argv for argv in children), children
     assert rows(a)["f1"]["node"] == adopter_name  # the registry still names the adopter
     sent = a.astrid("sage", "send", "f1", "from a again", "--timeout", "20", "--principal", "alice")

@@ -22,7 +22,6 @@ from tests.integration.test_fleet_failover import (
     LOST_AFTER,
     NODES,
     TRANSCRIPT,
-    argv_of,
     audit_rows,
     conversation_of,
     fleet,
@@ -34,7 +33,7 @@ from tests.integration.test_fleet_failover import (
     stored,
 )
 from tests.integration.test_fleet_readoption import running, value
-from tests.support.daemon import Daemon, all_running, descendants, short_dir
+from tests.support.daemon import Daemon, all_running, descendant_argvs, short_dir
 from tests.support.nats_cluster import NatsCluster, wait_for
 
 __all__ = ("fleet",)  # the module's fixture: its own cluster and nodes
@@ -43,15 +42,11 @@ __all__ = ("fleet",)  # the module's fixture: its own cluster and nodes
 def children_on(daemon: Daemon, claude_session: str) -> list[int]:
     """The descendants of ``daemon`` that run ``claude_session``."""
     assert daemon.proc is not None
-    found = []
-    for pid in descendants(daemon.proc.pid):
-        try:
-            argv = argv_of(pid)
-        except OSError:  # gone meanwhile
-            continue
-        if any(claude_session in arg for arg in argv):
-            found.append(pid)
-    return found
+    return [
+        pid
+        for pid, argv in descendant_argvs(daemon.proc.pid).items()
+        if any(claude_session in arg for arg in argv)
+    ]
 
 
 def test_a_frozen_node_back_ends_its_copy_of_a_session_another_node_adopted(

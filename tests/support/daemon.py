@@ -59,6 +59,19 @@ def descendants(root: int) -> list[int]:
     return out
 
 
+def descendant_argvs(root: int) -> dict[int, list[str]]:
+    """The argv of every live process below ``root``, by pid; one that exits between
+    the listing and the read of its command line is left out (it runs nothing)."""
+    found: dict[int, list[str]] = {}
+    for pid in descendants(root):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as file:
+                found[pid] = [part.decode() for part in file.read().split(b"\0") if part]
+        except OSError:
+            continue
+    return found
+
+
 class Daemon:
     def __init__(self, root: Path, extra: str = "", env: dict[str, str] | None = None) -> None:
         self.root = root
