@@ -66,6 +66,8 @@ class Launch:
     """The uid the child runs as; None: the supervisor's."""
     identity_digest: str = ""
     """``sha256:`` and the SHA-256 of the identity text (a spare's staleness check)."""
+    resume: bool = False
+    """``--resume`` (the conversation goes on) rather than ``--session-id`` (it starts)."""
 
     @property
     def command(self) -> list[str]:
@@ -160,6 +162,11 @@ def build_launch(
         PERMISSION_MODE,
         "--append-system-prompt-file",
         str(identity_file),
+        # render the system prompt from that file on every request: a resumed child
+        # otherwise sends the snapshot its conversation recorded first, so a changed
+        # identity would never reach a session that spoke (seen with 2.1.328)
+        "--system-prompt-snapshot",
+        "off",
     ]
     if principal.allowed_tools:
         argv += ["--allowedTools", ",".join(principal.allowed_tools)]
@@ -195,4 +202,5 @@ def build_launch(
         prefix=tuple(setpriv_prefix(run_as)) if run_as is not None else (),
         uid=None if run_as is None else run_as.uid,
         identity_digest="sha256:" + hashlib.sha256(text.encode()).hexdigest(),
+        resume=resume,
     )

@@ -31,6 +31,7 @@ from capsules.runner.principals import SettingsError
 from capsules.runner.sessions import Session
 from capsules.runner.workplace import chosen_model, work_folder
 from sage.claude.binary import Support, Verdict, read_claude_version, resolve_claude_binary, support
+from sage.claude.conversation import ConversationStart, conversation_start, has_transcript
 from sage.claude.homes import unreachable, unsafe_ancestors
 from sage.config import Config
 from sage.daemon.capsule_host import CapsuleContext
@@ -202,6 +203,15 @@ class Launcher:
             problem = unsafe_home(cwd, child) or unsafe_ancestors(cwd, child)
             if problem is not None:
                 raise SessionError("unsafe_cwd", problem)
+        if resume:  # only a conversation the CLI has can be resumed (a session that
+            # never spoke has none): else it starts afresh under the same id
+            transcript = has_transcript(
+                home,
+                Path(session.record.cwd) if session.record.cwd else None,
+                session.record.claude_session,
+            )
+            start = conversation_start(transcript=transcript, spoken=session.record.spoken)
+            resume = start is ConversationStart.RESUME
         identity = principal.identity or None
         try:  # a saved identity (save_identity) wins over the config's
             saved = await self.ctx.state.get("identities", principal.name)

@@ -63,7 +63,6 @@ from capsules.runner.admin import Admin
 from capsules.runner.approval_desk import ApprovalDesk
 from capsules.runner.claude_process import ClaudeProcess, Ending, EndReason, SessionError
 from capsules.runner.command import Launch, remove_session_files
-from capsules.runner.conversation import ProcessState
 from capsules.runner.hibernation import Hibernation
 from capsules.runner.history import EventHistory
 from capsules.runner.launcher import Launcher
@@ -631,15 +630,16 @@ class Runner:
                     adopted = False
                     ending = session.ending
                     if session.proc is not None:
-                        session.turns += session.proc.turn.finished
-                        session.cost_usd += session.proc.turn.cost_usd
+                        session.count(session.proc)
                 else:
                     try:
                         launch = await self.launcher.prepare(session, resume=resume)
                         proc = self._process(session, launch, initial)
                         async with anyio.create_task_group() as tg:
                             pid: int = await tg.start(self._incarnation, session, proc)
-                            await self._spawned(session, launch, pid, first=first, resume=resume)
+                            await self._spawned(
+                                session, launch, pid, first=first, resume=launch.resume
+                            )
                             if first:
                                 task_status.started(pid)
                     except (SageError, OSError) as exc:
@@ -650,8 +650,7 @@ class Runner:
                     else:
                         ending = session.ending
                         assert ending is not None
-                        session.turns += proc.turn.finished
-                        session.cost_usd += proc.turn.cost_usd
+                        session.count(proc)
                 first = False
                 waking = session.state is SessionState.WAKING
                 step = session.after_child(
@@ -675,6 +674,9 @@ class Runner:
             asleep = session.state in ASLEEP or session.state is SessionState.WAKING
             if session.may(SessionState.INTERRUPTED):
                 session.move(SessionState.INTERRUPTED)
+            if session.proc is not None and not asleep:  # what it did, for the next start
+                session.count(session.proc)
+            session.record.turns, session.record.cost_usd = session.totals()
             with anyio.CancelScope(shield=True), anyio.move_on_after(2):
                 if asleep:  # the next supervisor finds it hibernated, whatever resume says
                     session.record.state, session.record.pid = RecordState.HIBERNATED, None
@@ -772,6 +774,7 @@ class Runner:
             cwd=cwd,
             model=model,
             turns=req.turns,
+            spoken=req.turns > 0 and not req.fresh,
         )
         if req.asleep:  # it slept on the lost node: it sleeps here, and takes no slot
             record.state, record.hibernated_at = RecordState.HIBERNATED, time.time()
@@ -911,8 +914,7 @@ class Runner:
         session = self.sessions.get(sid)
         if session is None:
             raise SessionError("unknown_session", f"no session {sid!r}")
-        record, proc = session.record, session.proc
-        current = proc is not None and proc.state is not ProcessState.EXITED
+        record = session.record
         return {
             "ok": True,
             "session_id": sid,
@@ -920,7 +922,7 @@ class Runner:
             "claude_session": record.claude_session,
             "cwd": record.cwd,
             "model": record.model,
-            "turns": session.turns + (proc.turn.finished if proc is not None and current else 0),
+            "turns": session.totals()[0],
         }
 
     async def _wake_request(self, request: Envelope) -> dict[str, Any]:
@@ -1215,9 +1217,7 @@ class Runner:
         if session.state in ASLEEP or session.state is SessionState.WAKING:
             row["state"] = session.state.value
         # the turns and cost of the whole session, its earlier children's included
-        current = proc is not None and proc.state is not ProcessState.EXITED  # not yet added
-        row["turns"] = session.turns + (proc.turn.finished if proc and current else 0)
-        row["cost_usd"] = session.cost_usd + (proc.turn.cost_usd if proc and current else 0.0)
+        row["turns"], row["cost_usd"] = session.totals()
         row["started_at"] = session.record.started_at
         row["hibernated_at"] = session.record.hibernated_at
         row["cwd"] = session.record.cwd

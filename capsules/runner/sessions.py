@@ -147,6 +147,10 @@ class SessionRecord(msgspec.Struct, kw_only=True):
     """The model the spawn chose; empty: the principal's configured one."""
     hibernated_at: float | None = None
     """When the session last hibernated (its state says whether it still is)."""
+    spoken: bool = False
+    """The conversation (``claude_session``) has finished a turn, so the CLI keeps a
+    transcript of it: a child started without that transcript ends ``resume_failed``
+    instead of starting afresh (sage/claude/conversation.py)."""
 
 
 @dataclass(eq=False)
@@ -171,10 +175,30 @@ class Session:
     wake_error: SageError | None = None  # why the last wake put it back to sleep
     sending: int = 0  # sends between their wake and their turn written: not idle
     end_reason: str | None = None  # why it ends whatever its child says (a fleet's fence)
+    counted: ClaudeProcess | None = None  # the last child whose turns are in ``turns``
 
     @property
     def id(self) -> str:
         return self.record.session_id
+
+    def count(self, proc: ClaudeProcess) -> None:
+        """Add what a child that ended did, once: its turns and cost; a finished turn
+        means the conversation has spoken (its transcript must be there to resume)."""
+        if proc is self.counted:
+            return
+        self.counted = proc
+        self.turns += proc.turn.finished
+        self.cost_usd += proc.turn.cost_usd
+        if proc.turn.finished:
+            self.record.spoken = True
+
+    def totals(self) -> tuple[int, float]:
+        """The turns and cost of the whole session: earlier children's and the one
+        serving it now (not yet counted)."""
+        proc = self.proc
+        if proc is None or proc is self.counted:
+            return self.turns, self.cost_usd
+        return self.turns + proc.turn.finished, self.cost_usd + proc.turn.cost_usd
 
     def move(self, new: SessionState) -> None:
         """The one place the state changes, along :data:`SESSION_TRANSITIONS`."""

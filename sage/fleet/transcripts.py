@@ -2,9 +2,7 @@
 writing it without following a principal's links (docs/fleet.md, "Failover").
 
 The CLI keeps a session's conversation as a JSONL transcript under the
-principal's home: ``<home>/.claude/projects/<escaped cwd>/<claude_session>.jsonl``,
-where the escaped cwd is the working folder with every character but
-``[A-Za-z0-9]`` made ``-``.  After each finished turn a node with ``[sessions]
+principal's home (where: :mod:`sage.claude.conversation`).  After each finished turn a node with ``[sessions]
 resume = true`` puts that file into the ``sage_transcripts`` object store
 (object name: the session id) with a :class:`TranscriptMeta` as its description;
 a node that adopts the session writes it back under the principal's home there
@@ -30,8 +28,8 @@ from pathlib import Path
 
 import msgspec
 
+from sage.claude.conversation import TranscriptRefused, escape_cwd, transcript_rel
 from sage.config import MODEL_PATTERN, NAME_PATTERN
-from sage.errors import SageError
 
 __all__ = (
     "TRANSCRIPTS",
@@ -52,13 +50,6 @@ TRANSCRIPTS_STREAM = f"OBJ_{TRANSCRIPTS}"
 _UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\Z")
 _NAME = re.compile(NAME_PATTERN)
 _MODEL = re.compile(MODEL_PATTERN)
-_ESCAPED = re.compile(r"^[A-Za-z0-9-]{1,255}\Z")
-
-
-class TranscriptRefused(SageError):
-    """A transcript that must not be read, replicated or written back (the reason says why)."""
-
-    code = "transcript_refused"
 
 
 class TranscriptMeta(msgspec.Struct, frozen=True, kw_only=True):
@@ -101,22 +92,6 @@ def check_meta(sid: str, principal_id: str, text: str | None) -> TranscriptMeta:
     if not _NAME.match(meta.node) or meta.turns < 0 or meta.size < 0:
         raise TranscriptRefused(f"transcript of {sid!r}: node, turns or size unusable")
     return meta
-
-
-def escape_cwd(cwd: str) -> str:
-    """The CLI's folder name for a working folder: each character but [A-Za-z0-9] is ``-``."""
-    return re.sub(r"[^A-Za-z0-9]", "-", cwd)
-
-
-def transcript_rel(cwd: str, claude_session: str) -> Path:
-    """``.claude/projects/<escaped cwd>/<claude_session>.jsonl``, relative to the home
-    (``cwd`` resolved: the folder the child runs in).  Nothing in it can climb out."""
-    if not _UUID.match(claude_session):
-        raise TranscriptRefused(f"claude_session {claude_session[:80]!r} is not a uuid")
-    folder = escape_cwd(cwd)
-    if not _ESCAPED.match(folder):
-        raise TranscriptRefused(f"working folder {cwd[:200]!r}: no transcript folder for it")
-    return Path(".claude", "projects", folder, f"{claude_session}.jsonl")
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

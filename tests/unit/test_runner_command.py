@@ -119,6 +119,8 @@ def test_identity_file_is_private_and_falls_back(tmp_path: Path) -> None:
     assert launch.identity_fallback is False
     argv = launch.argv
     assert argv[argv.index("--append-system-prompt-file") + 1] == str(path)
+    # read afresh on every request, so a resumed conversation takes a changed identity
+    assert argv[argv.index("--system-prompt-snapshot") + 1] == "off"
     fallback = _launch(config, PrincipalConfig(name="alice"), identity=None)
     assert fallback.identity_fallback is True
     assert "alice" in fallback.identity_file.read_text()
