@@ -21,13 +21,11 @@ from tests.integration.test_fleet_failover import (
     HEARTBEAT,
     LOST_AFTER,
     NODES,
-    TRANSCRIPT,
     audit_rows,
     conversation_of,
     fleet,
     local_rows,
     node_config,
-    put_transcript,
     request,
     rows,
     stored,
@@ -57,7 +55,6 @@ def test_a_frozen_node_back_ends_its_copy_of_a_session_another_node_adopted(
     ok = a.astrid("sage", "spawn", "alice", "--session", "z1", "--json")
     assert ok.returncode == 0, ok.stderr
     claude_session = conversation_of(rows(a)["z1"]["pid"])
-    put_transcript(a, claude_session, TRANSCRIPT)
     sent = a.astrid("sage", "send", "z1", "t1", "--timeout", "20")
     assert sent.returncode == 0, sent.stderr
     wait_for(lambda: stored(cluster, "z1"), 10.0, "z1 replicated after its turn")
@@ -206,7 +203,6 @@ def test_a_frozen_nodes_hibernated_session_adopted_asleep_ends_there_without_a_c
     ok = a.astrid("sage", "spawn", "alice", "--session", "h1", "--json")
     assert ok.returncode == 0, ok.stderr
     claude_session = conversation_of(rows(a)["h1"]["pid"])
-    put_transcript(a, claude_session, TRANSCRIPT)
     sent = a.astrid("sage", "send", "h1", "t1", "--timeout", "20")
     assert sent.returncode == 0, sent.stderr
     wait_for(lambda: stored(cluster, "h1"), 10.0, "h1 replicated after its turn")

@@ -205,11 +205,14 @@ async def test_stopping_a_hibernated_session_ends_it() -> None:
 
 
 async def test_a_failed_resume_ends_the_session_with_a_clear_reason() -> None:
-    """The double, as the real CLI, has no transcript to resume (``resume_fails``)."""
+    """A session that spoke and whose transcript is gone (``resume_fails``: the double
+    fails every ``--resume`` as the real CLI fails one with no transcript) ends
+    ``resume_failed`` with the CLI's words, instead of forgetting its conversation."""
     async with running_sage(
         _config("hibernate_after = 0.3\n", mode="resume_fails"), env=ENV
     ) as sage:
         events = await sage.ready("lost")
+        assert await _turn(sage, events, "lost", "remember") == "echo: remember"
         await events.until("hibernated", within=10)
         audits = await sage.client.subscribe("sage.v1.audit.resume_failed")
         reply = await sage.send("lost", "still there?")

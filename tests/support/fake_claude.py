@@ -133,6 +133,9 @@ Faults: a user turn whose text is ``/fault NAME [ARG]``
   or ``cancel: answered (...)``.
 - ``unknown_request``: a ``control_request`` of subtype ``brand_new_request``;
   reply ``unknown_request: ok`` or ``unknown_request error: <text>``.
+- ``history``: reply ``history: N: T1 | T2 | ...``, the user texts of the
+  earlier turns of this conversation as its transcript holds them (this
+  child's and earlier children's), ``N`` their number.
 An unknown fault name is noted on stderr and answered with the echo reply.
 
 Start-up modes: env ``FAKE_CLAUDE_MODE``, comma-separated
@@ -154,16 +157,27 @@ Start-up modes: env ``FAKE_CLAUDE_MODE``, comma-separated
   ``system/init`` both say M.
 - ``init_permission_mode=M``: the ``initialize`` answer says the mode asked
   for, ``system/init`` says M (a mode changed after the handshake).
-- ``resume_fails``: with ``--resume ID``, do what the real CLI (2.1.328) does
-  when it has no transcript of ID: before reading stdin, write an error
-  ``result`` (``subtype`` ``error_during_execution``, ``errors``
-  ``["No conversation found with session ID: ID"]``) on stdout and that message
-  on stderr, and exit 1.  Without ``--resume`` it changes nothing.
+- ``resume_fails``: with ``--resume ID``, fail as below even when the transcript
+  is there.
+
+Transcripts, as the real CLI keeps them
+---------------------------------------
+The conversation is a file, ``$HOME/.claude/projects/<cwd>/<session id>.jsonl``
+(``<cwd>``: the working folder's real path, every character but [A-Za-z0-9] a
+``-``).  Nothing is written before the first user turn (a session that never
+spoke has no file, as with the real CLI); each turn appends its ``user`` line
+when it starts and its ``assistant`` line when it finishes.  ``--resume ID``
+with no such file does what the real CLI (2.1.328) does: before reading
+stdin, an error ``result`` (``subtype`` ``error_during_execution``,
+``errors`` ``["No conversation found with session ID: ID"]``) on stdout and
+that message on stderr, then exit 1.  The fault ``history`` reads the file, so
+a test sees which earlier turns a resumed child carries.  A home that cannot
+be written is noted on stderr and the turn goes on.
 
 Known differences from the real CLI
 -----------------------------------
-- No Messages API, no settings, no command hooks, no transcripts on disk:
-  ``--resume`` only reuses the id.  Slash commands, agents and models in
+- No Messages API, no settings, no command hooks.  The transcript holds only
+  ``user`` and ``assistant`` lines.  Slash commands, agents and models in
   init and in the initialize answer are short stand-in lists.
 - The real CLI (2.1.328, seen live) exits 1, not 0, when stdin closes after
   an interrupted turn; the double always exits 0 at EOF.
@@ -401,6 +415,36 @@ def sdk_servers(value: Any) -> list[str]:
     return [n for n, c in servers.items() if isinstance(c, dict) and c.get("type") == "sdk"]
 
 
+# -- the transcript ------------------------------------------------------------------
+
+
+def transcript_path(session_id: str) -> str:
+    """Where the real CLI keeps this conversation: under HOME, by working folder."""
+    folder = re.sub(r"[^A-Za-z0-9]", "-", os.path.realpath(os.getcwd()))
+    home = os.environ.get("HOME") or "/nonexistent"
+    return os.path.join(home, ".claude", "projects", folder, f"{session_id}.jsonl")
+
+
+def transcript_texts(session_id: str) -> list[str]:
+    """The user texts of the conversation's turns so far, in order."""
+    texts: list[str] = []
+    try:
+        with open(transcript_path(session_id), encoding="utf-8") as f:
+            for line in f:
+                try:
+                    entry = json.loads(line)
+                except ValueError:
+                    continue
+                if not isinstance(entry, dict) or entry.get("type") != "user":
+                    continue
+                message = entry.get("message")  # a planted transcript may hold anything
+                if isinstance(message, dict):
+                    texts.append(text_of(message.get("content")))
+    except OSError:
+        pass
+    return texts
+
+
 # -- the session ---------------------------------------------------------------------
 
 
@@ -453,12 +497,28 @@ class Session:
         self.interrupt = False
         self.stdin_closed = False
         # Only the turn worker touches these.
+        self.transcript = transcript_path(self.session_id)
         self.cost = 0.0
         self.results = 0
         self.msg_seq = 0
         self.tool_seq = 0
 
     # -- writing -------------------------------------------------------------------
+
+    def record(self, role: str, text: str) -> None:
+        """Append one line to the conversation's transcript (made on the first turn)."""
+        entry = {
+            "type": role,
+            "message": {"role": role, "content": text},
+            "sessionId": self.session_id,
+            "timestamp": timestamp(),
+        }
+        try:
+            os.makedirs(os.path.dirname(self.transcript), mode=0o700, exist_ok=True)
+            with open(self.transcript, "a", encoding="utf-8") as f:
+                f.write(json.dumps(entry, separators=(",", ":")) + "\n")
+        except OSError as exc:
+            note(f"transcript not written: {exc}")
 
     def success(self, rid: str, response: Any = None) -> None:
         body: dict[str, Any] = {"subtype": "success", "request_id": rid}
@@ -862,11 +922,14 @@ class Turn:
         self.msg_id = ""
         self.partial_text = ""  # streamed by a call that has not finished
         self.block_open = False
+        self.earlier: list[str] = []  # user texts of the conversation's earlier turns
 
     def run(self) -> None:
         s = self.s
         s.wait_mcp()
         s.system_init()
+        self.earlier = transcript_texts(s.session_id)
+        s.record("user", self.text)
         try:
             if not self.text.startswith("/fault"):
                 self.echo()
@@ -994,6 +1057,7 @@ class Turn:
     def finish(self, text: str) -> None:
         """A last API call answering ``text``, then the success result."""
         self.text_call(text)
+        self.s.record("assistant", text)
         self.result("success", text, "completed", "end_turn")
 
     def echo(self) -> None:
@@ -1165,6 +1229,9 @@ class Turn:
         msg["message"]["brand_new_body_field"] = "surprise"
         emit(msg)
         self.echo()
+
+    def fault_history(self, arg: str) -> None:
+        self.finish(f"history: {len(self.earlier)}: {' | '.join(self.earlier)}")
 
     def fault_crash(self, arg: str) -> None:
         code = int(arg or "1")
@@ -1339,7 +1406,9 @@ def main(argv: list[str]) -> None:
     if "grandchild" in modes:
         spawn_grandchild()
     resume = opts.get("--resume", opts.get("-r"))
-    if "resume_fails" in modes and isinstance(resume, str):
+    if isinstance(resume, str) and (
+        "resume_fails" in modes or not os.path.isfile(transcript_path(resume))
+    ):
         no_transcript(resume)
     Session(opts, modes).run()
 
