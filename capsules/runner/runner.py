@@ -1214,7 +1214,10 @@ class Runner:
                 "state": "starting",
             }
         )
-        if session.state in ASLEEP or session.state is SessionState.WAKING:
+        if session.state in ASLEEP or session.state in (
+            SessionState.WAKING,
+            SessionState.RESPAWNING,
+        ):  # between children, the session's state, not the last child's
             row["state"] = session.state.value
         # the turns and cost of the whole session, its earlier children's included
         row["turns"], row["cost_usd"] = session.totals()
