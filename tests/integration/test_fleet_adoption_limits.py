@@ -19,7 +19,12 @@ from typing import Any
 
 import pytest
 
-from tests.integration.test_fleet_failover import (
+from tests.support import FAKE_CLAUDE
+from tests.support.daemon import Daemon, all_running, descendant_argvs, short_dir
+from tests.support.failover_fleet import (
+    HEARTBEAT,
+    LOST_AFTER,
+    NODES,
     local_rows,
     ok_json,
     request,
@@ -27,13 +32,8 @@ from tests.integration.test_fleet_failover import (
     stored,
     transcript_path,
 )
-from tests.support import FAKE_CLAUDE
-from tests.support.daemon import Daemon, all_running, descendant_argvs, short_dir
 from tests.support.nats_cluster import NatsCluster, wait_for
 
-NODES = ["a", "b", "c"]
-HEARTBEAT = 0.4
-LOST_AFTER = 1.5
 CS = "0d7c6c2e-3a4f-4b8e-9c1d-2e3f4a5b6c7d"
 SESSIONS = {
     "a": "max_live = 1\n",

@@ -17,7 +17,8 @@ import pytest
 
 from sage.fleet.fencing import SWEEP_BEATS
 from sage.fleet.routes import CLAIMS, REGISTRY
-from tests.integration.test_fleet_failover import (
+from tests.support.daemon import Daemon, all_running, descendant_argvs, short_dir
+from tests.support.failover_fleet import (
     HEARTBEAT,
     LOST_AFTER,
     NODES,
@@ -28,10 +29,10 @@ from tests.integration.test_fleet_failover import (
     node_config,
     request,
     rows,
+    running,
     stored,
+    value,
 )
-from tests.integration.test_fleet_readoption import running, value
-from tests.support.daemon import Daemon, all_running, descendant_argvs, short_dir
 from tests.support.nats_cluster import NatsCluster, wait_for
 
 __all__ = ("fleet",)  # the module's fixture: its own cluster and nodes

@@ -23,9 +23,9 @@ import pytest
 from sage.fleet.nodes import NodeRecord
 from sage.fleet.permissions import BUCKET
 from sage.fleet.routes import CLAIMS, REGISTRY, Claim, SessionEntry, registry_key
-from tests.integration.test_fleet_registry_copy import fleet, forwarded, send
 from tests.support.daemon import Daemon
 from tests.support.nats_cluster import JS_TIMEOUT, NatsCluster, refused_kv, wait_for
+from tests.support.registry_fleet import fleet, forwarded, send
 
 __all__ = ("fleet",)  # the module's fixture: its own cluster and nodes
 
