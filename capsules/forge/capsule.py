@@ -48,8 +48,8 @@ import msgspec
 
 from bus import BusError, Envelope, Subscription
 from sage import replies
+from sage.capsule.context import CapsuleContext
 from sage.capsule.sessions import foreign_session, session_owner
-from sage.daemon.capsule_host import CapsuleContext
 from sage.errors import ForgeError, SageError
 from sage.forge.service import Caller, Forge, mcp_result
 

@@ -68,8 +68,8 @@ from capsules.hooks.validate import (
     verify,
 )
 from sage import replies
+from sage.capsule.context import CapsuleContext
 from sage.claude.hooks import hash_token, mint_token
-from sage.daemon.capsule_host import CapsuleContext
 from sage.errors import SageError
 from sage.security.denials import DenialLimiter
 

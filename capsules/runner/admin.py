@@ -43,8 +43,8 @@ from capsules.runner.messages import (
 )
 from capsules.runner.outbox import Audit, Publish
 from capsules.runner.principals import PrincipalSettings, SettingsError
+from sage.capsule.context import CapsuleContext
 from sage.config import NAME_PATTERN, Config, PrincipalConfig
-from sage.daemon.capsule_host import CapsuleContext
 from sage.errors import SageError
 from sage.security.secrets import API_KEY, SecretError, SecretStore, principal_namespace
 

@@ -39,9 +39,9 @@ from capsules.runner.approvals import (
 from capsules.runner.claude_process import SessionError
 from capsules.runner.messages import ApprovalResponse, ApprovalsRequest, ApproveRequest
 from capsules.runner.outbox import Audit, Event, Publish
+from sage.capsule.context import CapsuleContext
 from sage.claude.protocol import CanUseToolRequest, HookCallbackRequest
 from sage.config import NAME_PATTERN
-from sage.daemon.capsule_host import CapsuleContext
 
 __all__ = ("HOOK_NAMES", "ApprovalDesk", "Asker", "Rules")
 

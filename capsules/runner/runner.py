@@ -94,6 +94,7 @@ from capsules.runner.spare_keeper import SpareKeeper, Warm
 from capsules.runner.spares import Spare
 from capsules.runner.workplace import chosen_model, work_folder
 from sage import replies
+from sage.capsule.context import CapsuleContext
 from sage.capsule.sessions import session_owner
 from sage.claude.protocol import (
     CanUseToolRequest,
@@ -102,7 +103,6 @@ from sage.claude.protocol import (
     McpMessageRequest,
 )
 from sage.config import NAME_PATTERN, Config, PrincipalConfig
-from sage.daemon.capsule_host import CapsuleContext
 from sage.errors import SageError
 from sage.fleet.failover import CLAIMS_TOPIC
 

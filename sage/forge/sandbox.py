@@ -22,7 +22,7 @@ environment (with the secrets) and the tool travel in memfds
 
 When the supervisor is root, bwrap runs as ``Limits.sandbox_uid`` (the
 principal's own uid from ``[forge] sandbox_uid_base``, see
-:mod:`sage.forge.uids`; no supplementary groups) in an unprivileged user namespace, so
+:mod:`sage.security.uids`; no supplementary groups) in an unprivileged user namespace, so
 RLIMIT_NPROC is enforced (it is not for root) and the tool can only open
 what that uid could; binds are refused unless that uid may reach them.  The
 rlimits (CPU, address space, file size, open files, processes, core 0) are
@@ -58,9 +58,9 @@ import anyio
 
 from sage.errors import ProcessError, SandboxError
 from sage.files import private_dir
-from sage.forge.uids import DEFAULT_UID_BASE
 from sage.process import Child, Ring
 from sage.security.bwrap import BwrapProbe, launcher, probe_bwrap
+from sage.security.uids import DEFAULT_UID_BASE
 
 if TYPE_CHECKING:
     from sage.config import Config, ForgeConfig
@@ -169,7 +169,7 @@ class Limits:
     output_cap: int
     sandbox_uid: int = DEFAULT_UID_BASE
     """Uid (and gid) bwrap runs as when the supervisor is root: the principal's own
-    (:class:`sage.forge.uids.SandboxUids`), never one another program uses."""
+    (:class:`sage.security.uids.SandboxUids`), never one another program uses."""
     spill_cap: int = 256 * 1024 * 1024
     """Stdout bytes spilled to the artifact at most; past it the sandbox is killed."""
     stderr_tail: int = 8192

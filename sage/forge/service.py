@@ -52,8 +52,8 @@ from sage.forge.runs import (
 from sage.forge.sandbox import Bind, Limits, SandboxResult, SandboxSpec, forbidden_for
 from sage.forge.static_check import check_impl
 from sage.forge.stats import SAVE_EVERY, StatsFile
-from sage.forge.uids import NO_PRINCIPAL, SandboxUids
 from sage.redaction import redact_json, redact_text
+from sage.security.uids import NO_PRINCIPAL, SandboxUids
 
 __all__ = ("Caller", "Executor", "Forge", "SandboxExecutor", "mcp_result")
 

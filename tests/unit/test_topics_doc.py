@@ -18,7 +18,7 @@ import pytest
 
 from bus.acl import pattern_covers
 from capsules.runner import messages
-from sage.daemon.capsule_host import load_manifest
+from sage.capsule.manifest import load_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "topics.md"
