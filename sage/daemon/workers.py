@@ -61,13 +61,8 @@ from sage.capsule.manifest import CapsuleManifest, WorkerSpec
 from sage.config import Config
 from sage.daemon.capsule_host import CapsuleMain, CapsuleRunner
 from sage.errors import ProcessError, SandboxError
-from sage.forge.sandbox import (
-    ResolvedBind,
-    build_args,
-    ensure_sandbox,
-    open_binds,
-    seccomp_program,
-)
+from sage.forge.mounts import ResolvedBind, open_binds
+from sage.forge.sandbox import build_args, ensure_sandbox, seccomp_program
 from sage.forge.sandbox import (
     memfd as _memfd,
 )
