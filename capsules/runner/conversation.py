@@ -25,7 +25,6 @@ from typing import Any, Final
 
 import msgspec
 
-from capsules.runner.errors import IllegalTransition
 from sage.claude.protocol import (
     AssistantMessage,
     Event,
@@ -43,6 +42,7 @@ from sage.claude.protocol import (
     UnknownMessage,
     UserMessage,
 )
+from sage.errors import IllegalTransition
 
 __all__ = (
     "PROCESS_TRANSITIONS",

@@ -38,9 +38,8 @@ import anyio
 import msgspec
 
 from capsules.runner.conversation import EndReason
-from capsules.runner.errors import IllegalTransition
 from sage.config import PrincipalConfig
-from sage.errors import SageError
+from sage.errors import IllegalTransition, SageError
 
 if TYPE_CHECKING:
     from capsules.runner.claude_process import ClaudeProcess, Ending

@@ -31,7 +31,7 @@ from bus import Acl, Bus, BusError, Identity
 from sage.capsule.context import CapsuleContext
 from sage.capsule.manifest import CapsuleManifest
 from sage.config import Config
-from sage.errors import CapsuleError, ConfigError
+from sage.errors import ConfigError, IllegalTransition
 from sage.state import StateStore
 
 __all__ = (
@@ -144,7 +144,7 @@ class CapsuleRunner:
         if state is self.state:
             return
         if state not in _TRANSITIONS[self.state]:
-            raise CapsuleError(f"capsule {self.manifest.name}: {self.state.value} -> {state.value}")
+            raise IllegalTransition(f"capsule {self.manifest.name}", self.state.value, state.value)
         self.state = state
         try:
             self._publish(STATE_TOPIC, {"capsule": self.manifest.name, "state": state.value})

@@ -41,6 +41,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from sage import replies
 from sage.audit.chain import Checkpoint, CheckpointRow, EntryRow
 from sage.audit.store import read_checkpoints, read_entries, verify_audit
+from sage.errors import NotInFleet
 from sage.fleet.audit_check import (
     AUDIT_SUBJECTS,
     Comparison,
@@ -54,7 +55,7 @@ from sage.fleet.audit_check import (
     subject_of,
     verify_subject,
 )
-from sage.fleet.member import FleetMember, NotInFleet
+from sage.fleet.member import FleetMember
 from sage.fleet.nodes import NodeState
 from sage.fleet.permissions import AUDIT_STREAM
 

@@ -53,7 +53,7 @@ import structlog
 from bus import Bus, BusError, Envelope, Identity
 from sage import replies
 from sage.config import Config, PrincipalConfig
-from sage.errors import SageError
+from sage.errors import NotVouched, SageError
 from sage.fleet.adoption import HIBERNATED, Owed, Pending, adoptable, adopters, claimed, rank
 from sage.fleet.fencing import runs_elsewhere
 from sage.fleet.member import FleetMember
@@ -68,7 +68,7 @@ from sage.fleet.transcripts import (
     restore_transcript,
     transcript_rel,
 )
-from sage.fleet.vouching import REJECTED, REJECTED_EVENT, NotVouched, check_vouched, rejected_row
+from sage.fleet.vouching import REJECTED, REJECTED_EVENT, check_vouched, rejected_row
 
 __all__ = ("CLAIMS_TOPIC", "Failover", "unclaimed")
 

@@ -40,18 +40,18 @@ import structlog
 from bus import Bus, BusError, Identity
 from sage import replies
 from sage.config import FleetConfig
-from sage.errors import SageError
+from sage.errors import (
+    FleetAuthFailed,
+    FleetError,
+    FleetRecordError,
+    FleetUnreachable,
+    NotInFleet,
+    SageError,
+)
 from sage.files import read_private
 from sage.fleet.creds import UserCreds, parse_creds
 from sage.fleet.fencing import may_have_been_lost
-from sage.fleet.nodes import (
-    FleetRecordError,
-    NodeLoad,
-    NodeRecord,
-    NodeTable,
-    NodeView,
-    decode_record,
-)
+from sage.fleet.nodes import NodeLoad, NodeRecord, NodeTable, NodeView, decode_record
 from sage.fleet.permissions import BUCKET, STREAM, inbox_prefix
 from sage.fleet.routes import (
     CLAIMS,
@@ -72,11 +72,7 @@ if TYPE_CHECKING:
     from nats.js.object_store import ObjectStore
 
 __all__ = (
-    "FleetAuthFailed",
-    "FleetError",
     "FleetMember",
-    "FleetUnreachable",
-    "NotInFleet",
     "join",
     "runner_load",
     "status_reply",
@@ -97,30 +93,6 @@ LEAVE_STEP = 1.0  # seconds the last record may take at stop, and then the close
 LOAD_WAIT = 1.0
 """Seconds a heartbeat waits for the node's load (at most half its interval)."""
 SLOTS_TOPIC = "sage.v1.request.slots"
-
-
-class FleetError(SageError):
-    """The fleet could not be joined or read."""
-
-    code = "fleet_failed"
-
-
-class FleetUnreachable(FleetError):
-    """No NATS server of ``[fleet] url`` answered within ``connect_timeout``."""
-
-    code = "fleet_unreachable"
-
-
-class FleetAuthFailed(FleetError):
-    """The NATS servers refused the node's user or password."""
-
-    code = "fleet_auth_failed"
-
-
-class NotInFleet(FleetError):
-    """This supervisor has no ``[fleet]``: a single host."""
-
-    code = "not_in_fleet"
 
 
 def _is_auth_refusal(exc: BaseException) -> bool:

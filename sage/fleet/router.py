@@ -55,10 +55,11 @@ from anyio.streams.memory import MemoryObjectSendStream
 from bus import Bus, BusError, Envelope, Identity, NoResponders, Subscription
 from sage import replies
 from sage.config import Config
+from sage.errors import BadRoute, FleetBusy, NotVouched, SessionConflict
 from sage.fleet.adoption import HIBERNATED
 from sage.fleet.failover import CLAIMS_TOPIC, Failover
 from sage.fleet.fencing import BATCH, SWEEP_BEATS, Sweep, runs_elsewhere
-from sage.fleet.inflight import MAX_IN_FLIGHT, FleetBusy, InFlight
+from sage.fleet.inflight import MAX_IN_FLIGHT, InFlight
 from sage.fleet.lifecycle import LifecycleEvents
 from sage.fleet.member import FleetMember
 from sage.fleet.nodes import NodeState
@@ -67,10 +68,8 @@ from sage.fleet.registry_copy import RegistryCopy, current_claims, follow
 from sage.fleet.routes import (
     APPROVAL_VERBS,
     SESSION_VERBS,
-    BadRoute,
     Forwarded,
     ForwardedEvent,
-    SessionConflict,
     SessionEntry,
     approval_answer,
     check_name,
@@ -88,13 +87,7 @@ from sage.fleet.routes import (
     resolve,
     visible,
 )
-from sage.fleet.vouching import (
-    REJECTED,
-    REJECTED_EVENT,
-    NotVouched,
-    VouchedPrincipals,
-    rejected_row,
-)
+from sage.fleet.vouching import REJECTED, REJECTED_EVENT, VouchedPrincipals, rejected_row
 
 if TYPE_CHECKING:
     from nats.aio.msg import Msg

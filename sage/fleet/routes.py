@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from sage.config import NAME_PATTERN
-from sage.errors import SageError
+from sage.errors import BadRoute, SessionConflict
 
 __all__ = (
     "APPROVAL_VERBS",
@@ -50,11 +50,9 @@ __all__ = (
     "REGISTRY",
     "REGISTRY_STREAM",
     "SESSION_VERBS",
-    "BadRoute",
     "Claim",
     "Forwarded",
     "ForwardedEvent",
-    "SessionConflict",
     "SessionEntry",
     "approval_answer",
     "check_name",
@@ -102,24 +100,12 @@ NODE_VERBS = frozenset({"spawn", "sessions", "approvals"})
 _NAME = re.compile(NAME_PATTERN)
 
 
-class BadRoute(SageError):
-    """A node name, session id or subject that must not be routed."""
-
-    code = "bad_request"
-
-
 def check_name(value: str, what: str) -> str:
     """``value`` if it is a node name or session id (1-64 of [A-Za-z0-9_-]), else BadRoute."""
     if not isinstance(value, str) or _NAME.match(value) is None:
         code = "invalid_session_id" if what == "session id" else "bad_request"
         raise BadRoute(f"{what} {value!r}: 1-64 of [A-Za-z0-9_-]", code=code)
     return value
-
-
-class SessionConflict(SageError):
-    """Two live nodes claim one session: a request for it is forwarded to neither."""
-
-    code = "session_conflict"
 
 
 def registry_key(node: str, sid: str) -> str:

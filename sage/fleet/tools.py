@@ -46,18 +46,12 @@ import structlog
 
 from bus import Bus, BusError, Envelope, Identity, NoResponders, Subscription
 from sage.config import NAME_PATTERN
-from sage.fleet.inflight import MAX_IN_FLIGHT, FleetBusy, InFlight
+from sage.errors import FleetBusy, NotVouched
+from sage.fleet.inflight import MAX_IN_FLIGHT, InFlight
 from sage.fleet.member import FleetMember
 from sage.fleet.nodes import NodeState
 from sage.fleet.permissions import TOOLS_BUCKET, call_subject, parse_call_subject
-from sage.fleet.vouching import (
-    REJECTED,
-    REJECTED_EVENT,
-    TOOL_CALL,
-    NotVouched,
-    VouchedPrincipals,
-    rejected_row,
-)
+from sage.fleet.vouching import REJECTED, REJECTED_EVENT, TOOL_CALL, VouchedPrincipals, rejected_row
 
 if TYPE_CHECKING:
     from nats.aio.msg import Msg

@@ -12,7 +12,7 @@ from bus import AclDenied, Bus, BusError, Envelope, Identity
 from sage.capsule.context import CapsuleContext
 from sage.capsule.manifest import CapsuleManifest, load_manifest
 from sage.daemon.capsule_host import CapsuleRunner, CapsuleState, RestartPolicy, capsule_folder
-from sage.errors import CapsuleError, ConfigError, SageError
+from sage.errors import ConfigError, IllegalTransition, SageError
 
 
 def _write(folder: Path, text: str) -> Path:
@@ -80,7 +80,7 @@ def test_illegal_transition_is_a_capsule_error() -> None:
     """A change the transition table does not allow raises a SageError with its code."""
     runner = CapsuleRunner(Bus(), load_manifest(capsule_folder("echo")), lambda t, p: None)
     assert runner.state is CapsuleState.STARTING
-    with pytest.raises(CapsuleError, match="starting -> failed") as caught:
+    with pytest.raises(IllegalTransition, match="starting -> failed") as caught:
         runner._set_state(CapsuleState.FAILED)
     assert isinstance(caught.value, SageError)
     assert caught.value.code == "illegal_transition"

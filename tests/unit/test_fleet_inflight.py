@@ -12,7 +12,8 @@ import pytest
 
 from bus import Bus, Identity
 from sage.config import FleetConfig
-from sage.fleet.inflight import MAX_IN_FLIGHT, FleetBusy, InFlight
+from sage.errors import FleetBusy
+from sage.fleet.inflight import MAX_IN_FLIGHT, InFlight
 from sage.fleet.router import Router
 from sage.fleet.routes import Forwarded
 from sage.fleet.tools import FleetTools

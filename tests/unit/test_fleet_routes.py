@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from sage.errors import BadRoute, SessionConflict
 from sage.fleet.routes import (
-    BadRoute,
     Forwarded,
-    SessionConflict,
     SessionEntry,
     approval_answer,
     decode_entry,
