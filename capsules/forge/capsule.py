@@ -136,7 +136,7 @@ class ForgeCapsule:
         except Exception as exc:  # one bad request never stops the capsule
             self.log.error("forge.handler_failed", topic=envelope.topic, error=type(exc).__name__)
             answer = mcp_result(
-                replies.error("internal", "the forge capsule failed on this request")
+                replies.error("internal_error", "the forge capsule failed on this request")
             )
         if envelope.reply_to is not None:
             try:

@@ -190,7 +190,7 @@ class HookGate:
             try:
                 reply = await self._repl(request)
             except SageError as exc:
-                reply = replies.error("state_error", str(exc))
+                reply = replies.error("state_failed", str(exc))
             if request.reply_to is not None:
                 try:
                     self.ctx.reply(request, reply)

@@ -314,7 +314,7 @@ class Admin:
         try:
             principals.save(self.config.state_dir, settings)
         except OSError as exc:
-            raise SessionError("state_error", f"the {what} were not saved: {exc}") from None
+            raise SessionError("state_failed", f"the {what} were not saved: {exc}") from None
 
     async def install_on_first_spawn(self, name: str, session_id: str) -> bool:
         """Have the installer write ``name``'s home when it never did (no install marker):
@@ -417,7 +417,7 @@ class Admin:
             else:
                 await self.ctx.state.delete("identities", name)
         except SageError as exc:
-            raise SessionError("state_error", f"the identity was not saved: {exc}") from None
+            raise SessionError("state_failed", f"the identity was not saved: {exc}") from None
 
         def digest(value: Any) -> str | None:
             if not isinstance(value, str) or not value.strip():

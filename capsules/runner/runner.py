@@ -1232,7 +1232,7 @@ class Runner:
             try:
                 stored = await self.ctx.state.items("sessions")
             except SageError as exc:
-                raise SessionError("state_unreadable", str(exc)) from None
+                raise SessionError("state_failed", str(exc)) from None
             ended = sorted(
                 (
                     value
