@@ -45,6 +45,7 @@ from capsules.runner.outbox import Audit, Publish
 from capsules.runner.principals import PrincipalSettings, SettingsError
 from sage.capsule.context import CapsuleContext
 from sage.config import NAME_PATTERN, Config, PrincipalConfig
+from sage.contract.sessions import INSTALL_STATUS_TOPIC
 from sage.errors import SageError
 from sage.security.secrets import API_KEY, SecretError, SecretStore, principal_namespace
 
@@ -165,7 +166,7 @@ class Admin:
                     step = msgspec.json.decode(envelope.payload, type=InstallStatus)
                     if step.request_id == rid:
                         self._publish(
-                            "sage.v1.event.install.status",
+                            INSTALL_STATUS_TOPIC,
                             {"principal_id": name, "request_id": rid, "step": step.step},
                             name,
                         )

@@ -103,8 +103,8 @@ from sage.claude.protocol import (
     McpMessageRequest,
 )
 from sage.config import NAME_PATTERN, Config, PrincipalConfig
+from sage.contract.sessions import CLAIMS_TOPIC
 from sage.errors import SageError
-from sage.fleet.failover import CLAIMS_TOPIC
 
 __all__ = ("Runner", "SessionRecord", "run")
 

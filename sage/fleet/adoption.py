@@ -27,6 +27,7 @@ import re
 from collections.abc import Callable, Iterable
 
 from sage.config import NAME_PATTERN
+from sage.contract.sessions import EntryState
 from sage.fleet.nodes import NodeState, NodeView
 from sage.fleet.placement import share, why_not
 from sage.fleet.routes import SessionEntry
@@ -44,9 +45,9 @@ __all__ = (
 
 _NAME = re.compile(NAME_PATTERN)
 
-ADOPTING = "adopting"
+ADOPTING = EntryState.ADOPTING
 """The registry state of a session a node won and is restoring."""
-HIBERNATED = "hibernated"
+HIBERNATED = EntryState.HIBERNATED
 """The registry state of a session asleep on its node (no child)."""
 
 

@@ -53,8 +53,18 @@ import structlog
 from bus import Bus, BusError, Envelope, Identity
 from sage import replies
 from sage.config import Config, PrincipalConfig
+from sage.contract.codes import ErrorCode
+from sage.contract.sessions import (
+    AdoptRequest,
+    ClaimsReply,
+    ClaimsRequest,
+    ConversationReply,
+    EntryState,
+    Verb,
+    audit_topic,
+)
 from sage.errors import NotVouched, SageError
-from sage.fleet.adoption import HIBERNATED, Owed, Pending, adoptable, adopters, claimed, rank
+from sage.fleet.adoption import Owed, Pending, adoptable, adopters, claimed, rank
 from sage.fleet.fencing import runs_elsewhere
 from sage.fleet.member import FleetMember
 from sage.fleet.nodes import NodeState, NodeView
@@ -70,25 +80,25 @@ from sage.fleet.transcripts import (
 )
 from sage.fleet.vouching import REJECTED, REJECTED_EVENT, check_vouched, rejected_row
 
-__all__ = ("CLAIMS_TOPIC", "Failover", "unclaimed")
+__all__ = ("Failover", "unclaimed")
 
 log = structlog.get_logger("sage.fleet.failover")
 
-CLAIMS_TOPIC = "sage.v1.request.fleet.claims"
 CHECK = 1.0  # seconds between two looks at the node verdicts
 RESWEEP = 10.0  # seconds between two passes over the registry while a node stays lost
 ADOPTIONS = 4  # sessions restored and started at once
 STAGGER = 0.5  # seconds a node waits per node ranked before it for a session
 RECHECK = 2.0  # seconds to the next pass after a race lost: the winner may release it
 REFUSED_FOR = 30.0  # seconds a node leaves alone a session it refused (no room, say)
-ADOPT_REFUSALS = NODE_REFUSALS - {"fleet_unavailable"}
+ADOPT_REFUSALS = NODE_REFUSALS - {ErrorCode.FLEET_UNAVAILABLE}
 """A runner's refusals of an adoption another node might not give: the claim is released
 for the next node.  (No answer in time is not one: the session may yet start here.)"""
 OWED = 4096  # sessions whose replica may wait at once
 STORE_DEADLINE = 30.0
 
-Ask = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
-"""A request to the local runner as the supervisor (an admin): topic, payload -> reply."""
+Ask = Callable[[Verb, str | None, Any], Awaitable[dict[str, Any]]]
+"""A request to the local runner as the supervisor (an admin): verb, session id, body (a
+contract struct) -> reply (sage/fleet/runner_link.py)."""
 
 
 class CappedBuffer(io.BufferedIOBase):
@@ -184,16 +194,17 @@ class Failover:
         store = self.member.transcripts
         if store is None or not self.member.connected:
             return
-        info = await self.ask(f"sage.v1.request.conversation.{sid}", {})
-        if not info.get("ok"):
+        reply = await self.ask(Verb.CONVERSATION, sid, {})
+        if not reply.get("ok"):
             return  # ended meanwhile
+        info = msgspec.convert(reply, ConversationReply)
         config = self.config_of()
         assert config.fleet is not None
-        principal = config.principal(str(info.get("principal_id")))
+        principal = config.principal(info.principal_id)
         if principal is None:
             return
-        claude_session = str(info.get("claude_session"))
-        cwd = str(info.get("cwd") or "")
+        claude_session = info.claude_session
+        cwd = info.cwd
         limit = config.fleet.transcript_max_bytes
 
         def read() -> bytes:
@@ -210,10 +221,10 @@ class Failover:
             session_id=sid,
             principal_id=principal.name,
             claude_session=claude_session,
-            cwd=str(info.get("cwd") or ""),
-            model=str(info.get("model") or ""),
+            cwd=info.cwd,
+            model=info.model,
             node=self.node,
-            turns=int(info.get("turns") or 0),
+            turns=info.turns,
             size=len(data),
         )
         await store.put(sid, data, meta=ObjectMeta(name=sid, description=meta.encode()))
@@ -390,20 +401,18 @@ class Failover:
                         f"transcript of {sid!r}: {len(data)} bytes, not {meta.size}"
                     )
                 await anyio.to_thread.run_sync(self._restore, config, principal, meta, data)
-            reply = await self.ask(
-                "sage.v1.request.adopt",
-                {
-                    "session_id": sid,
-                    "principal_id": entry.principal_id,
-                    "claude_session": meta.claude_session if meta else str(uuid.uuid4()),
-                    "from_node": entry.node,
-                    "cwd": meta.cwd if meta else "",
-                    "model": meta.model if meta else "",
-                    "turns": meta.turns if meta else 0,
-                    "fresh": meta is None,
-                    "asleep": entry.state == HIBERNATED,
-                },
+            adopt = AdoptRequest(
+                session_id=sid,
+                principal_id=entry.principal_id,
+                claude_session=meta.claude_session if meta else str(uuid.uuid4()),
+                from_node=entry.node,
+                cwd=meta.cwd if meta else "",
+                model=meta.model if meta else "",
+                turns=meta.turns if meta else 0,
+                fresh=meta is None,
+                asleep=entry.state == EntryState.HIBERNATED,
             )
+            reply = await self.ask(Verb.ADOPT, None, adopt)
             if not reply.get("ok"):
                 why = f"{reply.get('error')}: {reply.get('message')}"
                 if reply.get("error") in ADOPT_REFUSALS:
@@ -487,23 +496,23 @@ class Failover:
         """``{session_ids}`` -> ``{elsewhere: {sid: node}}``: those another node runs now;
         the others are claimed for this node (an admin's request only: the runner's)."""
         if request.principal is not None:
-            return replies.error("not_authorized", "only the session runner asks this")
+            return replies.error(ErrorCode.NOT_AUTHORIZED, "only the session runner asks this")
         try:
-            body = msgspec.json.decode(request.payload or b"{}")
-            sids = [check_name(str(s), "session id") for s in body.get("session_ids") or []]
-        except (msgspec.DecodeError, AttributeError, SageError) as exc:
-            return replies.error("bad_request", f"claims: {exc}")
+            body = msgspec.json.decode(request.payload or b"{}", type=ClaimsRequest)
+            sids = [check_name(sid, "session id") for sid in body.session_ids]
+        except (msgspec.DecodeError, msgspec.ValidationError, SageError) as exc:
+            return replies.error(ErrorCode.BAD_REQUEST, f"claims: {exc}")
         registry, claims = self.member.registry, self.member.claims
         if registry is None or claims is None or not self.member.connected:
-            return replies.error("fleet_unavailable", "NATS is not connected")
+            return replies.error(ErrorCode.FLEET_UNAVAILABLE, "NATS is not connected")
         try:
             with anyio.fail_after(10.0):
                 elsewhere = await self.take_back(sids)
         except Exception as exc:
-            return replies.error("fleet_unavailable", f"the registry: {_describe(exc)}")
+            return replies.error(ErrorCode.FLEET_UNAVAILABLE, f"the registry: {_describe(exc)}")
         if elsewhere:
             log.info("fleet.sessions_taken_elsewhere", sessions=elsewhere)
-        return replies.ok(elsewhere=elsewhere)
+        return replies.ok(**msgspec.to_builtins(ClaimsReply(elsewhere=elsewhere)))
 
     async def take_back(self, sids: list[str]) -> dict[str, str]:
         """Of ``sids`` (this node's sessions, at its start or back after it may have
@@ -535,7 +544,7 @@ class Failover:
 
     def _audit(self, kind: str, payload: dict[str, Any]) -> None:
         try:
-            self.bus.publish(self.identity, f"sage.v1.audit.{kind}", payload)
+            self.bus.publish(self.identity, audit_topic(kind), payload)
         except BusError:
             log.warning("fleet.audit_failed", kind=kind)
 

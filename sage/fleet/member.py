@@ -40,6 +40,7 @@ import structlog
 from bus import Bus, BusError, Identity
 from sage import replies
 from sage.config import FleetConfig
+from sage.contract.sessions import FLEET_STATUS_TOPIC, SlotsReply, Verb, request_topic
 from sage.errors import (
     FleetAuthFailed,
     FleetError,
@@ -85,14 +86,13 @@ T = TypeVar("T")
 BUCKET_WAIT = 4
 """How many ``connect_timeout`` periods a start waits for JetStream to serve the bucket."""
 
-STATUS_TOPIC = "sage.v1.request.fleet.status"
+STATUS_TOPIC = FLEET_STATUS_TOPIC
 NO_PEERS_YET = 10005
 """JetStream's "no suitable peers for placement": a cluster whose servers are still
 meeting (a bucket with replicas 3 while one is not yet known); asked again."""
 LEAVE_STEP = 1.0  # seconds the last record may take at stop, and then the close
 LOAD_WAIT = 1.0
 """Seconds a heartbeat waits for the node's load (at most half its interval)."""
-SLOTS_TOPIC = "sage.v1.request.slots"
 
 
 def _is_auth_refusal(exc: BaseException) -> bool:
@@ -417,12 +417,19 @@ async def runner_load(bus: Bus, identity: Identity, deadline: float) -> NodeLoad
     """The local session runner's load (``sage.v1.request.slots``, as an admin); None
     when no runner answers, or its answer is not a load."""
     try:
-        answer = await bus.request(identity, SLOTS_TOPIC, {}, deadline=deadline)
+        answer = await bus.request(identity, request_topic(Verb.SLOTS), {}, deadline=deadline)
         data = msgspec.json.decode(answer.payload)
         if not isinstance(data, dict) or data.get("ok") is not True:
             return None
+        slots = msgspec.convert(data, SlotsReply)
         return msgspec.convert(
-            {k: data.get(k) for k in ("live", "max_live", "idle", "hibernated")}, NodeLoad
+            {
+                "live": slots.live,
+                "max_live": slots.max_live,
+                "idle": slots.idle,
+                "hibernated": slots.hibernated,
+            },
+            NodeLoad,
         )
     except (BusError, msgspec.DecodeError, msgspec.ValidationError):
         return None

@@ -55,9 +55,10 @@ from anyio.streams.memory import MemoryObjectSendStream
 from bus import Bus, BusError, Envelope, Identity, NoResponders, Subscription
 from sage import replies
 from sage.config import Config
+from sage.contract.sessions import CLAIMS_TOPIC, Verb, event_of, request_topic
 from sage.errors import BadRoute, FleetBusy, NotVouched, SessionConflict
 from sage.fleet.adoption import HIBERNATED
-from sage.fleet.failover import CLAIMS_TOPIC, Failover
+from sage.fleet.failover import Failover
 from sage.fleet.fencing import BATCH, SWEEP_BEATS, Sweep, runs_elsewhere
 from sage.fleet.inflight import MAX_IN_FLIGHT, InFlight
 from sage.fleet.lifecycle import LifecycleEvents
@@ -75,10 +76,8 @@ from sage.fleet.routes import (
     check_name,
     decode_event,
     decode_forwarded,
-    event_of,
     event_pattern,
     event_subject,
-    local_topic,
     parse_event_subject,
     parse_request_subject,
     registry_key,
@@ -294,10 +293,9 @@ class Router:
         its loss): ``[sessions] resume``."""
         return self.config_of is not None and self.config_of().sessions.resume
 
-    async def _ask_as_supervisor(self, topic: str, payload: dict[str, Any]) -> dict[str, Any]:
-        verb = topic.split(".")[3]
+    async def _ask_as_supervisor(self, verb: Verb, sid: str | None, body: Any) -> dict[str, Any]:
         return await self._ask_runner(
-            self.identity, topic, msgspec.json.encode(payload), None, verb
+            self.identity, request_topic(verb, sid), msgspec.json.encode(body), None, verb
         )
 
     def _note(self, sid: str, entry: SessionEntry | None) -> None:
@@ -559,7 +557,7 @@ class Router:
             return
         else:
             reply = await self._ask_runner(
-                identity, local_topic(verb, sid), payload, forwarded.principal, verb
+                identity, request_topic(verb, sid), payload, forwarded.principal, verb
             )
         what = {
             "origin": origin,
@@ -1085,7 +1083,7 @@ class Router:
         except (msgspec.DecodeError, AttributeError, TypeError, ValueError):
             return replies.error("bad_request", "approver: {seconds} expected")
         seen = await self._ask_runner(
-            self.identity, local_topic("session", sid), b"{}", principal, "session"
+            self.identity, request_topic(Verb.SESSION, sid), b"{}", principal, "session"
         )
         if not seen.get("ok"):
             return seen  # unknown_session: another principal's, or none

@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from sage.config import NAME_PATTERN
+from sage.contract.sessions import EntryState, SessionRow
 from sage.errors import BadRoute, SessionConflict
 
 __all__ = (
@@ -61,10 +62,8 @@ __all__ = (
     "decode_event",
     "decode_forwarded",
     "decode_keyed",
-    "event_of",
     "event_pattern",
     "event_subject",
-    "local_topic",
     "parse_event_subject",
     "parse_registry_key",
     "parse_request_subject",
@@ -199,7 +198,9 @@ class SessionEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     node: str
     principal_id: str
-    state: str = "running"
+    state: str = EntryState.RUNNING
+    """An :class:`~sage.contract.sessions.EntryState` (a word another node wrote: read as it
+    is, and compared with those)."""
     at: float = 0.0
     """Wall-clock seconds of the write, by the owner's clock."""
     resume: bool = False
@@ -300,21 +301,6 @@ def resolve(sid: str, claims: dict[str, SessionEntry], live: set[str]) -> Sessio
     return max(claims.values(), key=lambda entry: (entry.at, entry.node))
 
 
-def local_topic(verb: str, sid: str | None) -> str:
-    """The runner's own request topic for ``verb`` (what a forwarded request becomes)."""
-    return f"sage.v1.request.{verb}" + ("" if sid is None else f".{check_name(sid, 'session id')}")
-
-
-def event_of(topic: str) -> tuple[str, str] | None:
-    """``(sid, name)`` of a local session event topic ``sage.v1.event.<sid>.<name>``."""
-    parts = topic.split(".")
-    if len(parts) != 5 or parts[:3] != ["sage", "v1", "event"]:
-        return None
-    if _NAME.match(parts[3]) is None or _NAME.match(parts[4]) is None:
-        return None
-    return parts[3], parts[4]
-
-
 def visible(entry: SessionEntry, principal: str | None) -> bool:
     """Whether a caller acting for ``principal`` (None: an admin) may know of it."""
     return principal is None or principal == entry.principal_id
@@ -322,14 +308,15 @@ def visible(entry: SessionEntry, principal: str | None) -> bool:
 
 def row_of(sid: str, entry: SessionEntry, state: str) -> dict[str, Any]:
     """A listing row for a session known only from the registry (its node cannot answer)."""
-    return {
-        "session_id": sid,
-        "principal_id": entry.principal_id,
-        "pid": None,
-        "state": state,
-        "node": entry.node,
-        "started_at": entry.at,
-    }
+    row = SessionRow(
+        session_id=sid,
+        principal_id=entry.principal_id,
+        pid=None,
+        state=state,
+        node=entry.node,
+        started_at=entry.at,
+    )
+    return msgspec.to_builtins(row)  # type: ignore[no-any-return]
 
 
 def registry_rows(

@@ -97,5 +97,5 @@ async def test_an_adoption_runs_its_race_only_while_the_node_is_still_lost(
     assert taken == (["s1"] if raced else [])
 
 
-async def _never(topic: str, payload: dict[str, Any]) -> dict[str, Any]:
+async def _never(verb: str, sid: str | None, body: Any) -> dict[str, Any]:
     raise AssertionError("the runner is not asked")
