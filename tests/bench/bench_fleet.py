@@ -83,9 +83,10 @@ import anyio.to_thread
 from bus.client import BusClient, RemoteSubscription
 from sage.cli._common import call_runner
 from sage.cli.sage_cmd import call_session
+from sage.contract.sessions import FLEET_SESSIONS_TOPIC as LISTING
+from sage.fleet.listing import LISTING_FROM_BUCKET
 from sage.fleet.nodes import NodeRecord
 from sage.fleet.permissions import BUCKET
-from sage.fleet.router import LISTING, LISTING_FROM_BUCKET
 from sage.fleet.routes import REGISTRY, SessionEntry, registry_key
 from sage.fleet.transcripts import TRANSCRIPTS
 from tests.bench.bench_sessions import FAKE, _pct, _reap_leftovers, _remove

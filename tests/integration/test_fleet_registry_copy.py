@@ -21,7 +21,7 @@ import nats
 
 from sage.fleet.nodes import NodeRecord
 from sage.fleet.permissions import BUCKET
-from sage.fleet.router import RESYNC_CHECK
+from sage.fleet.registry_keeper import RESYNC_CHECK
 from sage.fleet.routes import REGISTRY, REGISTRY_STREAM, SessionEntry, registry_key
 from tests.support.daemon import Daemon
 from tests.support.nats_cluster import JS_TIMEOUT, NatsCluster, wait_for
