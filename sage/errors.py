@@ -22,7 +22,8 @@ name the part that failed:
   session (:class:`SessionConflict`), a node may not act for a principal
   (:class:`NotVouched`), a name must not be routed (:class:`BadRoute`), a node
   record cannot be used (:class:`FleetRecordError`); :class:`NotInFleet` on a
-  single host;
+  single host.  nats-py's own exceptions become these at one boundary,
+  sage/fleet/nats_errors.py;
 - :class:`RequestError`: a capsule refused what it was sent (a forged hook
   envelope, a schema that does not compile, an unknown model); the capsules
   subclass it (``HookRejected``, ``SchemaError``, ``UnknownModel``);
@@ -165,6 +166,8 @@ class FleetError(SageError):
     """The fleet could not be joined, read or written (sage/fleet/)."""
 
     code = "fleet_failed"
+    what: str = ""
+    """What was being done (``the sage_claims bucket``), when nats-py's error was mapped."""
 
 
 class FleetUnreachable(FleetError):
@@ -190,6 +193,13 @@ class FleetUnavailable(FleetError):
     responders, or not in time), or a server refused for a reason of its own."""
 
     code = "fleet_unavailable"
+    no_responders: bool = False
+    """Nobody answered at once: no responders (is the node running?)."""
+    timed_out: bool = False
+    """No answer within the deadline."""
+    not_ready: bool = False
+    """JetStream is not ready yet (no responders, unavailable, no peers yet for the
+    replicas): asked again, it may answer."""
 
 
 class FleetRaceLost(FleetError):

@@ -63,14 +63,16 @@ from sage.contract.sessions import (
     Verb,
     audit_topic,
 )
-from sage.errors import NotVouched, SageError
+from sage.errors import FleetError, FleetNotFound, FleetRaceLost, NotVouched, SageError
 from sage.fleet.adoption import Owed, Pending, adoptable, adopters, claimed, rank
 from sage.fleet.fencing import runs_elsewhere
 from sage.fleet.member import FleetMember
+from sage.fleet.nats_errors import code_of, describe, nats_errors
 from sage.fleet.nodes import NodeState, NodeView
 from sage.fleet.placement import NODE_REFUSALS
-from sage.fleet.routes import Claim, SessionEntry, check_name, registry_key
+from sage.fleet.routes import CLAIMS, REGISTRY, Claim, SessionEntry, check_name, registry_key
 from sage.fleet.transcripts import (
+    TRANSCRIPTS,
     TranscriptMeta,
     TranscriptRefused,
     check_meta,
@@ -173,19 +175,23 @@ class Failover:
             while (debt := self.pending.next()) is not None:
                 sid, what = debt
                 try:
-                    with anyio.fail_after(STORE_DEADLINE):
+                    with (
+                        nats_errors(f"the {TRANSCRIPTS} object store"),
+                        anyio.fail_after(STORE_DEADLINE),
+                    ):
                         if what is Owed.PUT:
                             await self._put(sid)
                         else:
                             await self._forget(sid)
                 except TranscriptRefused as exc:
                     log.warning("fleet.transcript_refused", session_id=sid, reason=str(exc))
-                except Exception as exc:
+                except Exception as exc:  # the replicas outlive any error: logged, next one
                     log.warning(
                         "fleet.transcript_failed",
                         session_id=sid,
                         op=what.value,
-                        error=_describe(exc),
+                        code=code_of(exc),
+                        error=describe(exc),
                     )
 
     async def _put(self, sid: str) -> None:
@@ -233,15 +239,13 @@ class Failover:
 
     async def _forget(self, sid: str) -> None:
         """The object of a session that ended here, unless the registry names another node."""
-        from nats.js.errors import NotFoundError
-
         store = self.member.transcripts
         if store is None or self.member.claims is None or not self.member.connected:
             return
         claim, _ = await self.member.claim_of(sid)
         if claim is not None and claim.node != self.node and not claim.failed:
             return  # it runs elsewhere now (this node ended it failed_over)
-        with contextlib.suppress(NotFoundError):
+        with contextlib.suppress(FleetNotFound), nats_errors(f"the {TRANSCRIPTS} object store"):
             await store.delete(sid)
 
     # -- takeover --------------------------------------------------------------------
@@ -256,7 +260,7 @@ class Failover:
                 if config.fleet is None or not config.fleet.adopt or not self.member.connected:
                     continue
                 try:
-                    with anyio.fail_after(5.0):
+                    with nats_errors("the node table"), anyio.fail_after(5.0):
                         views = await self.member.nodes()
                         lost = {v.node for v in views if v.state is NodeState.LOST}
                         fresh = lost - seen
@@ -270,8 +274,10 @@ class Failover:
                             await self.member.session_entries(),
                             {v.node for v in views if v.state is NodeState.LIVE},
                         )
-                except Exception as exc:
-                    log.warning("fleet.failover_check_failed", error=_describe(exc))
+                except Exception as exc:  # the watch outlives any error: logged, looked again
+                    log.warning(
+                        "fleet.failover_check_failed", code=code_of(exc), error=describe(exc)
+                    )
                     continue
                 # every node plans alike: by the heartbeats' loads, for every principal
                 found = adoptable(entries, views, self.node, lambda _: True)
@@ -323,7 +329,8 @@ class Failover:
 
     async def _adopt(self, sid: str, entry: SessionEntry, revision: int, wait: float) -> None:
         try:
-            with anyio.fail_after(5.0):  # read before the wait: a node first wins only once
+            # read before the wait: a node first wins only once
+            with nats_errors(f"the {CLAIMS} bucket"), anyio.fail_after(5.0):
                 claim, revision = await self.member.claim_of(sid)
             if claim is not None and (claim.node != entry.node or claim.failed):
                 log.debug("fleet.failover_taken_before", session_id=sid, by=claim.node)
@@ -336,44 +343,44 @@ class Failover:
                     log.info("fleet.failover_node_back", session_id=sid, node=entry.node)
                     return
                 await self._take(sid, entry, revision)
-        except Exception as exc:
-            log.error("fleet.failover_failed", session_id=sid, error=_describe(exc))
+        except Exception as exc:  # an adoption's task outlives any error: logged
+            log.error(
+                "fleet.failover_failed", session_id=sid, code=code_of(exc), error=describe(exc)
+            )
         finally:
             self._adopting.discard(sid)
 
     async def _back(self, node: str) -> bool:
         """Whether ``node``, judged lost when this adoption was planned, is live again
         (its heartbeats came back): read once more just before the race."""
-        with anyio.fail_after(5.0):
+        with nats_errors("the node table"), anyio.fail_after(5.0):
             views = await self.member.nodes()
         return any(v.node == node and v.state is NodeState.LIVE for v in views)
 
     async def _take(self, sid: str, entry: SessionEntry, revision: int) -> None:
-        from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
-
         registry, store, claims = self.member.registry, self.member.transcripts, self.member.claims
         assert registry is not None
         assert store is not None
         assert claims is not None
         now = time.time()
         try:
-            with anyio.fail_after(5.0):
+            with nats_errors(f"the {CLAIMS} bucket"), anyio.fail_after(5.0):
                 won = await claims.update(
                     sid, Claim(node=self.node, at=now).encode(), last=revision
                 )
-        except KeyWrongLastSequenceError:
+        except FleetRaceLost:
             log.info("fleet.failover_lost_race", session_id=sid, from_node=entry.node)
             self._recheck = True
             return
         mine = registry_key(self.node, sid)
-        with anyio.fail_after(5.0):
+        with nats_errors(f"the {REGISTRY} bucket"), anyio.fail_after(5.0):
             await registry.put(mine, claimed(entry, self.node, now).encode())
         started = time.monotonic()
         log.info("fleet.failover_won", session_id=sid, from_node=entry.node)
         config = self.config_of()
         principal = config.principal(entry.principal_id)
         meta: TranscriptMeta | None = None
-        why = ""
+        why = code = ""
         try:
             if principal is None:  # (a config reloaded since the plan): another may run it
                 why = f"unknown_principal: principal {entry.principal_id!r} is not configured here"
@@ -382,7 +389,10 @@ class Failover:
             assert config.fleet is not None
             limit = config.fleet.transcript_max_bytes
             try:
-                with anyio.fail_after(STORE_DEADLINE):
+                with (
+                    nats_errors(f"the {TRANSCRIPTS} object store"),
+                    anyio.fail_after(STORE_DEADLINE),
+                ):
                     size = (await store.get_info(sid)).size or 0
                     if size > limit:  # never fetched: a node could have put anything there
                         raise TranscriptRefused(
@@ -391,7 +401,7 @@ class Failover:
                     # read into a capped buffer: the object may be replaced after get_info
                     capped = CappedBuffer(sid, limit)
                     result = await store.get(sid, writeinto=capped)
-            except NotFoundError:
+            except FleetNotFound:
                 log.warning("fleet.failover_no_transcript", session_id=sid, from_node=entry.node)
             else:
                 meta = check_meta(sid, entry.principal_id, result.info.description)
@@ -414,14 +424,16 @@ class Failover:
             )
             reply = await self.ask(Verb.ADOPT, None, adopt)
             if not reply.get("ok"):
-                why = f"{reply.get('error')}: {reply.get('message')}"
+                code = str(reply.get("error"))
+                why = f"{code}: {reply.get('message')}"
                 if reply.get("error") in ADOPT_REFUSALS:
                     await self._release(sid, entry, won, why)
                     return
         except Exception as exc:  # after the win, anything: the failure path, never silence
-            why = (str(exc) if isinstance(exc, (SageError, OSError)) else _describe(exc)) or repr(
+            why = (str(exc) if isinstance(exc, (SageError, OSError)) else describe(exc)) or repr(
                 exc
             )
+            code = code_of(exc)
         if not why:
             log.info(
                 "fleet.failed_over",
@@ -431,7 +443,9 @@ class Failover:
             )
             return
         # this node won but cannot run it: the session is lost, and says why
-        log.error("fleet.failover_failed", session_id=sid, from_node=entry.node, reason=why)
+        log.error(
+            "fleet.failover_failed", session_id=sid, from_node=entry.node, code=code, reason=why
+        )
         self._audit(
             "session_failover_failed",
             {
@@ -441,34 +455,39 @@ class Failover:
                 "reason": why[:500],
             },
         )
-        with anyio.move_on_after(5.0):
-            try:  # given back to the lost node, which resumes it if it comes back
-                await registry.delete(mine)
-                back = Claim(node=entry.node, at=time.time(), failed=True)
-                with contextlib.suppress(KeyWrongLastSequenceError):
-                    await claims.update(sid, back.encode(), last=won)
-            except Exception as exc:
-                log.warning("fleet.registry_write_failed", session_id=sid, error=_describe(exc))
+        back = Claim(node=entry.node, at=time.time(), failed=True)
+        # given back to the lost node, which resumes it if it comes back
+        await self._give_back(sid, mine, back, won)
 
     async def _release(self, sid: str, entry: SessionEntry, won: int, why: str) -> None:
         """This node won ``sid`` but may not run it (no room, a cap): its own registry
         claim goes and the race's claim goes back to the lost node (not failed), for the
         next ranked node to take."""
-        from nats.js.errors import KeyWrongLastSequenceError
-
         log.warning("fleet.failover_refused", session_id=sid, from_node=entry.node, reason=why)
         self._refused[sid] = anyio.current_time() + REFUSED_FOR
+        back = Claim(node=entry.node, at=time.time())
+        await self._give_back(sid, registry_key(self.node, sid), back, won)
+
+    async def _give_back(self, sid: str, mine: str, back: Claim, won: int) -> None:
+        """This node's registry claim ``mine`` goes, and ``sid``'s ``sage_claims`` key is
+        ``back`` unless it was written since ``won`` (the revision this node's win wrote);
+        within 5 s, a failure logged."""
         registry, claims = self.member.registry, self.member.claims
         assert registry is not None
         assert claims is not None
         with anyio.move_on_after(5.0):
             try:
-                await registry.delete(registry_key(self.node, sid))
-                back = Claim(node=entry.node, at=time.time())
-                with contextlib.suppress(KeyWrongLastSequenceError):
+                with nats_errors(f"the {REGISTRY} bucket"):
+                    await registry.delete(mine)
+                with contextlib.suppress(FleetRaceLost), nats_errors(f"the {CLAIMS} bucket"):
                     await claims.update(sid, back.encode(), last=won)
-            except Exception as exc:
-                log.warning("fleet.registry_write_failed", session_id=sid, error=_describe(exc))
+            except FleetError as exc:
+                log.warning(
+                    "fleet.registry_write_failed",
+                    session_id=sid,
+                    code=exc.code,
+                    error=describe(exc),
+                )
 
     def _restore(
         self, config: Config, principal: PrincipalConfig, meta: TranscriptMeta, data: bytes
@@ -506,10 +525,10 @@ class Failover:
         if registry is None or claims is None or not self.member.connected:
             return replies.error(ErrorCode.FLEET_UNAVAILABLE, "NATS is not connected")
         try:
-            with anyio.fail_after(10.0):
+            with nats_errors(f"the {CLAIMS} bucket"), anyio.fail_after(10.0):
                 elsewhere = await self.take_back(sids)
-        except Exception as exc:
-            return replies.error(ErrorCode.FLEET_UNAVAILABLE, f"the registry: {_describe(exc)}")
+        except FleetError as exc:
+            return replies.error(ErrorCode.FLEET_UNAVAILABLE, f"the registry: {describe(exc)}")
         if elsewhere:
             log.info("fleet.sessions_taken_elsewhere", sessions=elsewhere)
         return replies.ok(**msgspec.to_builtins(ClaimsReply(elsewhere=elsewhere)))
@@ -519,9 +538,8 @@ class Failover:
         been judged lost), those another node took (id -> node): this node's registry
         claim to each goes at once (two live claimants would be a conflict).  The others
         are claimed again for this node in ``sage_claims``: an adopter that read the
-        revision before is late and loses its race.  Raises what nats-py raised."""
-        from nats.js.errors import KeyWrongLastSequenceError
-
+        revision before is late and loses its race.  A FleetError when the buckets cannot
+        be read or written."""
         registry, claims = self.member.registry, self.member.claims
         assert registry is not None
         assert claims is not None
@@ -532,13 +550,15 @@ class Failover:
                 node = runs_elsewhere(self.node, claim)
                 if node is not None:
                     elsewhere[sid] = node
-                    await registry.delete(registry_key(self.node, sid))
+                    with nats_errors(f"the {REGISTRY} bucket"):
+                        await registry.delete(registry_key(self.node, sid))
                     break
                 again = Claim(node=self.node, at=time.time())
                 try:  # an adopter that read the same revision now loses its race
-                    await claims.update(sid, again.encode(), last=revision)
+                    with nats_errors(f"the {CLAIMS} bucket"):
+                        await claims.update(sid, again.encode(), last=revision)
                     break
-                except KeyWrongLastSequenceError:
+                except FleetRaceLost:
                     continue
         return elsewhere
 
@@ -574,8 +594,3 @@ def _home_of(config: Config, principal: PrincipalConfig) -> tuple[Path, int, int
     if run_as is None:
         return home, os.getuid(), os.getgid()
     return home, run_as.uid, run_as.gid
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]

@@ -19,10 +19,12 @@ import structlog
 
 from sage.contract.codes import ErrorCode
 from sage.contract.sessions import Verb, YieldRequest
+from sage.errors import FleetError
 from sage.fleet.failover import Failover
 from sage.fleet.fencing import BATCH, SWEEP_BEATS, Sweep, runs_elsewhere
 from sage.fleet.member import FleetMember
-from sage.fleet.routes import registry_key
+from sage.fleet.nats_errors import describe, nats_errors
+from sage.fleet.routes import CLAIMS, REGISTRY, registry_key
 from sage.fleet.runner_link import RunnerLink
 
 __all__ = ("Fencer",)
@@ -78,7 +80,7 @@ class Fencer:
         for at in range(0, len(sids), BATCH):
             batch = sids[at : at + BATCH]
             try:
-                with anyio.fail_after(10.0):
+                with nats_errors(f"the {CLAIMS} bucket"), anyio.fail_after(10.0):
                     if take_back and self.failover is not None:
                         elsewhere |= await self.failover.take_back(batch)
                         continue
@@ -87,15 +89,24 @@ class Fencer:
                         node = runs_elsewhere(self.node, claim)
                         if node is not None:
                             elsewhere[sid] = node
-            except Exception as exc:
-                log.warning("fleet.fence_check_failed", sessions=len(batch), error=_describe(exc))
+            except FleetError as exc:
+                log.warning(
+                    "fleet.fence_check_failed",
+                    sessions=len(batch),
+                    code=exc.code,
+                    error=describe(exc),
+                )
                 unread |= set(batch) - elsewhere.keys()
         registry = self.member.registry
         for sid, node in sorted(elsewhere.items()):
             log.warning("fleet.fenced", session_id=sid, node=node)
             if not take_back and registry is not None:  # (take_back deleted it already)
                 # this node's claim goes first: beside the adopter's, a conflict
-                with contextlib.suppress(Exception), anyio.move_on_after(5.0):
+                with (
+                    contextlib.suppress(FleetError),
+                    nats_errors(f"the {REGISTRY} bucket"),
+                    anyio.move_on_after(5.0),
+                ):
                     await registry.delete(registry_key(self.node, sid))
             reply = await self.runner.ask_as_supervisor(Verb.YIELD, sid, YieldRequest(node=node))
             if not reply.get("ok") and reply.get("error") != ErrorCode.UNKNOWN_SESSION:
@@ -103,8 +114,3 @@ class Fencer:
                 continue  # still here: the next sweep tries again
             self.here.discard(sid)
         return [sid for sid in sids if sid not in elsewhere or sid in unread]
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]

@@ -30,9 +30,10 @@ from bus import Bus, BusError, Envelope, Identity
 from sage import replies
 from sage.contract.codes import ErrorCode
 from sage.contract.sessions import Verb, audit_topic
-from sage.errors import BadRoute, FleetBusy, NotVouched
+from sage.errors import BadRoute, FleetBusy, FleetError, FleetUnavailable, NotVouched
 from sage.fleet.inflight import MAX_IN_FLIGHT, InFlight
 from sage.fleet.member import FleetMember
+from sage.fleet.nats_errors import describe, nats_errors
 from sage.fleet.routes import (
     Forwarded,
     decode_forwarded,
@@ -103,9 +104,6 @@ class Forwarding:
         payload: bytes | None = None,
     ) -> dict[str, Any]:
         """Ask ``node``'s router; the reply as its runner gave it, or fleet_unavailable."""
-        from nats.errors import NoRespondersError
-        from nats.errors import TimeoutError as NatsTimeout
-
         if not self.member.connected:
             return unavailable(f"cannot reach node {node!r}: NATS is not connected")
         subject = request_subject(node, self.node, verb, sid)
@@ -115,13 +113,16 @@ class Forwarding:
         )
         deadline = deadline_of(verb) + NETWORK_SLACK
         try:
-            msg = await self.member.nc.request(subject, forwarded.encode(), timeout=deadline)
-        except NoRespondersError:
-            return unavailable(f"node {node!r} does not answer (no responders: is it running?)")
-        except NatsTimeout:
-            return unavailable(f"node {node!r} did not answer within {deadline:g} s")
-        except Exception as exc:
-            return unavailable(f"cannot reach node {node!r}: {_describe(exc)}")
+            with nats_errors(f"a request to node {node!r}"):
+                msg = await self.member.nc.request(subject, forwarded.encode(), timeout=deadline)
+        except FleetUnavailable as exc:
+            if exc.no_responders:
+                return unavailable(f"node {node!r} does not answer (no responders: is it running?)")
+            if exc.timed_out:
+                return unavailable(f"node {node!r} did not answer within {deadline:g} s")
+            return unavailable(f"cannot reach node {node!r}: {describe(exc)}")
+        except FleetError as exc:
+            return unavailable(f"cannot reach node {node!r}: {describe(exc)}")
         try:
             data = msgspec.json.decode(msg.data)
         except msgspec.DecodeError:
@@ -170,7 +171,7 @@ class Forwarding:
         """Whether ``origin`` may act for ``principal`` here; if not, the sender is told
         why and this node's chain keeps the refusal (never the payload)."""
         try:
-            with anyio.fail_after(LISTING_DEADLINE):
+            with nats_errors("the node table"), anyio.fail_after(LISTING_DEADLINE):
                 await self.vouched.check(origin, principal)
             return True
         except NotVouched as exc:
@@ -179,12 +180,12 @@ class Forwarding:
             with contextlib.suppress(BusError):
                 self.bus.publish(self.identity, audit_topic(REJECTED), refused)
             await respond(msg, replies.from_error(exc))
-        except Exception as exc:  # the node bucket cannot be read now
+        except FleetError as exc:  # the node bucket cannot be read now
             await respond(
                 msg,
                 unavailable(
                     f"node {self.node!r} cannot check node {origin!r}'s principals now:"
-                    f" {_describe(exc)}"
+                    f" {describe(exc)}"
                 ),
             )
         return False
@@ -224,10 +225,6 @@ class Forwarding:
 
 
 async def respond(msg: Msg, reply: dict[str, Any]) -> None:
-    with contextlib.suppress(Exception):
+    """Answer ``msg`` (the asker may be gone, or NATS: then nobody hears it)."""
+    with contextlib.suppress(FleetError), nats_errors("an answer"):
         await msg.respond(msgspec.json.encode(reply))
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]

@@ -31,8 +31,10 @@ from bus import Envelope, Identity
 from sage import replies
 from sage.contract.codes import ErrorCode
 from sage.contract.sessions import Verb
+from sage.errors import FleetError
 from sage.fleet.forwarding import LISTING_DEADLINE, unavailable
 from sage.fleet.member import FleetMember
+from sage.fleet.nats_errors import describe, nats_errors
 from sage.fleet.nodes import NodeState
 from sage.fleet.registry_copy import RegistryCopy, current_claims
 from sage.fleet.routes import SessionEntry, approval_answer, registry_rows
@@ -85,7 +87,7 @@ class Listing:
         return await self.forward(node, verb, sid, request)
 
     async def live_peers(self) -> list[str]:
-        with anyio.fail_after(LISTING_DEADLINE):
+        with nats_errors("the node table"), anyio.fail_after(LISTING_DEADLINE):
             nodes = await self.member.nodes()
         return [v.node for v in nodes if v.node != self.node and v.state is NodeState.LIVE]
 
@@ -99,8 +101,8 @@ class Listing:
             )
         try:
             peers = await self.live_peers()
-        except Exception as exc:
-            return unavailable(f"cannot read the node bucket now: {_describe(exc)}")
+        except FleetError as exc:
+            return unavailable(f"cannot read the node bucket now: {describe(exc)}")
         answers: list[dict[str, Any]] = []
 
         async def ask(node: str) -> None:
@@ -125,8 +127,8 @@ class Listing:
             return reply
         try:
             peers = await self.live_peers()
-        except Exception as exc:
-            reply["warning"] = f"this node's approvals only: {_describe(exc)}"
+        except FleetError as exc:
+            reply["warning"] = f"this node's approvals only: {describe(exc)}"
             return reply
         rows: list[dict[str, Any]] = list(reply.get("approvals") or [])
         refused: dict[str, str] = {}
@@ -156,11 +158,11 @@ class Listing:
             reply["warning"] = "this node's sessions only: NATS is not connected"
             return reply
         try:
-            with anyio.fail_after(LISTING_DEADLINE):
+            with nats_errors("the buckets"), anyio.fail_after(LISTING_DEADLINE):
                 nodes = await self.member.nodes()
                 source, entries = await self._listed_entries()
-        except Exception as exc:
-            reply["warning"] = f"this node's sessions only: {_describe(exc)}"
+        except FleetError as exc:
+            reply["warning"] = f"this node's sessions only: {describe(exc)}"
             return reply
         states = {view.node: view.state for view in nodes}
         answers: dict[str, list[dict[str, Any]] | None] = {}
@@ -226,8 +228,3 @@ def _refusals(refused: dict[str, str]) -> str:
         f"node {node!r} refused: {ErrorCode.PRINCIPAL_NOT_AUTHENTICATED}: {why}"
         for node, why in sorted(refused.items())
     )
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]

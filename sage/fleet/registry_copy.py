@@ -44,7 +44,9 @@ import anyio
 import anyio.abc
 import structlog
 
-from sage.fleet.routes import SessionEntry, decode_keyed, parse_registry_key
+from sage.errors import FleetError
+from sage.fleet.nats_errors import code_of, describe, nats_errors
+from sage.fleet.routes import REGISTRY, SessionEntry, decode_keyed, parse_registry_key
 
 if TYPE_CHECKING:
     from nats.js.kv import KeyValue
@@ -183,10 +185,11 @@ async def follow(
         copy.restart()
         copy.watches += 1
         try:
-            await _watch_while_trusted(kv, copy, connected)
-        except Exception as exc:
+            with nats_errors(f"the watch of {REGISTRY}"):
+                await _watch_while_trusted(kv, copy, connected)
+        except Exception as exc:  # the watch outlives any error: logged, watched again
             if not failing:
-                log.warning("fleet.registry_watch_failed", error=_describe(exc))
+                log.warning("fleet.registry_watch_failed", code=code_of(exc), error=describe(exc))
             failing = True
             copy.restart()
             await anyio.sleep(RETRY)
@@ -241,7 +244,8 @@ async def _watch_while_trusted(
         with (
             anyio.CancelScope(shield=True),
             anyio.move_on_after(1.0),
-            contextlib.suppress(Exception),
+            contextlib.suppress(FleetError),
+            nats_errors("the watch's stop"),
         ):
             await watcher.stop()
 
@@ -253,8 +257,3 @@ async def _until(condition: Callable[[], bool]) -> None:
         if condition():
             return
         await anyio.sleep(CHECK)
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]

@@ -29,11 +29,13 @@ import structlog
 from anyio.streams.memory import MemoryObjectSendStream
 
 from sage.contract.sessions import EntryState, RecordState, SessionEvent, SessionRow, Verb, event_of
+from sage.errors import FleetError, FleetRaceLost
 from sage.fleet.failover import Failover
 from sage.fleet.forwarding import LISTING_DEADLINE
 from sage.fleet.lifecycle import LifecycleEvents
 from sage.fleet.member import FleetMember
-from sage.fleet.routes import SessionEntry, registry_key
+from sage.fleet.nats_errors import code_of, describe, nats_errors
+from sage.fleet.routes import CLAIMS, REGISTRY, SessionEntry, registry_key
 from sage.fleet.runner_link import RunnerLink
 
 __all__ = ("RESYNC_CHECK", "RegistryKeeper")
@@ -139,13 +141,18 @@ class RegistryKeeper:
         assert registry is not None
         async for sid, entry in writes:
             try:
-                with anyio.fail_after(5.0):
+                with nats_errors(f"the {REGISTRY} bucket"), anyio.fail_after(5.0):
                     if entry is None:
                         await self.forget(registry, sid)
                     else:
                         await registry.put(registry_key(self.node, sid), entry.encode())
-            except Exception as exc:
-                log.warning("fleet.registry_write_failed", session_id=sid, error=_describe(exc))
+            except Exception as exc:  # the writes outlive any error: logged, resynced later
+                log.warning(
+                    "fleet.registry_write_failed",
+                    session_id=sid,
+                    code=code_of(exc),
+                    error=describe(exc),
+                )
 
     async def forget(self, registry: Any, sid: str) -> None:
         """Delete this node's claim to ``sid`` (a session this node ended ``failed_over``
@@ -153,16 +160,16 @@ class RegistryKeeper:
         ``sage_claims`` key goes too when it names this node and no other node claims
         the session; while a lost node's stale claim remains, the key stays, saying the
         session was taken from that node, so no one adopts it from there again."""
-        from nats.js.errors import KeyWrongLastSequenceError
-
-        await registry.delete(registry_key(self.node, sid))
+        with nats_errors(f"the {REGISTRY} bucket"):
+            await registry.delete(registry_key(self.node, sid))
         claims = self.member.claims
         if claims is None:
             return
         claim, revision = await self.member.claim_of(sid)
         if claim is None or claim.node != self.node or await self.member.claims_of(sid):
             return
-        with contextlib.suppress(KeyWrongLastSequenceError):  # taken meanwhile: it stays
+        # taken meanwhile: it stays
+        with contextlib.suppress(FleetRaceLost), nats_errors(f"the {CLAIMS} bucket"):
             await claims.delete(sid, last=revision)
 
     # -- resync -----------------------------------------------------------------------
@@ -200,10 +207,10 @@ class RegistryKeeper:
         finally:
             self._exited_meanwhile = None
         try:
-            with anyio.fail_after(LISTING_DEADLINE):
+            with nats_errors(f"the {REGISTRY} bucket"), anyio.fail_after(LISTING_DEADLINE):
                 entries = await self.member.session_entries()
-        except Exception as exc:
-            log.warning("fleet.registry_unreadable", error=_describe(exc))
+        except FleetError as exc:
+            log.warning("fleet.registry_unreadable", code=exc.code, error=describe(exc))
             return False
         mine = {sid: entry for sid, entry, _ in entries if entry.node == self.node}
         # a session another node took while this one was away is never claimed again:
@@ -237,8 +244,3 @@ def _rows(rows: Any) -> list[SessionRow]:
             with contextlib.suppress(msgspec.ValidationError):
                 out.append(msgspec.convert(row, SessionRow))
     return out
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]

@@ -30,8 +30,9 @@ from bus import Bus, BusError, Envelope, Identity, Subscription
 from sage import replies
 from sage.contract.codes import ErrorCode
 from sage.contract.sessions import SessionEvent, Verb, approver_topic, event_of, event_topic
-from sage.errors import BadRoute
+from sage.errors import BadRoute, FleetError
 from sage.fleet.member import FleetMember
+from sage.fleet.nats_errors import describe, nats_errors
 from sage.fleet.routes import (
     ForwardedEvent,
     decode_event,
@@ -75,7 +76,7 @@ async def publish_events(events: Any, member: FleetMember) -> None:
             payload=msgspec.Raw(envelope.payload),
             id=envelope.id,
         )
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(FleetError), nats_errors("an event's publish"):
             await nc.publish(event_subject(member.node, sid, name), event.encode())
 
 
@@ -187,10 +188,14 @@ class Relays:
                     current.ended = True
 
         try:
-            sub = await self.member.nc.subscribe(event_pattern(node, sid), cb=republish)
-            await self.member.nc.flush(timeout=2)  # subscribed at the servers before the request
-        except Exception as exc:
-            log.warning("fleet.relay_failed", node=node, session_id=sid, error=_describe(exc))
+            with nats_errors(f"the relay of {sid!r}"):
+                sub = await self.member.nc.subscribe(event_pattern(node, sid), cb=republish)
+                # subscribed at the servers before the request
+                await self.member.nc.flush(timeout=2)
+        except FleetError as exc:
+            log.warning(
+                "fleet.relay_failed", node=node, session_id=sid, code=exc.code, error=describe(exc)
+            )
             return None
         relay = self._relays[sid] = Relay(node, sub, ids, principal)
         return relay
@@ -252,15 +257,14 @@ class Relays:
     async def close(self) -> None:
         """Unsubscribe every relay (the router is stopping)."""
         for relay in self._relays.values():
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(FleetError), nats_errors("a relay's unsubscribe"):
                 await relay.sub.unsubscribe()
 
 
 async def _unsubscribe(sub: NatsSubscription) -> None:
-    with contextlib.suppress(Exception), anyio.move_on_after(1.0):
+    with (
+        contextlib.suppress(FleetError),
+        nats_errors("a relay's unsubscribe"),
+        anyio.move_on_after(1.0),
+    ):
         await sub.unsubscribe()
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]

@@ -54,13 +54,14 @@ from sage.contract.sessions import (
     FLEET_SPAWN_TOPIC,
     Verb,
 )
-from sage.errors import BadRoute, SessionConflict
+from sage.errors import BadRoute, FleetError, FleetUnavailable, SessionConflict
 from sage.fleet.failover import Failover
 from sage.fleet.fencer import Fencer
 from sage.fleet.forwarding import LISTING_DEADLINE, Forwarding, unavailable
 from sage.fleet.lifecycle import LifecycleEvents
 from sage.fleet.listing import Listing
 from sage.fleet.member import FleetMember
+from sage.fleet.nats_errors import code_of, describe, nats_errors
 from sage.fleet.nodes import NodeState
 from sage.fleet.placement import ANY, NODE_REFUSALS, Passed, Placement, place, refusal_text
 from sage.fleet.registry_copy import RegistryCopy, follow
@@ -68,6 +69,7 @@ from sage.fleet.registry_keeper import RegistryKeeper
 from sage.fleet.relays import Relay, Relays, publish_events
 from sage.fleet.routes import (
     APPROVAL_VERBS,
+    REGISTRY,
     SESSION_VERBS,
     SessionEntry,
     check_name,
@@ -182,7 +184,7 @@ class Router:
             writes.close()
             with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
                 if nats_sub is not None:
-                    with contextlib.suppress(Exception):
+                    with contextlib.suppress(FleetError), nats_errors("the unsubscribe"):
                         await nats_sub.unsubscribe()
                 await self.relays.close()
 
@@ -199,8 +201,8 @@ class Router:
             reply = await self._route(request)
         except BadRoute as exc:
             reply = replies.from_error(exc)
-        except Exception as exc:  # a bug must not take the supervisor down
-            log.exception("fleet.route_failed", topic=request.topic)
+        except Exception as exc:  # a request's task outlives any error: a bug, logged
+            log.exception("fleet.route_failed", topic=request.topic, code=code_of(exc))
             reply = replies.error(
                 ErrorCode.INTERNAL_ERROR, f"fleet routing failed ({type(exc).__name__})"
             )
@@ -240,8 +242,8 @@ class Router:
                 entry = await self._remote_owner(sid, request.principal)
             except SessionConflict as exc:
                 return replies.from_error(exc)
-            except Exception as exc:
-                return unavailable(f"cannot read the session registry now: {_describe(exc)}")
+            except FleetError as exc:
+                return unavailable(f"cannot read the session registry now: {describe(exc)}")
         if entry is None:
             # another principal's session looks the same as none, as on one node
             return replies.error(ErrorCode.UNKNOWN_SESSION, f"no session {sid!r}")
@@ -254,8 +256,8 @@ class Router:
             except SessionConflict as exc:
                 self.registry_copy.found_stale()
                 return replies.from_error(exc)
-            except Exception as exc:
-                return unavailable(f"cannot read the session registry now: {_describe(exc)}")
+            except FleetError as exc:
+                return unavailable(f"cannot read the session registry now: {describe(exc)}")
             if fresh is None or fresh.node != entry.node:
                 self.registry_copy.found_stale()
                 log.info(
@@ -289,7 +291,7 @@ class Router:
 
     async def _remote_owner(self, sid: str, principal: str | None) -> SessionEntry | None:
         """The bucket's owner of ``sid`` if another node and visible to ``principal``."""
-        with anyio.fail_after(LISTING_DEADLINE):
+        with nats_errors(f"the {REGISTRY} bucket"), anyio.fail_after(LISTING_DEADLINE):
             entry = await self.lookup(sid, principal)
         if entry is None or entry.node == self.node:
             return None
@@ -345,12 +347,12 @@ class Router:
         warning = None
         try:
             if not self.member.connected:
-                raise RuntimeError("NATS is not connected")
-            with anyio.fail_after(LISTING_DEADLINE):
+                raise FleetUnavailable("NATS is not connected")
+            with nats_errors("the node table"), anyio.fail_after(LISTING_DEADLINE):
                 nodes = await self.member.nodes()
             placement = place(nodes, principal, self.node)
-        except Exception as exc:
-            warning = f"placed on this node only: the fleet's load is unknown ({_describe(exc)})"
+        except FleetError as exc:
+            warning = f"placed on this node only: the fleet's load is unknown ({describe(exc)})"
             placement = Placement((self.node,), ())
         payload = msgspec.json.encode(body)
         refused: list[Passed] = []
@@ -381,7 +383,7 @@ class Router:
         """The claim a request for ``sid`` by a caller acting for ``principal`` (None: an
         admin) follows: of the claims it may see, the live node's when there are several
         (sage/fleet/routes.py, :func:`~sage.fleet.routes.resolve`).  Two live claimants:
-        SessionConflict, logged; raises what nats-py raised when it cannot ask."""
+        SessionConflict, logged; a FleetError when it cannot ask."""
         claims = await self.member.claims_of(check_name(sid, "session id"))
         claims = {node: entry for node, entry in claims.items() if visible(entry, principal)}
         live: set[str] = set()
@@ -393,8 +395,3 @@ class Router:
         except SessionConflict:
             log.warning("fleet.session_conflict", session_id=sid, nodes=sorted(claims))
             raise
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]

@@ -175,7 +175,7 @@ class VouchedPrincipals:
             declared = None if record is None else frozenset(record.principals or ())
             self._held[origin] = (now, declared)
             reading.read = True
-        except Exception as exc:
+        except Exception as exc:  # not handled: shared with the checks waiting, re-raised
             reading.error = exc
             raise
         finally:
