@@ -71,6 +71,7 @@ from sage.fleet.nats_errors import code_of, describe, nats_errors
 from sage.fleet.nodes import NodeState, NodeView
 from sage.fleet.placement import NODE_REFUSALS
 from sage.fleet.routes import CLAIMS, REGISTRY, Claim, SessionEntry, check_name, registry_key
+from sage.fleet.states import CLAIM_TRANSITIONS, ClaimState, Machine
 from sage.fleet.transcripts import (
     TRANSCRIPTS,
     TranscriptMeta,
@@ -140,7 +141,9 @@ class Failover:
         self.identity = Identity("fleet")
         self.pending = Pending(OWED)
         self._owed = anyio.Event()
-        self._adopting: set[str] = set()
+        self.tries: dict[str, Machine[ClaimState]] = {}
+        """The lost nodes' sessions this node is trying to adopt now, each with its claim's
+        state (sage/fleet/states.py)."""
         self._limiter = anyio.CapacityLimiter(ADOPTIONS)
         self._refused: dict[str, float] = {}
         """sid -> until when this node leaves it to others (it refused it)."""
@@ -288,13 +291,13 @@ class Failover:
                     place = rank(sid, self.node, plan)
                     if (
                         place is None  # full, or not for this node: the next ones take it
-                        or sid in self._adopting
+                        or sid in self.tries
                         or sid in self._refused
                         or not self._may_run(entry.principal_id)
                         or not self._vouched(sid, entry, views)
                     ):
                         continue
-                    self._adopting.add(sid)
+                    self.tries[sid] = Machine(f"claim {sid}", CLAIM_TRANSITIONS, ClaimState.PLANNED)
                     tg.start_soon(self._adopt, sid, entry, revision, place * STAGGER)
 
     def _vouched(self, sid: str, entry: SessionEntry, views: list[NodeView]) -> bool:
@@ -332,23 +335,32 @@ class Failover:
             # read before the wait: a node first wins only once
             with nats_errors(f"the {CLAIMS} bucket"), anyio.fail_after(5.0):
                 claim, revision = await self.member.claim_of(sid)
+            claim_state = self.tries.setdefault(
+                sid, Machine(f"claim {sid}", CLAIM_TRANSITIONS, ClaimState.PLANNED)
+            )
             if claim is not None and (claim.node != entry.node or claim.failed):
+                claim_state.move(ClaimState.TAKEN_BEFORE)
                 log.debug("fleet.failover_taken_before", session_id=sid, by=claim.node)
                 return
+            claim_state.move(ClaimState.WAITING)
             await anyio.sleep(wait)  # the nodes ranked first for it try first
             async with self._limiter:
                 if await self._back(entry.node):
                     # it was alive after all (a pause, a partition): it keeps its sessions
                     # and claims them again; a race won now would only be fenced there
+                    claim_state.move(ClaimState.OWNER_BACK)
                     log.info("fleet.failover_node_back", session_id=sid, node=entry.node)
                     return
-                await self._take(sid, entry, revision)
+                await self._take(sid, entry, revision, claim_state)
         except Exception as exc:  # an adoption's task outlives any error: logged
             log.error(
                 "fleet.failover_failed", session_id=sid, code=code_of(exc), error=describe(exc)
             )
+            tried = self.tries.get(sid)
+            if tried is not None and not tried.over:
+                tried.move(ClaimState.FAILED)
         finally:
-            self._adopting.discard(sid)
+            self.tries.pop(sid, None)
 
     async def _back(self, node: str) -> bool:
         """Whether ``node``, judged lost when this adoption was planned, is live again
@@ -357,21 +369,26 @@ class Failover:
             views = await self.member.nodes()
         return any(v.node == node and v.state is NodeState.LIVE for v in views)
 
-    async def _take(self, sid: str, entry: SessionEntry, revision: int) -> None:
+    async def _take(
+        self, sid: str, entry: SessionEntry, revision: int, claim_state: Machine[ClaimState]
+    ) -> None:
         registry, store, claims = self.member.registry, self.member.transcripts, self.member.claims
         assert registry is not None
         assert store is not None
         assert claims is not None
         now = time.time()
+        claim_state.move(ClaimState.RACING)
         try:
             with nats_errors(f"the {CLAIMS} bucket"), anyio.fail_after(5.0):
                 won = await claims.update(
                     sid, Claim(node=self.node, at=now).encode(), last=revision
                 )
         except FleetRaceLost:
+            claim_state.move(ClaimState.LOST)
             log.info("fleet.failover_lost_race", session_id=sid, from_node=entry.node)
             self._recheck = True
             return
+        claim_state.move(ClaimState.WON)
         mine = registry_key(self.node, sid)
         with nats_errors(f"the {REGISTRY} bucket"), anyio.fail_after(5.0):
             await registry.put(mine, claimed(entry, self.node, now).encode())
@@ -384,8 +401,10 @@ class Failover:
         try:
             if principal is None:  # (a config reloaded since the plan): another may run it
                 why = f"unknown_principal: principal {entry.principal_id!r} is not configured here"
+                claim_state.move(ClaimState.RELEASED)
                 await self._release(sid, entry, won, why)
                 return
+            claim_state.move(ClaimState.RESTORING)
             assert config.fleet is not None
             limit = config.fleet.transcript_max_bytes
             try:
@@ -427,6 +446,7 @@ class Failover:
                 code = str(reply.get("error"))
                 why = f"{code}: {reply.get('message')}"
                 if reply.get("error") in ADOPT_REFUSALS:
+                    claim_state.move(ClaimState.RELEASED)
                     await self._release(sid, entry, won, why)
                     return
         except Exception as exc:  # after the win, anything: the failure path, never silence
@@ -435,6 +455,7 @@ class Failover:
             )
             code = code_of(exc)
         if not why:
+            claim_state.move(ClaimState.ADOPTED)
             log.info(
                 "fleet.failed_over",
                 session_id=sid,
@@ -443,6 +464,7 @@ class Failover:
             )
             return
         # this node won but cannot run it: the session is lost, and says why
+        claim_state.move(ClaimState.FAILED)
         log.error(
             "fleet.failover_failed", session_id=sid, from_node=entry.node, code=code, reason=why
         )

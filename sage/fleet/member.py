@@ -68,6 +68,7 @@ from sage.fleet.routes import (
     decode_claim,
     decode_keyed,
 )
+from sage.fleet.states import MEMBERSHIP_TRANSITIONS, Machine, MembershipState
 from sage.fleet.transcripts import TRANSCRIPTS
 
 if TYPE_CHECKING:
@@ -216,7 +217,10 @@ class FleetMember:
         self._js = js
         self._kv = kv
         self._started_at = started_at
-        self._failing = False
+        self.membership = Machine(
+            f"node {self.node}", MEMBERSHIP_TRANSITIONS, MembershipState.JOINING
+        )
+        """This node in the fleet (sage/fleet/states.py): joining, live, failing, leaving, left."""
         self._last_beat = time.monotonic()
         self.beats = 0
         self.returned = anyio.Event()
@@ -285,6 +289,7 @@ class FleetMember:
                     anyio.fail_after(max(0.1, deadline - anyio.current_time())),
                 ):
                     await self.beat()
+                self.membership.move(MembershipState.LIVE)
                 return
             except FleetError:
                 if anyio.current_time() + 0.2 >= deadline:
@@ -301,19 +306,18 @@ class FleetMember:
                 with nats_errors("a heartbeat"), anyio.fail_after(max(self.config.heartbeat, 1.0)):
                     await self.beat()
             except Exception as exc:  # the heartbeats outlive any error: logged, beaten again
-                if not self._failing:
+                if self.membership.state is not MembershipState.FAILING:
                     log.warning(
                         "fleet.heartbeat_failed",
                         node=self.node,
                         code=code_of(exc),
                         error=describe(exc),
                     )
-                self._failing = True
+                self.membership.move(MembershipState.FAILING)
                 continue
+            failing = self.membership.state is MembershipState.FAILING
             now = time.monotonic()
-            if may_have_been_lost(
-                self._last_beat, now, self.config.lost_after, failing=self._failing
-            ):
+            if may_have_been_lost(self._last_beat, now, self.config.lost_after, failing=failing):
                 log.warning(
                     "fleet.may_have_been_lost",
                     node=self.node,
@@ -321,9 +325,9 @@ class FleetMember:
                 )
                 self.returned.set()
             self._last_beat = now
-            if self._failing:
+            if failing:
                 log.info("fleet.heartbeat_resumed", node=self.node)
-            self._failing = False
+            self.membership.move(MembershipState.LIVE)
 
     async def record_of(self, node: str) -> NodeRecord | None:
         """``node``'s current heartbeat record (None: none, or unusable); a FleetError when
@@ -404,6 +408,7 @@ class FleetMember:
     async def leave(self) -> None:
         """Say this node stopped (best effort, NATS may be gone), then close the connection;
         each step within LEAVE_STEP seconds."""
+        self.membership.move(MembershipState.LEAVING)
         last = self.record(stopped=True).encode()
         with (
             anyio.move_on_after(LEAVE_STEP),
@@ -417,6 +422,7 @@ class FleetMember:
             nats_errors("the connection's close"),
         ):
             await self._nc.close()
+        self.membership.move(MembershipState.LEFT)
 
 
 async def _get(kv: KeyValue, key: str, what: str) -> Any:

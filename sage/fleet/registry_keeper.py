@@ -37,6 +37,7 @@ from sage.fleet.member import FleetMember
 from sage.fleet.nats_errors import code_of, describe, nats_errors
 from sage.fleet.routes import CLAIMS, REGISTRY, SessionEntry, registry_key
 from sage.fleet.runner_link import RunnerLink
+from sage.fleet.states import RESYNC_TRANSITIONS, Machine, ResyncState
 
 __all__ = ("RESYNC_CHECK", "RegistryKeeper")
 
@@ -74,8 +75,12 @@ class RegistryKeeper:
         self.here: set[str] = set()
         """Sessions this node's runner has: spawned and not exited, as its events said, and
         those its listing had at a resync (restored at a start, say)."""
-        self._exited_meanwhile: set[str] | None = None
-        """During a resync: the sessions whose ``exited`` came after its listing was asked."""
+        self.resync_state = Machine(
+            f"registry of {self.node}", RESYNC_TRANSITIONS, ResyncState.NEEDED
+        )
+        """Whether the registry agrees with the runner (sage/fleet/states.py)."""
+        self._exited_meanwhile: set[str] = set()
+        """While listing: the sessions whose ``exited`` came after the listing was asked."""
         self._writes: MemoryObjectSendStream[tuple[str, SessionEntry | None]] | None = None
 
     def writes(self) -> Any:
@@ -118,7 +123,7 @@ class RegistryKeeper:
             elif name == SessionEvent.EXITED:
                 self.note(sid, None)
                 self.here.discard(sid)
-                if self._exited_meanwhile is not None:
+                if self.resync_state.state is ResyncState.LISTING:
                     self._exited_meanwhile.add(sid)
                 if self.failover is not None:
                     self.failover.ended(sid)
@@ -178,39 +183,42 @@ class RegistryKeeper:
         """Make the registry agree with the runner at start and after each outage: a
         spawn or an end whose write was lost meanwhile (or a restart that ended
         sessions without ``exited``) is written again."""
-        synced = False
         while True:
             if self.lifecycle.lost:  # a spawned or exited was dropped (logged): look again
                 self.lifecycle.lost = False
-                synced = False
-            connected = self.member.connected
-            if connected and not synced:
-                synced = await self.resync()
-            elif not connected:
-                synced = False
+                self.resync_state.move(ResyncState.NEEDED)
+            if not self.member.connected:
+                self.resync_state.move(ResyncState.NEEDED)
+            elif self.resync_state.state is ResyncState.NEEDED:
+                await self.resync()
             await anyio.sleep(RESYNC_CHECK)
 
     async def resync(self) -> bool:
         """One pass (False: the runner or the registry could not be read; try again)."""
         since = time.time()
         self._exited_meanwhile = set()
+        self.resync_state.move(ResyncState.LISTING)
         try:
             listing = await self.runner.ask(Verb.SESSIONS)
-            if not listing.get("ok"):
-                return False  # no runner yet (it starts after the router), or none at all
-            live = {
-                row.session_id: row.principal_id
-                for row in _rows(listing.get("sessions"))
-                if row.state != RecordState.ENDED
-            }
-            self.here |= live.keys() - self._exited_meanwhile
-        finally:
-            self._exited_meanwhile = None
+        except BaseException:  # not handled: the resync is needed again, re-raised
+            self.resync_state.move(ResyncState.NEEDED)
+            raise
+        if not listing.get("ok"):
+            self.resync_state.move(ResyncState.NEEDED)
+            return False  # no runner yet (it starts after the router), or none at all
+        live = {
+            row.session_id: row.principal_id
+            for row in _rows(listing.get("sessions"))
+            if row.state != RecordState.ENDED
+        }
+        self.here |= live.keys() - self._exited_meanwhile
+        self.resync_state.move(ResyncState.COMPARING)
         try:
             with nats_errors(f"the {REGISTRY} bucket"), anyio.fail_after(LISTING_DEADLINE):
                 entries = await self.member.session_entries()
         except FleetError as exc:
             log.warning("fleet.registry_unreadable", code=exc.code, error=describe(exc))
+            self.resync_state.move(ResyncState.NEEDED)
             return False
         mine = {sid: entry for sid, entry, _ in entries if entry.node == self.node}
         # a session another node took while this one was away is never claimed again:
@@ -233,6 +241,7 @@ class RegistryKeeper:
                 delete += 1
         if put or delete:
             log.info("fleet.registry_resynced", put=put, deleted=delete)
+        self.resync_state.move(ResyncState.SYNCED)
         return True
 
 

@@ -41,6 +41,7 @@ from sage.fleet.routes import (
     parse_event_subject,
 )
 from sage.fleet.runner_link import RunnerLink
+from sage.fleet.states import RELAY_TRANSITIONS, Machine, RelayState
 
 if TYPE_CHECKING:
     from nats.aio.msg import Msg
@@ -88,14 +89,28 @@ class Relay:
     ) -> None:
         self.node = node
         self.sub = sub
-        self.ended = False
         self.principal = principal
         """Whose session it is, as the caller that opened the relay was established."""
-        self.approver = False
-        """Whether a local client answers its approvals (told to the owner every second)."""
+        self.machine = Machine(f"relay of {node}", RELAY_TRANSITIONS, RelayState.OPEN)
+        """Open, approving (a local client answers its approvals: the owner is told every
+        second), ended (its exited came), dropped (sage/fleet/states.py)."""
         self.ids = ids
         """The owner's envelope id -> this bus's, of the events republished (the last
         :data:`IDS_KEPT`): a watch's replay and its live events then share one order."""
+
+    @property
+    def state(self) -> RelayState:
+        return self.machine.state
+
+    def approving(self) -> None:
+        """A local client answers this session's approvals: the owner is to be told."""
+        if self.machine.may(RelayState.APPROVING):
+            self.machine.move(RelayState.APPROVING)
+
+    def ended(self) -> None:
+        """The session's exited came: no more events."""
+        if self.machine.may(RelayState.ENDED):
+            self.machine.move(RelayState.ENDED)
 
 
 class Relays:
@@ -141,7 +156,7 @@ class Relays:
 
     async def _open(self, node: str, sid: str, principal: str | None, owner: str) -> Relay | None:
         relay = self._relays.get(sid)
-        if relay is not None and relay.node == node and not relay.ended:
+        if relay is not None and relay.node == node and relay.state is not RelayState.ENDED:
             return relay
         if relay is not None:
             self.drop_soon(sid)
@@ -185,7 +200,7 @@ class Relays:
             if name == SessionEvent.EXITED:
                 current = self._relays.get(sid)
                 if current is not None:
-                    current.ended = True
+                    current.ended()
 
         try:
             with nats_errors(f"the relay of {sid!r}"):
@@ -202,7 +217,10 @@ class Relays:
 
     def drop_soon(self, sid: str) -> None:
         relay = self._relays.pop(sid, None)
-        if relay is not None and self.tg is not None:
+        if relay is None:
+            return
+        relay.machine.move(RelayState.DROPPED)
+        if self.tg is not None:
             self.tg.start_soon(_unsubscribe, relay.sub)
 
     async def prune(self) -> None:
@@ -212,9 +230,10 @@ class Relays:
             await anyio.sleep(RELAY_CHECK)
             for sid, relay in list(self._relays.items()):
                 topic = event_topic(sid, SessionEvent.EXITED)
-                if relay.ended or not self.bus.has_subscribers(topic, besides=self.identity):
+                ended = relay.state is RelayState.ENDED
+                if ended or not self.bus.has_subscribers(topic, besides=self.identity):
                     self.drop_soon(sid)
-                elif relay.approver and self.approver_here(sid):
+                elif relay.state is RelayState.APPROVING and self.approver_here(sid):
                     assert self.tg is not None
                     self.tg.start_soon(self.tell_approver, relay.node, sid, relay)
             now = anyio.current_time()

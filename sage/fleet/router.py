@@ -308,7 +308,7 @@ class Router:
         if verb in (Verb.SEND, Verb.SESSION, Verb.WAKE):  # the caller follows the events
             relay = await self.relays.open(node, sid, request.principal, entry.principal_id)
             if relay is not None and verb == "send" and self.relays.approver_here(sid):
-                relay.approver = True  # before the turn: its first tool call may need us
+                relay.approving()  # before the turn: its first tool call may need us
                 await self.relays.tell_approver(node, sid, relay)
         return relay, await self.forwarding.forward(node, verb, sid, request)
 
