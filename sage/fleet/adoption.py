@@ -39,7 +39,7 @@ __all__ = (
     "Pending",
     "adoptable",
     "adopters",
-    "claimed",
+    "adopting_entry",
     "rank",
 )
 
@@ -104,7 +104,7 @@ def _weight(node: str, sid: str) -> bytes:
     return hashlib.sha256(f"{node}\0{sid}".encode()).digest()
 
 
-def claimed(entry: SessionEntry, me: str, now: float) -> SessionEntry:
+def adopting_entry(entry: SessionEntry, me: str, now: float) -> SessionEntry:
     """The entry a node writes (naming the revision it read) to be the one that adopts."""
     return SessionEntry(
         node=me, principal_id=entry.principal_id, state=ADOPTING, at=now, resume=entry.resume

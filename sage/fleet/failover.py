@@ -16,7 +16,7 @@ run by the router (sage/fleet/router.py) of each node:
   loaded first, :func:`~sage.fleet.adoption.adopters`).  A node writes only its own
   registry keys, so the race is run in the ``sage_claims`` bucket (session id ->
   :class:`~sage.fleet.routes.Claim`): the write naming the revision it read before
-  its wait makes exactly one winner, which puts its own ``<node>.<sid>`` claim
+  its wait makes exactly one winner, which puts its own ``<node>.<sid>`` entry
   (state ``adopting``; the lost node's stays, and routing follows the live one),
   restores the transcript under the principal's home and asks its runner to
   ``adopt`` the session (the same id, ``--resume`` on the same conversation; a
@@ -24,10 +24,10 @@ run by the router (sage/fleet/router.py) of each node:
   of its own (:data:`ADOPT_REFUSALS`: no room, a principal's cap) gives the claim
   back to the lost node, and the next ranked node takes it.  A session whose
   ``sage_claims`` key names another node than the lost one was taken from it
-  before: its stale claim is never adopted again.
+  before: its stale entry is never adopted again.
 - **Claims.** A node that starts again asks (``sage.v1.request.fleet.claims``),
   before its runner resumes anything, which of its sessions another node took;
-  those it ends ``failed_over`` (deleting its own registry claim at once), the
+  those it ends ``failed_over`` (deleting its own registry entry at once), the
   rest it claims again in ``sage_claims`` (the same revision race), so no
   conversation ever has two children.  A node back after it may have been judged
   lost while alive does the same (:meth:`Failover.take_back`, from the router's
@@ -64,7 +64,7 @@ from sage.contract.sessions import (
     audit_topic,
 )
 from sage.errors import FleetError, FleetNotFound, FleetRaceLost, NotVouched, SageError
-from sage.fleet.adoption import Owed, Pending, adoptable, adopters, claimed, rank
+from sage.fleet.adoption import Owed, Pending, adoptable, adopters, adopting_entry, rank
 from sage.fleet.fencing import runs_elsewhere
 from sage.fleet.member import FleetMember
 from sage.fleet.nats_errors import code_of, describe, nats_errors
@@ -83,7 +83,7 @@ from sage.fleet.transcripts import (
 )
 from sage.fleet.vouching import REJECTED, REJECTED_EVENT, check_vouched, rejected_row
 
-__all__ = ("Failover", "unclaimed")
+__all__ = ("Failover", "lost_entries")
 
 log = structlog.get_logger("sage.fleet.failover")
 
@@ -273,7 +273,7 @@ class Failover:
                         if not lost or (not fresh and now - swept < every):
                             continue
                         swept, self._recheck = now, False
-                        entries = unclaimed(
+                        entries = lost_entries(
                             await self.member.session_entries(),
                             {v.node for v in views if v.state is NodeState.LIVE},
                         )
@@ -391,7 +391,7 @@ class Failover:
         claim_state.move(ClaimState.WON)
         mine = registry_key(self.node, sid)
         with nats_errors(f"the {REGISTRY} bucket"), anyio.fail_after(5.0):
-            await registry.put(mine, claimed(entry, self.node, now).encode())
+            await registry.put(mine, adopting_entry(entry, self.node, now).encode())
         started = time.monotonic()
         log.info("fleet.failover_won", session_id=sid, from_node=entry.node)
         config = self.config_of()
@@ -558,7 +558,7 @@ class Failover:
     async def take_back(self, sids: list[str]) -> dict[str, str]:
         """Of ``sids`` (this node's sessions, at its start or back after it may have
         been judged lost), those another node took (id -> node): this node's registry
-        claim to each goes at once (two live claimants would be a conflict).  The others
+        entry for each goes at once (two live entries would be a conflict).  The others
         are claimed again for this node in ``sage_claims``: an adopter that read the
         revision before is late and loses its race.  A FleetError when the buckets cannot
         be read or written."""
@@ -591,10 +591,10 @@ class Failover:
             log.warning("fleet.audit_failed", kind=kind)
 
 
-def unclaimed(
+def lost_entries(
     entries: list[tuple[str, SessionEntry, int]], live: set[str]
 ) -> dict[str, tuple[SessionEntry, int]]:
-    """Per session id, the registry claim a lost node's session would be adopted from:
+    """Per session id, the registry entry a lost node's session would be adopted from:
     none for a session a live node claims (it runs there, or is being adopted); of
     several claims of nodes none live, the latest."""
     out: dict[str, tuple[SessionEntry, int]] = {}

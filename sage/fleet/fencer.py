@@ -101,7 +101,7 @@ class Fencer:
         for sid, node in sorted(elsewhere.items()):
             log.warning("fleet.fenced", session_id=sid, node=node)
             if not take_back and registry is not None:  # (take_back deleted it already)
-                # this node's claim goes first: beside the adopter's, a conflict
+                # this node's entry goes first: beside the adopter's, a conflict
                 with (
                     contextlib.suppress(FleetError),
                     nats_errors(f"the {REGISTRY} bucket"),

@@ -36,7 +36,7 @@ from sage.fleet.forwarding import LISTING_DEADLINE, unavailable
 from sage.fleet.member import FleetMember
 from sage.fleet.nats_errors import describe, nats_errors
 from sage.fleet.nodes import NodeState
-from sage.fleet.registry_copy import RegistryCopy, current_claims
+from sage.fleet.registry_copy import RegistryCopy, current_entries
 from sage.fleet.routes import SessionEntry, approval_answer, registry_rows
 from sage.fleet.runner_link import RunnerLink
 
@@ -211,7 +211,7 @@ class Listing:
         trip asks which; thousands of keys read one at a time would not fit
         :data:`LISTING_DEADLINE`), else from the bucket, key by key."""
         if self.from_copy:
-            found = await current_claims(self.registry_copy, self.member.registry_revision)
+            found = await current_entries(self.registry_copy, self.member.registry_revision)
             if found is not None:
                 return "copy", [(sid, entry) for sid, entry, _ in found]
         return "bucket", [(sid, entry) for sid, entry, _ in await self.member.session_entries()]

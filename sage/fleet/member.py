@@ -205,7 +205,7 @@ class FleetMember:
         self.nc = nc
         self.js = js
         self.registry = registry
-        """The ``sage_sessions`` bucket: ``<node>.<sid>`` -> that node's claim
+        """The ``sage_sessions`` bucket: ``<node>.<sid>`` -> that node's entry
         (sage/fleet/routes.py)."""
         self.claims = claims
         """The ``sage_claims`` bucket: session id -> the node that took it over (failover's
@@ -359,7 +359,7 @@ class FleetMember:
         return table.verdicts(time.time() if now is None else now)
 
     async def session_entries(self) -> list[tuple[str, SessionEntry, int]]:
-        """Every claim of the registry: ``(sid, entry, revision)``, the entry naming the
+        """Every entry of the registry: ``(sid, entry, revision)``, the entry naming the
         node whose key holds it; unusable ones are left out."""
         return await self._registry_read(f"$KV.{REGISTRY}.>")
 
@@ -370,8 +370,9 @@ class FleetMember:
             info = await self._js.stream_info(REGISTRY_STREAM)
         return int(info.state.last_seq or 0)
 
-    async def claims_of(self, sid: str) -> dict[str, SessionEntry]:
-        """Each node's claim to ``sid`` (node -> entry): the keys ``*.<sid>``."""
+    async def entries_of(self, sid: str) -> dict[str, SessionEntry]:
+        """Each node's registry entry for ``sid`` (node -> entry): the ``sage_sessions``
+        keys ``*.<sid>`` (its ``sage_claims`` value is :meth:`claim_of`'s)."""
         found = await self._registry_read(f"$KV.{REGISTRY}.*.{check_name(sid, 'session id')}")
         return {entry.node: entry for _, entry, _ in found}
 
@@ -394,8 +395,8 @@ class FleetMember:
         return out
 
     async def claim_of(self, sid: str) -> tuple[Claim | None, int]:
-        """The ``sage_claims`` value of ``sid`` and the revision an update names to
-        replace it (0: never written; a delete marker's own revision after a delete)."""
+        """The claim of ``sid``: its ``sage_claims`` value (its registry entries are
+        :meth:`entries_of`'s) and the revision an update names to replace it (0: never written; a delete marker's own revision after a delete)."""
         claims = self.claims
         assert claims is not None
         try:

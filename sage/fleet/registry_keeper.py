@@ -1,4 +1,4 @@
-"""This node's claims in the session registry (``sage_sessions``), kept from its runner.
+"""This node's entries in the session registry (``sage_sessions``), kept from its runner.
 
 - **Books.** :meth:`RegistryKeeper.keep_books` follows this node's sessions' lifecycle
   events (their own queue, sage/fleet/lifecycle.py: deltas never crowd them out): a
@@ -131,7 +131,7 @@ class RegistryKeeper:
                 self.failover.turn_done(sid)
 
     def note(self, sid: str, entry: SessionEntry | None) -> None:
-        """Put ``entry`` (None: delete the claim) in line to be written."""
+        """Put ``entry`` (None: delete this node's entry) in line to be written."""
         try:
             assert self._writes is not None
             self._writes.send_nowait((sid, entry))
@@ -160,10 +160,10 @@ class RegistryKeeper:
                 )
 
     async def forget(self, registry: Any, sid: str) -> None:
-        """Delete this node's claim to ``sid`` (a session this node ended ``failed_over``
-        runs on another, whose claim is under that node's name and stays).  Its
+        """Delete this node's entry for ``sid`` (a session this node ended ``failed_over``
+        runs on another, whose entry is under that node's name and stays).  Its
         ``sage_claims`` key goes too when it names this node and no other node claims
-        the session; while a lost node's stale claim remains, the key stays, saying the
+        the session; while a lost node's stale entry remains, the key stays, saying the
         session was taken from that node, so no one adopts it from there again."""
         with nats_errors(f"the {REGISTRY} bucket"):
             await registry.delete(registry_key(self.node, sid))
@@ -171,7 +171,7 @@ class RegistryKeeper:
         if claims is None:
             return
         claim, revision = await self.member.claim_of(sid)
-        if claim is None or claim.node != self.node or await self.member.claims_of(sid):
+        if claim is None or claim.node != self.node or await self.member.entries_of(sid):
             return
         # taken meanwhile: it stays
         with contextlib.suppress(FleetRaceLost), nats_errors(f"the {CLAIMS} bucket"):
@@ -222,7 +222,7 @@ class RegistryKeeper:
             return False
         mine = {sid: entry for sid, entry, _ in entries if entry.node == self.node}
         # a session another node took while this one was away is never claimed again:
-        # it ends here (its exited deletes this node's claim), the adopter keeps it
+        # it ends here (its exited deletes this node's entry), the adopter keeps it
         missing = [sid for sid, principal in live.items() if principal and sid not in mine]
         assert self.fence is not None
         taken = set(missing) - set(await self.fence(sorted(missing)))

@@ -380,18 +380,18 @@ class Router:
         return replies.error(ErrorCode.PLACEMENT_FAILED, refusal_text(principal, passed))
 
     async def lookup(self, sid: str, principal: str | None = None) -> SessionEntry | None:
-        """The claim a request for ``sid`` by a caller acting for ``principal`` (None: an
+        """The entry a request for ``sid`` by a caller acting for ``principal`` (None: an
         admin) follows: of the claims it may see, the live node's when there are several
         (sage/fleet/routes.py, :func:`~sage.fleet.routes.resolve`).  Two live claimants:
         SessionConflict, logged; a FleetError when it cannot ask."""
-        claims = await self.member.claims_of(check_name(sid, "session id"))
-        claims = {node: entry for node, entry in claims.items() if visible(entry, principal)}
+        found = await self.member.entries_of(check_name(sid, "session id"))
+        entries = {node: entry for node, entry in found.items() if visible(entry, principal)}
         live: set[str] = set()
-        if len(claims) > 1:
+        if len(entries) > 1:
             views = await self.member.nodes()
             live = {view.node for view in views if view.state is NodeState.LIVE}
         try:
-            return resolve(sid, claims, live)
+            return resolve(sid, entries, live)
         except SessionConflict:
-            log.warning("fleet.session_conflict", session_id=sid, nodes=sorted(claims))
+            log.warning("fleet.session_conflict", session_id=sid, nodes=sorted(entries))
             raise
