@@ -46,6 +46,7 @@ import structlog
 
 from bus import Bus, BusError, Envelope, Identity, NoResponders, Subscription
 from sage.config import NAME_PATTERN
+from sage.contract.sessions import audit_topic
 from sage.errors import FleetBusy, FleetError, FleetNotFound, FleetUnavailable, NotVouched
 from sage.fleet.inflight import MAX_IN_FLIGHT, InFlight
 from sage.fleet.member import FleetMember
@@ -456,7 +457,7 @@ class FleetTools:
             )
             log.warning(REJECTED_EVENT, **refused)
             with contextlib.suppress(BusError):
-                self.bus.publish(self.identity, f"sage.v1.audit.{REJECTED}", refused)
+                self.bus.publish(self.identity, audit_topic(REJECTED), refused)
             return error_result(f"{exc.code}: {exc}")
         except FleetError as exc:  # the node bucket cannot be read now
             return error_result(
