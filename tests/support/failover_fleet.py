@@ -9,9 +9,10 @@ own (module scope).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ __all__ = (
     "request",
     "rows",
     "running",
+    "running_fleet",
     "stored",
     "transcript_path",
     "value",
@@ -61,14 +63,26 @@ def node_config(cluster: NatsCluster, node: str) -> str:
     )
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[tuple[NatsCluster, dict[str, Daemon]]]:
-    with NatsCluster(NODES) as cluster:
+@contextlib.contextmanager
+def running_fleet(
+    config_of: Callable[[NatsCluster, str], str],
+    nodes: Sequence[str] = NODES,
+    root: Callable[[], Path] = short_dir,
+) -> Iterator[tuple[NatsCluster, dict[str, Daemon]]]:
+    """A 3-server NATS cluster and a supervisor per node of ``nodes``, each with the
+    config ``config_of(cluster, node)`` and the API key of the CLI double, all ready."""
+    with NatsCluster(list(nodes)) as cluster:
         env = {"ANTHROPIC_API_KEY": "sk-double"}
         with all_running(
-            {node: Daemon(short_dir(), node_config(cluster, node), env=env) for node in NODES}
+            {node: Daemon(root(), config_of(cluster, node), env=env) for node in nodes}
         ) as daemons:
             yield cluster, daemons
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[tuple[NatsCluster, dict[str, Daemon]]]:
+    with running_fleet(node_config) as running:
+        yield running
 
 
 def ok_json(daemon: Daemon, *args: str) -> Any:

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from tests.support import FAKE_CLAUDE
-from tests.support.daemon import Daemon, all_running, node_root
+from tests.support.daemon import Daemon, node_root
+from tests.support.failover_fleet import running_fleet
 from tests.support.nats_cluster import NatsCluster
 
 __all__ = ("ALICE_UID", "NODES", "fleet", "forwarded", "node_config", "send")
@@ -38,12 +39,8 @@ def node_config(cluster: NatsCluster, node: str) -> str:
 
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[tuple[NatsCluster, dict[str, Daemon]]]:
-    with NatsCluster(NODES) as cluster:
-        env = {"ANTHROPIC_API_KEY": "sk-double"}
-        with all_running(
-            {node: Daemon(node_root(), node_config(cluster, node), env=env) for node in NODES}
-        ) as daemons:
-            yield cluster, daemons
+    with running_fleet(node_config, NODES, node_root) as running:
+        yield running
 
 
 def send(daemon: Daemon, sid: str, text: str) -> tuple[int, str]:
