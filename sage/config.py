@@ -282,7 +282,7 @@ class ForgeConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     """Interpreter for ``bash`` tools."""
     sandbox_uid_base: Annotated[int, msgspec.Meta(ge=1000, le=2**31 - 1)] = 90000
     """First uid of the sandbox uids (supervisor root only): one per principal, see
-    sage/forge/uids.py; none of them may be a user of the host."""
+    sage/security/uids.py; none of them may be a user of the host."""
     sandbox_uid_count: Annotated[int, msgspec.Meta(ge=2, le=65536)] = 1000
     """How many uids the range holds (calls without a principal take the first)."""
     sandbox_uid: int | None = None

@@ -10,8 +10,20 @@ name the part that failed:
 - :class:`ConfigError` (and the tool bridge's ``PolicyError``, a policy file
   that cannot be used), :class:`ProtocolError`, :class:`ProcessError`,
   :class:`AuditError`, :class:`StateError`: the daemon's parts;
-- :class:`CapsuleError`: a capsule's lifecycle (an illegal transition);
+- :class:`IllegalTransition`: a state machine was asked for a change its
+  transition table does not allow (a capsule's, a session's, a claim's: every
+  table raises this one class);
 - :class:`ForgeError` and :class:`SandboxError`: the forge;
+- :class:`FleetError`: the fleet (sage/fleet/), with a class for each reason
+  another part acts on: the fleet could not be joined (:class:`FleetUnreachable`,
+  :class:`FleetAuthFailed`), cannot be asked now (:class:`FleetUnavailable`), a
+  race in a bucket was lost (:class:`FleetRaceLost`), a key is not there
+  (:class:`FleetNotFound`), a peer floods (:class:`FleetBusy`), two nodes claim a
+  session (:class:`SessionConflict`), a node may not act for a principal
+  (:class:`NotVouched`), a name must not be routed (:class:`BadRoute`), a node
+  record cannot be used (:class:`FleetRecordError`); :class:`NotInFleet` on a
+  single host.  nats-py's own exceptions become these at one boundary,
+  sage/fleet/nats_errors.py;
 - :class:`RequestError`: a capsule refused what it was sent (a forged hook
   envelope, a schema that does not compile, an unknown model); the capsules
   subclass it (``HookRejected``, ``SchemaError``, ``UnknownModel``);
@@ -31,14 +43,26 @@ from __future__ import annotations
 
 __all__ = (
     "AuditError",
-    "CapsuleError",
+    "BadRoute",
     "ConfigError",
+    "FleetAuthFailed",
+    "FleetBusy",
+    "FleetError",
+    "FleetNotFound",
+    "FleetRaceLost",
+    "FleetRecordError",
+    "FleetUnavailable",
+    "FleetUnreachable",
     "ForgeError",
+    "IllegalTransition",
+    "NotInFleet",
+    "NotVouched",
     "ProcessError",
     "ProtocolError",
     "RequestError",
     "SageError",
     "SandboxError",
+    "SessionConflict",
     "StateError",
     "UpstreamError",
 )
@@ -90,10 +114,18 @@ class StateError(SageError):
     code = "state_failed"
 
 
-class CapsuleError(SageError):
-    """A capsule was asked to do what its lifecycle does not allow."""
+class IllegalTransition(SageError):
+    """A state machine was asked for a change its transition table does not allow: a
+    bug in its caller, never a user's mistake.  ``machine`` names which one (``capsule
+    echo``, ``session s1``, ``claim s1``); ``old`` and ``new`` are the states."""
 
     code = "illegal_transition"
+
+    def __init__(self, machine: str, old: str, new: str) -> None:
+        super().__init__(f"{machine}: {old} -> {new} is not a legal transition")
+        self.machine = machine
+        self.old = old
+        self.new = new
 
 
 class RequestError(SageError):
@@ -125,3 +157,94 @@ class SandboxError(ForgeError):
     """The sandbox could not be set up or run (bwrap missing or refused, a bad mount)."""
 
     code = "sandbox_failed"
+
+
+# -- the fleet ---------------------------------------------------------------------
+
+
+class FleetError(SageError):
+    """The fleet could not be joined, read or written (sage/fleet/)."""
+
+    code = "fleet_failed"
+    what: str = ""
+    """What was being done (``the sage_claims bucket``), when nats-py's error was mapped."""
+
+
+class FleetUnreachable(FleetError):
+    """No NATS server of ``[fleet] url`` answered within ``connect_timeout``."""
+
+    code = "fleet_unreachable"
+
+
+class FleetAuthFailed(FleetError):
+    """The NATS servers refused the node's user or password."""
+
+    code = "fleet_auth_failed"
+
+
+class NotInFleet(FleetError):
+    """This supervisor has no ``[fleet]``: a single host."""
+
+    code = "not_in_fleet"
+
+
+class FleetUnavailable(FleetError):
+    """The fleet cannot be asked now: NATS is not connected, nobody answered (no
+    responders, or not in time), or a server refused for a reason of its own."""
+
+    code = "fleet_unavailable"
+    no_responders: bool = False
+    """Nobody answered at once: no responders (is the node running?)."""
+    timed_out: bool = False
+    """No answer within the deadline."""
+    not_ready: bool = False
+    """JetStream is not ready yet (no responders, unavailable, no peers yet for the
+    replicas): asked again, it may answer."""
+
+
+class FleetRaceLost(FleetError):
+    """A write that named the revision it read found the key written meanwhile: another
+    node won the race (``sage_claims``)."""
+
+    code = "fleet_race_lost"
+
+
+class FleetNotFound(FleetError):
+    """A key, bucket or object that is not there; ``revision``: a deleted key's delete
+    marker's (what a write that replaces it names), else 0."""
+
+    code = "fleet_not_found"
+
+    def __init__(self, message: str = "", *, revision: int = 0) -> None:
+        super().__init__(message)
+        self.revision = revision
+
+
+class FleetBusy(FleetError):
+    """A peer has too many requests or tool calls in flight on this node."""
+
+    code = "fleet_busy"
+
+
+class SessionConflict(FleetError):
+    """Two live nodes claim one session: a request for it is forwarded to neither."""
+
+    code = "session_conflict"
+
+
+class NotVouched(FleetError):
+    """A node forwarded a request or tool call for a principal it may not vouch for."""
+
+    code = "principal_not_authenticated"
+
+
+class BadRoute(FleetError):
+    """A node name, session id or subject that must not be routed."""
+
+    code = "bad_request"
+
+
+class FleetRecordError(FleetError):
+    """A node's heartbeat record that cannot be used (the message says why)."""
+
+    code = "fleet_record_invalid"

@@ -6,7 +6,7 @@ Try it with the supervisor running: ``astrid bus request demo.v1.echo '{"hi": 1}
 from __future__ import annotations
 
 from bus import PayloadTooLarge
-from sage.daemon.capsule_host import CapsuleContext
+from sage.capsule.context import CapsuleContext
 
 
 async def run(ctx: CapsuleContext) -> None:

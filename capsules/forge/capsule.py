@@ -48,8 +48,8 @@ import msgspec
 
 from bus import BusError, Envelope, Subscription
 from sage import replies
+from sage.capsule.context import CapsuleContext
 from sage.capsule.sessions import foreign_session, session_owner
-from sage.daemon.capsule_host import CapsuleContext
 from sage.errors import ForgeError, SageError
 from sage.forge.service import Caller, Forge, mcp_result
 
@@ -136,7 +136,7 @@ class ForgeCapsule:
         except Exception as exc:  # one bad request never stops the capsule
             self.log.error("forge.handler_failed", topic=envelope.topic, error=type(exc).__name__)
             answer = mcp_result(
-                replies.error("internal", "the forge capsule failed on this request")
+                replies.error("internal_error", "the forge capsule failed on this request")
             )
         if envelope.reply_to is not None:
             try:

@@ -68,8 +68,8 @@ from capsules.hooks.validate import (
     verify,
 )
 from sage import replies
+from sage.capsule.context import CapsuleContext
 from sage.claude.hooks import hash_token, mint_token
-from sage.daemon.capsule_host import CapsuleContext
 from sage.errors import SageError
 from sage.security.denials import DenialLimiter
 
@@ -190,7 +190,7 @@ class HookGate:
             try:
                 reply = await self._repl(request)
             except SageError as exc:
-                reply = replies.error("state_error", str(exc))
+                reply = replies.error("state_failed", str(exc))
             if request.reply_to is not None:
                 try:
                     self.ctx.reply(request, reply)

@@ -40,10 +40,10 @@ import msgspec
 
 from bus import BusError, Envelope
 from capsules.installer import files
+from sage.capsule.context import CapsuleContext
 from sage.claude.binary import FLOOR, read_claude_version, resolve_claude_binary
 from sage.claude.homes import own_home, unsafe_home, write_in_home
 from sage.config import NAME_PATTERN
-from sage.daemon.capsule_host import CapsuleContext
 from sage.errors import SageError
 from sage.files import write_replace
 from sage.security.runas import RunAs, SessionUids, emit_launcher

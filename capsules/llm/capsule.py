@@ -53,9 +53,9 @@ from capsules.llm.mapping import (
 )
 from capsules.llm.pricing import cost_usd
 from sage import replies
+from sage.capsule.context import CapsuleContext
 from sage.capsule.sdk import follow
 from sage.config import Config
-from sage.daemon.capsule_host import CapsuleContext
 from sage.errors import SageError
 
 __all__ = ("PROVIDER_ID", "CompletionProvider", "provider_entry", "run")

@@ -43,8 +43,9 @@ from capsules.runner.messages import (
 )
 from capsules.runner.outbox import Audit, Publish
 from capsules.runner.principals import PrincipalSettings, SettingsError
+from sage.capsule.context import CapsuleContext
 from sage.config import NAME_PATTERN, Config, PrincipalConfig
-from sage.daemon.capsule_host import CapsuleContext
+from sage.contract.sessions import INSTALL_STATUS_TOPIC
 from sage.errors import SageError
 from sage.security.secrets import API_KEY, SecretError, SecretStore, principal_namespace
 
@@ -165,7 +166,7 @@ class Admin:
                     step = msgspec.json.decode(envelope.payload, type=InstallStatus)
                     if step.request_id == rid:
                         self._publish(
-                            "sage.v1.event.install.status",
+                            INSTALL_STATUS_TOPIC,
                             {"principal_id": name, "request_id": rid, "step": step.step},
                             name,
                         )
@@ -314,7 +315,7 @@ class Admin:
         try:
             principals.save(self.config.state_dir, settings)
         except OSError as exc:
-            raise SessionError("state_error", f"the {what} were not saved: {exc}") from None
+            raise SessionError("state_failed", f"the {what} were not saved: {exc}") from None
 
     async def install_on_first_spawn(self, name: str, session_id: str) -> bool:
         """Have the installer write ``name``'s home when it never did (no install marker):
@@ -417,7 +418,7 @@ class Admin:
             else:
                 await self.ctx.state.delete("identities", name)
         except SageError as exc:
-            raise SessionError("state_error", f"the identity was not saved: {exc}") from None
+            raise SessionError("state_failed", f"the identity was not saved: {exc}") from None
 
         def digest(value: Any) -> str | None:
             if not isinstance(value, str) or not value.strip():

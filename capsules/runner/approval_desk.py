@@ -39,9 +39,10 @@ from capsules.runner.approvals import (
 from capsules.runner.claude_process import SessionError
 from capsules.runner.messages import ApprovalResponse, ApprovalsRequest, ApproveRequest
 from capsules.runner.outbox import Audit, Event, Publish
+from sage.capsule.context import CapsuleContext
 from sage.claude.protocol import CanUseToolRequest, HookCallbackRequest
 from sage.config import NAME_PATTERN
-from sage.daemon.capsule_host import CapsuleContext
+from sage.contract.sessions import approver_topic
 
 __all__ = ("HOOK_NAMES", "ApprovalDesk", "Asker", "Rules")
 
@@ -118,7 +119,7 @@ class ApprovalDesk:
         elif not (
             self.ctx.bus.has_subscribers(topic)
             or self.ctx.bus.has_subscribers(
-                f"sage.v1.approver.{proc.session_id}", principal=proc.principal_id
+                approver_topic(proc.session_id), principal=proc.principal_id
             )
         ):  # nobody who may answer: no admin or capsule, no approver of the session's own
             decision = Decision(False, "no approver is listening", "no_approver")

@@ -25,7 +25,6 @@ from typing import Any, Final
 
 import msgspec
 
-from capsules.runner.errors import IllegalTransition
 from sage.claude.protocol import (
     AssistantMessage,
     Event,
@@ -43,6 +42,8 @@ from sage.claude.protocol import (
     UnknownMessage,
     UserMessage,
 )
+from sage.contract.sessions import EndReason
+from sage.errors import IllegalTransition
 
 __all__ = (
     "PROCESS_TRANSITIONS",
@@ -79,38 +80,6 @@ PROCESS_TRANSITIONS: Final[dict[ProcessState, frozenset[ProcessState]]] = {
     ProcessState.STOPPING: frozenset({ProcessState.EXITED}),
     ProcessState.EXITED: frozenset(),
 }
-
-
-class EndReason(enum.StrEnum):
-    """Why a child, or a whole session, ended: the ``reason`` of ``exited`` events and
-    of session records (docs/topics.md); the values are part of the interface."""
-
-    STOPPED = "stopped"  # sage.v1.request.stop.<sid>
-    RESPAWN = "respawn"  # stopped to run again (an identity refresh); never a session's end
-    HIBERNATE = "hibernate"  # stopped while idle, to wake later; never a session's end
-    EXITED = "exited"  # the child exited with code 0 on its own
-    CRASHED = "crashed"  # the child exited non-zero, or was killed, on its own
-    AUTH_FAILED = "auth_failed"
-    PERMISSION_MODE_MISMATCH = "permission_mode_mismatch"
-    INIT_TIMEOUT = "init_timeout"
-    INIT_FAILED = "init_failed"
-    LINE_TOO_LONG = "line_too_long"
-    SUPERVISOR_SHUTDOWN = "supervisor_shutdown"  # the supervisor stops (record: interrupted)
-    SUPERVISOR_RESTART = "supervisor_restart"  # the next supervisor did not resume it
-    RESUME_FAILED = "resume_failed"  # a prefix: "resume_failed: <message>"
-    RESPAWN_ABANDONED = "respawn_abandoned"
-    FAILED_OVER = "failed_over"  # another node of the fleet took it while this one was lost
-
-    @property
-    def gentle(self) -> bool:
-        """Whether a running turn is interrupted first (else the child is stopped at once)."""
-        return self in (EndReason.STOPPED, EndReason.RESPAWN, EndReason.HIBERNATE)
-
-    @property
-    def planned(self) -> bool:
-        """A stop the runner asked for to go on with the session (an operator's stop
-        overrides it)."""
-        return self in (EndReason.RESPAWN, EndReason.HIBERNATE)
 
 
 @dataclass

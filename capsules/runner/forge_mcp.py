@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Final
 import structlog
 
 from bus import BusError, NoResponders
-from sage.daemon.capsule_host import CapsuleContext
+from sage.capsule.context import CapsuleContext
 from sage.mcp.protocol import NeedCall, Server
 
 if TYPE_CHECKING:

@@ -30,11 +30,11 @@ from capsules.runner.outbox import Audit, Event
 from capsules.runner.principals import SettingsError
 from capsules.runner.sessions import Session
 from capsules.runner.workplace import chosen_model, work_folder
+from sage.capsule.context import CapsuleContext
 from sage.claude.binary import Support, Verdict, read_claude_version, resolve_claude_binary, support
 from sage.claude.conversation import ConversationStart, conversation_start, has_transcript
 from sage.claude.homes import unreachable, unsafe_ancestors
 from sage.config import Config
-from sage.daemon.capsule_host import CapsuleContext
 from sage.errors import ConfigError, SageError
 from sage.security.runas import SessionUids
 

@@ -26,8 +26,8 @@ from bus import BusError, Envelope
 from capsules.runner.claude_process import ClaudeProcess, SessionError
 from capsules.runner.forge_mcp import ForgeMcpServer
 from capsules.runner.messages import ToolResult, ToolsList
+from sage.capsule.context import CapsuleContext
 from sage.claude.protocol import McpMessageRequest
-from sage.daemon.capsule_host import CapsuleContext
 from sage.mcp.protocol import (
     NeedCall,
     NeedList,

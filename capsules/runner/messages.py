@@ -1,10 +1,16 @@
-"""Payloads of the runner's requests, as msgspec types (docs/topics.md lists them)."""
+"""Payloads of the runner's requests, as msgspec types (docs/topics.md lists them).
+
+Those it exchanges with the fleet (adopt, yield, ...) are the contract's
+(sage/contract/sessions.py), named here too for the runner's handlers."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
 import msgspec
+
+from sage.contract.sessions import AdoptRequest as AdoptRequest
+from sage.contract.sessions import YieldRequest as YieldRequest
 
 __all__ = (
     "ApprovalResponse",
@@ -49,32 +55,6 @@ class SessionRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``replay`` events (at most 256)."""
 
     replay: Annotated[int, msgspec.Meta(ge=0, le=256)] = 0
-
-
-class AdoptRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """``sage.v1.request.adopt`` (the supervisor's fleet side only, never a principal):
-    run a session another node lost under its own id, ``--resume`` on its conversation
-    (``fresh``: no transcript was kept, a new conversation of the same id)."""
-
-    session_id: str
-    principal_id: str
-    claude_session: str
-    from_node: str
-    cwd: str = ""
-    model: str = ""
-    turns: int = 0
-    fresh: bool = False
-    asleep: bool = False
-    """It was hibernated on the lost node: it is kept hibernated here (no child, no slot)
-    until a send wakes it."""
-
-
-class YieldRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """``sage.v1.request.yield.<sid>`` (the supervisor's fleet side only, never a
-    principal): another node of the fleet, ``node``, runs the session now; this node's
-    copy ends ``failed_over``."""
-
-    node: str
 
 
 class WakeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -94,6 +94,7 @@ from capsules.runner.spare_keeper import SpareKeeper, Warm
 from capsules.runner.spares import Spare
 from capsules.runner.workplace import chosen_model, work_folder
 from sage import replies
+from sage.capsule.context import CapsuleContext
 from sage.capsule.sessions import session_owner
 from sage.claude.protocol import (
     CanUseToolRequest,
@@ -102,9 +103,8 @@ from sage.claude.protocol import (
     McpMessageRequest,
 )
 from sage.config import NAME_PATTERN, Config, PrincipalConfig
-from sage.daemon.capsule_host import CapsuleContext
+from sage.contract.sessions import CLAIMS_TOPIC
 from sage.errors import SageError
-from sage.fleet.failover import CLAIMS_TOPIC
 
 __all__ = ("Runner", "SessionRecord", "run")
 
@@ -1235,7 +1235,7 @@ class Runner:
             try:
                 stored = await self.ctx.state.items("sessions")
             except SageError as exc:
-                raise SessionError("state_unreadable", str(exc)) from None
+                raise SessionError("state_failed", str(exc)) from None
             ended = sorted(
                 (
                     value

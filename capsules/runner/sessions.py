@@ -37,10 +37,9 @@ from typing import TYPE_CHECKING, Final
 import anyio
 import msgspec
 
-from capsules.runner.conversation import EndReason
-from capsules.runner.errors import IllegalTransition
 from sage.config import PrincipalConfig
-from sage.errors import SageError
+from sage.contract.sessions import EndReason, RecordState, SessionState
+from sage.errors import IllegalTransition, SageError
 
 if TYPE_CHECKING:
     from capsules.runner.claude_process import ClaudeProcess, Ending
@@ -57,18 +56,6 @@ __all__ = (
     "SessionTable",
     "new_session_id",
 )
-
-
-class SessionState(enum.Enum):
-    STARTING = "starting"
-    RUNNING = "running"
-    RESPAWNING = "respawning"
-    STOPPING = "stopping"
-    ENDED = "ended"
-    INTERRUPTED = "interrupted"
-    HIBERNATING = "hibernating"
-    HIBERNATED = "hibernated"
-    WAKING = "waking"
 
 
 _OVER = frozenset({SessionState.ENDED, SessionState.INTERRUPTED})
@@ -105,15 +92,6 @@ class AfterChild(enum.Enum):
     RESPAWN = "respawn"  # another child, with --resume
     HIBERNATE = "hibernate"  # no child until the next send wakes the session
     ABANDON = "abandon"  # too many respawns in a row: the session ends respawn_abandoned
-
-
-class RecordState(enum.StrEnum):
-    """A session record's ``state`` in the state store."""
-
-    RUNNING = "running"
-    INTERRUPTED = "interrupted"
-    HIBERNATED = "hibernated"
-    ENDED = "ended"
 
 
 LIVE: Final = frozenset({RecordState.RUNNING, RecordState.INTERRUPTED})

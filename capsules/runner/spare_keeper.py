@@ -41,9 +41,9 @@ from capsules.runner.principals import SettingsError
 from capsules.runner.sessions import Session, SessionRecord, new_session_id
 from capsules.runner.spares import DEFAULT_KIND, Kind, Spare, SparePool, SpareState, inputs_of
 from capsules.runner.workplace import chosen_model, work_folder
+from sage.capsule.context import CapsuleContext
 from sage.claude.protocol import CanUseToolRequest, HookCallbackRequest, McpMessageRequest
 from sage.config import Config, PrincipalConfig, SpareKind
-from sage.daemon.capsule_host import CapsuleContext
 from sage.errors import SageError
 
 __all__ = ("SpareHost", "SpareKeeper", "Warm")

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Final, Generic, TypeVar
 
 from capsules.runner.command import Launch
-from capsules.runner.errors import IllegalTransition
+from sage.errors import IllegalTransition
 
 __all__ = (
     "DEFAULT_KIND",

@@ -65,9 +65,9 @@ from capsules.tools.catalogue import PREFIX, Change, Rejection, Tool
 from capsules.tools.fleet import FleetCatalogue
 from capsules.tools.policy import PolicyFile
 from sage import replies
+from sage.capsule.context import CapsuleContext
 from sage.capsule.sdk import follow
 from sage.capsule.sessions import foreign_session
-from sage.daemon.capsule_host import CapsuleContext
 from sage.errors import SageError
 
 __all__ = ("DOWN_STATES", "EXECUTE_DEADLINE", "POLICY_FILE", "ToolBridge", "run")

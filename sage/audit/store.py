@@ -54,7 +54,7 @@ from sage.audit.chain import (
     verify_chain,
 )
 from sage.config import AuditConfig
-from sage.errors import AuditError
+from sage.errors import AuditError, IllegalTransition
 
 __all__ = (
     "AuditLog",
@@ -250,7 +250,7 @@ class AuditLog:
 
     def _transition(self, new: LogState) -> None:
         if new not in _TRANSITIONS[self._state]:
-            raise AssertionError(f"audit log: invalid transition {self._state} -> {new}")
+            raise IllegalTransition("audit log", self._state.value, new.value)
         self._state = new
 
     @property

@@ -35,7 +35,7 @@ running through all of them.
 (also once at start, and ``{"tools": []}`` when it stops), and serves
 ``tool.v1.execute.<tool>`` on ``tool.v1.execute.<tool>.result``, each call in
 its own task.  It needs only the :class:`Context` methods, so the same code
-runs in the supervisor's process (``sage.daemon.capsule_host.CapsuleContext``) or in an
+runs in the supervisor's process (``sage.capsule.context.CapsuleContext``) or in an
 out-of-process worker.
 """
 

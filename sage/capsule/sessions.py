@@ -9,7 +9,7 @@ for another principal's session and for none, so the check reveals nothing.
 
 from __future__ import annotations
 
-from sage.daemon.state import StateStore
+from sage.state import StateStore
 
 __all__ = ("SESSION_NAMESPACES", "foreign_session", "session_owner")
 

@@ -36,9 +36,9 @@ import msgspec
 import structlog
 
 from bus import BusClient, BusError, Envelope, PayloadTooLarge, RemoteSubscription, split_topic
-from sage.daemon.capsule_host import CapsuleManifest, load_manifest
-from sage.daemon.logs import configure_logging
+from sage.capsule.manifest import CapsuleManifest, load_manifest
 from sage.errors import ConfigError, SageError
+from sage.logs import configure_logging
 
 __all__ = ("RemoteContext", "WorkerMain", "load_main", "main", "serve")
 
@@ -51,7 +51,7 @@ FLUSH_DEADLINE = 2.0
 
 
 class RemoteContext:
-    """A capsule's context over the socket: what :class:`sage.daemon.capsule_host.CapsuleContext`
+    """A capsule's context over the socket: what :class:`sage.capsule.context.CapsuleContext`
     offers, for code that runs in either place.
 
     Errors the bus can tell at once (a bad topic, a payload over the limit,

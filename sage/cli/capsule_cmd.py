@@ -107,8 +107,8 @@ def _install(args: argparse.Namespace) -> int:
 
     import anyio
 
-    from sage.capsule.install import check_capsule, install
     from sage.cli._connect import config_of
+    from sage.daemon.install import check_capsule, install
     from sage.daemon.workers import capsule_uids
 
     folder = Path(args.folder)
@@ -194,8 +194,8 @@ async def _restart(args: argparse.Namespace) -> int:
 
 async def _remove(args: argparse.Namespace) -> int:
     from bus import BusError
-    from sage.capsule.install import uninstall
     from sage.cli._connect import config_of
+    from sage.daemon.install import uninstall
 
     try:
         data = await _change(args, "remove")

@@ -19,9 +19,10 @@ from typing import Any
 
 import msgspec
 
+from sage.capsule.manifest import load_manifest
 from sage.cli._connect import print_json
 from sage.config import Config, load_config
-from sage.daemon.capsule_host import builtin_capsules_dir, capsule_folder, load_manifest
+from sage.daemon.capsule_host import builtin_capsules_dir, capsule_folder
 from sage.errors import ConfigError
 
 #: Claude Code's own tools: kept in step with the installer's deny list.

@@ -26,8 +26,8 @@ def register(sub: Any) -> None:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    from sage.daemon.logs import configure_logging
     from sage.daemon.supervisor import Supervisor
+    from sage.logs import configure_logging
 
     config = config_of(args)
     configure_logging(config.supervisor.log_level)

@@ -1,22 +1,11 @@
-"""In-process capsules: manifests, a bus handle bound to each capsule's ACL, restarts.
-
-A capsule is a folder with a ``Capsule.toml``::
-
-    [package]
-    name = "echo"
-    version = "0.1.0"
-    entry = "capsules.echo:run"      # module:function, an async function (ctx)
-
-    [publish]
-    patterns = ["demo.v1.echo.>"]
-    [subscribe]
-    patterns = ["demo.v1.echo"]
+"""In-process capsules: each run with its context, restarts by a policy, state changes.
 
 The supervisor starts the capsules named in ``[supervisor] capsules`` (folders
-under the built-in ``capsules`` package, or paths).  Each runs with a
-:class:`CapsuleContext` whose identity carries an ACL made from its manifest,
-so the bus refuses anything it did not declare.  A capsule that raises is
-restarted with exponential backoff; after ``max_restarts`` in ``window``
+under the built-in ``capsules`` package, or paths), each described by its
+manifest (sage/capsule/manifest.py).  Each runs with a
+:class:`~sage.capsule.context.CapsuleContext` whose identity carries an ACL made
+from its manifest, so the bus refuses anything it did not declare.  A capsule that
+raises is restarted with exponential backoff; after ``max_restarts`` in ``window``
 seconds it is given up (state ``failed``) and that is audited.  Every change
 of state is published on ``sage.v1.capsules.changed``.  A manifest with a
 ``[worker]`` table is not imported: :mod:`sage.daemon.workers` runs it as a child
@@ -33,109 +22,27 @@ import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
-import msgspec
 import structlog
 
-from bus import Acl, Bus, BusError, Envelope, Identity, Subscription
-from sage.config import NAME_PATTERN, Config
-from sage.daemon.state import StateStore
-from sage.errors import CapsuleError, ConfigError, StateError
+from bus import Acl, Bus, BusError, Identity
+from sage.capsule.context import CapsuleContext
+from sage.capsule.manifest import CapsuleManifest
+from sage.config import Config
+from sage.errors import ConfigError, IllegalTransition
+from sage.state import StateStore
 
 __all__ = (
-    "CapsuleContext",
-    "CapsuleManifest",
     "CapsuleRunner",
-    "CapsuleSandbox",
     "CapsuleState",
     "RestartPolicy",
-    "WorkerSpec",
     "builtin_capsules_dir",
     "capsule_folder",
-    "load_manifest",
 )
 
 log = structlog.get_logger("sage.daemon.capsule_host")
-
-T = TypeVar("T")
-
-
-class _Package(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    name: str = msgspec.field(default="")
-    version: str = "0.0.0"
-    entry: str = ""
-    description: str = ""
-
-
-class _Patterns(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    patterns: list[str] = []
-
-
-class WorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """``[worker]``: run the capsule as a child process instead (see sage.daemon.workers)."""
-
-    command: list[str]
-    """argv; a first element with a ``/`` is relative to the capsule's folder."""
-    env: dict[str, str] = {}
-    """Added to the worker's minimal environment (``ASTRID_*`` names are reserved)."""
-
-
-class CapsuleSandbox(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """``[sandbox]``: what an installed capsule's sandboxed worker may reach (sage.daemon.workers)."""
-
-    network: bool = False
-    """True: the host's network (its interfaces, DNS and TLS roots); false: a network
-    namespace of its own with only a loopback interface.  Ignored for capsules that
-    are not installed (built-in, or named in ``[supervisor] capsules``)."""
-
-
-class CapsuleManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    package: _Package
-    publish: _Patterns = _Patterns()
-    subscribe: _Patterns = _Patterns()
-    worker: WorkerSpec | None = None
-    sandbox: CapsuleSandbox = CapsuleSandbox()
-
-    @property
-    def name(self) -> str:
-        return self.package.name
-
-
-_ENTRY_PATTERN = r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*)?$"
-"""``module`` (its sage.capsule.sdk ``@tool``/``@subscribe`` functions) or ``module:function``."""
-
-
-def load_manifest(folder: Path) -> CapsuleManifest:
-    """Read and check ``folder/Capsule.toml``; raise ConfigError naming what is wrong."""
-    import re
-
-    path = folder / "Capsule.toml"
-    try:
-        manifest = msgspec.toml.decode(path.read_bytes(), type=CapsuleManifest)
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise ConfigError(f"{path}: {exc}") from exc
-    if not re.match(NAME_PATTERN, manifest.name):
-        raise ConfigError(f"{path}: package.name must match {NAME_PATTERN}")
-    worker = manifest.worker
-    if worker is None and not re.match(_ENTRY_PATTERN, manifest.package.entry):
-        raise ConfigError(f"{path}: package.entry must be 'module' or 'module:function'")
-    if worker is not None:  # package.entry is not used: the command says what runs
-        if not worker.command or not all(worker.command):
-            raise ConfigError(f"{path}: worker.command must be a list of non-empty strings")
-        for key in worker.env:
-            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
-                raise ConfigError(f"{path}: worker.env: {key!r} is not a variable name")
-            if key.startswith("ASTRID_"):
-                raise ConfigError(f"{path}: worker.env: {key} is reserved (ASTRID_*)")
-    try:
-        Acl(manifest.publish.patterns, manifest.subscribe.patterns)
-    except BusError as exc:
-        raise ConfigError(f"{path}: {exc}") from exc
-    return manifest
 
 
 class CapsuleState(enum.Enum):
@@ -176,113 +83,6 @@ class RestartPolicy:
         if len(self.crashes) > self.max_restarts:
             return None
         return float(min(self.max_delay, self.base_delay * 2 ** (len(self.crashes) - 1)))
-
-
-class CapsuleContext:
-    """What a capsule's code gets: the bus, as the capsule, within its ACL."""
-
-    def __init__(
-        self,
-        bus: Bus,
-        identity: Identity,
-        manifest: CapsuleManifest,
-        *,
-        config_of: Callable[[], Config] = Config,
-        state_of: Callable[[], StateStore | None] = lambda: None,
-        ready: anyio.Event | None = None,
-    ) -> None:
-        self.bus = bus
-        self._ready = ready
-        self.identity = identity
-        self.manifest = manifest
-        self.log = log.bind(capsule=manifest.name)
-        self._subscriptions: list[Subscription] = []
-        self._config_of = config_of
-        self._state_of = state_of
-
-    def ready(self) -> None:
-        """Say the capsule serves its topics; the supervisor reports READY after all have."""
-        if self._ready is not None:
-            self._ready.set()
-
-    @property
-    def config(self) -> Config:
-        """The supervisor's config as it is now (a reload replaces it)."""
-        return self._config_of()
-
-    @property
-    def state(self) -> StateStore:
-        """The supervisor's state store, for records that outlive a restart."""
-        store = self._state_of()
-        if store is None:
-            raise StateError("the state store is not open")
-        return store
-
-    def publish(self, topic: str, payload: Any, *, on_behalf_of: str | None = None) -> Envelope:
-        """Publish as the capsule; ``on_behalf_of`` makes the envelope private to
-        that principal (its users see it, other users do not)."""
-        return self.bus.publish(self.identity, topic, payload, on_behalf_of=on_behalf_of)
-
-    def subscribe(self, pattern: str) -> Subscription:
-        """A subscription that lasts until the capsule's run ends (or it is closed)."""
-        sub = self.bus.subscribe(pattern, self.identity)
-        self._subscriptions.append(sub)
-        return sub
-
-    async def open(self, pattern: str) -> Subscription:
-        """:meth:`subscribe` as the SDK calls it: async, so the same capsule code
-        runs against a remote bus, where subscribing is a round trip."""
-        return self.subscribe(pattern)
-
-    def close(self) -> None:
-        """End every subscription this run opened (called by the runner)."""
-        for sub in self._subscriptions:
-            sub.close()
-        self._subscriptions.clear()
-
-    def reply(self, request: Envelope, payload: Any) -> bool:
-        if request.reply_to is None:
-            return False
-        return self.bus.reply(self.identity, request.reply_to, payload)
-
-    async def request(
-        self,
-        topic: str,
-        payload: Any,
-        *,
-        deadline: float | None = None,
-        on_behalf_of: str | None = None,
-    ) -> Envelope:
-        """Request as the capsule; ``on_behalf_of`` as for :meth:`publish`."""
-        return await self.bus.request(
-            self.identity, topic, payload, deadline=deadline, on_behalf_of=on_behalf_of
-        )
-
-    async def ask(
-        self,
-        answers: str,
-        send: Callable[[], object],
-        answer: Callable[[Envelope], T | None],
-        *,
-        deadline: float,
-    ) -> T | None:
-        """Ask over plain topics: subscribe to ``answers``, ``send()``, then wait.
-
-        For a question whose answer comes as a publish on a topic of its own
-        (``...result.<cid>``) rather than as a bus reply.  Subscribing first means
-        no answer is missed however fast it comes.  ``answer`` turns each envelope
-        on ``answers`` into the answer, or None to keep waiting (another request's
-        answer, a progress step).  None when no answer came within ``deadline``
-        seconds; what ``send`` raises is raised.
-        """
-        with self.bus.subscribe(answers, self.identity) as envelopes:
-            send()
-            with anyio.move_on_after(deadline):
-                async for envelope in envelopes:
-                    found = answer(envelope)
-                    if found is not None:
-                        return found
-        return None
 
 
 CapsuleMain = Callable[[CapsuleContext], Awaitable[None]]
@@ -344,7 +144,7 @@ class CapsuleRunner:
         if state is self.state:
             return
         if state not in _TRANSITIONS[self.state]:
-            raise CapsuleError(f"capsule {self.manifest.name}: {self.state.value} -> {state.value}")
+            raise IllegalTransition(f"capsule {self.manifest.name}", self.state.value, state.value)
         self.state = state
         try:
             self._publish(STATE_TOPIC, {"capsule": self.manifest.name, "state": state.value})

@@ -39,8 +39,9 @@ import structlog
 
 from bus import Envelope
 from sage import replies
-from sage.capsule.install import installed_folders, uninstall
-from sage.daemon.capsule_host import CapsuleRunner, load_manifest
+from sage.capsule.manifest import load_manifest
+from sage.daemon.capsule_host import CapsuleRunner
+from sage.daemon.install import installed_folders, uninstall
 from sage.errors import ConfigError, SageError
 
 __all__ = ("CAPSULE_REQUESTS", "CapsuleSet", "Source")

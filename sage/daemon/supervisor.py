@@ -42,14 +42,13 @@ from bus.unix import ensure_private_dir
 from bus.wire import Hello
 from sage import replies
 from sage.audit import AuditLog, AuditReceipt, load_signing_key, max_unsigned_for
-from sage.capsule.install import installed_folders, worker_manifest
+from sage.capsule.manifest import load_manifest
 from sage.config import Config, load_config
-from sage.daemon.capsule_host import CapsuleRunner, capsule_folder, load_manifest
+from sage.daemon.capsule_host import CapsuleRunner, capsule_folder
 from sage.daemon.capsule_set import CAPSULE_REQUESTS, CapsuleSet, Source
+from sage.daemon.install import installed_folders, worker_manifest
 from sage.daemon.instance import InstanceLock
-from sage.daemon.logs import configure_logging, log_loop_errors
 from sage.daemon.sdnotify import Notifier, watchdog_interval
-from sage.daemon.state import StateStore
 from sage.daemon.workers import WorkerRunner, WorkerSandbox, capsule_uids
 from sage.errors import AuditError, ConfigError, SageError
 from sage.fleet import STATUS_TOPIC as FLEET_STATUS_TOPIC
@@ -59,9 +58,11 @@ from sage.fleet.member import LOAD_WAIT, runner_load
 from sage.fleet.nodes import NodeLoad
 from sage.fleet.router import Router
 from sage.fleet.tools import FleetTools
+from sage.logs import configure_logging, log_loop_errors
 from sage.security.denials import DenialLimiter
 from sage.security.runas import SessionUids, access_group
 from sage.security.runas import enabled as runs_children_as_principals
+from sage.state import StateStore
 
 __all__ = ("ROLES", "AuditLimiter", "Supervisor")
 

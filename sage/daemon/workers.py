@@ -29,7 +29,7 @@ private size-capped ``/tmp`` and ``/dev/shm``, the host's network only
 with ``[sandbox] network = true``, nothing of the supervisor's but the
 socketpair and the ready pipe.  As root, bwrap mounts as root and
 ``setpriv`` inside drops to the capsule's own uid (``[capsules]
-uid_base``, :class:`sage.forge.uids.SandboxUids`); otherwise bwrap
+uid_base``, :class:`sage.security.uids.SandboxUids`); otherwise bwrap
 confines in a user namespace as the supervisor's uid.  No working bwrap:
 the start fails (a crash), never an unsandboxed worker.  See
 docs/security.md, Workers.
@@ -56,29 +56,20 @@ import msgspec
 import structlog
 
 from bus import Bus, BusServer
+from sage.capsule.context import CapsuleContext
+from sage.capsule.manifest import CapsuleManifest, WorkerSpec
 from sage.config import Config
-from sage.daemon.capsule_host import (
-    CapsuleContext,
-    CapsuleMain,
-    CapsuleManifest,
-    CapsuleRunner,
-    WorkerSpec,
-)
-from sage.daemon.state import StateStore
+from sage.daemon.capsule_host import CapsuleMain, CapsuleRunner
 from sage.errors import ProcessError, SandboxError
-from sage.forge.sandbox import (
-    ResolvedBind,
-    build_args,
-    ensure_sandbox,
-    open_binds,
-    seccomp_program,
-)
+from sage.forge.mounts import ResolvedBind, open_binds
+from sage.forge.sandbox import build_args, ensure_sandbox, seccomp_program
 from sage.forge.sandbox import (
     memfd as _memfd,
 )
-from sage.forge.uids import SandboxUids
 from sage.process import Child, ExitStatus, Ring, stop
 from sage.security.bwrap import BwrapProbe, launcher
+from sage.security.uids import SandboxUids
+from sage.state import StateStore
 
 __all__ = (
     "MAX_LINE",

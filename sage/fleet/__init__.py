@@ -11,24 +11,9 @@ audit across nodes.  Without ``[fleet]`` none of it runs.
 
 from __future__ import annotations
 
-from sage.fleet.member import (
-    STATUS_TOPIC,
-    FleetAuthFailed,
-    FleetError,
-    FleetMember,
-    FleetUnreachable,
-    NotInFleet,
-    join,
-    status_reply,
-)
-from sage.fleet.nodes import (
-    FleetRecordError,
-    NodeLoad,
-    NodeRecord,
-    NodeState,
-    NodeTable,
-    NodeView,
-)
+from sage.errors import FleetAuthFailed, FleetError, FleetRecordError, FleetUnreachable, NotInFleet
+from sage.fleet.member import STATUS_TOPIC, FleetMember, join, status_reply
+from sage.fleet.nodes import NodeLoad, NodeRecord, NodeState, NodeTable, NodeView
 from sage.fleet.permissions import BUCKET, node_permissions, server_block
 
 __all__ = (

@@ -27,6 +27,7 @@ import re
 from collections.abc import Callable, Iterable
 
 from sage.config import NAME_PATTERN
+from sage.contract.sessions import EntryState
 from sage.fleet.nodes import NodeState, NodeView
 from sage.fleet.placement import share, why_not
 from sage.fleet.routes import SessionEntry
@@ -38,15 +39,15 @@ __all__ = (
     "Pending",
     "adoptable",
     "adopters",
-    "claimed",
+    "adopting_entry",
     "rank",
 )
 
 _NAME = re.compile(NAME_PATTERN)
 
-ADOPTING = "adopting"
+ADOPTING = EntryState.ADOPTING
 """The registry state of a session a node won and is restoring."""
-HIBERNATED = "hibernated"
+HIBERNATED = EntryState.HIBERNATED
 """The registry state of a session asleep on its node (no child)."""
 
 
@@ -103,7 +104,7 @@ def _weight(node: str, sid: str) -> bytes:
     return hashlib.sha256(f"{node}\0{sid}".encode()).digest()
 
 
-def claimed(entry: SessionEntry, me: str, now: float) -> SessionEntry:
+def adopting_entry(entry: SessionEntry, me: str, now: float) -> SessionEntry:
     """The entry a node writes (naming the revision it read) to be the one that adopts."""
     return SessionEntry(
         node=me, principal_id=entry.principal_id, state=ADOPTING, at=now, resume=entry.resume

@@ -41,6 +41,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from sage import replies
 from sage.audit.chain import Checkpoint, CheckpointRow, EntryRow
 from sage.audit.store import read_checkpoints, read_entries, verify_audit
+from sage.contract.codes import ErrorCode
+from sage.errors import FleetError, FleetNotFound, FleetRaceLost, FleetUnavailable, NotInFleet
 from sage.fleet.audit_check import (
     AUDIT_SUBJECTS,
     Comparison,
@@ -54,7 +56,8 @@ from sage.fleet.audit_check import (
     subject_of,
     verify_subject,
 )
-from sage.fleet.member import FleetMember, NotInFleet
+from sage.fleet.member import FleetMember
+from sage.fleet.nats_errors import code_of, describe, nats_errors
 from sage.fleet.nodes import NodeState
 from sage.fleet.permissions import AUDIT_STREAM
 
@@ -80,11 +83,6 @@ _HEADROOM: Final = 2048
 _Item = tuple[Literal["entry", "checkpoint"], tuple[Any, ...]]
 
 
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]
-
-
 def _raw_key(key: Ed25519PublicKey) -> bytes:
     return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
@@ -92,12 +90,12 @@ def _raw_key(key: Ed25519PublicKey) -> bytes:
 async def ensure_stream(js: JetStreamContext, replicas: int) -> None:
     """Create ``sage_audit`` when it is not there (no deletes, no purges, no limits)."""
     from nats.js.api import StorageType, StreamConfig
-    from nats.js.errors import APIError, NotFoundError
 
     try:
-        await js.stream_info(AUDIT_STREAM)
+        with nats_errors(f"the {AUDIT_STREAM} stream"):
+            await js.stream_info(AUDIT_STREAM)
         return
-    except NotFoundError:
+    except FleetNotFound:
         pass
     config = StreamConfig(
         name=AUDIT_STREAM,
@@ -109,10 +107,12 @@ async def ensure_stream(js: JetStreamContext, replicas: int) -> None:
         duplicate_window=120.0,
     )
     try:
-        await js.add_stream(config)
+        with nats_errors(f"the {AUDIT_STREAM} stream"):
+            await js.add_stream(config)
         log.info("fleet.audit_stream_created", stream=AUDIT_STREAM, replicas=replicas)
-    except APIError:
-        await js.stream_info(AUDIT_STREAM)  # another node created it meanwhile
+    except (FleetUnavailable, FleetNotFound, FleetRaceLost):  # the server refused it:
+        with nats_errors(f"the {AUDIT_STREAM} stream"):
+            await js.stream_info(AUDIT_STREAM)  # another node created it meanwhile
 
 
 async def read_book(
@@ -122,7 +122,6 @@ async def read_book(
     ephemeral consumer of our own (no acks; deleted at the end, or by the server
     once idle)."""
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-    from nats.js.errors import ServiceUnavailableError
 
     book = book if book is not None else StreamBook()
     name = f"sage_audit_{secrets.token_hex(8)}"
@@ -144,9 +143,12 @@ async def read_book(
                 unready = 0
                 while pending:
                     try:
-                        msgs = await sub.fetch(min(FETCH_BATCH, pending), timeout=5.0)
-                    except ServiceUnavailableError:
+                        with nats_errors(f"the {AUDIT_STREAM} stream"):
+                            msgs = await sub.fetch(min(FETCH_BATCH, pending), timeout=5.0)
+                    except FleetUnavailable as exc:
                         # a consumer just made may not serve yet on its server: no responders
+                        if not exc.not_ready:
+                            raise
                         unready += 1
                         if unready > 20:
                             raise
@@ -157,10 +159,14 @@ async def read_book(
                         book.feed(msg.subject, msg.data, meta.sequence.stream)
                         pending = meta.num_pending
             finally:
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(FleetError), nats_errors("the consumer's unsubscribe"):
                     await sub.unsubscribe()
     finally:
-        with anyio.move_on_after(2.0, shield=True), contextlib.suppress(Exception):
+        with (
+            anyio.move_on_after(2.0, shield=True),
+            contextlib.suppress(FleetError),
+            nats_errors("the consumer's delete"),
+        ):
             await js.delete_consumer(AUDIT_STREAM, name)
     return book
 
@@ -248,11 +254,16 @@ class AuditStreamer:
                     self._wake = anyio.Event()
                     await self._wake.wait()
                     continue
-            except Exception as exc:
+            except Exception as exc:  # the publisher outlives any error: it catches up later
                 self.behind = True
                 self._queue.clear()
                 if not self._failing:
-                    log.warning("fleet.audit_stream_failed", node=self.node, error=_describe(exc))
+                    log.warning(
+                        "fleet.audit_stream_failed",
+                        node=self.node,
+                        code=code_of(exc),
+                        error=describe(exc),
+                    )
                 self._failing = True
                 await anyio.sleep(RETRY_EVERY)
                 continue
@@ -288,13 +299,12 @@ class AuditStreamer:
         log.info("fleet.audit_caught_up", node=self.node, since=start, sent_seq=self.sent_seq)
 
     async def _ensure_key(self, js: JetStreamContext) -> None:
-        from nats.js.errors import NotFoundError
-
         subject = subject_of(self.node, "key")
         try:
-            last = await js.get_last_msg(AUDIT_STREAM, subject)
+            with nats_errors(f"the {AUDIT_STREAM} stream"):
+                last = await js.get_last_msg(AUDIT_STREAM, subject)
             known: bytes | None = msgspec.json.decode(last.data or b"", type=StreamedKey).key
-        except NotFoundError:
+        except FleetNotFound:
             known = None
         except (msgspec.DecodeError, msgspec.ValidationError):
             known = None
@@ -306,11 +316,10 @@ class AuditStreamer:
 
     async def _last(self, js: JetStreamContext, kind: Literal["entry", "checkpoint"]) -> int:
         """The last seq (entry) or size (checkpoint) the stream holds of this node."""
-        from nats.js.errors import NotFoundError
-
         try:
-            last = await js.get_last_msg(AUDIT_STREAM, subject_of(self.node, kind))
-        except NotFoundError:
+            with nats_errors(f"the {AUDIT_STREAM} stream"):
+                last = await js.get_last_msg(AUDIT_STREAM, subject_of(self.node, kind))
+        except FleetNotFound:
             return 0
         try:
             if kind == "entry":
@@ -409,25 +418,37 @@ class FleetAudit:
         while True:
             try:
                 await self._answer_verify()
-            except Exception as exc:
-                log.warning("fleet.audit_verify_failed", node=self.node, error=_describe(exc))
+            except Exception as exc:  # the answer outlives any error: subscribed again
+                log.warning(
+                    "fleet.audit_verify_failed",
+                    node=self.node,
+                    code=code_of(exc),
+                    error=describe(exc),
+                )
             await anyio.sleep(RETRY_EVERY)
 
     async def _answer_verify(self) -> None:
-        sub = await self.member.nats.subscribe(verify_subject(self.node))
+        with nats_errors("the verify subscription"):
+            sub = await self.member.nats.subscribe(verify_subject(self.node))
         try:
             async for msg in sub.messages:
                 if not msg.reply:
                     continue
                 try:
-                    comparison = await self.compare()
+                    with nats_errors(f"the {AUDIT_STREAM} stream"):
+                        comparison = await self.compare()
                     reply = replies.ok(node=self.node, **msgspec.to_builtins(comparison))
-                except Exception as exc:
-                    reply = replies.error("audit_unreadable", _describe(exc), node=self.node)
-                with contextlib.suppress(Exception):
+                except Exception as exc:  # each request is answered, whatever broke
+                    log.warning("fleet.audit_compare_failed", node=self.node, code=code_of(exc))
+                    reply = replies.error(ErrorCode.AUDIT_UNREADABLE, describe(exc), node=self.node)
+                with contextlib.suppress(FleetError), nats_errors("an answer"):
                     await msg.respond(msgspec.json.encode(reply))
         finally:
-            with anyio.move_on_after(1.0, shield=True), contextlib.suppress(Exception):
+            with (
+                anyio.move_on_after(1.0, shield=True),
+                contextlib.suppress(FleetError),
+                nats_errors("the unsubscribe"),
+            ):
                 await sub.unsubscribe()
 
     async def compare(self) -> Comparison:
@@ -475,15 +496,15 @@ def _decode_answer(data: bytes) -> Comparison | str:
     except replies.ReplyError as exc:
         return str(exc)
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-        return f"an answer that is not a comparison: {_describe(exc)}"
+        return f"an answer that is not a comparison: {describe(exc)}"
 
 
 async def _ask(member: FleetMember, node: str) -> Comparison | str:
     try:
-        with anyio.fail_after(ASK_TIMEOUT + 1.0):
+        with nats_errors(f"node {node}'s comparison"), anyio.fail_after(ASK_TIMEOUT + 1.0):
             msg = await member.nats.request(verify_subject(node), b"{}", timeout=ASK_TIMEOUT)
-    except Exception as exc:
-        return f"no answer: {_describe(exc)}"
+    except FleetError as exc:
+        return f"no answer: {describe(exc)}"
     return _decode_answer(msg.data)
 
 
@@ -493,8 +514,10 @@ async def verify_fleet_reply(member: FleetMember | None) -> dict[str, Any]:
     try:
         return await _verify_fleet(member)
     except Exception as exc:  # the supervisor's responder must outlive any surprise
-        log.error("fleet.audit_verify_failed", error=_describe(exc))
-        return replies.error("internal_error", f"fleet audit verify failed: {_describe(exc)}")
+        log.error("fleet.audit_verify_failed", code=code_of(exc), error=describe(exc))
+        return replies.error(
+            ErrorCode.INTERNAL_ERROR, f"fleet audit verify failed: {describe(exc)}"
+        )
 
 
 async def _verify_fleet(member: FleetMember | None) -> dict[str, Any]:
@@ -507,12 +530,13 @@ async def _verify_fleet(member: FleetMember | None) -> dict[str, Any]:
             "fleet_unavailable", f"cannot read the {AUDIT_STREAM} stream now: NATS is not connected"
         )
     try:
-        with anyio.fail_after(60.0):
+        with nats_errors(f"the {AUDIT_STREAM} stream"), anyio.fail_after(60.0):
             book = await read_book(member.jetstream)
             views = await member.nodes()
-    except Exception as exc:
+    except FleetError as exc:
         return replies.error(
-            "fleet_unavailable", f"cannot read the {AUDIT_STREAM} stream now: {_describe(exc)}"
+            ErrorCode.FLEET_UNAVAILABLE,
+            f"cannot read the {AUDIT_STREAM} stream now: {describe(exc)}",
         )
     live = sorted(view.node for view in views if view.state is NodeState.LIVE)
     answers: dict[str, Comparison | str] = {}

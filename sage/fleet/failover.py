@@ -16,7 +16,7 @@ run by the router (sage/fleet/router.py) of each node:
   loaded first, :func:`~sage.fleet.adoption.adopters`).  A node writes only its own
   registry keys, so the race is run in the ``sage_claims`` bucket (session id ->
   :class:`~sage.fleet.routes.Claim`): the write naming the revision it read before
-  its wait makes exactly one winner, which puts its own ``<node>.<sid>`` claim
+  its wait makes exactly one winner, which puts its own ``<node>.<sid>`` entry
   (state ``adopting``; the lost node's stays, and routing follows the live one),
   restores the transcript under the principal's home and asks its runner to
   ``adopt`` the session (the same id, ``--resume`` on the same conversation; a
@@ -24,10 +24,10 @@ run by the router (sage/fleet/router.py) of each node:
   of its own (:data:`ADOPT_REFUSALS`: no room, a principal's cap) gives the claim
   back to the lost node, and the next ranked node takes it.  A session whose
   ``sage_claims`` key names another node than the lost one was taken from it
-  before: its stale claim is never adopted again.
+  before: its stale entry is never adopted again.
 - **Claims.** A node that starts again asks (``sage.v1.request.fleet.claims``),
   before its runner resumes anything, which of its sessions another node took;
-  those it ends ``failed_over`` (deleting its own registry claim at once), the
+  those it ends ``failed_over`` (deleting its own registry entry at once), the
   rest it claims again in ``sage_claims`` (the same revision race), so no
   conversation ever has two children.  A node back after it may have been judged
   lost while alive does the same (:meth:`Failover.take_back`, from the router's
@@ -53,14 +53,27 @@ import structlog
 from bus import Bus, BusError, Envelope, Identity
 from sage import replies
 from sage.config import Config, PrincipalConfig
-from sage.errors import SageError
-from sage.fleet.adoption import HIBERNATED, Owed, Pending, adoptable, adopters, claimed, rank
+from sage.contract.codes import ErrorCode
+from sage.contract.sessions import (
+    AdoptRequest,
+    ClaimsReply,
+    ClaimsRequest,
+    ConversationReply,
+    EntryState,
+    Verb,
+    audit_topic,
+)
+from sage.errors import FleetError, FleetNotFound, FleetRaceLost, NotVouched, SageError
+from sage.fleet.adoption import Owed, Pending, adoptable, adopters, adopting_entry, rank
 from sage.fleet.fencing import runs_elsewhere
 from sage.fleet.member import FleetMember
+from sage.fleet.nats_errors import code_of, describe, nats_errors
 from sage.fleet.nodes import NodeState, NodeView
 from sage.fleet.placement import NODE_REFUSALS
-from sage.fleet.routes import Claim, SessionEntry, check_name, registry_key
+from sage.fleet.routes import CLAIMS, REGISTRY, Claim, SessionEntry, check_name, registry_key
+from sage.fleet.states import CLAIM_TRANSITIONS, ClaimState, Machine
 from sage.fleet.transcripts import (
+    TRANSCRIPTS,
     TranscriptMeta,
     TranscriptRefused,
     check_meta,
@@ -68,27 +81,27 @@ from sage.fleet.transcripts import (
     restore_transcript,
     transcript_rel,
 )
-from sage.fleet.vouching import REJECTED, REJECTED_EVENT, NotVouched, check_vouched, rejected_row
+from sage.fleet.vouching import REJECTED, REJECTED_EVENT, check_vouched, rejected_row
 
-__all__ = ("CLAIMS_TOPIC", "Failover", "unclaimed")
+__all__ = ("Failover", "lost_entries")
 
 log = structlog.get_logger("sage.fleet.failover")
 
-CLAIMS_TOPIC = "sage.v1.request.fleet.claims"
 CHECK = 1.0  # seconds between two looks at the node verdicts
 RESWEEP = 10.0  # seconds between two passes over the registry while a node stays lost
 ADOPTIONS = 4  # sessions restored and started at once
 STAGGER = 0.5  # seconds a node waits per node ranked before it for a session
 RECHECK = 2.0  # seconds to the next pass after a race lost: the winner may release it
 REFUSED_FOR = 30.0  # seconds a node leaves alone a session it refused (no room, say)
-ADOPT_REFUSALS = NODE_REFUSALS - {"fleet_unavailable"}
+ADOPT_REFUSALS = NODE_REFUSALS - {ErrorCode.FLEET_UNAVAILABLE}
 """A runner's refusals of an adoption another node might not give: the claim is released
 for the next node.  (No answer in time is not one: the session may yet start here.)"""
 OWED = 4096  # sessions whose replica may wait at once
 STORE_DEADLINE = 30.0
 
-Ask = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
-"""A request to the local runner as the supervisor (an admin): topic, payload -> reply."""
+Ask = Callable[[Verb, str | None, Any], Awaitable[dict[str, Any]]]
+"""A request to the local runner as the supervisor (an admin): verb, session id, body (a
+contract struct) -> reply (sage/fleet/runner_link.py)."""
 
 
 class CappedBuffer(io.BufferedIOBase):
@@ -128,7 +141,9 @@ class Failover:
         self.identity = Identity("fleet")
         self.pending = Pending(OWED)
         self._owed = anyio.Event()
-        self._adopting: set[str] = set()
+        self.tries: dict[str, Machine[ClaimState]] = {}
+        """The lost nodes' sessions this node is trying to adopt now, each with its claim's
+        state (sage/fleet/states.py)."""
         self._limiter = anyio.CapacityLimiter(ADOPTIONS)
         self._refused: dict[str, float] = {}
         """sid -> until when this node leaves it to others (it refused it)."""
@@ -163,19 +178,23 @@ class Failover:
             while (debt := self.pending.next()) is not None:
                 sid, what = debt
                 try:
-                    with anyio.fail_after(STORE_DEADLINE):
+                    with (
+                        nats_errors(f"the {TRANSCRIPTS} object store"),
+                        anyio.fail_after(STORE_DEADLINE),
+                    ):
                         if what is Owed.PUT:
                             await self._put(sid)
                         else:
                             await self._forget(sid)
                 except TranscriptRefused as exc:
                     log.warning("fleet.transcript_refused", session_id=sid, reason=str(exc))
-                except Exception as exc:
+                except Exception as exc:  # the replicas outlive any error: logged, next one
                     log.warning(
                         "fleet.transcript_failed",
                         session_id=sid,
                         op=what.value,
-                        error=_describe(exc),
+                        code=code_of(exc),
+                        error=describe(exc),
                     )
 
     async def _put(self, sid: str) -> None:
@@ -184,16 +203,17 @@ class Failover:
         store = self.member.transcripts
         if store is None or not self.member.connected:
             return
-        info = await self.ask(f"sage.v1.request.conversation.{sid}", {})
-        if not info.get("ok"):
+        reply = await self.ask(Verb.CONVERSATION, sid, {})
+        if not reply.get("ok"):
             return  # ended meanwhile
+        info = msgspec.convert(reply, ConversationReply)
         config = self.config_of()
         assert config.fleet is not None
-        principal = config.principal(str(info.get("principal_id")))
+        principal = config.principal(info.principal_id)
         if principal is None:
             return
-        claude_session = str(info.get("claude_session"))
-        cwd = str(info.get("cwd") or "")
+        claude_session = info.claude_session
+        cwd = info.cwd
         limit = config.fleet.transcript_max_bytes
 
         def read() -> bytes:
@@ -210,10 +230,10 @@ class Failover:
             session_id=sid,
             principal_id=principal.name,
             claude_session=claude_session,
-            cwd=str(info.get("cwd") or ""),
-            model=str(info.get("model") or ""),
+            cwd=info.cwd,
+            model=info.model,
             node=self.node,
-            turns=int(info.get("turns") or 0),
+            turns=info.turns,
             size=len(data),
         )
         await store.put(sid, data, meta=ObjectMeta(name=sid, description=meta.encode()))
@@ -222,15 +242,13 @@ class Failover:
 
     async def _forget(self, sid: str) -> None:
         """The object of a session that ended here, unless the registry names another node."""
-        from nats.js.errors import NotFoundError
-
         store = self.member.transcripts
         if store is None or self.member.claims is None or not self.member.connected:
             return
         claim, _ = await self.member.claim_of(sid)
         if claim is not None and claim.node != self.node and not claim.failed:
             return  # it runs elsewhere now (this node ended it failed_over)
-        with contextlib.suppress(NotFoundError):
+        with contextlib.suppress(FleetNotFound), nats_errors(f"the {TRANSCRIPTS} object store"):
             await store.delete(sid)
 
     # -- takeover --------------------------------------------------------------------
@@ -245,7 +263,7 @@ class Failover:
                 if config.fleet is None or not config.fleet.adopt or not self.member.connected:
                     continue
                 try:
-                    with anyio.fail_after(5.0):
+                    with nats_errors("the node table"), anyio.fail_after(5.0):
                         views = await self.member.nodes()
                         lost = {v.node for v in views if v.state is NodeState.LOST}
                         fresh = lost - seen
@@ -255,12 +273,14 @@ class Failover:
                         if not lost or (not fresh and now - swept < every):
                             continue
                         swept, self._recheck = now, False
-                        entries = unclaimed(
+                        entries = lost_entries(
                             await self.member.session_entries(),
                             {v.node for v in views if v.state is NodeState.LIVE},
                         )
-                except Exception as exc:
-                    log.warning("fleet.failover_check_failed", error=_describe(exc))
+                except Exception as exc:  # the watch outlives any error: logged, looked again
+                    log.warning(
+                        "fleet.failover_check_failed", code=code_of(exc), error=describe(exc)
+                    )
                     continue
                 # every node plans alike: by the heartbeats' loads, for every principal
                 found = adoptable(entries, views, self.node, lambda _: True)
@@ -271,13 +291,13 @@ class Failover:
                     place = rank(sid, self.node, plan)
                     if (
                         place is None  # full, or not for this node: the next ones take it
-                        or sid in self._adopting
+                        or sid in self.tries
                         or sid in self._refused
                         or not self._may_run(entry.principal_id)
                         or not self._vouched(sid, entry, views)
                     ):
                         continue
-                    self._adopting.add(sid)
+                    self.tries[sid] = Machine(f"claim {sid}", CLAIM_TRANSITIONS, ClaimState.PLANNED)
                     tg.start_soon(self._adopt, sid, entry, revision, place * STAGGER)
 
     def _vouched(self, sid: str, entry: SessionEntry, views: list[NodeView]) -> bool:
@@ -312,66 +332,86 @@ class Failover:
 
     async def _adopt(self, sid: str, entry: SessionEntry, revision: int, wait: float) -> None:
         try:
-            with anyio.fail_after(5.0):  # read before the wait: a node first wins only once
+            # read before the wait: a node first wins only once
+            with nats_errors(f"the {CLAIMS} bucket"), anyio.fail_after(5.0):
                 claim, revision = await self.member.claim_of(sid)
+            claim_state = self.tries.setdefault(
+                sid, Machine(f"claim {sid}", CLAIM_TRANSITIONS, ClaimState.PLANNED)
+            )
             if claim is not None and (claim.node != entry.node or claim.failed):
+                claim_state.move(ClaimState.TAKEN_BEFORE)
                 log.debug("fleet.failover_taken_before", session_id=sid, by=claim.node)
                 return
+            claim_state.move(ClaimState.WAITING)
             await anyio.sleep(wait)  # the nodes ranked first for it try first
             async with self._limiter:
                 if await self._back(entry.node):
                     # it was alive after all (a pause, a partition): it keeps its sessions
                     # and claims them again; a race won now would only be fenced there
+                    claim_state.move(ClaimState.OWNER_BACK)
                     log.info("fleet.failover_node_back", session_id=sid, node=entry.node)
                     return
-                await self._take(sid, entry, revision)
-        except Exception as exc:
-            log.error("fleet.failover_failed", session_id=sid, error=_describe(exc))
+                await self._take(sid, entry, revision, claim_state)
+        except Exception as exc:  # an adoption's task outlives any error: logged
+            log.error(
+                "fleet.failover_failed", session_id=sid, code=code_of(exc), error=describe(exc)
+            )
+            tried = self.tries.get(sid)
+            if tried is not None and not tried.over:
+                tried.move(ClaimState.FAILED)
         finally:
-            self._adopting.discard(sid)
+            self.tries.pop(sid, None)
 
     async def _back(self, node: str) -> bool:
         """Whether ``node``, judged lost when this adoption was planned, is live again
         (its heartbeats came back): read once more just before the race."""
-        with anyio.fail_after(5.0):
+        with nats_errors("the node table"), anyio.fail_after(5.0):
             views = await self.member.nodes()
         return any(v.node == node and v.state is NodeState.LIVE for v in views)
 
-    async def _take(self, sid: str, entry: SessionEntry, revision: int) -> None:
-        from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
-
+    async def _take(
+        self, sid: str, entry: SessionEntry, revision: int, claim_state: Machine[ClaimState]
+    ) -> None:
         registry, store, claims = self.member.registry, self.member.transcripts, self.member.claims
         assert registry is not None
         assert store is not None
         assert claims is not None
         now = time.time()
+        claim_state.move(ClaimState.RACING)
         try:
-            with anyio.fail_after(5.0):
+            with nats_errors(f"the {CLAIMS} bucket"), anyio.fail_after(5.0):
                 won = await claims.update(
                     sid, Claim(node=self.node, at=now).encode(), last=revision
                 )
-        except KeyWrongLastSequenceError:
+        except FleetRaceLost:
+            claim_state.move(ClaimState.LOST)
             log.info("fleet.failover_lost_race", session_id=sid, from_node=entry.node)
             self._recheck = True
             return
+        claim_state.move(ClaimState.WON)
         mine = registry_key(self.node, sid)
-        with anyio.fail_after(5.0):
-            await registry.put(mine, claimed(entry, self.node, now).encode())
+        with nats_errors(f"the {REGISTRY} bucket"), anyio.fail_after(5.0):
+            await registry.put(mine, adopting_entry(entry, self.node, now).encode())
         started = time.monotonic()
         log.info("fleet.failover_won", session_id=sid, from_node=entry.node)
         config = self.config_of()
         principal = config.principal(entry.principal_id)
         meta: TranscriptMeta | None = None
-        why = ""
+        why = code = ""
         try:
             if principal is None:  # (a config reloaded since the plan): another may run it
                 why = f"unknown_principal: principal {entry.principal_id!r} is not configured here"
+                claim_state.move(ClaimState.RELEASED)
                 await self._release(sid, entry, won, why)
                 return
+            claim_state.move(ClaimState.RESTORING)
             assert config.fleet is not None
             limit = config.fleet.transcript_max_bytes
             try:
-                with anyio.fail_after(STORE_DEADLINE):
+                with (
+                    nats_errors(f"the {TRANSCRIPTS} object store"),
+                    anyio.fail_after(STORE_DEADLINE),
+                ):
                     size = (await store.get_info(sid)).size or 0
                     if size > limit:  # never fetched: a node could have put anything there
                         raise TranscriptRefused(
@@ -380,7 +420,7 @@ class Failover:
                     # read into a capped buffer: the object may be replaced after get_info
                     capped = CappedBuffer(sid, limit)
                     result = await store.get(sid, writeinto=capped)
-            except NotFoundError:
+            except FleetNotFound:
                 log.warning("fleet.failover_no_transcript", session_id=sid, from_node=entry.node)
             else:
                 meta = check_meta(sid, entry.principal_id, result.info.description)
@@ -390,30 +430,32 @@ class Failover:
                         f"transcript of {sid!r}: {len(data)} bytes, not {meta.size}"
                     )
                 await anyio.to_thread.run_sync(self._restore, config, principal, meta, data)
-            reply = await self.ask(
-                "sage.v1.request.adopt",
-                {
-                    "session_id": sid,
-                    "principal_id": entry.principal_id,
-                    "claude_session": meta.claude_session if meta else str(uuid.uuid4()),
-                    "from_node": entry.node,
-                    "cwd": meta.cwd if meta else "",
-                    "model": meta.model if meta else "",
-                    "turns": meta.turns if meta else 0,
-                    "fresh": meta is None,
-                    "asleep": entry.state == HIBERNATED,
-                },
+            adopt = AdoptRequest(
+                session_id=sid,
+                principal_id=entry.principal_id,
+                claude_session=meta.claude_session if meta else str(uuid.uuid4()),
+                from_node=entry.node,
+                cwd=meta.cwd if meta else "",
+                model=meta.model if meta else "",
+                turns=meta.turns if meta else 0,
+                fresh=meta is None,
+                asleep=entry.state == EntryState.HIBERNATED,
             )
+            reply = await self.ask(Verb.ADOPT, None, adopt)
             if not reply.get("ok"):
-                why = f"{reply.get('error')}: {reply.get('message')}"
+                code = str(reply.get("error"))
+                why = f"{code}: {reply.get('message')}"
                 if reply.get("error") in ADOPT_REFUSALS:
+                    claim_state.move(ClaimState.RELEASED)
                     await self._release(sid, entry, won, why)
                     return
         except Exception as exc:  # after the win, anything: the failure path, never silence
-            why = (str(exc) if isinstance(exc, (SageError, OSError)) else _describe(exc)) or repr(
+            why = (str(exc) if isinstance(exc, (SageError, OSError)) else describe(exc)) or repr(
                 exc
             )
+            code = code_of(exc)
         if not why:
+            claim_state.move(ClaimState.ADOPTED)
             log.info(
                 "fleet.failed_over",
                 session_id=sid,
@@ -422,7 +464,10 @@ class Failover:
             )
             return
         # this node won but cannot run it: the session is lost, and says why
-        log.error("fleet.failover_failed", session_id=sid, from_node=entry.node, reason=why)
+        claim_state.move(ClaimState.FAILED)
+        log.error(
+            "fleet.failover_failed", session_id=sid, from_node=entry.node, code=code, reason=why
+        )
         self._audit(
             "session_failover_failed",
             {
@@ -432,34 +477,39 @@ class Failover:
                 "reason": why[:500],
             },
         )
-        with anyio.move_on_after(5.0):
-            try:  # given back to the lost node, which resumes it if it comes back
-                await registry.delete(mine)
-                back = Claim(node=entry.node, at=time.time(), failed=True)
-                with contextlib.suppress(KeyWrongLastSequenceError):
-                    await claims.update(sid, back.encode(), last=won)
-            except Exception as exc:
-                log.warning("fleet.registry_write_failed", session_id=sid, error=_describe(exc))
+        back = Claim(node=entry.node, at=time.time(), failed=True)
+        # given back to the lost node, which resumes it if it comes back
+        await self._give_back(sid, mine, back, won)
 
     async def _release(self, sid: str, entry: SessionEntry, won: int, why: str) -> None:
         """This node won ``sid`` but may not run it (no room, a cap): its own registry
         claim goes and the race's claim goes back to the lost node (not failed), for the
         next ranked node to take."""
-        from nats.js.errors import KeyWrongLastSequenceError
-
         log.warning("fleet.failover_refused", session_id=sid, from_node=entry.node, reason=why)
         self._refused[sid] = anyio.current_time() + REFUSED_FOR
+        back = Claim(node=entry.node, at=time.time())
+        await self._give_back(sid, registry_key(self.node, sid), back, won)
+
+    async def _give_back(self, sid: str, mine: str, back: Claim, won: int) -> None:
+        """This node's registry claim ``mine`` goes, and ``sid``'s ``sage_claims`` key is
+        ``back`` unless it was written since ``won`` (the revision this node's win wrote);
+        within 5 s, a failure logged."""
         registry, claims = self.member.registry, self.member.claims
         assert registry is not None
         assert claims is not None
         with anyio.move_on_after(5.0):
             try:
-                await registry.delete(registry_key(self.node, sid))
-                back = Claim(node=entry.node, at=time.time())
-                with contextlib.suppress(KeyWrongLastSequenceError):
+                with nats_errors(f"the {REGISTRY} bucket"):
+                    await registry.delete(mine)
+                with contextlib.suppress(FleetRaceLost), nats_errors(f"the {CLAIMS} bucket"):
                     await claims.update(sid, back.encode(), last=won)
-            except Exception as exc:
-                log.warning("fleet.registry_write_failed", session_id=sid, error=_describe(exc))
+            except FleetError as exc:
+                log.warning(
+                    "fleet.registry_write_failed",
+                    session_id=sid,
+                    code=exc.code,
+                    error=describe(exc),
+                )
 
     def _restore(
         self, config: Config, principal: PrincipalConfig, meta: TranscriptMeta, data: bytes
@@ -487,32 +537,31 @@ class Failover:
         """``{session_ids}`` -> ``{elsewhere: {sid: node}}``: those another node runs now;
         the others are claimed for this node (an admin's request only: the runner's)."""
         if request.principal is not None:
-            return replies.error("not_authorized", "only the session runner asks this")
+            return replies.error(ErrorCode.NOT_AUTHORIZED, "only the session runner asks this")
         try:
-            body = msgspec.json.decode(request.payload or b"{}")
-            sids = [check_name(str(s), "session id") for s in body.get("session_ids") or []]
-        except (msgspec.DecodeError, AttributeError, SageError) as exc:
-            return replies.error("bad_request", f"claims: {exc}")
+            body = msgspec.json.decode(request.payload or b"{}", type=ClaimsRequest)
+            sids = [check_name(sid, "session id") for sid in body.session_ids]
+        except (msgspec.DecodeError, msgspec.ValidationError, SageError) as exc:
+            return replies.error(ErrorCode.BAD_REQUEST, f"claims: {exc}")
         registry, claims = self.member.registry, self.member.claims
         if registry is None or claims is None or not self.member.connected:
-            return replies.error("fleet_unavailable", "NATS is not connected")
+            return replies.error(ErrorCode.FLEET_UNAVAILABLE, "NATS is not connected")
         try:
-            with anyio.fail_after(10.0):
+            with nats_errors(f"the {CLAIMS} bucket"), anyio.fail_after(10.0):
                 elsewhere = await self.take_back(sids)
-        except Exception as exc:
-            return replies.error("fleet_unavailable", f"the registry: {_describe(exc)}")
+        except FleetError as exc:
+            return replies.error(ErrorCode.FLEET_UNAVAILABLE, f"the registry: {describe(exc)}")
         if elsewhere:
             log.info("fleet.sessions_taken_elsewhere", sessions=elsewhere)
-        return replies.ok(elsewhere=elsewhere)
+        return replies.ok(**msgspec.to_builtins(ClaimsReply(elsewhere=elsewhere)))
 
     async def take_back(self, sids: list[str]) -> dict[str, str]:
         """Of ``sids`` (this node's sessions, at its start or back after it may have
         been judged lost), those another node took (id -> node): this node's registry
-        claim to each goes at once (two live claimants would be a conflict).  The others
+        entry for each goes at once (two live entries would be a conflict).  The others
         are claimed again for this node in ``sage_claims``: an adopter that read the
-        revision before is late and loses its race.  Raises what nats-py raised."""
-        from nats.js.errors import KeyWrongLastSequenceError
-
+        revision before is late and loses its race.  A FleetError when the buckets cannot
+        be read or written."""
         registry, claims = self.member.registry, self.member.claims
         assert registry is not None
         assert claims is not None
@@ -523,27 +572,29 @@ class Failover:
                 node = runs_elsewhere(self.node, claim)
                 if node is not None:
                     elsewhere[sid] = node
-                    await registry.delete(registry_key(self.node, sid))
+                    with nats_errors(f"the {REGISTRY} bucket"):
+                        await registry.delete(registry_key(self.node, sid))
                     break
                 again = Claim(node=self.node, at=time.time())
                 try:  # an adopter that read the same revision now loses its race
-                    await claims.update(sid, again.encode(), last=revision)
+                    with nats_errors(f"the {CLAIMS} bucket"):
+                        await claims.update(sid, again.encode(), last=revision)
                     break
-                except KeyWrongLastSequenceError:
+                except FleetRaceLost:
                     continue
         return elsewhere
 
     def _audit(self, kind: str, payload: dict[str, Any]) -> None:
         try:
-            self.bus.publish(self.identity, f"sage.v1.audit.{kind}", payload)
+            self.bus.publish(self.identity, audit_topic(kind), payload)
         except BusError:
             log.warning("fleet.audit_failed", kind=kind)
 
 
-def unclaimed(
+def lost_entries(
     entries: list[tuple[str, SessionEntry, int]], live: set[str]
 ) -> dict[str, tuple[SessionEntry, int]]:
-    """Per session id, the registry claim a lost node's session would be adopted from:
+    """Per session id, the registry entry a lost node's session would be adopted from:
     none for a session a live node claims (it runs there, or is being adopted); of
     several claims of nodes none live, the latest."""
     out: dict[str, tuple[SessionEntry, int]] = {}
@@ -565,8 +616,3 @@ def _home_of(config: Config, principal: PrincipalConfig) -> tuple[Path, int, int
     if run_as is None:
         return home, os.getuid(), os.getgid()
     return home, run_as.uid, run_as.gid
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]

@@ -13,18 +13,12 @@ the tool server take and give back around each task.
 
 from __future__ import annotations
 
-from sage.errors import SageError
+from sage.errors import FleetBusy
 
-__all__ = ("MAX_IN_FLIGHT", "FleetBusy", "InFlight")
+__all__ = ("MAX_IN_FLIGHT", "InFlight")
 
 MAX_IN_FLIGHT = 256
 """Requests (and, apart, tool calls) of one peer being answered at once, at most."""
-
-
-class FleetBusy(SageError):
-    """A peer has too many requests or tool calls in flight on this node."""
-
-    code = "fleet_busy"
 
 
 class InFlight:

@@ -20,12 +20,15 @@ from __future__ import annotations
 import structlog
 
 from bus import Envelope, Identity, Subscription
+from sage.contract.sessions import EVENTS, SessionEvent
 
 __all__ = ("LIFECYCLE", "LIFECYCLE_QUEUE", "LifecycleEvents")
 
 log = structlog.get_logger("sage.fleet.lifecycle")
 
-LIFECYCLE = frozenset({"spawned", "hibernated", "exited", "done"})
+LIFECYCLE = frozenset(
+    {SessionEvent.SPAWNED, SessionEvent.HIBERNATED, SessionEvent.EXITED, SessionEvent.DONE}
+)
 """The session events the registry (sage/fleet/router.py) and failover
 (sage/fleet/failover.py) follow; a woken session's ``spawned`` is among them, and
 ``hibernated`` marks its entry asleep (a node that adopts it keeps it so)."""
@@ -34,9 +37,9 @@ LIFECYCLE_QUEUE = 4096
 
 
 class LifecycleEvents:
-    """A bus subscriber to ``sage.v1.event.>`` that keeps only :data:`LIFECYCLE`."""
+    """A bus subscriber to every session event that keeps only :data:`LIFECYCLE`."""
 
-    pattern = "sage.v1.event.>"
+    pattern = EVENTS
 
     def __init__(self, owner: Identity, limit: int = LIFECYCLE_QUEUE) -> None:
         self.owner = owner

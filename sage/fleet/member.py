@@ -40,18 +40,23 @@ import structlog
 from bus import Bus, BusError, Identity
 from sage import replies
 from sage.config import FleetConfig
-from sage.errors import SageError
+from sage.contract.codes import ErrorCode
+from sage.contract.sessions import FLEET_STATUS_TOPIC, SlotsReply, Verb, request_topic
+from sage.errors import (
+    FleetAuthFailed,
+    FleetError,
+    FleetNotFound,
+    FleetRecordError,
+    FleetUnavailable,
+    FleetUnreachable,
+    NotInFleet,
+    SageError,
+)
 from sage.files import read_private
 from sage.fleet.creds import UserCreds, parse_creds
 from sage.fleet.fencing import may_have_been_lost
-from sage.fleet.nodes import (
-    FleetRecordError,
-    NodeLoad,
-    NodeRecord,
-    NodeTable,
-    NodeView,
-    decode_record,
-)
+from sage.fleet.nats_errors import code_of, describe, nats_errors
+from sage.fleet.nodes import NodeLoad, NodeRecord, NodeTable, NodeView, decode_record
 from sage.fleet.permissions import BUCKET, STREAM, inbox_prefix
 from sage.fleet.routes import (
     CLAIMS,
@@ -63,6 +68,7 @@ from sage.fleet.routes import (
     decode_claim,
     decode_keyed,
 )
+from sage.fleet.states import MEMBERSHIP_TRANSITIONS, Machine, MembershipState
 from sage.fleet.transcripts import TRANSCRIPTS
 
 if TYPE_CHECKING:
@@ -72,11 +78,7 @@ if TYPE_CHECKING:
     from nats.js.object_store import ObjectStore
 
 __all__ = (
-    "FleetAuthFailed",
-    "FleetError",
     "FleetMember",
-    "FleetUnreachable",
-    "NotInFleet",
     "join",
     "runner_load",
     "status_reply",
@@ -89,49 +91,15 @@ T = TypeVar("T")
 BUCKET_WAIT = 4
 """How many ``connect_timeout`` periods a start waits for JetStream to serve the bucket."""
 
-STATUS_TOPIC = "sage.v1.request.fleet.status"
-NO_PEERS_YET = 10005
-"""JetStream's "no suitable peers for placement": a cluster whose servers are still
-meeting (a bucket with replicas 3 while one is not yet known); asked again."""
+STATUS_TOPIC = FLEET_STATUS_TOPIC
 LEAVE_STEP = 1.0  # seconds the last record may take at stop, and then the close
 LOAD_WAIT = 1.0
 """Seconds a heartbeat waits for the node's load (at most half its interval)."""
-SLOTS_TOPIC = "sage.v1.request.slots"
-
-
-class FleetError(SageError):
-    """The fleet could not be joined or read."""
-
-    code = "fleet_failed"
-
-
-class FleetUnreachable(FleetError):
-    """No NATS server of ``[fleet] url`` answered within ``connect_timeout``."""
-
-    code = "fleet_unreachable"
-
-
-class FleetAuthFailed(FleetError):
-    """The NATS servers refused the node's user or password."""
-
-    code = "fleet_auth_failed"
-
-
-class NotInFleet(FleetError):
-    """This supervisor has no ``[fleet]``: a single host."""
-
-    code = "not_in_fleet"
 
 
 def _is_auth_refusal(exc: BaseException) -> bool:
     text = str(exc).lower()
     return "authorization violation" in text or "authentication" in text
-
-
-def _describe(exc: BaseException) -> str:
-    """One line for a NATS or socket error (they never carry the password)."""
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]
 
 
 def _read_private(path: Path, what: str) -> bytes:
@@ -214,7 +182,7 @@ def _tls_context(config: FleetConfig, path_of: Callable[[str], Path]) -> ssl.SSL
             _read_private(key, "TLS key file")  # its mode and owner, before ssl reads it
             context.load_cert_chain(str(path_of(config.cert)), str(key))
     except (OSError, ssl.SSLError) as exc:
-        raise FleetError(f"fleet: TLS files: {_describe(exc)}", code="fleet_tls_invalid") from exc
+        raise FleetError(f"fleet: TLS files: {describe(exc)}", code="fleet_tls_invalid") from exc
     return context
 
 
@@ -237,7 +205,7 @@ class FleetMember:
         self.nc = nc
         self.js = js
         self.registry = registry
-        """The ``sage_sessions`` bucket: ``<node>.<sid>`` -> that node's claim
+        """The ``sage_sessions`` bucket: ``<node>.<sid>`` -> that node's entry
         (sage/fleet/routes.py)."""
         self.claims = claims
         """The ``sage_claims`` bucket: session id -> the node that took it over (failover's
@@ -249,7 +217,10 @@ class FleetMember:
         self._js = js
         self._kv = kv
         self._started_at = started_at
-        self._failing = False
+        self.membership = Machine(
+            f"node {self.node}", MEMBERSHIP_TRANSITIONS, MembershipState.JOINING
+        )
+        """This node in the fleet (sage/fleet/states.py): joining, live, failing, leaving, left."""
         self._last_beat = time.monotonic()
         self.beats = 0
         self.returned = anyio.Event()
@@ -296,13 +267,15 @@ class FleetMember:
         try:
             with anyio.fail_after(min(LOAD_WAIT, self.config.heartbeat / 2)):
                 return await source()
-        except Exception as exc:
-            log.debug("fleet.load_unknown", node=self.node, error=_describe(exc))
+        except (TimeoutError, SageError) as exc:
+            log.debug("fleet.load_unknown", node=self.node, code=code_of(exc), error=describe(exc))
             return None
 
     async def beat(self) -> None:
-        """Write this node's record once (raises what nats-py raised)."""
-        await self._kv.put(self.node, self.record(load=await self.load()).encode())
+        """Write this node's record once (a FleetError when it could not be)."""
+        record = self.record(load=await self.load()).encode()
+        with nats_errors(f"the {BUCKET} bucket"):
+            await self._kv.put(self.node, record)
         self.beats += 1
 
     async def first_beat(self, within: float) -> None:
@@ -311,10 +284,14 @@ class FleetMember:
         deadline = anyio.current_time() + within
         while True:
             try:
-                with anyio.fail_after(max(0.1, deadline - anyio.current_time())):
+                with (
+                    nats_errors("the first heartbeat"),
+                    anyio.fail_after(max(0.1, deadline - anyio.current_time())),
+                ):
                     await self.beat()
+                self.membership.move(MembershipState.LIVE)
                 return
-            except Exception:
+            except FleetError:
                 if anyio.current_time() + 0.2 >= deadline:
                     raise
             await anyio.sleep(0.2)
@@ -326,17 +303,21 @@ class FleetMember:
         while True:
             await anyio.sleep(self.config.heartbeat)
             try:
-                with anyio.fail_after(max(self.config.heartbeat, 1.0)):
+                with nats_errors("a heartbeat"), anyio.fail_after(max(self.config.heartbeat, 1.0)):
                     await self.beat()
-            except Exception as exc:
-                if not self._failing:
-                    log.warning("fleet.heartbeat_failed", node=self.node, error=_describe(exc))
-                self._failing = True
+            except Exception as exc:  # the heartbeats outlive any error: logged, beaten again
+                if self.membership.state is not MembershipState.FAILING:
+                    log.warning(
+                        "fleet.heartbeat_failed",
+                        node=self.node,
+                        code=code_of(exc),
+                        error=describe(exc),
+                    )
+                self.membership.move(MembershipState.FAILING)
                 continue
+            failing = self.membership.state is MembershipState.FAILING
             now = time.monotonic()
-            if may_have_been_lost(
-                self._last_beat, now, self.config.lost_after, failing=self._failing
-            ):
+            if may_have_been_lost(self._last_beat, now, self.config.lost_after, failing=failing):
                 log.warning(
                     "fleet.may_have_been_lost",
                     node=self.node,
@@ -344,18 +325,15 @@ class FleetMember:
                 )
                 self.returned.set()
             self._last_beat = now
-            if self._failing:
+            if failing:
                 log.info("fleet.heartbeat_resumed", node=self.node)
-            self._failing = False
+            self.membership.move(MembershipState.LIVE)
 
     async def record_of(self, node: str) -> NodeRecord | None:
-        """``node``'s current heartbeat record (None: none, or unusable); raises what
-        nats-py raised when the bucket cannot be read."""
-        from nats.js.errors import KeyNotFoundError
-
-        try:
-            entry = await self._kv.get(node)
-        except KeyNotFoundError:
+        """``node``'s current heartbeat record (None: none, or unusable); a FleetError when
+        the bucket cannot be read."""
+        entry = await _get(self._kv, node, f"the {BUCKET} bucket")
+        if entry is None:
             return None
         try:
             return decode_record(node, entry.value or b"")
@@ -364,16 +342,14 @@ class FleetMember:
 
     async def nodes(self, now: float | None = None) -> list[NodeView]:
         """Every node of the bucket, judged now; unusable records are logged and left out."""
-        from nats.js.errors import KeyNotFoundError
-
         prefix = f"$KV.{BUCKET}."
-        info = await self._js.stream_info(STREAM, subjects_filter=f"{prefix}>")
+        with nats_errors(f"the {BUCKET} bucket"):
+            info = await self._js.stream_info(STREAM, subjects_filter=f"{prefix}>")
         table = NodeTable(self.config.lost_after)
         for subject in sorted(info.state.subjects or {}):
             key = subject.removeprefix(prefix)
-            try:
-                entry = await self._kv.get(key)
-            except KeyNotFoundError:  # deleted (a delete marker)
+            entry = await _get(self._kv, key, f"the {BUCKET} bucket")
+            if entry is None:  # deleted (a delete marker)
                 continue
             table.observe(key, entry.value or b"")
         for key, why in sorted(table.ignored.items()):
@@ -383,35 +359,35 @@ class FleetMember:
         return table.verdicts(time.time() if now is None else now)
 
     async def session_entries(self) -> list[tuple[str, SessionEntry, int]]:
-        """Every claim of the registry: ``(sid, entry, revision)``, the entry naming the
+        """Every entry of the registry: ``(sid, entry, revision)``, the entry naming the
         node whose key holds it; unusable ones are left out."""
         return await self._registry_read(f"$KV.{REGISTRY}.>")
 
     async def registry_revision(self) -> int:
         """The registry stream's last sequence: the revision of its latest put or delete
         (what a watch that delivered it has seen everything up to)."""
-        info = await self._js.stream_info(REGISTRY_STREAM)
+        with nats_errors(f"the {REGISTRY} bucket"):
+            info = await self._js.stream_info(REGISTRY_STREAM)
         return int(info.state.last_seq or 0)
 
-    async def claims_of(self, sid: str) -> dict[str, SessionEntry]:
-        """Each node's claim to ``sid`` (node -> entry): the keys ``*.<sid>``."""
+    async def entries_of(self, sid: str) -> dict[str, SessionEntry]:
+        """Each node's registry entry for ``sid`` (node -> entry): the ``sage_sessions``
+        keys ``*.<sid>`` (its ``sage_claims`` value is :meth:`claim_of`'s)."""
         found = await self._registry_read(f"$KV.{REGISTRY}.*.{check_name(sid, 'session id')}")
         return {entry.node: entry for _, entry, _ in found}
 
     async def _registry_read(self, subjects: str) -> list[tuple[str, SessionEntry, int]]:
-        from nats.js.errors import KeyNotFoundError
-
         registry = self.registry
         if registry is None:
             return []
         prefix = f"$KV.{REGISTRY}."
-        info = await self._js.stream_info(REGISTRY_STREAM, subjects_filter=subjects)
+        with nats_errors(f"the {REGISTRY} bucket"):
+            info = await self._js.stream_info(REGISTRY_STREAM, subjects_filter=subjects)
         out: list[tuple[str, SessionEntry, int]] = []
         for subject in sorted(info.state.subjects or {}):
             key = subject.removeprefix(prefix)
-            try:
-                value = await registry.get(key)
-            except KeyNotFoundError:  # deleted (a delete marker)
+            value = await _get(registry, key, f"the {REGISTRY} bucket")
+            if value is None:  # deleted (a delete marker)
                 continue
             keyed = decode_keyed(key, value.value or b"")
             if keyed is not None and value.revision is not None:
@@ -419,38 +395,63 @@ class FleetMember:
         return out
 
     async def claim_of(self, sid: str) -> tuple[Claim | None, int]:
-        """The ``sage_claims`` value of ``sid`` and the revision an update names to
-        replace it (0: never written; a delete marker's own revision after a delete)."""
-        from nats.js.errors import KeyNotFoundError
-
+        """The claim of ``sid``: its ``sage_claims`` value (its registry entries are
+        :meth:`entries_of`'s) and the revision an update names to replace it (0: never written; a delete marker's own revision after a delete)."""
         claims = self.claims
         assert claims is not None
         try:
-            got = await claims.get(check_name(sid, "session id"))
-        except KeyNotFoundError as exc:  # a deleted key's carries its delete marker
-            marker = getattr(exc.entry, "revision", None)
-            return None, marker if isinstance(marker, int) else 0
+            with nats_errors(f"the {CLAIMS} bucket"):
+                got = await claims.get(check_name(sid, "session id"))
+        except FleetNotFound as exc:  # a deleted key's carries its delete marker
+            return None, exc.revision
         return decode_claim(got.value or b""), got.revision or 0
 
     async def leave(self) -> None:
         """Say this node stopped (best effort, NATS may be gone), then close the connection;
         each step within LEAVE_STEP seconds."""
-        with anyio.move_on_after(LEAVE_STEP), contextlib.suppress(Exception):
-            await self._kv.put(self.node, self.record(stopped=True).encode())
-        with anyio.move_on_after(LEAVE_STEP), contextlib.suppress(Exception):
+        self.membership.move(MembershipState.LEAVING)
+        last = self.record(stopped=True).encode()
+        with (
+            anyio.move_on_after(LEAVE_STEP),
+            contextlib.suppress(FleetError),
+            nats_errors("the last record"),
+        ):
+            await self._kv.put(self.node, last)
+        with (
+            anyio.move_on_after(LEAVE_STEP),
+            contextlib.suppress(FleetError),
+            nats_errors("the connection's close"),
+        ):
             await self._nc.close()
+        self.membership.move(MembershipState.LEFT)
+
+
+async def _get(kv: KeyValue, key: str, what: str) -> Any:
+    """``key``'s entry in ``kv``; None when there is none (never written, or deleted)."""
+    try:
+        with nats_errors(what):
+            return await kv.get(key)
+    except FleetNotFound:
+        return None
 
 
 async def runner_load(bus: Bus, identity: Identity, deadline: float) -> NodeLoad | None:
     """The local session runner's load (``sage.v1.request.slots``, as an admin); None
     when no runner answers, or its answer is not a load."""
     try:
-        answer = await bus.request(identity, SLOTS_TOPIC, {}, deadline=deadline)
+        answer = await bus.request(identity, request_topic(Verb.SLOTS), {}, deadline=deadline)
         data = msgspec.json.decode(answer.payload)
         if not isinstance(data, dict) or data.get("ok") is not True:
             return None
+        slots = msgspec.convert(data, SlotsReply)
         return msgspec.convert(
-            {k: data.get(k) for k in ("live", "max_live", "idle", "hibernated")}, NodeLoad
+            {
+                "live": slots.live,
+                "max_live": slots.max_live,
+                "idle": slots.idle,
+                "hibernated": slots.hibernated,
+            },
+            NodeLoad,
         )
     except (BusError, msgspec.DecodeError, msgspec.ValidationError):
         return None
@@ -485,7 +486,7 @@ async def _connect(config: FleetConfig, path_of: Callable[[str], Path]) -> Nats:
                 auth_refused.set()
             return
         (log.debug if down else log.warning)(
-            "fleet.nats_error", node=config.node, error=_describe(exc)
+            "fleet.nats_error", node=config.node, error=describe(exc)
         )
 
     async def on_disconnected() -> None:
@@ -535,7 +536,11 @@ async def _connect(config: FleetConfig, path_of: Callable[[str], Path]) -> Nats:
     if nc.is_connected and not refused:
         log.info("fleet.connected", node=config.node, server=_netloc(nc))
         return nc
-    with anyio.move_on_after(1.0, shield=True), contextlib.suppress(Exception):
+    with (
+        anyio.move_on_after(1.0, shield=True),
+        contextlib.suppress(FleetError),
+        nats_errors("the connection's close"),
+    ):
         await nc.close()
     if refused:
         if creds is not None:
@@ -547,15 +552,15 @@ async def _connect(config: FleetConfig, path_of: Callable[[str], Path]) -> Nats:
             who = f"the NKey of {config.nkey_seed}: a key its servers do not know"
         else:
             who = f"user {config.user_name!r}: wrong user or password"
-        raise FleetAuthFailed(f"fleet: NATS at {urls} refused {who} ({_describe(refused[0])})")
+        raise FleetAuthFailed(f"fleet: NATS at {urls} refused {who} ({describe(refused[0])})")
     # a server that wants a client certificate may close the link after the handshake:
     # a later attempt then sees a broken pipe, but the TLS failure is the cause
     if tls_failed:
         raise FleetError(
-            f"fleet: TLS with NATS at {urls} failed: {_describe(tls_failed[0])}",
+            f"fleet: TLS with NATS at {urls} failed: {describe(tls_failed[0])}",
             code="fleet_tls_failed",
         )
-    why = f": {_describe(last[0])}" if last else ""
+    why = f": {describe(last[0])}" if last else ""
     raise FleetUnreachable(
         f"fleet: cannot reach NATS at {urls} within {config.connect_timeout:g} s{why}"
     )
@@ -572,33 +577,27 @@ async def _when_ready(config: FleetConfig, what: str, open_it: Callable[[], Awai
     yet for the replicas) is asked again for up to :data:`BUCKET_WAIT` x
     ``connect_timeout``; a refusal fails at once.  Either way a failure is a
     ``fleet_bucket_failed`` naming ``what``."""
-    from nats.errors import Error as NatsError
-    from nats.errors import NoRespondersError
-    from nats.js.errors import BadRequestError, ServiceUnavailableError
-
     waited = False
     try:
-        with anyio.fail_after(BUCKET_WAIT * config.connect_timeout):
+        with nats_errors(f"the {what}"), anyio.fail_after(BUCKET_WAIT * config.connect_timeout):
             while True:
                 try:
-                    return await open_it()
-                except (
-                    TimeoutError,
-                    NoRespondersError,
-                    ServiceUnavailableError,
-                    BadRequestError,
-                ) as exc:
-                    if isinstance(exc, BadRequestError) and exc.err_code != NO_PEERS_YET:
+                    with nats_errors(f"the {what}"):
+                        return await open_it()
+                except FleetUnavailable as exc:
+                    if not (exc.not_ready or exc.timed_out):
                         raise
                     if not waited:
-                        log.warning("fleet.jetstream_not_ready", what=what, error=_describe(exc))
+                        log.warning(
+                            "fleet.jetstream_not_ready", what=what, code=exc.code, error=str(exc)
+                        )
                         waited = True
                     await anyio.sleep(0.5)
-    except (NatsError, TimeoutError) as exc:
+    except FleetError as exc:
         raise FleetError(
             f"fleet: cannot open the {what} (JetStream on, and the node's"
             f" permissions from `astrid fleet permissions --node {config.node}`?):"
-            f" {_describe(exc) or type(exc).__name__}",
+            f" {describe(exc)}",
             code="fleet_bucket_failed",
         ) from exc
 
@@ -607,14 +606,13 @@ async def _open_bucket(
     nc: Nats, config: FleetConfig, bucket: str = BUCKET
 ) -> tuple[JetStreamContext, KeyValue]:
     """Open (or create) the key-value ``bucket``, once JetStream serves it."""
-    from nats.js.errors import BucketNotFoundError
-
     js = nc.jetstream(timeout=max(1.0, min(5.0, config.connect_timeout)))
 
     async def open_it() -> KeyValue:
         try:
-            return await js.key_value(bucket)
-        except BucketNotFoundError:
+            with nats_errors(f"the {bucket} bucket"):
+                return await js.key_value(bucket)
+        except FleetNotFound:
             kv = await js.create_key_value(bucket=bucket, history=1, replicas=config.replicas)
             log.info("fleet.bucket_created", bucket=bucket, replicas=config.replicas)
             return kv
@@ -626,12 +624,12 @@ async def _open_store(js: JetStreamContext, config: FleetConfig) -> ObjectStore:
     """Open (or create) the ``sage_transcripts`` object store, once JetStream serves it
     (a 3-replica stream created while the cluster is busy may time out at first)."""
     from nats.js.api import ObjectStoreConfig
-    from nats.js.errors import NotFoundError
 
     async def open_it() -> ObjectStore:
         try:
-            return await js.object_store(TRANSCRIPTS)
-        except NotFoundError:
+            with nats_errors(f"the {TRANSCRIPTS} object store"):
+                return await js.object_store(TRANSCRIPTS)
+        except FleetNotFound:
             store = await js.create_object_store(
                 TRANSCRIPTS, ObjectStoreConfig(bucket=TRANSCRIPTS, replicas=config.replicas)
             )
@@ -663,14 +661,18 @@ async def join(
         member.principals = principals
         try:
             await member.first_beat(max(1.0, config.connect_timeout))
-        except Exception as exc:
+        except FleetError as exc:
             raise FleetError(
                 f"fleet: the first heartbeat of node {config.node!r} was not stored"
-                f" (may its user put $KV.{BUCKET}.{config.node}?): {_describe(exc)}",
+                f" (may its user put $KV.{BUCKET}.{config.node}?): {describe(exc)}",
                 code="fleet_heartbeat_failed",
             ) from exc
-    except BaseException:
-        with anyio.move_on_after(1.0, shield=True), contextlib.suppress(Exception):
+    except BaseException:  # not handled: the connection closed, re-raised
+        with (
+            anyio.move_on_after(1.0, shield=True),
+            contextlib.suppress(FleetError),
+            nats_errors("the connection's close"),
+        ):
             await nc.close()
         raise
     log.info("fleet.joined", node=config.node, bucket=BUCKET, heartbeat=config.heartbeat)
@@ -694,15 +696,16 @@ async def status_reply(
         )
     if not member.connected:
         return replies.error(
-            "fleet_unavailable", f"cannot read the {BUCKET} bucket now: NATS is not connected"
+            ErrorCode.FLEET_UNAVAILABLE,
+            f"cannot read the {BUCKET} bucket now: NATS is not connected",
         )
     try:
-        with anyio.fail_after(deadline):
+        with nats_errors(f"the {BUCKET} bucket"), anyio.fail_after(deadline):
             nodes = await member.nodes()
             sessions = await member.session_entries()
-    except Exception as exc:
+    except FleetError as exc:
         return replies.error(
-            "fleet_unavailable", f"cannot read the {BUCKET} bucket now: {_describe(exc)}"
+            ErrorCode.FLEET_UNAVAILABLE, f"cannot read the {BUCKET} bucket now: {describe(exc)}"
         )
     per_node: dict[str, int] = {}
     for _, entry, _ in sessions:

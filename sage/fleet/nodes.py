@@ -29,10 +29,9 @@ from typing import Annotated, Any
 import msgspec
 
 from sage.config import NAME_PATTERN
-from sage.errors import SageError
+from sage.errors import FleetRecordError
 
 __all__ = (
-    "FleetRecordError",
     "NodeLoad",
     "NodeRecord",
     "NodeState",
@@ -47,12 +46,6 @@ MOST = 1_000_000
 """No count of a node's sessions is larger (a host runs on the order of 100)."""
 _Count = Annotated[int, msgspec.Meta(ge=0, le=MOST)]
 _Principal = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN)]
-
-
-class FleetRecordError(SageError):
-    """A heartbeat record in the bucket cannot be used."""
-
-    code = "fleet_record_invalid"
 
 
 class NodeLoad(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):

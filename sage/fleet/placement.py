@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import msgspec
 
+from sage.contract.codes import ErrorCode
 from sage.fleet.nodes import NodeState, NodeView
 
 __all__ = (
@@ -46,23 +47,23 @@ is compared with others' (a live ``claude`` holds about 200 MiB: about 100 a hos
 
 NODE_REFUSALS = frozenset(
     {
-        "host_full",
-        "principal_limit",
-        "unknown_principal",
-        "principal_not_authenticated",
-        "no_runner",
-        "not_ready",
-        "fleet_unavailable",
-        "claude_missing",
-        "claude_unsupported",
-        "spawn_failed",
-        "home_unreachable",
-        "unsafe_home",
-        "cwd_missing",
-        "api_key_missing",
-        "api_key_unreadable",
-        "secret_store_failed",
-        "session_uid_unavailable",
+        ErrorCode.HOST_FULL,
+        ErrorCode.PRINCIPAL_LIMIT,
+        ErrorCode.UNKNOWN_PRINCIPAL,
+        ErrorCode.PRINCIPAL_NOT_AUTHENTICATED,
+        ErrorCode.NO_RUNNER,
+        ErrorCode.NOT_READY,
+        ErrorCode.FLEET_UNAVAILABLE,
+        ErrorCode.CLAUDE_MISSING,
+        ErrorCode.CLAUDE_UNSUPPORTED,
+        ErrorCode.SPAWN_FAILED,
+        ErrorCode.HOME_UNREACHABLE,
+        ErrorCode.UNSAFE_HOME,
+        ErrorCode.CWD_MISSING,
+        ErrorCode.API_KEY_MISSING,
+        ErrorCode.API_KEY_UNREADABLE,
+        ErrorCode.SECRET_STORE_FAILED,
+        ErrorCode.SESSION_UID_UNAVAILABLE,
     }
 )
 """Refusals of a spawn that another node might not give: placement asks the next one.

@@ -44,12 +44,14 @@ import anyio
 import anyio.abc
 import structlog
 
-from sage.fleet.routes import SessionEntry, decode_keyed, parse_registry_key
+from sage.errors import FleetError
+from sage.fleet.nats_errors import code_of, describe, nats_errors
+from sage.fleet.routes import REGISTRY, SessionEntry, decode_keyed, parse_registry_key
 
 if TYPE_CHECKING:
     from nats.js.kv import KeyValue
 
-__all__ = ("RegistryCopy", "current_claims", "follow")
+__all__ = ("RegistryCopy", "current_entries", "follow")
 
 log = structlog.get_logger("sage.fleet.registry")
 
@@ -59,12 +61,12 @@ CHECK = 0.5
 """Seconds between two looks at the connection and at a stale copy, while watching."""
 CATCH_UP = 0.5
 """Seconds a reader waits for the watch to deliver the bucket's latest update before it
-reads the bucket instead (:func:`current_claims`)."""
+reads the bucket instead (:func:`current_entries`)."""
 CATCH_UP_CHECK = 0.005  # seconds between two looks at the copy meanwhile
 
 
 class RegistryCopy:
-    """Session id -> each node's claim (node -> :class:`SessionEntry`), as the watch last
+    """Session id -> each node's entry (node -> :class:`SessionEntry`), as the watch last
     saw the bucket's ``<node>.<sid>`` keys."""
 
     def __init__(self) -> None:
@@ -95,15 +97,15 @@ class RegistryCopy:
         return next(iter(claims.values()))
 
     def entries(self, last: int) -> list[tuple[str, SessionEntry]] | None:
-        """Every claim ``(sid, entry)``, by session id then node, as the bucket's keys
+        """Every entry ``(sid, entry)``, by session id then node, as the bucket's keys
         hold them when its stream's last sequence is ``last``; None unless the copy is
         synced, not found stale, and has every update up to ``last`` (then the bucket is
         read instead)."""
-        found = self.claims(last)
+        found = self.keyed_entries(last)
         return None if found is None else [(sid, entry) for sid, entry, _ in found]
 
-    def claims(self, last: int) -> list[tuple[str, SessionEntry, int]] | None:
-        """:meth:`entries` with each claim's revision, as the bucket's read gives them
+    def keyed_entries(self, last: int) -> list[tuple[str, SessionEntry, int]] | None:
+        """:meth:`entries` with each entry's revision, as the bucket's read gives them
         (sage/fleet/member.py, ``session_entries``)."""
         if not self._synced or self._stale or self.revision < last:
             return None
@@ -161,7 +163,7 @@ class RegistryCopy:
             del self._entries[sid]
 
     def __len__(self) -> int:
-        """Sessions claimed (by one node or more)."""
+        """Sessions with an entry (of one node or more)."""
         return len(self._entries)
 
 
@@ -183,10 +185,11 @@ async def follow(
         copy.restart()
         copy.watches += 1
         try:
-            await _watch_while_trusted(kv, copy, connected)
-        except Exception as exc:
+            with nats_errors(f"the watch of {REGISTRY}"):
+                await _watch_while_trusted(kv, copy, connected)
+        except Exception as exc:  # the watch outlives any error: logged, watched again
             if not failing:
-                log.warning("fleet.registry_watch_failed", error=_describe(exc))
+                log.warning("fleet.registry_watch_failed", code=code_of(exc), error=describe(exc))
             failing = True
             copy.restart()
             await anyio.sleep(RETRY)
@@ -197,7 +200,7 @@ async def follow(
         failing = False
 
 
-async def current_claims(
+async def current_entries(
     copy: RegistryCopy, last: Callable[[], Awaitable[int]]
 ) -> list[tuple[str, SessionEntry, int]] | None:
     """The copy's claims as the bucket holds them now: ``last()`` (a round trip) says the
@@ -212,7 +215,7 @@ async def current_claims(
             if not copy.synced or copy.revision >= newest:
                 break
             await anyio.sleep(CATCH_UP_CHECK)
-    return copy.claims(newest)
+    return copy.keyed_entries(newest)
 
 
 async def _watch_while_trusted(
@@ -241,7 +244,8 @@ async def _watch_while_trusted(
         with (
             anyio.CancelScope(shield=True),
             anyio.move_on_after(1.0),
-            contextlib.suppress(Exception),
+            contextlib.suppress(FleetError),
+            nats_errors("the watch's stop"),
         ):
             await watcher.stop()
 
@@ -253,8 +257,3 @@ async def _until(condition: Callable[[], bool]) -> None:
         if condition():
             return
         await anyio.sleep(CHECK)
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]

@@ -14,13 +14,16 @@ The ``<origin>`` token is what the NATS server proves: a node's user may
 publish requests only with its own name there (sage/fleet/permissions.py), so
 the receiver takes the sending node from the subject, never from the payload.
 
-The session registry (the ``sage_sessions`` key-value bucket) holds each node's
-claims: the key ``<node>.<sid>`` maps to a :class:`SessionEntry` naming that
-node, and a node's NATS user may write only keys under its own name
-(sage/fleet/permissions.py), so the server proves who claims what.  A session id
-claimed by several nodes is resolved by :func:`resolve`: the claim of the one live
-node (a lost node's claim stays until it comes back and deletes it itself); two
-live claimants are a :class:`SessionConflict`, forwarded to neither.  The
+Two words, one meaning each (in sage/fleet): a node's **entry** in the session
+registry says it runs a session; a session's **claim** in ``sage_claims`` says which
+node holds it after a takeover (or took it back).  The session registry (the
+``sage_sessions`` key-value bucket) holds each node's entries: the key
+``<node>.<sid>`` maps to a :class:`SessionEntry` naming that node, and a node's NATS
+user may write only keys under its own name (sage/fleet/permissions.py), so the
+server proves whose entry it is.  A session id
+with entries of several nodes is resolved by :func:`resolve`: the entry of the one
+live node (a lost node's entry stays until it comes back and deletes it itself); two
+live nodes' entries are a :class:`SessionConflict`, forwarded to neither.  The
 ``sage_claims`` bucket (key: the session id, value: a :class:`Claim`), which
 every node may write, only decides failover's races (sage/fleet/failover.py),
 and is never read to route anything.  Everything a subject is built from is checked
@@ -38,7 +41,8 @@ from typing import Any, TypeVar
 import msgspec
 
 from sage.config import NAME_PATTERN
-from sage.errors import SageError
+from sage.contract.sessions import EntryState, SessionRow
+from sage.errors import BadRoute, SessionConflict
 
 __all__ = (
     "APPROVAL_VERBS",
@@ -50,11 +54,9 @@ __all__ = (
     "REGISTRY",
     "REGISTRY_STREAM",
     "SESSION_VERBS",
-    "BadRoute",
     "Claim",
     "Forwarded",
     "ForwardedEvent",
-    "SessionConflict",
     "SessionEntry",
     "approval_answer",
     "check_name",
@@ -63,10 +65,8 @@ __all__ = (
     "decode_event",
     "decode_forwarded",
     "decode_keyed",
-    "event_of",
     "event_pattern",
     "event_subject",
-    "local_topic",
     "parse_event_subject",
     "parse_registry_key",
     "parse_request_subject",
@@ -79,7 +79,7 @@ __all__ = (
 )
 
 REGISTRY = "sage_sessions"
-"""The key-value bucket: ``<node>.<sid>`` -> that node's claim to run the session, and whose
+"""The key-value bucket: ``<node>.<sid>`` -> that node's entry: it runs the session, and whose
 it is (a node may write only its own keys)."""
 REGISTRY_STREAM = f"KV_{REGISTRY}"
 CLAIMS = "sage_claims"
@@ -102,12 +102,6 @@ NODE_VERBS = frozenset({"spawn", "sessions", "approvals"})
 _NAME = re.compile(NAME_PATTERN)
 
 
-class BadRoute(SageError):
-    """A node name, session id or subject that must not be routed."""
-
-    code = "bad_request"
-
-
 def check_name(value: str, what: str) -> str:
     """``value`` if it is a node name or session id (1-64 of [A-Za-z0-9_-]), else BadRoute."""
     if not isinstance(value, str) or _NAME.match(value) is None:
@@ -116,14 +110,8 @@ def check_name(value: str, what: str) -> str:
     return value
 
 
-class SessionConflict(SageError):
-    """Two live nodes claim one session: a request for it is forwarded to neither."""
-
-    code = "session_conflict"
-
-
 def registry_key(node: str, sid: str) -> str:
-    """The registry key of ``node``'s claim to ``sid``: under the node's own name, the only
+    """The registry key of ``node``'s entry for ``sid``: under the node's own name, the only
     keys its NATS user may write."""
     return f"{check_name(node, 'node')}.{check_name(sid, 'session id')}"
 
@@ -213,7 +201,9 @@ class SessionEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     node: str
     principal_id: str
-    state: str = "running"
+    state: str = EntryState.RUNNING
+    """An :class:`~sage.contract.sessions.EntryState` (a word another node wrote: read as it
+    is, and compared with those)."""
     at: float = 0.0
     """Wall-clock seconds of the write, by the owner's clock."""
     resume: bool = False
@@ -226,9 +216,9 @@ class SessionEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 class Claim(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
     """The ``sage_claims`` value of a session: the node that took it over (or took it back).
 
-    A lost node's claim in the registry may outlive the session (it stays until that
+    A lost node's entry in the registry may outlive the session (it stays until that
     node comes back and deletes it): a node adopts it only while this names that node
-    (or nothing), so a session taken over once is never taken from the stale claim
+    (or nothing), so a session taken over once is never taken from the stale entry
     again."""
 
     node: str
@@ -295,38 +285,23 @@ def decode_keyed(key: str, data: bytes) -> tuple[str, SessionEntry] | None:
     return found[1], entry
 
 
-def resolve(sid: str, claims: dict[str, SessionEntry], live: set[str]) -> SessionEntry | None:
-    """The entry a request for ``sid`` follows, of the nodes' ``claims`` (node -> entry):
+def resolve(sid: str, entries: dict[str, SessionEntry], live: set[str]) -> SessionEntry | None:
+    """The entry a request for ``sid`` follows, of the nodes' ``entries`` (node -> entry):
     the only one; of several, the one of the live node (``live``: the live nodes, needed
     only then); with none live, the latest.  Two live claimants: SessionConflict."""
-    if not claims:
+    if not entries:
         return None
-    if len(claims) == 1:
-        return next(iter(claims.values()))
-    living = sorted(node for node in claims if node in live)
+    if len(entries) == 1:
+        return next(iter(entries.values()))
+    living = sorted(node for node in entries if node in live)
     if len(living) > 1:
         raise SessionConflict(
             f"session {sid!r} is claimed by more than one live node ({', '.join(living)}):"
             " a request for it goes to none of them",
         )
     if living:
-        return claims[living[0]]
-    return max(claims.values(), key=lambda entry: (entry.at, entry.node))
-
-
-def local_topic(verb: str, sid: str | None) -> str:
-    """The runner's own request topic for ``verb`` (what a forwarded request becomes)."""
-    return f"sage.v1.request.{verb}" + ("" if sid is None else f".{check_name(sid, 'session id')}")
-
-
-def event_of(topic: str) -> tuple[str, str] | None:
-    """``(sid, name)`` of a local session event topic ``sage.v1.event.<sid>.<name>``."""
-    parts = topic.split(".")
-    if len(parts) != 5 or parts[:3] != ["sage", "v1", "event"]:
-        return None
-    if _NAME.match(parts[3]) is None or _NAME.match(parts[4]) is None:
-        return None
-    return parts[3], parts[4]
+        return entries[living[0]]
+    return max(entries.values(), key=lambda entry: (entry.at, entry.node))
 
 
 def visible(entry: SessionEntry, principal: str | None) -> bool:
@@ -336,14 +311,15 @@ def visible(entry: SessionEntry, principal: str | None) -> bool:
 
 def row_of(sid: str, entry: SessionEntry, state: str) -> dict[str, Any]:
     """A listing row for a session known only from the registry (its node cannot answer)."""
-    return {
-        "session_id": sid,
-        "principal_id": entry.principal_id,
-        "pid": None,
-        "state": state,
-        "node": entry.node,
-        "started_at": entry.at,
-    }
+    row = SessionRow(
+        session_id=sid,
+        principal_id=entry.principal_id,
+        pid=None,
+        state=state,
+        node=entry.node,
+        started_at=entry.at,
+    )
+    return msgspec.to_builtins(row)  # type: ignore[no-any-return]
 
 
 def registry_rows(

@@ -46,18 +46,14 @@ import structlog
 
 from bus import Bus, BusError, Envelope, Identity, NoResponders, Subscription
 from sage.config import NAME_PATTERN
-from sage.fleet.inflight import MAX_IN_FLIGHT, FleetBusy, InFlight
+from sage.contract.sessions import audit_topic
+from sage.errors import FleetBusy, FleetError, FleetNotFound, FleetUnavailable, NotVouched
+from sage.fleet.inflight import MAX_IN_FLIGHT, InFlight
 from sage.fleet.member import FleetMember
+from sage.fleet.nats_errors import describe, nats_errors
 from sage.fleet.nodes import NodeState
 from sage.fleet.permissions import TOOLS_BUCKET, call_subject, parse_call_subject
-from sage.fleet.vouching import (
-    REJECTED,
-    REJECTED_EVENT,
-    TOOL_CALL,
-    NotVouched,
-    VouchedPrincipals,
-    rejected_row,
-)
+from sage.fleet.vouching import REJECTED, REJECTED_EVENT, TOOL_CALL, VouchedPrincipals, rejected_row
 
 if TYPE_CHECKING:
     from nats.aio.msg import Msg
@@ -197,12 +193,11 @@ class FleetTools:
 
     async def _bucket(self) -> KeyValue:
         if self._kv is None:
-            from nats.js.errors import BucketNotFoundError
-
             js = self.member.jetstream
             try:
-                self._kv = await js.key_value(TOOLS_BUCKET)
-            except BucketNotFoundError:
+                with nats_errors(f"the {TOOLS_BUCKET} bucket"):
+                    self._kv = await js.key_value(TOOLS_BUCKET)
+            except FleetNotFound:
                 self._kv = await js.create_key_value(
                     bucket=TOOLS_BUCKET, history=1, replicas=self.member.config.replicas
                 )
@@ -235,12 +230,17 @@ class FleetTools:
         if value == self._published:
             return
         try:
-            with anyio.fail_after(max(1.0, self.member.config.heartbeat * 2)):
+            with (
+                nats_errors(f"the {TOOLS_BUCKET} bucket"),
+                anyio.fail_after(max(1.0, self.member.config.heartbeat * 2)),
+            ):
                 await (await self._bucket()).put(self.node, value)
-        except Exception as exc:  # NATS down or refusing: tried again at the next heartbeat
+        except FleetError as exc:  # NATS down or refusing: tried again at the next heartbeat
             self._dirty = True
             if not self._put_failing:  # once an outage
-                log.warning("fleet.catalogue_put_failed", node=self.node, error=str(exc)[:300])
+                log.warning(
+                    "fleet.catalogue_put_failed", node=self.node, code=exc.code, error=describe(exc)
+                )
             self._put_failing = True
             return
         self._put_failing = False
@@ -248,26 +248,26 @@ class FleetTools:
         log.info("fleet.catalogue_published", node=self.node, bytes=len(value))
 
     async def _read_remote(self) -> None:
-        from nats.js.errors import KeyNotFoundError
-
         remote: dict[str, list[dict[str, Any]]] = {}
         try:
             views = await self.member.nodes()
-            kv = await self._bucket()
+            with nats_errors(f"the {TOOLS_BUCKET} bucket"):
+                kv = await self._bucket()
             for view in views:
                 if view.state is not NodeState.LIVE or view.node == self.node:
                     continue
                 try:
-                    entry = await kv.get(view.node)
-                except KeyNotFoundError:
+                    with nats_errors(f"the {TOOLS_BUCKET} bucket"):
+                        entry = await kv.get(view.node)
+                except FleetNotFound:
                     continue
                 tools = read_catalogue(view.node, entry.value or b"")
                 if tools is None:
                     log.warning("fleet.catalogue_ignored", node=view.node)
                     continue
                 remote[view.node] = tools
-        except Exception as exc:  # NATS down: the last known catalogues stay until it is back
-            log.debug("fleet.catalogues_unread", error=str(exc)[:300])
+        except FleetError as exc:  # NATS down: the last known catalogues stay until it is back
+            log.debug("fleet.catalogues_unread", code=exc.code, error=describe(exc))
             if self.member.connected:
                 return
             remote = {}  # not connected: no remote tool can be called now
@@ -321,20 +321,22 @@ class FleetTools:
         if not self.member.connected:
             return error_result(f"node {node} cannot be reached: NATS is not connected")
         data = msgspec.json.encode({"call": call})
-        from nats.errors import NoRespondersError
-
         nc = self.member.nats
         subject = call_subject(node, self.node)
         try:
-            msg = await nc.request(subject, data, timeout=deadline + REMOTE_SLACK)
-        except NoRespondersError:
-            return error_result(f"node {node} does not answer tool calls (lost or stopped?)")
-        except TimeoutError:
-            return error_result(
-                f"tool {tool!r} of node {node} did not answer within {deadline + REMOTE_SLACK:g} s"
-            )
-        except Exception as exc:  # a connection closed or draining meanwhile
-            return error_result(f"node {node} cannot be reached: {str(exc)[:300]}")
+            with nats_errors(f"a tool call to node {node}"):
+                msg = await nc.request(subject, data, timeout=deadline + REMOTE_SLACK)
+        except FleetUnavailable as exc:
+            if exc.no_responders:
+                return error_result(f"node {node} does not answer tool calls (lost or stopped?)")
+            if exc.timed_out:
+                return error_result(
+                    f"tool {tool!r} of node {node} did not answer within"
+                    f" {deadline + REMOTE_SLACK:g} s"
+                )
+            return error_result(f"node {node} cannot be reached: {describe(exc)}")
+        except FleetError as exc:  # a connection closed or draining meanwhile
+            return error_result(f"node {node} cannot be reached: {describe(exc)}")
         try:
             return msgspec.json.decode(msg.data)
         except msgspec.DecodeError:
@@ -345,16 +347,23 @@ class FleetTools:
     async def _serve_calls(self, tg: anyio.abc.TaskGroup) -> None:
         while True:  # a subscription refused now (a closed connection) is asked again
             try:
-                sub = await self.member._nc.subscribe(call_subject(self.node, "*"))
+                with nats_errors("the tool calls' subscription"):
+                    sub = await self.member.nats.subscribe(call_subject(self.node, "*"))
                 break
-            except Exception as exc:
-                log.warning("fleet.calls_unserved", node=self.node, error=str(exc)[:300])
+            except FleetError as exc:
+                log.warning(
+                    "fleet.calls_unserved", node=self.node, code=exc.code, error=describe(exc)
+                )
                 await anyio.sleep(max(1.0, self.member.config.heartbeat))
         try:
             async for msg in sub.messages:
                 await self._take_call(tg, msg)
         finally:
-            with anyio.move_on_after(1.0, shield=True), contextlib.suppress(Exception):
+            with (
+                anyio.move_on_after(1.0, shield=True),
+                contextlib.suppress(FleetError),
+                nats_errors("the tool calls' unsubscribe"),
+            ):
                 await sub.unsubscribe()
 
     async def _take_call(self, tg: anyio.abc.TaskGroup, msg: Msg) -> None:
@@ -370,7 +379,7 @@ class FleetTools:
             self._in_flight.take(origin)
         except FleetBusy as exc:
             log.warning("fleet.peer_busy", origin=origin, verb="tool.call", in_flight=MAX_IN_FLIGHT)
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(FleetError), nats_errors("an answer"):
                 await msg.respond(msgspec.json.encode(error_result(f"{exc.code}: {exc}")))
             return
         tg.start_soon(self._serve_counted, msg, origin)
@@ -387,10 +396,11 @@ class FleetTools:
         origin = parse_call_subject(self.node, msg.subject)
         result = await self.run_remote(origin, msg.data)
         try:
-            await msg.respond(msgspec.json.encode(result))
-        except Exception as exc:  # too big for NATS, or the connection went
-            log.warning("fleet.tool_answer_failed", error=str(exc)[:300])
-            with contextlib.suppress(Exception):
+            with nats_errors("an answer"):
+                await msg.respond(msgspec.json.encode(result))
+        except FleetError as exc:  # too big for NATS, or the connection went
+            log.warning("fleet.tool_answer_failed", code=exc.code, error=describe(exc))
+            with contextlib.suppress(FleetError), nats_errors("an answer"):
                 await msg.respond(msgspec.json.encode(error_result(f"answer not sent: {exc}")))
 
     async def run_remote(self, from_node: str | None, data: bytes) -> Any:
@@ -428,7 +438,10 @@ class FleetTools:
         if principal is not None and not isinstance(principal, str):
             return error_result("bad tool call from the fleet: principal_id")
         try:
-            with anyio.fail_after(max(1.0, self.member.config.heartbeat * 2)):
+            with (
+                nats_errors("the node table"),
+                anyio.fail_after(max(1.0, self.member.config.heartbeat * 2)),
+            ):
                 await self.vouched.check(origin, principal)
         except NotVouched as exc:
             tool = call.get("tool_name")
@@ -444,10 +457,10 @@ class FleetTools:
             )
             log.warning(REJECTED_EVENT, **refused)
             with contextlib.suppress(BusError):
-                self.bus.publish(self.identity, f"sage.v1.audit.{REJECTED}", refused)
+                self.bus.publish(self.identity, audit_topic(REJECTED), refused)
             return error_result(f"{exc.code}: {exc}")
-        except Exception as exc:  # the node bucket cannot be read now
+        except FleetError as exc:  # the node bucket cannot be read now
             return error_result(
-                f"node {self.node} cannot check node {origin}'s principals now: {str(exc)[:300]}"
+                f"node {self.node} cannot check node {origin}'s principals now: {describe(exc)}"
             )
         return None

@@ -35,14 +35,13 @@ from collections.abc import Awaitable, Callable, Mapping
 import anyio
 
 from sage.config import FleetPeerConfig
-from sage.errors import SageError
+from sage.errors import NotVouched
 from sage.fleet.nodes import NodeRecord
 
 __all__ = (
     "REJECTED",
     "REJECTED_EVENT",
     "TOOL_CALL",
-    "NotVouched",
     "VouchedPrincipals",
     "check_vouched",
     "rejected_row",
@@ -56,12 +55,6 @@ TOOL_CALL = "tool.call"
 """The verb of a forwarded tool call's refusal, whose row also names the tool."""
 NAME_MAX = 64
 TOOL_NAME_MAX = 128
-
-
-class NotVouched(SageError):
-    """A node forwarded a request or tool call for a principal it may not vouch for."""
-
-    code = "principal_not_authenticated"
 
 
 def check_vouched(
@@ -182,7 +175,7 @@ class VouchedPrincipals:
             declared = None if record is None else frozenset(record.principals or ())
             self._held[origin] = (now, declared)
             reading.read = True
-        except Exception as exc:
+        except Exception as exc:  # not handled: shared with the checks waiting, re-raised
             reading.error = exc
             raise
         finally:

@@ -1,11 +1,11 @@
-"""Run one forged tool inside bubblewrap: mounts, limits, output capture.
+"""Run one forged tool inside bubblewrap: the options, limits, output capture.
 
-The pure half builds and checks: :func:`check_binds` resolves the ``x-bind``
-paths and refuses what must never be mounted, :func:`build_args` writes the
-bwrap options.  The thin async half, :func:`run_sandboxed`, opens the
-checked paths (``O_PATH|O_NOFOLLOW``, component by component, same inode as
-checked) and hands bwrap the descriptors (``--ro-bind-fd``/``--bind-fd``),
-so what is mounted is what was checked, whatever is swapped in later.
+The pure half builds: :func:`build_args` writes the bwrap options for the binds
+sage/forge/mounts.py checked (:func:`~sage.forge.mounts.check_binds`).  The thin
+async half, :func:`run_sandboxed`, has the checked paths opened as checked
+(:func:`~sage.forge.mounts.open_binds`) and hands bwrap the descriptors
+(``--ro-bind-fd``/``--bind-fd``), so what is mounted is what was checked, whatever
+is swapped in later.
 
 The sandbox: every namespace unshared (``--share-net`` only when the
 persona's policy allows the network), nested user namespaces disabled, no
@@ -22,7 +22,7 @@ environment (with the secrets) and the tool travel in memfds
 
 When the supervisor is root, bwrap runs as ``Limits.sandbox_uid`` (the
 principal's own uid from ``[forge] sandbox_uid_base``, see
-:mod:`sage.forge.uids`; no supplementary groups) in an unprivileged user namespace, so
+:mod:`sage.security.uids`; no supplementary groups) in an unprivileged user namespace, so
 RLIMIT_NPROC is enforced (it is not for root) and the tool can only open
 what that uid could; binds are refused unless that uid may reach them.  The
 rlimits (CPU, address space, file size, open files, processes, core 0) are
@@ -45,44 +45,39 @@ import errno
 import os
 import re
 import signal
-import stat
 import struct
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 
 from sage.errors import ProcessError, SandboxError
 from sage.files import private_dir
-from sage.forge.uids import DEFAULT_UID_BASE
+from sage.forge import mounts
+from sage.forge.mounts import Bind, ResolvedBind
 from sage.process import Child, Ring
 from sage.security.bwrap import BwrapProbe, launcher, probe_bwrap
+from sage.security.uids import DEFAULT_UID_BASE
 
 if TYPE_CHECKING:
-    from sage.config import Config, ForgeConfig
+    from sage.config import ForgeConfig
 
 __all__ = (
     "IMPL_PATH",
     "LOADER_PATH",
-    "SYSTEM_FORBIDDEN",
-    "Bind",
     "Limits",
-    "ResolvedBind",
     "SandboxProbe",
     "SandboxResult",
     "SandboxSpec",
     "Spares",
     "Started",
     "build_args",
-    "check_binds",
     "ensure_sandbox",
-    "forbidden_for",
     "nproc_limit",
-    "open_binds",
     "run_sandboxed",
     "seccomp_program",
     "start_sandbox",
@@ -112,48 +107,7 @@ _BASE_ENV = {
 }
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
-SYSTEM_FORBIDDEN: tuple[Path, ...] = tuple(
-    Path(p)
-    for p in (
-        "/etc",
-        "/proc",
-        "/sys",
-        "/dev",
-        "/run",
-        "/var/run",
-        "/boot",
-        "/root",
-        "/forge",
-        "/tmp/.X11-unix",
-        "/var/lib/sss",
-    )
-)
-"""Never mountable, nor anything inside or containing them (so ``/`` neither)."""
-
-_RESERVED_DESTS = frozenset({"/", "/usr", "/tmp", "/bin", "/sbin", "/lib", "/lib64"})
-
-
 # -- the data --------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Bind:
-    """One ``x-bind`` path as the schema gave it."""
-
-    path: Path
-    mode: Literal["ro", "rw"]
-
-
-@dataclass(frozen=True)
-class ResolvedBind:
-    """A checked bind: the resolved path and the inode that was checked."""
-
-    path: Path
-    mode: Literal["ro", "rw"]
-    dev: int
-    ino: int
-    is_dir: bool
-    requested: Path
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,7 +123,7 @@ class Limits:
     output_cap: int
     sandbox_uid: int = DEFAULT_UID_BASE
     """Uid (and gid) bwrap runs as when the supervisor is root: the principal's own
-    (:class:`sage.forge.uids.SandboxUids`), never one another program uses."""
+    (:class:`sage.security.uids.SandboxUids`), never one another program uses."""
     spill_cap: int = 256 * 1024 * 1024
     """Stdout bytes spilled to the artifact at most; past it the sandbox is killed."""
     stderr_tail: int = 8192
@@ -240,198 +194,6 @@ def label_of(network: bool, loopback: bool) -> str:
     if not network:
         return "bwrap"
     return "bwrap+net" if loopback else "bwrap+net-noloop"
-
-
-def forbidden_for(config: Config) -> tuple[Path, ...]:
-    """The host paths of ``config`` no tool may mount (state, forge, audit, socket, vault, keys)."""
-    paths = [
-        config.state_dir,
-        config.forge_dir,
-        config.audit_path,
-        config.socket_path,
-        config.socket_path.parent,
-        config.secrets_path,
-        config.keys_dir,
-    ]
-    if config.secrets.key_file:
-        paths.append(Path(config.secrets.key_file))
-    credentials = os.environ.get("CREDENTIALS_DIRECTORY")
-    if credentials:
-        paths.append(Path(credentials))
-    return tuple(paths)
-
-
-# -- checking binds (pure, apart from stat) ---------------------------------
-
-
-def _refuse(path: Path | str, why: str) -> SandboxError:
-    return SandboxError("mount_refused", f"x-bind {path}: {why}")
-
-
-def _related(a: str, b: str) -> bool:
-    """Is one of two normalized absolute paths the other or inside it?"""
-    if a == b:
-        return True
-    a_dir = a if a.endswith("/") else a + "/"
-    b_dir = b if b.endswith("/") else b + "/"
-    return a.startswith(b_dir) or b.startswith(a_dir)
-
-
-def _forbidden_set(forbidden: Iterable[Path]) -> list[str]:
-    out: list[str] = []
-    for path in (*SYSTEM_FORBIDDEN, *forbidden):
-        text = os.path.normpath(os.path.abspath(path))
-        out.append(text)
-        real = os.path.realpath(text)
-        if real != text:
-            out.append(real)
-    return out
-
-
-def _may(info: os.stat_result, uid: int, gids: frozenset[int], want: int) -> bool:
-    """Would ``uid``/``gids`` get ``want`` (rwx bits, 0-7) on this inode by its mode?"""
-    mode = info.st_mode
-    if uid == 0:
-        return True
-    if info.st_uid == uid:
-        bits = (mode >> 6) & 7
-    elif info.st_gid in gids:
-        bits = (mode >> 3) & 7
-    else:
-        bits = mode & 7
-    return bits & want == want
-
-
-def check_binds(
-    binds: Sequence[Bind],
-    forbidden: Iterable[Path] = (),
-    *,
-    uid: int | None = None,
-    gids: Iterable[int] = (),
-) -> tuple[ResolvedBind, ...]:
-    """Resolve and check ``binds``; ``SandboxError("mount_refused")`` for any bad one.
-
-    Refused: a relative path, one that does not exist, anything but a regular
-    file or a directory (no sockets, devices, fifos), a path that is (or,
-    after resolving symlinks, lands) inside, equal to or above a forbidden
-    path (:data:`SYSTEM_FORBIDDEN` plus ``forbidden``), a mount point the
-    sandbox itself needs (``/usr``, ``/tmp`` ...).  With ``uid``: a path that
-    uid could not reach through its parents, read, or (``rw``) write by the
-    mode bits - the sandbox must not see more than its uid could.
-    Returned sorted parents first; the same path twice is bound once, ``ro``
-    winning over ``rw``.
-    """
-    forbid = _forbidden_set(forbidden)
-    group_ids = frozenset(gids)
-    chosen: dict[str, ResolvedBind] = {}
-    for bind in binds:
-        if bind.mode not in ("ro", "rw"):
-            raise _refuse(bind.path, f"mode {bind.mode!r} is neither ro nor rw")
-        raw = str(bind.path)
-        if not raw or "\0" in raw or not os.path.isabs(raw):
-            raise _refuse(bind.path, "not an absolute path")
-        lexical = os.path.normpath(raw)
-        try:
-            real = os.path.realpath(raw, strict=True)
-        except OSError as exc:
-            raise _refuse(bind.path, f"cannot resolve it: {exc.strerror or exc}") from None
-        for candidate in (lexical, real):
-            for bad in forbid:
-                if _related(candidate, bad):
-                    via = "" if candidate == lexical else f" (it resolves to {real})"
-                    raise _refuse(bind.path, f"overlaps {bad}, which is never mounted{via}")
-            if candidate in _RESERVED_DESTS:
-                raise _refuse(bind.path, "the sandbox's own mount point")
-        try:
-            info = os.stat(real)
-        except OSError as exc:
-            raise _refuse(bind.path, f"cannot stat it: {exc.strerror or exc}") from None
-        is_dir = stat.S_ISDIR(info.st_mode)
-        if not (is_dir or stat.S_ISREG(info.st_mode)):
-            raise _refuse(bind.path, "neither a regular file nor a directory")
-        if uid is not None:
-            _check_access(Path(real), info, bind, uid, group_ids, is_dir)
-        resolved = ResolvedBind(
-            path=Path(real),
-            mode=bind.mode,
-            dev=info.st_dev,
-            ino=info.st_ino,
-            is_dir=is_dir,
-            requested=bind.path,
-        )
-        previous = chosen.get(real)
-        if previous is None or (previous.mode == "rw" and bind.mode == "ro"):
-            chosen[real] = resolved
-    return tuple(sorted(chosen.values(), key=lambda b: (str(b.path).count("/"), str(b.path))))
-
-
-def _check_access(
-    real: Path, info: os.stat_result, bind: Bind, uid: int, gids: frozenset[int], is_dir: bool
-) -> None:
-    for parent in reversed(real.parents):
-        try:
-            parent_info = os.stat(parent)
-        except OSError as exc:
-            raise _refuse(bind.path, f"cannot stat {parent}: {exc.strerror}") from None
-        if not _may(parent_info, uid, gids, 1):
-            raise _refuse(
-                bind.path,
-                f"uid {uid} cannot enter {parent} (the sandbox sees no more than its uid may)",
-            )
-    want = 4 | (1 if is_dir else 0) | (2 if bind.mode == "rw" else 0)
-    if not _may(info, uid, gids, want):
-        need = "read and write" if bind.mode == "rw" else "read"
-        raise _refuse(
-            bind.path,
-            f"uid {uid} may not {need} it (chown, chmod or an ACL for the sandbox uid)",
-        )
-
-
-def open_binds(binds: Sequence[ResolvedBind]) -> list[int]:
-    """An ``O_PATH`` descriptor per bind, opened without following any symlink.
-
-    Each component is opened ``O_NOFOLLOW`` from ``/``; the inode reached must
-    be the one :func:`check_binds` saw.  A path swapped (for a symlink or
-    anything else) since the check is refused.  The caller closes the fds.
-    """
-    fds: list[int] = []
-    try:
-        for bind in binds:
-            fds.append(_open_nofollow(bind))
-    except BaseException:
-        for fd in fds:
-            os.close(fd)
-        raise
-    return fds
-
-
-def _open_nofollow(bind: ResolvedBind) -> int:
-    flags = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
-    parts = [p for p in str(bind.path).split("/") if p]
-    fd = os.open("/", flags | os.O_DIRECTORY)
-    try:
-        for index, part in enumerate(parts):
-            last = index == len(parts) - 1
-            try:
-                nxt = os.open(part, flags | (0 if last else os.O_DIRECTORY), dir_fd=fd)
-            except OSError as exc:
-                why = (
-                    "it was swapped for a symlink after it was checked"
-                    if exc.errno in (errno.ELOOP, errno.ENOTDIR)
-                    else f"cannot open it: {exc.strerror}"
-                )
-                raise _refuse(bind.requested, why) from None
-            os.close(fd)
-            fd = nxt
-        info = os.fstat(fd)
-        if stat.S_ISLNK(info.st_mode):
-            raise _refuse(bind.requested, "it was swapped for a symlink after it was checked")
-        if (info.st_dev, info.st_ino) != (bind.dev, bind.ino):
-            raise _refuse(bind.requested, "it was replaced after it was checked")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 # -- the bwrap options (pure) -----------------------------------------------
@@ -839,7 +601,7 @@ async def run_sandboxed(spec: SandboxSpec, spares: Spares | None = None) -> Sand
     tools = await _PROBE.ensure(limits.sandbox_uid)
     if not spec.argv:
         raise SandboxError("bad_command", "empty command line")
-    resolved = check_binds(spec.binds, spec.forbidden, uid=uid, gids=gids)
+    resolved = mounts.check_binds(spec.binds, spec.forbidden, uid=uid, gids=gids)
     if spares is not None and not resolved:
         result = await spares.run(spec, tools)
         if result is not None:
@@ -885,7 +647,7 @@ def start_sandbox(
     opened: list[int] = []
     status_r = status_w = -1
     try:
-        bind_fds = open_binds(binds)
+        bind_fds = mounts.open_binds(binds)
         opened += bind_fds
         impl_fd = loader_fd = shim_fd = None
         if impl is not None:

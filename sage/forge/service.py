@@ -31,6 +31,7 @@ from sage.config import Config
 from sage.errors import ForgeError, SandboxError
 from sage.forge.breakers import BreakerBoard, State
 from sage.forge.cache import ResultCache, cache_key
+from sage.forge.mounts import Bind, forbidden_for
 from sage.forge.policy import Policy, PolicyFile
 from sage.forge.registry import (
     NAME_RE,
@@ -49,11 +50,11 @@ from sage.forge.runs import (
     mask_input,
     new_run_id,
 )
-from sage.forge.sandbox import Bind, Limits, SandboxResult, SandboxSpec, forbidden_for
+from sage.forge.sandbox import Limits, SandboxResult, SandboxSpec
 from sage.forge.static_check import check_impl
 from sage.forge.stats import SAVE_EVERY, StatsFile
-from sage.forge.uids import NO_PRINCIPAL, SandboxUids
 from sage.redaction import redact_json, redact_text
+from sage.security.uids import NO_PRINCIPAL, SandboxUids
 
 __all__ = ("Caller", "Executor", "Forge", "SandboxExecutor", "mcp_result")
 

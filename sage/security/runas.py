@@ -8,7 +8,7 @@ run as one uid of that principal's own (docs/security.md, Sessions):
   ``uid_base + uid_count - 1`` (91001-91999 by default: above the forge's
   sandbox range 90000-90999, below the ``/etc/subuid`` ranges), given once
   and persisted in ``<state_dir>/session_uids.json`` with the forge's rules
-  (:class:`sage.forge.uids.SandboxUids`: never reassigned, a uid the host's
+  (:class:`sage.security.uids.SandboxUids`: never reassigned, a uid the host's
   user database knows is skipped, and refused if it becomes a host user's).
 
 Their gid is the uid's number for sage's own uids, the user's primary group
@@ -40,7 +40,7 @@ from pathlib import Path
 from sage.claude.homes import can_run
 from sage.config import Config, PrincipalConfig
 from sage.errors import ConfigError, SageError, SandboxError
-from sage.forge.uids import SandboxUids, known_uid
+from sage.security.uids import SandboxUids, known_uid
 
 __all__ = (
     "RunAs",

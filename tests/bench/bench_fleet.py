@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import statistics
 import sys
@@ -84,14 +83,16 @@ import anyio.to_thread
 from bus.client import BusClient, RemoteSubscription
 from sage.cli._common import call_runner
 from sage.cli.sage_cmd import call_session
+from sage.contract.sessions import FLEET_SESSIONS_TOPIC as LISTING
+from sage.fleet.listing import LISTING_FROM_BUCKET
 from sage.fleet.nodes import NodeRecord
 from sage.fleet.permissions import BUCKET
-from sage.fleet.router import LISTING, LISTING_FROM_BUCKET
 from sage.fleet.routes import REGISTRY, SessionEntry, registry_key
-from sage.fleet.transcripts import TRANSCRIPTS, transcript_rel
+from sage.fleet.transcripts import TRANSCRIPTS
 from tests.bench.bench_sessions import FAKE, _pct, _reap_leftovers, _remove
 from tests.bench.report import Report
 from tests.support.daemon import Daemon, node_root, short_dir
+from tests.support.failover_fleet import put_transcript
 from tests.support.nats_cluster import JS_TIMEOUT, NatsCluster, stored_object
 
 NODES = ("a", "c")
@@ -517,28 +518,6 @@ def _failover_config(cluster: NatsCluster, node: str) -> str:
     )
 
 
-def _put_transcript(daemon: Daemon, claude_session: str, data: bytes) -> None:
-    """Where the real CLI keeps it, owned by alice's children (the home's owner)."""
-    home = daemon.root / "state" / "homes" / "alice"
-    owner = home.stat()
-    path = home / transcript_rel(os.path.realpath(home), claude_session)
-    folder = home
-    for part in path.relative_to(home).parts[:-1]:
-        folder = folder / part
-        folder.mkdir(mode=0o700, exist_ok=True)
-        os.chown(folder, owner.st_uid, owner.st_gid)
-    path.write_bytes(data)
-    os.chown(path, owner.st_uid, owner.st_gid)
-
-
-def _conversation_of(pid: int) -> str:
-    with open(f"/proc/{pid}/cmdline", "rb") as file:
-        for arg in file.read().decode().split("\0"):
-            if arg.startswith("--session-id="):
-                return arg.removeprefix("--session-id=")
-    raise RuntimeError(f"no --session-id in the argv of {pid}")
-
-
 async def _kill_and_time(
     cluster: NatsCluster, daemons: dict[str, Daemon], sid: str
 ) -> tuple[float, str]:
@@ -546,9 +525,12 @@ async def _kill_and_time(
     a = daemons["a"]
     async with _client(a) as on_a:
         await _spawn(on_a, sid)
-        listing = await call_runner(on_a, "sage.v1.request.sessions", {}, DEADLINE)
-        (pid,) = [r["pid"] for r in listing["sessions"] if r["session_id"] == sid]
-        _put_transcript(a, _conversation_of(pid), b'{"type":"user"}\n' * 6400)
+        # the runner's word for the conversation (a child's /proc/<pid>/cmdline may still
+        # be the launcher's, between its fork and its exec)
+        async with BusClient.connect(a.socket, role="cli", name="bench") as admin:
+            topic = f"sage.v1.request.conversation.{sid}"  # the supervisor's (an admin's)
+            info = await call_runner(admin, topic, {}, DEADLINE)
+        put_transcript(a, info["claude_session"], b'{"type":"user"}\n' * 6400)
         events = await on_a.subscribe(f"sage.v1.event.{sid}.>")
         await call_runner(on_a, f"sage.v1.request.send.{sid}", {"text": "hi"}, DEADLINE)
         await _until_done(events)

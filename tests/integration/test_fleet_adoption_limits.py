@@ -19,21 +19,21 @@ from typing import Any
 
 import pytest
 
-from tests.integration.test_fleet_failover import (
+from tests.support import FAKE_CLAUDE
+from tests.support.daemon import Daemon, descendant_argvs
+from tests.support.failover_fleet import (
+    HEARTBEAT,
+    LOST_AFTER,
     local_rows,
     ok_json,
     request,
     rows,
+    running_fleet,
     stored,
     transcript_path,
 )
-from tests.support import FAKE_CLAUDE
-from tests.support.daemon import Daemon, all_running, descendant_argvs, short_dir
 from tests.support.nats_cluster import NatsCluster, wait_for
 
-NODES = ["a", "b", "c"]
-HEARTBEAT = 0.4
-LOST_AFTER = 1.5
 CS = "0d7c6c2e-3a4f-4b8e-9c1d-2e3f4a5b6c7d"
 SESSIONS = {
     "a": "max_live = 1\n",
@@ -57,12 +57,8 @@ def node_config(cluster: NatsCluster, node: str) -> str:
 
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[tuple[NatsCluster, dict[str, Daemon]]]:
-    with NatsCluster(NODES) as cluster:
-        env = {"ANTHROPIC_API_KEY": "sk-double"}
-        with all_running(
-            {node: Daemon(short_dir(), node_config(cluster, node), env=env) for node in NODES}
-        ) as daemons:
-            yield cluster, daemons
+    with running_fleet(node_config) as running:
+        yield running
 
 
 def adopt(daemon: Daemon, sid: str, principal: str, *, asleep: bool = False) -> Any:

@@ -19,14 +19,14 @@ import anyio
 from sage.fleet.nodes import NodeRecord
 from sage.fleet.routes import SessionEntry, registry_key
 from sage.fleet.transcripts import TranscriptMeta
-from tests.integration.test_fleet_failover import (
+from tests.support.daemon import Daemon, short_dir
+from tests.support.failover_fleet import (
     HEARTBEAT,
     LOST_AFTER,
     audit_rows,
     local_rows,
     node_config,
 )
-from tests.support.daemon import Daemon, short_dir
 from tests.support.nats_cluster import JS_TIMEOUT, NatsCluster, wait_for
 
 PLANTED = "11111111-2222-4333-8444-555555555555"

@@ -14,127 +14,29 @@ from __future__ import annotations
 import json
 import os
 import signal
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import anyio
-import pytest
 
-from sage.fleet.transcripts import TRANSCRIPTS, transcript_rel
-from tests.support import FAKE_CLAUDE
-from tests.support.daemon import Daemon, all_running, descendant_argvs, short_dir
-from tests.support.nats_cluster import NatsCluster, stored_object, wait_for
+from tests.support.daemon import Daemon, descendant_argvs
+from tests.support.failover_fleet import (
+    LOST_AFTER,
+    argv_of,
+    audit_rows,
+    conversation_of,
+    fleet,
+    home_of,
+    local_rows,
+    ok_json,
+    put_transcript,
+    request,
+    rows,
+    stored,
+    transcript_path,
+)
+from tests.support.nats_cluster import NatsCluster, wait_for
 
-NODES = ["a", "b", "c"]
-HEARTBEAT = 0.4
-LOST_AFTER = 1.5
-
-
-def node_config(cluster: NatsCluster, node: str) -> str:
-    return (
-        'capsules = ["runner"]\n'
-        f'[claude]\nbinary = "{FAKE_CLAUDE}"\nenv = {{ FAKE_CLAUDE_MODE = "" }}\n'
-        "[limits]\nstop_grace = 2.0\n[sessions]\nresume = true\n"
-        + cluster.fleet_section(node, heartbeat=HEARTBEAT, lost_after=LOST_AFTER)
-        + '[[principals]]\nname = "alice"\noperator_key = true\n'
-        # bob only on a and c: b cannot run his sessions, so it never takes them
-        + ('[[principals]]\nname = "bob"\noperator_key = true\n' if node != "b" else "")
-    )
-
-
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[tuple[NatsCluster, dict[str, Daemon]]]:
-    with NatsCluster(NODES) as cluster:
-        env = {"ANTHROPIC_API_KEY": "sk-double"}
-        with all_running(
-            {node: Daemon(short_dir(), node_config(cluster, node), env=env) for node in NODES}
-        ) as daemons:
-            yield cluster, daemons
-
-
-def ok_json(daemon: Daemon, *args: str) -> Any:
-    result = daemon.astrid(*args, "--json", timeout=30.0)
-    assert result.returncode == 0, (args, result.stdout, result.stderr)
-    return json.loads(result.stdout)
-
-
-def rows(daemon: Daemon) -> dict[str, dict[str, Any]]:
-    return {row["session_id"]: row for row in ok_json(daemon, "sage", "sessions")}
-
-
-def request(daemon: Daemon, topic: str, payload: Any) -> Any:
-    """One request on ``daemon``'s socket, as its admin."""
-
-    async def main() -> Any:
-        from bus.client import BusClient
-
-        async with BusClient.connect(daemon.socket, role="cli", name="test") as client:
-            reply = await client.request(topic, payload, deadline=10.0)
-            return json.loads(reply.payload)
-
-    return anyio.run(main)
-
-
-def local_rows(daemon: Daemon) -> dict[str, dict[str, Any]]:
-    """The node's own runner's sessions, ended ones too (not the fleet-wide listing)."""
-    listing = request(daemon, "sage.v1.request.sessions", {"all": True})
-    return {row["session_id"]: row for row in listing["sessions"]}
-
-
-def audit_rows(daemon: Daemon, kind: str) -> list[dict[str, Any]]:
-    import sqlite3
-
-    db = sqlite3.connect(f"file:{daemon.root / 'state' / 'audit.db'}?mode=ro", uri=True)
-    try:
-        found = db.execute("SELECT payload FROM entries WHERE kind = ?", (kind,)).fetchall()
-    finally:
-        db.close()
-    return [json.loads(payload)["payload"] for (payload,) in found]
-
-
-def stored(cluster: NatsCluster, sid: str) -> tuple[bytes, dict[str, Any]] | None:
-    """The object store's transcript of ``sid`` and its description (as the NATS admin)."""
-    found = anyio.run(stored_object, cluster, TRANSCRIPTS, sid)
-    return None if found is None else (found[0], json.loads(found[1] or "{}"))
-
-
-def argv_of(pid: int) -> list[str]:
-    with open(f"/proc/{pid}/cmdline", "rb") as file:
-        return [part.decode() for part in file.read().split(b"\0") if part]
-
-
-def conversation_of(pid: int) -> str:
-    """The claude_session a child of the double runs (``--session-id`` or ``--resume``)."""
-    for arg in argv_of(pid):
-        for flag in ("--session-id=", "--resume="):
-            if arg.startswith(flag):
-                return arg.removeprefix(flag)
-    raise AssertionError(f"no conversation in {argv_of(pid)}")
-
-
-def home_of(daemon: Daemon) -> Path:
-    return daemon.root / "state" / "homes" / "alice"
-
-
-def transcript_path(daemon: Daemon, claude_session: str) -> Path:
-    home = home_of(daemon)
-    return home / transcript_rel(os.path.realpath(home), claude_session)
-
-
-def put_transcript(daemon: Daemon, claude_session: str, data: bytes) -> Path:
-    """Where the real CLI keeps it, owned by the principal's children (the home's owner)."""
-    home = home_of(daemon)
-    owner = home.stat()
-    path = transcript_path(daemon, claude_session)
-    folder = home
-    for part in path.relative_to(home).parts[:-1]:
-        folder = folder / part
-        folder.mkdir(mode=0o700, exist_ok=True)
-        os.chown(folder, owner.st_uid, owner.st_gid)
-    path.write_bytes(data)
-    os.chown(path, owner.st_uid, owner.st_gid)
-    return path
+__all__ = ("fleet",)  # the module's fixture: its own cluster and nodes
 
 
 def test_a_transcript_that_links_out_of_the_home_is_not_replicated(

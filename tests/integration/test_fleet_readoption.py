@@ -9,33 +9,24 @@ Three real supervisors (the CLI double, ``[sessions] resume = true``) over a rea
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 
 from sage.fleet.failover import RESWEEP
 from sage.fleet.routes import CLAIMS, REGISTRY
-from tests.integration.test_fleet_failover import (
+from tests.support.daemon import Daemon
+from tests.support.failover_fleet import (
     LOST_AFTER,
     audit_rows,
     fleet,
     local_rows,
     ok_json,
+    running,
+    value,
 )
-from tests.support.daemon import Daemon
 from tests.support.nats_cluster import NatsCluster, wait_for
 
 __all__ = ("fleet",)  # the module's fixture: its own cluster and nodes
-
-
-def value(cluster: NatsCluster, bucket: str, key: str) -> dict[str, object] | None:
-    found = cluster.admin_get(bucket, key)
-    return None if found is None else json.loads(found)
-
-
-def running(daemon: Daemon, sid: str) -> bool:
-    row = local_rows(daemon).get(sid)
-    return row is not None and row["state"] != "ended"
 
 
 def test_a_session_taken_over_and_ended_is_not_adopted_again_from_the_stale_claim(

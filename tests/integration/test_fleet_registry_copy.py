@@ -14,51 +14,20 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import anyio
 import nats
-import pytest
 
 from sage.fleet.nodes import NodeRecord
 from sage.fleet.permissions import BUCKET
-from sage.fleet.router import RESYNC_CHECK
+from sage.fleet.registry_keeper import RESYNC_CHECK
 from sage.fleet.routes import REGISTRY, REGISTRY_STREAM, SessionEntry, registry_key
-from tests.support import FAKE_CLAUDE
-from tests.support.daemon import Daemon, all_running, node_root
+from tests.support.daemon import Daemon
 from tests.support.nats_cluster import JS_TIMEOUT, NatsCluster, wait_for
+from tests.support.registry_fleet import NODES, fleet, forwarded, send
 
-NODES = ["a", "b", "c"]
-ALICE_UID = 65533
-
-
-def node_config(cluster: NatsCluster, node: str) -> str:
-    """The runner with the double; on node b an idle session hibernates after 0.5 s."""
-    sleepy = "[sessions]\nhibernate_after = 0.5\n" if node == "b" else ""
-    return (
-        'capsules = ["runner"]\n'
-        f'[claude]\nbinary = "{FAKE_CLAUDE}"\nenv = {{ FAKE_CLAUDE_MODE = "" }}\n'
-        '[limits]\nstop_grace = 2.0\n[socket]\ngroup = "nogroup"\n'
-        + sleepy
-        + cluster.fleet_section(node)
-        + f'[[principals]]\nname = "alice"\nuids = [{ALICE_UID}]\noperator_key = true\n'
-    )
-
-
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[tuple[NatsCluster, dict[str, Daemon]]]:
-    with NatsCluster(NODES) as cluster:
-        env = {"ANTHROPIC_API_KEY": "sk-double"}
-        with all_running(
-            {node: Daemon(node_root(), node_config(cluster, node), env=env) for node in NODES}
-        ) as daemons:
-            yield cluster, daemons
-
-
-def send(daemon: Daemon, sid: str, text: str) -> tuple[int, str]:
-    result = daemon.astrid("sage", "send", sid, text, "--principal", "alice", timeout=30.0)
-    return result.returncode, result.stdout + result.stderr
+__all__ = ("fleet",)  # the module's fixture: its own cluster and nodes
 
 
 def owner_in_bucket(cluster: NatsCluster, sid: str) -> str:
@@ -125,11 +94,6 @@ def ask_router(daemon: Daemon, sid: str) -> Any:
             return json.loads(reply.payload)
 
     return anyio.run(main)
-
-
-def forwarded(daemon: Daemon, sid: str) -> list[dict[str, Any]]:
-    """The requests for ``sid`` that other nodes forwarded to ``daemon``, as it logged them."""
-    return [r for r in daemon.log_events("fleet.forwarded_in") if r.get("session_id") == sid]
 
 
 def router_leaves_to_runner(daemon: Daemon, sid: str, what: str) -> None:

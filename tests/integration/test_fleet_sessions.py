@@ -24,6 +24,7 @@ import pytest
 from tests.support import FAKE_CLAUDE
 from tests.support.as_uid import NOGROUP
 from tests.support.daemon import ASTRID, Daemon, all_running, node_root, short_dir
+from tests.support.failover_fleet import audit_rows
 from tests.support.nats_cluster import NatsCluster, wait_for
 
 NODES = ["a", "b", "c"]
@@ -159,18 +160,6 @@ def read_events_until(proc: subprocess.Popen[str], name: str, within: float) -> 
         if events[-1]["event"] == name:
             return events
     raise AssertionError(f"no {name} event within {within} s: {events}")
-
-
-def audit_rows(daemon: Daemon, kind: str) -> list[dict[str, Any]]:
-    """The payloads of ``daemon``'s audit entries of ``kind``."""
-    import sqlite3
-
-    db = sqlite3.connect(f"file:{daemon.root / 'state' / 'audit.db'}?mode=ro", uri=True)
-    try:
-        found = db.execute("SELECT payload FROM entries WHERE kind = ?", (kind,)).fetchall()
-    finally:
-        db.close()
-    return [json.loads(payload)["payload"] for (payload,) in found]
 
 
 def test_sessions_anywhere(fleet: tuple[NatsCluster, dict[str, Daemon]]) -> None:

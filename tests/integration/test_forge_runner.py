@@ -15,9 +15,9 @@ from bus.acl import Acl, Identity
 from bus.broker import Bus
 from capsules.forge.capsule import ForgeCapsule
 from capsules.runner.mcp import McpServer
+from sage.capsule.context import CapsuleContext
 from sage.claude.protocol import McpMessageRequest
 from sage.config import Config, ForgeConfig, PrincipalConfig, SupervisorConfig
-from sage.daemon.capsule_host import CapsuleContext
 from sage.forge.runs import PAGE_MAX
 
 pytestmark = pytest.mark.anyio

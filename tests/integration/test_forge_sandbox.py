@@ -26,8 +26,10 @@ import anyio
 import pytest
 
 from sage.errors import SandboxError
+from sage.forge import mounts
 from sage.forge import sandbox as sb
-from sage.forge.sandbox import Bind, Limits, SandboxResult, SandboxSpec, run_sandboxed
+from sage.forge.mounts import Bind
+from sage.forge.sandbox import Limits, SandboxResult, SandboxSpec, run_sandboxed
 from sage.forge.spares import SparePool, kind_of, spare_forge_bytes
 from sage.redaction import redact_json, redact_text
 from tests.support.sandbox_rig import LIMITS, PY, in_spare
@@ -432,7 +434,7 @@ async def test_a_path_swapped_for_a_symlink_after_the_check(
     (data / "mine.txt").write_text("checked content")
     (data / "mine.txt").chmod(0o644)
     hostname = _read_or_empty("/etc/hostname")
-    real_check = sb.check_binds
+    real_check = mounts.check_binds
 
     def check_then_swap(*args: Any, **kwargs: Any) -> Any:
         checked = real_check(*args, **kwargs)
@@ -440,7 +442,7 @@ async def test_a_path_swapped_for_a_symlink_after_the_check(
         data.symlink_to("/etc")
         return checked
 
-    monkeypatch.setattr(sb, "check_binds", check_then_swap)
+    monkeypatch.setattr(mounts, "check_binds", check_then_swap)
     with pytest.raises(SandboxError) as caught:
         await _run("pass", binds=(Bind(data, "ro"),))
     assert caught.value.code == "mount_refused"
@@ -449,7 +451,7 @@ async def test_a_path_swapped_for_a_symlink_after_the_check(
 
     data.unlink()
     (open_dir / "moved").rename(data)
-    real_open = sb.open_binds
+    real_open = mounts.open_binds
 
     def open_then_swap(binds: Any) -> Any:
         fds = real_open(binds)
@@ -457,7 +459,7 @@ async def test_a_path_swapped_for_a_symlink_after_the_check(
         data.symlink_to("/etc")
         return fds
 
-    monkeypatch.setattr(sb, "open_binds", open_then_swap)
+    monkeypatch.setattr(mounts, "open_binds", open_then_swap)
     result = await _run(
         f"""
         import json, os

@@ -20,14 +20,8 @@ import anyio
 import pytest
 
 from sage.forge import spares as spares_mod
-from sage.forge.sandbox import (
-    IMPL_PATH,
-    Bind,
-    Limits,
-    SandboxSpec,
-    ensure_sandbox,
-    run_sandboxed,
-)
+from sage.forge.mounts import Bind
+from sage.forge.sandbox import IMPL_PATH, Limits, SandboxSpec, ensure_sandbox, run_sandboxed
 from sage.forge.spares import SparePool, kind_of
 from tests.support.sandbox_rig import LIMITS, PY, in_spare
 

@@ -30,9 +30,11 @@ from bus.client import BusClient
 from capsules.hooks.capsule import REPL_TOKEN_TTL, HookGate
 from capsules.hooks.validate import PAYLOAD_LIMIT
 from capsules.runner.command import hash_token, mint_token
+from sage.capsule.context import CapsuleContext
+from sage.capsule.manifest import load_manifest
 from sage.config import Config, LimitsConfig, PrincipalConfig
-from sage.daemon.capsule_host import CapsuleContext, capsule_folder, load_manifest
-from sage.daemon.state import StateStore
+from sage.daemon.capsule_host import capsule_folder
+from sage.state import StateStore
 from tests.support import FAKE_CLAUDE
 from tests.support.as_uid import Say, fork_as
 from tests.support.sage_harness import Sage, running_sage, sage_config

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from sage.daemon.state import StateStore
 from sage.errors import StateError
+from sage.state import StateStore
 
 pytestmark = pytest.mark.anyio
 

@@ -25,8 +25,10 @@ from structlog.testing import capture_logs
 
 from bus import Acl, Bus, BusError, Envelope, Identity, Subscription
 from capsules.tools.bridge import ToolBridge
+from sage.capsule.context import CapsuleContext
+from sage.capsule.manifest import load_manifest
 from sage.config import Config, SupervisorConfig
-from sage.daemon.capsule_host import CapsuleContext, capsule_folder, load_manifest
+from sage.daemon.capsule_host import capsule_folder
 
 pytestmark = pytest.mark.anyio
 

@@ -28,13 +28,8 @@ from bus import (
     NotAuthorized,
     RemoteSubscription,
 )
-from sage.daemon.capsule_host import (
-    STATE_TOPIC,
-    CapsuleRunner,
-    RestartPolicy,
-    WorkerSpec,
-    load_manifest,
-)
+from sage.capsule.manifest import WorkerSpec, load_manifest
+from sage.daemon.capsule_host import STATE_TOPIC, CapsuleRunner, RestartPolicy
 from sage.daemon.workers import LineSplitter, worker_argv, worker_env
 from sage.errors import ConfigError
 from tests.support.sage_harness import Sage, running_sage
@@ -395,7 +390,7 @@ async def test_user_namespace_sandbox_runs_the_worker_runtime(tmp_path: Path) ->
     the folder is read-only, nothing else of the host's folder is there, no network."""
     from sage.daemon.workers import WorkerSandbox, sandbox_command
     from sage.forge.sandbox import ensure_sandbox
-    from sage.forge.uids import SandboxUids
+    from sage.security.uids import SandboxUids
 
     folder = tmp_path / "cap"
     folder.mkdir()

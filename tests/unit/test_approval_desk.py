@@ -14,9 +14,10 @@ import pytest
 from bus import Bus, Envelope, Identity
 from capsules.runner.approval_desk import ApprovalDesk
 from capsules.runner.claude_process import SessionError
+from sage.capsule.context import CapsuleContext
+from sage.capsule.manifest import load_manifest
 from sage.claude.protocol import CanUseToolRequest, HookCallbackRequest
 from sage.config import Config, LimitsConfig, PrincipalConfig
-from sage.daemon.capsule_host import CapsuleContext, load_manifest
 
 pytestmark = pytest.mark.anyio
 

@@ -224,7 +224,7 @@ def _installed(root: Path, folder: str, name: str) -> Path:
 async def test_uninstall_deletes_every_copy_of_the_name_and_staging_is_no_capsule(
     tmp_path: Path,
 ) -> None:
-    from sage.capsule.install import installed_folders, uninstall
+    from sage.daemon.install import installed_folders, uninstall
 
     running = _installed(tmp_path, "mine_v2", "mine")
     older = _installed(tmp_path, "mine_v1", "mine")

@@ -9,16 +9,10 @@ import msgspec
 import pytest
 
 from bus import AclDenied, Bus, BusError, Envelope, Identity
-from sage.daemon.capsule_host import (
-    CapsuleContext,
-    CapsuleManifest,
-    CapsuleRunner,
-    CapsuleState,
-    RestartPolicy,
-    capsule_folder,
-    load_manifest,
-)
-from sage.errors import CapsuleError, ConfigError, SageError
+from sage.capsule.context import CapsuleContext
+from sage.capsule.manifest import CapsuleManifest, load_manifest
+from sage.daemon.capsule_host import CapsuleRunner, CapsuleState, RestartPolicy, capsule_folder
+from sage.errors import ConfigError, IllegalTransition, SageError
 
 
 def _write(folder: Path, text: str) -> Path:
@@ -86,7 +80,7 @@ def test_illegal_transition_is_a_capsule_error() -> None:
     """A change the transition table does not allow raises a SageError with its code."""
     runner = CapsuleRunner(Bus(), load_manifest(capsule_folder("echo")), lambda t, p: None)
     assert runner.state is CapsuleState.STARTING
-    with pytest.raises(CapsuleError, match="starting -> failed") as caught:
+    with pytest.raises(IllegalTransition, match="starting -> failed") as caught:
         runner._set_state(CapsuleState.FAILED)
     assert isinstance(caught.value, SageError)
     assert caught.value.code == "illegal_transition"
@@ -204,8 +198,8 @@ def test_worker_sandbox_command(tmp_path: Path, uid: int | None) -> None:
     import sys
 
     from sage.daemon.workers import WorkerSandbox, python_paths, sandbox_command
-    from sage.forge.uids import SandboxUids
     from sage.security.bwrap import BwrapProbe
+    from sage.security.uids import SandboxUids
 
     tools = BwrapProbe(ok=True, path="/usr/bin/bwrap", setpriv="/usr/bin/setpriv", prlimit="/p")
     sandbox = WorkerSandbox(uids=SandboxUids(tmp_path, 92000, 10), tmp_bytes=1 << 20)

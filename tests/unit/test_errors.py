@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from sage.errors import ForgeError, RequestError, SageError, SandboxError
+from sage.errors import ForgeError, IllegalTransition, RequestError, SageError, SandboxError
 from sage.replies import ReplyError
 
 _CODE = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -40,7 +40,7 @@ def test_every_defined_exception_is_a_sage_error_with_a_code() -> None:
     names = {cls.__name__ for cls in found}
     # the ones this tree was made for are all found, so the walk is not empty by mistake
     assert {"HookRejected", "InstallFailed", "IncompleteStream", "UnknownModel"} <= names
-    assert {"PolicyError", "SchemaError", "SecretError", "ForgeError", "CapsuleError"} <= names
+    assert {"PolicyError", "SchemaError", "SecretError", "ForgeError", "IllegalTransition"} <= names
     for cls in found:
         assert issubclass(cls, SageError), f"{cls.__module__}.{cls.__qualname__}"
         assert _CODE.match(cls.code), f"{cls.__qualname__}.code = {cls.code!r}"
@@ -82,3 +82,23 @@ def test_hook_rejection_code_is_its_reason() -> None:
     rejected = HookRejected("bad_token", "alice", "s1", "PreToolUse", "t" * 40)
     assert (rejected.code, str(rejected)) == ("bad_token", "bad_token")
     assert not hasattr(rejected, "reason")
+
+
+def test_one_illegal_transition_for_every_table() -> None:
+    """No module defines an error of its own for a state change its table refuses: the
+    audit log's table raises sage.errors.IllegalTransition, as the others do."""
+    from sage.audit.store import AuditLog, LogState
+
+    assert [cls for cls in _defined_exceptions() if "Transition" in cls.__name__] == [
+        IllegalTransition
+    ]
+    log = AuditLog.__new__(AuditLog)  # the table alone: no file is opened
+    log._state = LogState.CLOSED
+    with pytest.raises(IllegalTransition) as caught:
+        log._transition(LogState.OPEN)
+    assert caught.value.code == "illegal_transition"
+    assert (caught.value.machine, caught.value.old, caught.value.new) == (
+        "audit log",
+        "closed",
+        "open",
+    )

@@ -201,8 +201,10 @@ class _Msg:
         self.sent: list[bytes] = []
 
     async def respond(self, data: bytes) -> None:
-        if len(data) > self.limit:
-            raise ValueError("nats: maximum payload exceeded")
+        if len(data) > self.limit:  # what nats-py's publish raises past max_payload
+            from nats.errors import MaxPayloadError
+
+            raise MaxPayloadError
         self.sent.append(data)
 
 

@@ -1,8 +1,8 @@
-"""Which registry claim a lost node's session is adopted from (sage.fleet.failover.unclaimed)."""
+"""Which registry entry a lost node's session is adopted from (sage.fleet.failover.lost_entries)."""
 
 from __future__ import annotations
 
-from sage.fleet.failover import unclaimed
+from sage.fleet.failover import lost_entries
 from sage.fleet.routes import SessionEntry
 
 
@@ -14,7 +14,7 @@ def test_a_session_a_live_node_claims_is_not_adopted_again() -> None:
     """The lost node's claim stays beside its adopter's: while the adopter is live, the
     session is its, and no sweep takes it from the stale claim."""
     entries = [("s1", claim("a", 1.0), 3), ("s1", claim("c", 2.0), 7), ("s2", claim("a", 1.0), 4)]
-    found = unclaimed(entries, {"b", "c"})
+    found = lost_entries(entries, {"b", "c"})
     assert sorted(found) == ["s2"]
     assert found["s2"] == (claim("a", 1.0), 4)
 
@@ -22,5 +22,5 @@ def test_a_session_a_live_node_claims_is_not_adopted_again() -> None:
 def test_of_several_lost_claims_the_latest_is_adopted_from() -> None:
     """The session moved from a to c, and both are lost now: c's (the later) is taken."""
     entries = [("s1", claim("c", 5.0), 9), ("s1", claim("a", 1.0), 3)]
-    assert unclaimed(entries, {"b"}) == {"s1": (claim("c", 5.0), 9)}
-    assert unclaimed(list(reversed(entries)), {"b"}) == {"s1": (claim("c", 5.0), 9)}
+    assert lost_entries(entries, {"b"}) == {"s1": (claim("c", 5.0), 9)}
+    assert lost_entries(list(reversed(entries)), {"b"}) == {"s1": (claim("c", 5.0), 9)}

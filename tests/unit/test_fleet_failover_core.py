@@ -15,7 +15,7 @@ from sage.fleet.adoption import (
     Pending,
     adoptable,
     adopters,
-    claimed,
+    adopting_entry,
     rank,
 )
 from sage.fleet.failover import CappedBuffer
@@ -75,7 +75,7 @@ def test_a_node_not_live_itself_adopts_nothing() -> None:
 
 
 def test_the_claim_names_the_adopter_and_keeps_the_principal() -> None:
-    mine = claimed(entry("a"), "b", 5.0)
+    mine = adopting_entry(entry("a"), "b", 5.0)
     assert (mine.node, mine.principal_id, mine.state, mine.at, mine.resume) == (
         "b",
         "alice",

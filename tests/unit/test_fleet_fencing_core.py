@@ -15,6 +15,7 @@ from sage.fleet.fencing import Sweep, may_have_been_lost, runs_elsewhere
 from sage.fleet.member import FleetMember
 from sage.fleet.nodes import NodeState, NodeView
 from sage.fleet.routes import Claim, SessionEntry
+from sage.fleet.states import ClaimState, Machine
 
 
 def test_a_gap_past_half_of_lost_after_or_failed_beats_mean_a_look() -> None:
@@ -88,7 +89,10 @@ async def test_an_adoption_runs_its_race_only_while_the_node_is_still_lost(
     failover = Failover(cast(Bus, None), cast(FleetMember, member), Config, _never)
     taken: list[str] = []
 
-    async def take(sid: str, entry: SessionEntry, revision: int) -> None:
+    async def take(
+        sid: str, entry: SessionEntry, revision: int, claim_state: Machine[ClaimState]
+    ) -> None:
+        assert claim_state.state is ClaimState.WAITING  # read, its turn come: the race is next
         taken.append(sid)
 
     failover._take = take  # type: ignore[method-assign]
@@ -97,5 +101,5 @@ async def test_an_adoption_runs_its_race_only_while_the_node_is_still_lost(
     assert taken == (["s1"] if raced else [])
 
 
-async def _never(topic: str, payload: dict[str, Any]) -> dict[str, Any]:
+async def _never(verb: str, sid: str | None, body: Any) -> dict[str, Any]:
     raise AssertionError("the runner is not asked")

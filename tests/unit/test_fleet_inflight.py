@@ -12,7 +12,8 @@ import pytest
 
 from bus import Bus, Identity
 from sage.config import FleetConfig
-from sage.fleet.inflight import MAX_IN_FLIGHT, FleetBusy, InFlight
+from sage.errors import FleetBusy
+from sage.fleet.inflight import MAX_IN_FLIGHT, InFlight
 from sage.fleet.router import Router
 from sage.fleet.routes import Forwarded
 from sage.fleet.tools import FleetTools
@@ -75,23 +76,23 @@ async def test_a_flooding_peer_is_answered_fleet_busy_at_once() -> None:
     member = Member()
     router = Router(Bus(), member)  # type: ignore[arg-type]
     async with anyio.create_task_group() as tg:
-        router._tg = tg
+        router.forwarding.tg = tg
         held = [request("b") for _ in range(MAX_IN_FLIGHT)]
         for msg in held:
-            await router._forwarded_in(msg)  # type: ignore[arg-type]
+            await router.forwarding.take(msg)  # type: ignore[arg-type]
         flood = request("b")
-        await router._forwarded_in(flood)  # type: ignore[arg-type]
+        await router.forwarding.take(flood)  # type: ignore[arg-type]
         assert [a["error"] for a in flood.answers] == ["fleet_busy"]
         assert "node 'b' has 256 forwarded requests in flight" in flood.answers[0]["message"]
         other = request("c")
-        await router._forwarded_in(other)  # type: ignore[arg-type]
+        await router.forwarding.take(other)  # type: ignore[arg-type]
         assert other.answers == []  # taken: waiting on the bucket like b's
         member.release.set()
         await anyio.wait_all_tasks_blocked()
-        assert (router._in_flight.of("b"), router._in_flight.of("c")) == (0, 0)
+        assert (router.forwarding.in_flight.of("b"), router.forwarding.in_flight.of("c")) == (0, 0)
         assert all(m.answers[0]["error"] == "principal_not_authenticated" for m in held)
         again = request("b")
-        await router._forwarded_in(again)  # type: ignore[arg-type]
+        await router.forwarding.take(again)  # type: ignore[arg-type]
         await anyio.wait_all_tasks_blocked()
         assert again.answers[0]["error"] == "principal_not_authenticated"
 

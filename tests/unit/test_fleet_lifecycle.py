@@ -98,4 +98,4 @@ async def test_a_spawned_after_a_flood_of_deltas_still_reaches_the_registry() ->
             await anyio.wait_all_tasks_blocked()  # the books kept, the events out stalled
         tg.cancel_scope.cancel()
     assert [key for key in member.registry.puts if key.endswith("s2")], member.registry.puts
-    assert "s2" in router._here
+    assert "s2" in router.keeper.here

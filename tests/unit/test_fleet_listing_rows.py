@@ -146,11 +146,11 @@ def test_the_sweeps_claims_carry_the_revisions_the_bucket_gives() -> None:
     copy.apply("live.s1", None, 5)  # deleted
     copy.apply("lost1.s3", b"junk", 6)  # unusable: no claim, as the bucket's read
     copy.caught_up()
-    assert copy.claims(6) == [
+    assert copy.keyed_entries(6) == [
         ("s1", SessionEntry(node="lost1", principal_id="alice", at=1.0), 1),
         ("s2", SessionEntry(node="lost1", principal_id="alice", at=9.0), 4),
     ]
-    assert copy.claims(7) is None
+    assert copy.keyed_entries(7) is None
     copy.restart()
     copy.caught_up()
-    assert copy.claims(0) == []
+    assert copy.keyed_entries(0) == []

@@ -6,14 +6,9 @@ import anyio
 import pytest
 
 from sage.config import FleetPeerConfig
+from sage.errors import NotVouched
 from sage.fleet.nodes import NodeRecord, decode_record
-from sage.fleet.vouching import (
-    TOOL_CALL,
-    NotVouched,
-    VouchedPrincipals,
-    check_vouched,
-    rejected_row,
-)
+from sage.fleet.vouching import TOOL_CALL, VouchedPrincipals, check_vouched, rejected_row
 
 DECLARED = frozenset({"alice", "bob"})
 

@@ -10,8 +10,8 @@ import pytest
 
 from bus import Envelope
 from capsules.forge.capsule import ForgeCapsule
+from sage.capsule.context import CapsuleContext
 from sage.config import Config, PrincipalConfig, SupervisorConfig
-from sage.daemon.capsule_host import CapsuleContext
 
 pytestmark = pytest.mark.anyio
 

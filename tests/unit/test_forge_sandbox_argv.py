@@ -10,17 +10,8 @@ from pathlib import Path
 import pytest
 
 from sage.errors import SandboxError
-from sage.forge.sandbox import (
-    Bind,
-    Limits,
-    ResolvedBind,
-    build_args,
-    check_binds,
-    label_of,
-    open_binds,
-    sandbox_env,
-    seccomp_program,
-)
+from sage.forge.mounts import Bind, ResolvedBind, check_binds, open_binds
+from sage.forge.sandbox import Limits, build_args, label_of, sandbox_env, seccomp_program
 from sage.forge.sitecustomize import denied, denied_address
 
 

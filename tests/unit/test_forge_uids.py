@@ -1,4 +1,4 @@
-"""Sandbox uids (sage.forge.uids): one per principal, persisted, never a host user's."""
+"""Sandbox uids (sage.security.uids): one per principal, persisted, never a host user's."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from sage.config import decode_config
 from sage.errors import ConfigError, SandboxError
-from sage.forge.uids import NO_PRINCIPAL, SandboxUids, known_uid
+from sage.security.uids import NO_PRINCIPAL, SandboxUids, known_uid
 
 
 def test_principals_get_distinct_uids_in_order_and_keep_them(tmp_path: Path) -> None:

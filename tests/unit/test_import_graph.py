@@ -8,7 +8,10 @@ package counts as importing its ``__init__``, and importing ``a.b.c`` counts
 as importing ``a`` and ``a.b`` too (their ``__init__`` runs first), except
 from inside ``a.b`` itself, whose ``__init__`` is already running then (a
 module of ``a.b`` that names ``a.b`` itself, ``from a.b import x``, counts).  Cycles are the strongly connected components of that
-graph (Tarjan).
+graph (Tarjan), and again of the graph of subpackages (``sage.fleet``, ``sage.capsule``,
+``capsules.runner``, ...: each module counts as its subpackage, a module directly in a
+top-level package as itself), so two subpackages never import each other, however
+indirectly.
 """
 
 from __future__ import annotations
@@ -131,6 +134,86 @@ def test_no_import_cycle() -> None:
     cycles = _cycles(_graph())
     assert not cycles, "import cycles:\n" + "\n".join(
         " <-> ".join(sorted(cycle)) for cycle in cycles
+    )
+
+
+def _unit(module: str, modules: dict[str, Path]) -> str:
+    """The subpackage ``module`` belongs to (``sage.fleet.router`` -> ``sage.fleet``,
+    ``sage.claude.protocol.codec`` -> ``sage.claude``); a module directly in a top-level
+    package (``sage.config``), or the package itself, is its own unit."""
+    parts = module.split(".")
+    if len(parts) >= 2 and ".".join(parts[:2]) in modules:
+        head = ".".join(parts[:2])
+        if _is_package(modules[head]):
+            return head
+    return module
+
+
+def _subpackage_graph(
+    graph: dict[str, set[str]], modules: dict[str, Path]
+) -> tuple[dict[str, set[str]], dict[tuple[str, str], list[str]]]:
+    """The graph of units (see :func:`_unit`), and for each edge the imports that make it."""
+    units: dict[str, set[str]] = {}
+    why: dict[tuple[str, str], list[str]] = {}
+    for name, targets in graph.items():
+        source = _unit(name, modules)
+        units.setdefault(source, set())
+        for target in targets:
+            dest = _unit(target, modules)
+            if dest != source:
+                units[source].add(dest)
+                units.setdefault(dest, set())
+                why.setdefault((source, dest), []).append(f"{name} -> {target}")
+    return units, why
+
+
+def test_subpackage_units() -> None:
+    """Modules count as their subpackage; a top-level module stays itself."""
+    modules = _modules()
+    assert _unit("sage.fleet.router", modules) == "sage.fleet"
+    assert _unit("sage.fleet", modules) == "sage.fleet"
+    assert _unit("sage.claude.protocol", modules) == "sage.claude"
+    assert _unit("sage.config", modules) == "sage.config"
+    assert _unit("capsules.runner.sessions", modules) == "capsules.runner"
+
+
+def test_a_subpackage_circle_is_found() -> None:
+    """Two subpackages that import each other through different modules are a cycle,
+    though the modules alone make none."""
+    modules = {
+        "p": Path("p/__init__.py"),
+        "p.a": Path("p/a/__init__.py"),
+        "p.a.x": Path("p/a/x.py"),
+        "p.a.y": Path("p/a/y.py"),
+        "p.b": Path("p/b/__init__.py"),
+        "p.b.z": Path("p/b/z.py"),
+    }
+    graph: dict[str, set[str]] = {
+        "p": set(),
+        "p.a": set(),
+        "p.a.x": {"p.b.z"},
+        "p.a.y": set(),
+        "p.b": set(),
+        "p.b.z": {"p.a.y"},
+    }
+    assert _cycles(graph) == []
+    units, why = _subpackage_graph(graph, modules)
+    assert _cycles(units) == [frozenset({"p.a", "p.b"})]
+    assert why[("p.b", "p.a")] == ["p.b.z -> p.a.y"]
+
+
+def test_no_subpackage_circle() -> None:
+    units, why = _subpackage_graph(_graph(), _modules())
+    cycles = _cycles(units)
+    assert not cycles, "subpackages in a circle:\n" + "\n".join(
+        " <-> ".join(sorted(cycle))
+        + "".join(
+            f"\n  {edge}"
+            for a in sorted(cycle)
+            for b in sorted(cycle)
+            for edge in why.get((a, b), [])[:3]
+        )
+        for cycle in cycles
     )
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import structlog
 
-from sage.daemon.logs import configure_logging, redact_secrets
+from sage.logs import configure_logging, redact_secrets
 
 
 def test_redacts_secret_named_keys() -> None:
@@ -55,7 +55,7 @@ def test_json_lines_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
 
 _LOOP_ERROR = """
 import asyncio
-from sage.daemon.logs import configure_logging, log_loop_errors
+from sage.logs import configure_logging, log_loop_errors
 
 async def main():
     log_loop_errors()

@@ -169,9 +169,9 @@ async def test_a_node_that_does_not_answer_in_time_ends_the_placement(
 ) -> None:
     """b times out: the spawn may yet start there, so c is not asked for a second one;
     the caller hears fleet_unavailable saying so."""
-    from sage.fleet import router
+    from sage.fleet import runner_link
 
-    monkeypatch.setitem(router.DEADLINES, "spawn", 0.01)
+    monkeypatch.setitem(runner_link.DEADLINES, "spawn", 0.01)
     nc = Nats({"b": HUNG, "c": OK})
     member = Member([view("a", 3), view("b", 0), view("c", 1)], nc)
     reply, local = await spawn(member, OK, {"principal_id": "alice", "node": "any"})

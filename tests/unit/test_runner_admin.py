@@ -16,9 +16,10 @@ from capsules.runner import principals
 from capsules.runner.admin import Admin
 from capsules.runner.claude_process import SessionError
 from capsules.runner.principals import PrincipalSettings
+from sage.capsule.context import CapsuleContext
+from sage.capsule.manifest import load_manifest
 from sage.config import Config, PrincipalConfig, SupervisorConfig
-from sage.daemon.capsule_host import CapsuleContext, load_manifest
-from sage.daemon.state import StateStore
+from sage.state import StateStore
 
 pytestmark = pytest.mark.anyio
 

@@ -22,9 +22,8 @@ from capsules.runner.conversation import (
     ProcessState,
     Publish,
 )
-from capsules.runner.errors import IllegalTransition
 from sage.claude.protocol import Event, StreamDecoder
-from sage.errors import SageError
+from sage.errors import IllegalTransition, SageError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = REPO_ROOT / "tests" / "fixtures" / "claude-code-2.1.328"

@@ -11,60 +11,14 @@ from typing import Any
 import msgspec
 import pytest
 
-from bus import Envelope, NoResponders
+from bus import Envelope
 from capsules.runner.errors import SessionError
 from capsules.runner.runner import Runner
 from capsules.runner.sessions import RecordState, Session, SessionRecord, SessionState
-from sage.config import Config, FleetConfig, PrincipalConfig, SupervisorConfig
-from sage.fleet.failover import CLAIMS_TOPIC
+from sage.config import PrincipalConfig
+from tests.support.runner_context import RunnerContext
 
 pytestmark = pytest.mark.anyio
-
-
-class _State:
-    """The state store, in memory."""
-
-    def __init__(self) -> None:
-        self.data: dict[tuple[str, str], Any] = {}
-
-    async def put(self, namespace: str, key: str, value: Any) -> None:
-        self.data[namespace, key] = value
-
-    async def get(self, namespace: str, key: str) -> Any:
-        return self.data.get((namespace, key))
-
-    async def delete(self, namespace: str, key: str) -> None:
-        self.data.pop((namespace, key), None)
-
-    async def items(self, namespace: str) -> list[tuple[str, Any]]:
-        return [(k, v) for (n, k), v in self.data.items() if n == namespace]
-
-
-class _Context:
-    """What the runner uses of a CapsuleContext here; the fleet's claims answer is
-    ``claims`` (None: no answer, as with NATS away)."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.config = Config(
-            supervisor=SupervisorConfig(state_dir=str(tmp)),
-            fleet=FleetConfig(url="nats://127.0.0.1:4222", node="a"),
-            principals=[PrincipalConfig(name="alice")],
-        )
-        self.state = _State()
-        self.published: list[tuple[str, Any]] = []
-        self.claims: dict[str, Any] | None = None
-        self.asked: list[Any] = []
-
-    def publish(self, topic: str, payload: Any, *, on_behalf_of: str | None = None) -> Envelope:
-        self.published.append((topic, payload))
-        return Envelope(id=len(self.published), topic=topic, payload=b"{}", source="runner")
-
-    async def request(self, topic: str, payload: Any, *, deadline: float | None = None) -> Any:
-        assert topic == CLAIMS_TOPIC
-        self.asked.append(payload)
-        if self.claims is None:
-            raise NoResponders("nobody answers")
-        return Envelope(id=1, topic=topic, payload=msgspec.json.encode(self.claims), source="f")
 
 
 def asleep(runner: Runner, sid: str = "s1") -> Session:
@@ -90,18 +44,18 @@ def envelope(topic: str, payload: Any, principal: str | None = None) -> Envelope
     )
 
 
-def audits(ctx: _Context, kind: str) -> list[Any]:
+def audits(ctx: RunnerContext, kind: str) -> list[Any]:
     return [p for t, p in ctx.published if t == f"sage.v1.audit.{kind}"]
 
 
-def exited(ctx: _Context) -> list[Any]:
+def exited(ctx: RunnerContext) -> list[Any]:
     return [p for t, p in ctx.published if t.endswith(".exited")]
 
 
 async def test_yield_is_refused_to_a_principal_and_ends_a_session_failed_over(
     tmp_path: Path,
 ) -> None:
-    ctx = _Context(tmp_path)
+    ctx = RunnerContext(tmp_path)
     runner = Runner(ctx)  # type: ignore[arg-type]
     session = asleep(runner)
     with pytest.raises(SessionError) as refused:
@@ -132,7 +86,7 @@ async def test_yield_is_refused_to_a_principal_and_ends_a_session_failed_over(
 async def test_a_session_the_fleet_could_not_vouch_for_is_asked_about_before_it_wakes(
     tmp_path: Path,
 ) -> None:
-    ctx = _Context(tmp_path)
+    ctx = RunnerContext(tmp_path)
     runner = Runner(ctx)  # type: ignore[arg-type]
     session = asleep(runner)
     runner._unsure.add("s1")
@@ -152,7 +106,7 @@ async def test_a_session_the_fleet_could_not_vouch_for_is_asked_about_before_it_
 
 
 async def test_a_session_still_this_nodes_wakes_and_is_asked_about_once(tmp_path: Path) -> None:
-    ctx = _Context(tmp_path)
+    ctx = RunnerContext(tmp_path)
     runner = Runner(ctx)  # type: ignore[arg-type]
     session = asleep(runner)
     runner._unsure.add("s1")
@@ -171,7 +125,7 @@ async def test_a_session_fenced_twice_at_once_is_audited_once(tmp_path: Path) ->
     and both wait for its end."""
     import anyio
 
-    ctx = _Context(tmp_path)
+    ctx = RunnerContext(tmp_path)
     runner = Runner(ctx)  # type: ignore[arg-type]
     record = SessionRecord(session_id="s2", principal_id="alice", claude_session="c2")
     session = Session(record, PrincipalConfig(name="alice"), state=SessionState.RUNNING)

@@ -13,8 +13,9 @@ import pytest
 from bus import Bus, Identity
 from capsules.runner.claude_process import SessionError
 from capsules.runner.mcp import McpServer
+from sage.capsule.context import CapsuleContext
+from sage.capsule.manifest import CapsuleManifest
 from sage.claude.protocol import McpMessageRequest
-from sage.daemon.capsule_host import CapsuleContext, CapsuleManifest
 
 pytestmark = pytest.mark.anyio
 

@@ -17,7 +17,7 @@ import pytest
 from bus import Envelope
 from capsules.runner.claude_process import ClaudeProcess, EndReason
 from capsules.runner.command import Launch
-from capsules.runner.errors import IllegalTransition, SessionError
+from capsules.runner.errors import SessionError
 from capsules.runner.runner import Runner
 from capsules.runner.sessions import (
     LIVE,
@@ -30,7 +30,7 @@ from capsules.runner.sessions import (
     SessionTable,
 )
 from sage.config import PrincipalConfig
-from sage.errors import SageError
+from sage.errors import IllegalTransition, SageError
 
 pytestmark = pytest.mark.anyio
 

@@ -15,6 +15,8 @@ import structlog
 from structlog.testing import capture_logs
 
 from bus import Acl, Bus, Envelope, Identity, Subscription
+from sage.capsule.context import CapsuleContext
+from sage.capsule.manifest import CapsuleManifest, load_manifest
 from sage.capsule.sdk import (
     MAX_TOOLS,
     Capsule,
@@ -25,14 +27,7 @@ from sage.capsule.sdk import (
     input_schema,
     required_patterns,
 )
-from sage.daemon.capsule_host import (
-    CapsuleContext,
-    CapsuleManifest,
-    CapsuleRunner,
-    CapsuleState,
-    capsule_folder,
-    load_manifest,
-)
+from sage.daemon.capsule_host import CapsuleRunner, CapsuleState, capsule_folder
 from sage.errors import ConfigError, SageError
 
 # -- the Structs and functions the descriptor tests use (module level: annotations resolve)

@@ -11,7 +11,7 @@ import pytest
 
 from capsules.runner.claude_process import ClaudeProcess
 from capsules.runner.command import Launch
-from capsules.runner.errors import IllegalTransition, SessionError
+from capsules.runner.errors import SessionError
 from capsules.runner.mcp import McpServer
 from capsules.runner.spare_keeper import SpareHost
 from capsules.runner.spares import (
@@ -27,6 +27,7 @@ from capsules.runner.spares import (
     inputs_of,
 )
 from sage.claude.protocol import CanUseToolRequest, HookCallbackRequest
+from sage.errors import IllegalTransition
 
 INPUTS = SpareInputs(
     flags_hash="sha256:f", identity="sha256:i", env="sha256:e", binary=("/c", 1, 2, 3, 4)

@@ -2,7 +2,8 @@
 
 The runner's section of the doc ("### Session runner" in part 1) must name
 every pattern of ``capsules/runner/Capsule.toml``, every field of the
-payload Structs in ``capsules/runner/messages.py`` and every error code the
+payload Structs in ``capsules/runner/messages.py`` (and of the requests the fleet
+sends it, sage/contract/sessions.py) and every error code the
 runner's code can answer with; and every topic its ``pub``/``sub`` rows list
 must be allowed by the manifest.  ``<sid>``, ``<cid>``, ``<name>`` in the
 doc stand for one token, like ``*`` in a pattern.
@@ -18,7 +19,8 @@ import pytest
 
 from bus.acl import pattern_covers
 from capsules.runner import messages
-from sage.daemon.capsule_host import load_manifest
+from sage.capsule.manifest import load_manifest
+from sage.contract import sessions as contract
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "topics.md"
@@ -52,11 +54,16 @@ def documented_patterns(section: str) -> set[str]:
     return found
 
 
+RUNNER_REQUESTS_OF_THE_CONTRACT = ("AdoptRequest", "YieldRequest")
+"""The requests the runner takes from the fleet, defined in sage/contract/sessions.py."""
+
+
 def struct_fields() -> dict[str, list[str]]:
-    """Wire names of the fields of every Struct ``messages`` exports."""
+    """Wire names of the fields of every Struct ``messages`` exports, and of the runner's
+    requests the contract defines."""
     out = {}
-    for name in messages.__all__:
-        cls = getattr(messages, name)
+    for name in (*messages.__all__, *RUNNER_REQUESTS_OF_THE_CONTRACT):
+        cls = getattr(messages, name, None) or getattr(contract, name)
         assert issubclass(cls, msgspec.Struct)
         out[name] = [f.encode_name for f in msgspec.structs.fields(cls)]
     return out

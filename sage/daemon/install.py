@@ -1,7 +1,7 @@
 """Installing a third-party capsule: check the folder, copy it, have the supervisor run it.
 
 :func:`check_capsule` says everything that is wrong with a capsule folder at
-once: the manifest (:func:`~sage.daemon.capsule_host.load_manifest`), the entry (it is
+once: the manifest (:func:`~sage.capsule.manifest.load_manifest`), the entry (it is
 imported in a child Python, so a broken module cannot hurt the caller), the
 SDK tools it declares, and whether the manifest's patterns cover the topics
 those tools need (:func:`sage.capsule.sdk.required_patterns`).  :func:`install`
@@ -28,7 +28,7 @@ import anyio
 import msgspec
 
 from bus.acl import pattern_covers
-from sage.daemon.capsule_host import CapsuleManifest, WorkerSpec, load_manifest
+from sage.capsule.manifest import CapsuleManifest, WorkerSpec, load_manifest
 from sage.daemon.workers import (
     PASSED_ENV,
     SANDBOX_ENV,
@@ -37,8 +37,8 @@ from sage.daemon.workers import (
     sandbox_uid,
 )
 from sage.errors import ConfigError, SageError
-from sage.forge.uids import SandboxUids
 from sage.security.bwrap import probe_bwrap
+from sage.security.uids import SandboxUids
 
 __all__ = (
     "CapsuleCheck",

@@ -1,0 +1,373 @@
+"""The contract between the session runner (capsules/runner/) and the fleet (sage/fleet/).
+
+Both sides import this module; neither spells a runner topic, a state word, an end
+reason or a payload field of what they exchange anywhere else (the runner knows
+nothing of NATS, the fleet nothing of the runner's code):
+
+- **Topics.** :func:`request_topic` builds the runner's request topics from a
+  :class:`Verb` (``sage.v1.request.<verb>[.<sid>]``), :func:`request_pattern` what the
+  runner subscribes; :func:`event_topic` and :func:`event_of` the session events
+  (``sage.v1.event.<sid>.<name>``, names in :class:`SessionEvent`);
+  :func:`fleet_topic` the requests the fleet's router answers on the local bus
+  (``sage.v1.request.fleet.<verb>[.<sid>]``, :data:`CLAIMS_TOPIC` among them).
+- **Payloads.** msgspec structs for each request and reply the two sides exchange:
+  :class:`AdoptRequest` and :class:`AdoptReply`, :class:`YieldRequest` and
+  :class:`YieldReply`, :class:`ConversationReply` (what a replica needs),
+  :class:`SlotsReply` (a node's load), :class:`ClaimsRequest` and
+  :class:`ClaimsReply` (which sessions another node took), :class:`SessionRow` (a
+  listing row).  A reply is the bus's one reply shape (sage/replies.py): ``ok`` and
+  these fields beside it.
+- **States and reasons.** :class:`SessionState` (a session in the runner's table),
+  :class:`RecordState` (its stored record, and a listing row's ``state`` once it
+  ended), :class:`EntryState` (its claim in the fleet's registry), :class:`EndReason`
+  (the ``reason`` of ``exited`` and of records).  The refusal codes are
+  :class:`sage.contract.codes.ErrorCode`'s.
+
+Sans-IO: nothing here touches the bus.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from typing import Final
+
+import msgspec
+
+from sage.config import NAME_PATTERN
+from sage.contract.codes import ErrorCode
+from sage.errors import RequestError
+
+__all__ = (
+    "APPROVALS_TOPIC",
+    "CLAIMS_TOPIC",
+    "EVENTS",
+    "FLEET_APPROVALS_TOPIC",
+    "FLEET_KEYED",
+    "FLEET_SESSIONS_TOPIC",
+    "FLEET_SPAWN_TOPIC",
+    "FLEET_STATUS_TOPIC",
+    "INSTALL_STATUS_TOPIC",
+    "KEYED_VERBS",
+    "SESSION_REJECTED_TOPIC",
+    "AdoptReply",
+    "AdoptRequest",
+    "ClaimsReply",
+    "ClaimsRequest",
+    "ConversationReply",
+    "EndReason",
+    "EntryState",
+    "RecordState",
+    "SessionEvent",
+    "SessionRow",
+    "SessionState",
+    "SlotsReply",
+    "Verb",
+    "YieldReply",
+    "YieldRequest",
+    "approver_topic",
+    "audit_topic",
+    "event_of",
+    "event_pattern",
+    "event_topic",
+    "fleet_topic",
+    "request_pattern",
+    "request_topic",
+)
+
+_NAME = re.compile(NAME_PATTERN)
+
+# -- topics ---------------------------------------------------------------------------
+
+
+class Verb(enum.StrEnum):
+    """A request the session runner answers: ``sage.v1.request.<verb>[.<key>]``."""
+
+    SPAWN = "spawn"
+    SEND = "send"
+    STOP = "stop"
+    INTERRUPT = "interrupt"
+    WAKE = "wake"
+    SESSIONS = "sessions"
+    SESSION = "session"
+    APPROVALS = "approvals"
+    APPROVE = "approve"
+    SETTINGS_SET = "settings.set"
+    INSTALL = "install"
+    PRINCIPALS = "principals"
+    SLOTS = "slots"
+    ADOPT = "adopt"
+    CONVERSATION = "conversation"
+    YIELD = "yield"
+
+
+KEYED_VERBS: Final = frozenset(
+    {
+        Verb.SEND,
+        Verb.STOP,
+        Verb.INTERRUPT,
+        Verb.WAKE,
+        Verb.SESSION,
+        Verb.APPROVE,
+        Verb.CONVERSATION,
+        Verb.YIELD,
+    }
+)
+"""Verbs whose topic ends in a key: a session id (an approval id for ``approve``)."""
+
+REQUEST_PREFIX: Final = "sage.v1.request"
+FLEET_PREFIX: Final = f"{REQUEST_PREFIX}.fleet"
+EVENT_PREFIX: Final = "sage.v1.event"
+EVENTS: Final = f"{EVENT_PREFIX}.>"
+"""Every session event (and ``session_rejected``)."""
+SESSION_REJECTED_TOPIC: Final = f"{EVENT_PREFIX}.session_rejected"
+INSTALL_STATUS_TOPIC: Final = f"{EVENT_PREFIX}.install.status"
+"""A principal's install or relink, step by step (the runner relays the installer's)."""
+APPROVALS_TOPIC: Final = f"{REQUEST_PREFIX}.{Verb.APPROVALS}"
+
+
+def _key(value: str, what: str) -> str:
+    if not isinstance(value, str) or _NAME.match(value) is None:
+        code = ErrorCode.INVALID_SESSION_ID if what == "session id" else ErrorCode.BAD_REQUEST
+        raise RequestError(f"{what} {value!r}: 1-64 of [A-Za-z0-9_-]", code=code)
+    return value
+
+
+def request_topic(verb: str, key: str | None = None) -> str:
+    """The runner's topic for ``verb`` (about session or approval ``key``): a
+    RequestError for a key that is no name (no ``.``, ``*`` or ``>`` reaches a topic)."""
+    topic = f"{REQUEST_PREFIX}.{Verb(verb)}"
+    if key is None:
+        return topic
+    what = "approval id" if verb == Verb.APPROVE else "session id"
+    return f"{topic}.{_key(key, what)}"
+
+
+def request_pattern(verb: Verb) -> str:
+    """What the runner subscribes to serve ``verb``: its topic, ``.*`` for a keyed one."""
+    return f"{REQUEST_PREFIX}.{verb}" + (".*" if verb in KEYED_VERBS else "")
+
+
+def fleet_topic(verb: str, key: str | None = None) -> str:
+    """The fleet router's local topic for ``verb``: ``sage.v1.request.fleet.<verb>[.<key>]``."""
+    topic = f"{FLEET_PREFIX}.{_key(verb, 'verb')}"
+    return topic if key is None else f"{topic}.{_key(key, 'session id')}"
+
+
+FLEET_KEYED: Final = f"{FLEET_PREFIX}.*.*"
+"""The router's requests about one session or approval (``sage.v1.request.fleet.send.<sid>``)."""
+FLEET_SPAWN_TOPIC: Final = fleet_topic(Verb.SPAWN)
+FLEET_SESSIONS_TOPIC: Final = fleet_topic(Verb.SESSIONS)
+FLEET_APPROVALS_TOPIC: Final = fleet_topic(Verb.APPROVALS)
+FLEET_STATUS_TOPIC: Final = fleet_topic("status")
+CLAIMS_TOPIC: Final = fleet_topic("claims")
+"""The runner asks at start which of its sessions another node took (:class:`ClaimsRequest`)."""
+
+
+class SessionEvent(enum.StrEnum):
+    """A session event's name: ``sage.v1.event.<sid>.<name>`` (docs/topics.md)."""
+
+    SPAWNED = "spawned"
+    INIT = "init"
+    TEXT = "text"
+    DONE = "done"
+    ERROR = "error"
+    EXITED = "exited"
+    RESUMED = "resumed"
+    RESPAWNED = "respawned"
+    HIBERNATING = "hibernating"
+    HIBERNATED = "hibernated"
+    WAKING = "waking"
+    APPROVAL_REQUEST = "approval_request"
+    APPROVAL = "approval"
+    TOOLS_CHANGED = "tools_changed"
+
+
+def event_topic(sid: str, name: str) -> str:
+    return f"{EVENT_PREFIX}.{sid}.{name}"
+
+
+def event_pattern(sid: str) -> str:
+    """Every event of session ``sid``."""
+    return f"{EVENT_PREFIX}.{sid}.>"
+
+
+def event_of(topic: str) -> tuple[str, str] | None:
+    """``(sid, name)`` of a session event topic ``sage.v1.event.<sid>.<name>``; None for
+    anything else (``session_rejected``, a name that is no name)."""
+    parts = topic.split(".")
+    if len(parts) != 5 or parts[:3] != ["sage", "v1", "event"]:
+        return None
+    if _NAME.match(parts[3]) is None or _NAME.match(parts[4]) is None:
+        return None
+    return parts[3], parts[4]
+
+
+def approver_topic(sid: str) -> str:
+    """Subscribed by a client that answers session ``sid``'s approvals."""
+    return f"sage.v1.approver.{sid}"
+
+
+def audit_topic(kind: str) -> str:
+    return f"sage.v1.audit.{kind}"
+
+
+# -- states and reasons ---------------------------------------------------------------
+
+
+class SessionState(enum.Enum):
+    """A session in the runner's table (capsules/runner/sessions.py has its table)."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    RESPAWNING = "respawning"
+    STOPPING = "stopping"
+    ENDED = "ended"
+    INTERRUPTED = "interrupted"
+    HIBERNATING = "hibernating"
+    HIBERNATED = "hibernated"
+    WAKING = "waking"
+
+
+class RecordState(enum.StrEnum):
+    """A session record's ``state`` in the state store (and an ended row's in a listing)."""
+
+    RUNNING = "running"
+    INTERRUPTED = "interrupted"
+    HIBERNATED = "hibernated"
+    ENDED = "ended"
+
+
+class EntryState(enum.StrEnum):
+    """A session's claim in the fleet's registry (``sage_sessions``): what a node that
+    adopts it does with it."""
+
+    RUNNING = "running"
+    HIBERNATED = "hibernated"  # asleep on its node: adopted asleep
+    ADOPTING = "adopting"  # a node won it and is restoring it
+
+
+class EndReason(enum.StrEnum):
+    """Why a child, or a whole session, ended: the ``reason`` of ``exited`` events and
+    of session records (docs/topics.md); the values are part of the interface."""
+
+    STOPPED = "stopped"  # sage.v1.request.stop.<sid>
+    RESPAWN = "respawn"  # stopped to run again (an identity refresh); never a session's end
+    HIBERNATE = "hibernate"  # stopped while idle, to wake later; never a session's end
+    EXITED = "exited"  # the child exited with code 0 on its own
+    CRASHED = "crashed"  # the child exited non-zero, or was killed, on its own
+    AUTH_FAILED = "auth_failed"
+    PERMISSION_MODE_MISMATCH = "permission_mode_mismatch"
+    INIT_TIMEOUT = "init_timeout"
+    INIT_FAILED = "init_failed"
+    LINE_TOO_LONG = "line_too_long"
+    SUPERVISOR_SHUTDOWN = "supervisor_shutdown"  # the supervisor stops (record: interrupted)
+    SUPERVISOR_RESTART = "supervisor_restart"  # the next supervisor did not resume it
+    RESUME_FAILED = "resume_failed"  # a prefix: "resume_failed: <message>"
+    RESPAWN_ABANDONED = "respawn_abandoned"
+    FAILED_OVER = "failed_over"  # another node of the fleet took it while this one was lost
+
+    @property
+    def gentle(self) -> bool:
+        """Whether a running turn is interrupted first (else the child is stopped at once)."""
+        return self in (EndReason.STOPPED, EndReason.RESPAWN, EndReason.HIBERNATE)
+
+    @property
+    def planned(self) -> bool:
+        """A stop the runner asked for to go on with the session (an operator's stop
+        overrides it)."""
+        return self in (EndReason.RESPAWN, EndReason.HIBERNATE)
+
+
+# -- payloads -------------------------------------------------------------------------
+
+
+class AdoptRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``sage.v1.request.adopt`` (the supervisor's fleet side only, never a principal):
+    run a session another node lost under its own id, ``--resume`` on its conversation
+    (``fresh``: no transcript was kept, a new conversation of the same id)."""
+
+    session_id: str
+    principal_id: str
+    claude_session: str
+    from_node: str
+    cwd: str = ""
+    model: str = ""
+    turns: int = 0
+    fresh: bool = False
+    asleep: bool = False
+    """It was hibernated on the lost node: it is kept hibernated here (no child, no slot)
+    until a send wakes it."""
+
+
+class AdoptReply(msgspec.Struct, frozen=True, kw_only=True):
+    """The runner's answer to an adoption: the session runs here (``pid``), or sleeps."""
+
+    session_id: str
+    pid: int | None
+    hibernated: bool = False
+
+
+class YieldRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``sage.v1.request.yield.<sid>`` (the supervisor's fleet side only, never a
+    principal): another node of the fleet, ``node``, runs the session now; this node's
+    copy ends ``failed_over``."""
+
+    node: str
+
+
+class YieldReply(msgspec.Struct, frozen=True, kw_only=True):
+    session_id: str
+    node: str
+
+
+class ConversationReply(msgspec.Struct, frozen=True, kw_only=True):
+    """``sage.v1.request.conversation.<sid>`` (the supervisor only): what a replica of a
+    live session's conversation needs."""
+
+    session_id: str
+    principal_id: str
+    claude_session: str
+    cwd: str = ""
+    model: str = ""
+    turns: int = 0
+
+
+class SlotsReply(msgspec.Struct, frozen=True, kw_only=True):
+    """``sage.v1.request.slots`` (admins): the host's load, which a fleet node's
+    heartbeat carries (sage/fleet/nodes.py, ``NodeLoad``)."""
+
+    live: int
+    max_live: int | None
+    idle: int
+    hibernated: int
+    waiting: int = 0
+
+
+class ClaimsRequest(msgspec.Struct, frozen=True):
+    """``sage.v1.request.fleet.claims`` (the runner at start, an admin): of these
+    sessions it left live, which does another node run now?"""
+
+    session_ids: list[str] = []
+
+
+class ClaimsReply(msgspec.Struct, frozen=True, kw_only=True):
+    """Session id -> the node that runs it now; the others are claimed for this node."""
+
+    elsewhere: dict[str, str] = {}
+
+
+class SessionRow(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
+    """What every row of a sessions listing says (``sage.v1.request.sessions``, and the
+    fleet's listing, whose rows name their ``node``); a runner's rows say more (turns,
+    cost, times, an ended one's reason), which a reader that needs only this ignores."""
+
+    session_id: str
+    principal_id: str = ""
+    pid: int | None = None
+    state: str = ""
+    """A live row: its child's state (``starting``, ``ready``, ``busy``, ...) or the
+    session's (``hibernated``, ``waking``); an ended one: :attr:`RecordState.ENDED`; a
+    fleet row its node could not give: the node's state (``lost``, ``unreachable``, ...)."""
+    node: str | None = None
+    started_at: float | None = None
