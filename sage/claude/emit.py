@@ -10,7 +10,8 @@ token, truncated?}`` on ``sage.v1.hook.<event>`` over the supervisor's socket
 supervisor (the token), not trusted.
 
 Claude waits for every hook, so this starts fast: the standard library's C
-modules only (``_socket``, ``_json``, ``_thread``, ``select``), no ``argparse``,
+modules only (``_socket``, ``_json``, ``_thread``, ``select``; and
+:mod:`sage.errors`, which imports nothing), no ``argparse``,
 no event loop, no ``msgspec``; it speaks the bus's wire protocol itself
 (:mod:`bus.wire`: 4-byte big-endian length, one JSON object per frame):
 ``hello`` (role ``emit``), its ``welcome``, then ``pub`` and ``ping``, and waits
@@ -48,6 +49,8 @@ import os
 import select
 import sys
 import time
+
+from sage.errors import SageError  # the one error tree: itself the standard library only
 
 TYPE_CHECKING = False  # typing itself imports re, enum and collections: not at run time
 if TYPE_CHECKING:
@@ -97,8 +100,10 @@ options:
 """
 
 
-class _Undelivered(Exception):
+class Undelivered(SageError):
     """The bus did not take the hook; the message says why."""
+
+    code = "hook_undelivered"
 
 
 def _say(message: str) -> None:
@@ -243,20 +248,20 @@ class _Connection:
             if len(self.buffer) >= 4:
                 size = int.from_bytes(self.buffer[:4], "big")
                 if size > MAX_FRAME:
-                    raise _Undelivered(f"a frame of {size} bytes from the server")
+                    raise Undelivered(f"a frame of {size} bytes from the server")
                 if len(self.buffer) >= 4 + size:
                     body, self.buffer = self.buffer[4 : 4 + size], self.buffer[4 + size :]
                     try:
                         frame = _decode(body.decode())
                     except (ValueError, RecursionError):
-                        raise _Undelivered("a frame the server sent is not JSON") from None
+                        raise Undelivered("a frame the server sent is not JSON") from None
                     if not isinstance(frame, dict):
-                        raise _Undelivered("a frame the server sent is not an object")
+                        raise Undelivered("a frame the server sent is not an object")
                     return frame
             self._arm()
             chunk = self.sock.recv(65536)
             if not chunk:
-                raise _Undelivered("the supervisor closed the connection")
+                raise Undelivered("the supervisor closed the connection")
             self.buffer += chunk
 
     def until(self, kind: str) -> dict[str, Any]:
@@ -266,7 +271,7 @@ class _Connection:
             if frame.get("t") == kind:
                 return frame
             if frame.get("t") == "err":
-                raise _Undelivered(str(frame.get("message") or frame.get("code")))
+                raise Undelivered(str(frame.get("message") or frame.get("code")))
 
     def close(self) -> None:
         self.sock.close()
@@ -317,13 +322,15 @@ def _read_stdin() -> tuple[bytes, bool]:
     return b"", True
 
 
-class _BadCommandLine(Exception):
-    pass
+class BadCommandLine(SageError):
+    """A command line astrid-emit cannot read (said, and exit 0: never argparse's 2)."""
+
+    code = "bad_command_line"
 
 
 def parse_args(argv: Sequence[str]) -> dict[str, str | None] | None:
     """``{event, config}`` from the command line; None for ``--help``.  A bad one raises
-    _BadCommandLine (never argparse's exit 2: Claude reads it as "block")."""
+    BadCommandLine (never argparse's exit 2: Claude reads it as "block")."""
     out: dict[str, str | None] = {"event": None, "name": None, "config": None}
     options = {"--event": "event", "--topic": "event", "--config": "config"}
     args = list(argv)
@@ -335,15 +342,15 @@ def parse_args(argv: Sequence[str]) -> dict[str, str | None] | None:
         if key in options:
             if not eq:
                 if not args:
-                    raise _BadCommandLine(f"argument {key}: expected one argument")
+                    raise BadCommandLine(f"argument {key}: expected one argument")
                 value = args.pop(0)
             out[options[key]] = value
         elif arg.startswith("-") and arg != "-":
-            raise _BadCommandLine(f"unrecognized arguments: {arg}")
+            raise BadCommandLine(f"unrecognized arguments: {arg}")
         elif out["name"] is None:
             out["name"] = arg
         else:
-            raise _BadCommandLine(f"unrecognized arguments: {arg}")
+            raise BadCommandLine(f"unrecognized arguments: {arg}")
     return {"event": out["event"] or out["name"], "config": out["config"]}
 
 
@@ -353,18 +360,14 @@ def _socket_path(config: str | None) -> str:
         return path
     # only without ASTRID_SOCKET (every session sets it): the config file says
     from sage.config import load_config
-    from sage.errors import SageError
 
-    try:
-        return str(load_config(config).socket_path)
-    except SageError as exc:
-        raise _Undelivered(str(exc)) from None
+    return str(load_config(config).socket_path)
 
 
 def _emit(argv: Sequence[str]) -> None:
     try:
         args = parse_args(argv)
-    except _BadCommandLine as exc:
+    except BadCommandLine as exc:
         _say(f"astrid-emit: {exc}; nothing sent")
         return
     if args is None:
@@ -391,7 +394,7 @@ def _emit(argv: Sequence[str]) -> None:
         payload = None
     try:
         send(_socket_path(args["config"]), TOPIC_PREFIX + event, envelope(event, payload))
-    except (_Undelivered, OSError, TimeoutError) as exc:
+    except (SageError, OSError) as exc:  # Undelivered, the config's errors, the socket's
         _say(f"astrid-emit: hook {event} not delivered: {exc}")
 
 

@@ -106,7 +106,7 @@ def test_the_command_line(argv: list[str], parsed: dict[str, str | None] | None)
 @pytest.mark.parametrize("argv", [["--no-such-flag"], ["A", "B"], ["--event"], ["-x"]])
 def test_a_bad_command_line_is_refused_without_an_exit(argv: list[str]) -> None:
     """Said on stderr by the caller, never exit 2 (Claude's "block")."""
-    with pytest.raises(emit._BadCommandLine):
+    with pytest.raises(emit.BadCommandLine):
         emit.parse_args(argv)
 
 
