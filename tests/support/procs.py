@@ -8,7 +8,7 @@ import os
 import threading
 import time
 
-__all__ = ("ProcessWatch", "alive", "children_cpu_ticks", "marked")
+__all__ = ("ProcessWatch", "alive", "children_cpu_ticks", "marked", "rss_kib")
 
 
 def alive(pid: int) -> bool:
@@ -18,6 +18,15 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(") ", 1)[1][0] != "Z"
     except (FileNotFoundError, ProcessLookupError):
         return False
+
+
+def rss_kib(pid: int) -> int:
+    """``VmRSS`` of ``pid`` (that process alone), in KiB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
 def marked(marker: bytes) -> list[int]:
