@@ -35,6 +35,7 @@ from bus.errors import (
     ConnectionLost,
     FrameError,
     RequestTimeout,
+    connect_error,
     error_for_code,
     sole_error,
 )
@@ -192,16 +193,8 @@ class BusClient:
         """Connect to the server at ``path`` and complete the hello."""
         try:
             stream = await connect_unix(path)
-        except FileNotFoundError as exc:
-            raise ConnectionLost(
-                f"no supervisor socket at {os.fspath(path)} (is it running?)"
-            ) from exc
-        except ConnectionRefusedError as exc:
-            raise ConnectionLost(
-                f"supervisor at {os.fspath(path)} refused the connection (not running?)"
-            ) from exc
-        except PermissionError as exc:
-            raise ConnectionLost(f"permission denied on {os.fspath(path)}") from exc
+        except OSError as exc:
+            raise (connect_error(path, exc) or exc) from exc
         async with cls.attach(
             stream,
             role=role,

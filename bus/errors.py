@@ -8,6 +8,8 @@ re-raises the same class the server raised.
 
 from __future__ import annotations
 
+import os
+
 __all__ = (
     "AclDenied",
     "BusClosed",
@@ -21,6 +23,7 @@ __all__ = (
     "RequestTimeout",
     "SlowConsumer",
     "TopicError",
+    "connect_error",
     "error_for_code",
     "sole_error",
 )
@@ -121,6 +124,18 @@ _BY_CODE: dict[str, type[BusError]] = {
 }
 for _code in ("frame_too_large", "unknown_type", "bad_hello", "bad_payload"):
     _BY_CODE[_code] = FrameError
+
+
+def connect_error(path: str | os.PathLike[str], exc: OSError) -> ConnectionLost | None:
+    """What a failed connect to the supervisor's socket says (None: not one of these)."""
+    where = os.fspath(path)
+    if isinstance(exc, FileNotFoundError):
+        return ConnectionLost(f"no supervisor socket at {where} (is it running?)")
+    if isinstance(exc, ConnectionRefusedError):
+        return ConnectionLost(f"supervisor at {where} refused the connection (not running?)")
+    if isinstance(exc, PermissionError):
+        return ConnectionLost(f"permission denied on {where}")
+    return None
 
 
 def error_for_code(code: str, message: str) -> BusError:

@@ -13,7 +13,6 @@ embedded defaults resolve against the current directory, which is what
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 from pathlib import Path
@@ -21,7 +20,8 @@ from typing import Annotated, Any, Final, Literal, get_args
 
 import msgspec
 
-from bus import BusError, split_pattern
+from bus.errors import BusError
+from bus.topics import split_pattern
 from sage.errors import ConfigError
 
 __all__ = (
@@ -736,6 +736,8 @@ def _section_type(field: str) -> type[msgspec.Struct] | None:
 
 def _nearest_key(field: str, unknown: str) -> str:
     """`` (did you mean `x`?)`` for a misspelt key: in its own section, else in another."""
+    import difflib  # only for a config that has a misspelt key
+
     own = _section_type(field)
     if own is not None:
         names = [f.encode_name for f in msgspec.structs.fields(own)]

@@ -69,7 +69,7 @@ from capsules.hooks.validate import (
 )
 from sage import replies
 from sage.capsule.context import CapsuleContext
-from sage.claude.hooks import hash_token, mint_token
+from sage.claude.hooks import NOTIFICATION_TOPIC, SPOOF_TOPIC, hash_token, mint_token
 from sage.errors import SageError
 from sage.security.denials import DenialLimiter
 
@@ -82,8 +82,6 @@ REPL_TOKEN_TTL = 24 * 3600.0
 cap, and is scrubbed (a crashed ``astrid sage repl`` never closed it)."""
 REPL_SCRUB_EVERY = 3600.0
 """Seconds between two scrubs of expired REPL tokens while the capsule runs."""
-NOTIFICATION_TOPIC = "sage.v1.notification"
-SPOOF_TOPIC = "sage.v1.audit.hook_spoof_attempt"
 TOKENS = "hook_tokens"
 AUDIT_BURST = 20
 """Spoof reports published per source per :data:`AUDIT_WINDOW` seconds."""

@@ -25,9 +25,11 @@ to :func:`parse`, looks up the session's token record, and hands both to
 
 :func:`republished` builds the canonical payload for
 ``hook.v1.event.<mapped>`` (:func:`event_name`); :func:`spoof_report` the
-audit payload of ``sage.v1.audit.hook_spoof_attempt``.  Neither ever holds
+audit payload of ``sage.v1.audit.hook_spoof_attempt``.  Both live in
+:mod:`sage.claude.hooks`, shared with the runner's in-band hooks, so a hook
+reads the same on the bus whichever way it came.  Neither ever holds
 the token: a report field that contains the claimed token (when it is at
-least :data:`TOKEN_MIN` characters, as a minted one is) becomes
+least :data:`~sage.claude.hooks.TOKEN_MIN` characters, as a minted one is) becomes
 ``<redacted>`` (:data:`sage.redaction.REDACTED`), and in a republished hook
 payload (a ``PostToolUse`` tool response could echo the child's environment)
 each occurrence of the token is replaced by it too.
@@ -51,9 +53,17 @@ from typing import Any
 
 import msgspec
 
-from sage.claude.hooks import KNOWN_HOOKS, PAYLOAD_LIMIT, hash_token
-from sage.errors import RequestError
-from sage.redaction import REDACTED
+from sage.claude.hooks import (
+    CANONICAL_NAMES,
+    FIELD_LIMIT,
+    KNOWN_HOOKS,
+    PAYLOAD_LIMIT,
+    HookRejected,
+    event_name,
+    hash_token,
+    hook_event,
+    spoof_report,
+)
 
 __all__ = (
     "CANONICAL_NAMES",
@@ -72,11 +82,7 @@ __all__ = (
 )
 
 TOPIC_PREFIX = "sage.v1.hook."
-FIELD_LIMIT = 128
-"""Characters kept of each field of a spoof report."""
 SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
-TOKEN_MIN = 16
-"""Claimed tokens at least this long are redacted wherever they appear."""
 
 REASONS = (
     "malformed",
@@ -87,18 +93,6 @@ REASONS = (
     "bad_token",
     "principal_mismatch",
 )
-
-
-CANONICAL_NAMES = {
-    "PreToolUse": "before_tool_call",
-    "PostToolUse": "after_tool_call",
-    "UserPromptSubmit": "message_received",
-    "Stop": "session_end",
-    "SubagentStop": "subagent_stop",
-    # snake_case would be session_end, which Stop already names
-    "SessionEnd": "claude_session_end",
-}
-"""The last token of ``hook.v1.event.<mapped>`` where it is not the hook's snake_case."""
 
 
 class HookEnvelope(msgspec.Struct, frozen=True):
@@ -112,35 +106,6 @@ class HookEnvelope(msgspec.Struct, frozen=True):
     token: str = ""
     truncated: bool = False
     """astrid-emit left the hook input out (over :data:`PAYLOAD_LIMIT`, or cut)."""
-
-
-class HookRejected(RequestError):
-    """An envelope that is dropped and audited, with what it claimed; ``code``
-    is one of :data:`REASONS`."""
-
-    def __init__(
-        self,
-        code: str,
-        claimed_principal: str = "",
-        claimed_session: str = "",
-        hook: str = "",
-        token: str = "",
-    ) -> None:
-        super().__init__(code, code=code)  # the message is the reason alone, never a claim
-        self.claimed_principal = claimed_principal
-        self.claimed_session = claimed_session
-        self.hook = hook
-        self.token = token
-        """Only so the report can redact it; never reported."""
-
-
-def _snake(name: str) -> str:
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
-
-
-def event_name(hook: str) -> str:
-    """The ``<mapped>`` token of ``hook.v1.event.<mapped>`` for a known hook."""
-    return CANONICAL_NAMES.get(hook) or _snake(hook)
 
 
 def _claims(raw: bytes) -> dict[str, str]:
@@ -214,59 +179,15 @@ def verify(envelope: HookEnvelope, record: Any, verified_principal: str | None) 
     return principal
 
 
-def _without_token(value: Any, data: bytes, token: str) -> Any:
-    """``value`` (encoded: ``data``) with every occurrence of ``token`` replaced."""
-    needle = token.encode()
-    if not _secret_like(token) or needle not in data:
-        return value
-    # minted tokens are urlsafe base64: JSON never escapes their characters, so
-    # a byte replace inside the encoded text stays valid JSON
-    return msgspec.json.decode(data.replace(needle, REDACTED.encode()))
-
-
-def _secret_like(token: str) -> bool:
-    """Long enough to be a minted token (43 characters); a forged "a" must not
-    redact every claim that has an "a" in it."""
-    return len(token) >= TOKEN_MIN
-
-
 def republished(envelope: HookEnvelope, principal: str) -> dict[str, Any]:
     """The canonical payload for ``hook.v1.event.<mapped>`` of a validated envelope."""
-    correlation = envelope.correlation_id
-    payload = envelope.payload
-    if correlation is None and isinstance(payload, dict):  # as the in-band path does
-        tool_use = payload.get("tool_use_id")
-        if isinstance(tool_use, str) and 0 < len(tool_use) <= FIELD_LIMIT:
-            correlation = tool_use
-    out: dict[str, Any] = {
-        "hook": envelope.hook,
-        "payload": None,
-        "correlation_id": correlation,
-        "principal_id": principal,
-        "session_id": envelope.session_id,
-        "decision_source": "token",
-    }
-    data = msgspec.json.encode(payload)
-    if envelope.truncated or len(data) > PAYLOAD_LIMIT:
-        out["truncated"] = True
-    else:
-        out["payload"] = _without_token(payload, data, envelope.token)
-    return out
-
-
-def _field(value: str, token: str) -> str:
-    if _secret_like(token) and token in value:
-        return REDACTED
-    return value[:FIELD_LIMIT]
-
-
-def spoof_report(rejection: HookRejected, source: str) -> dict[str, Any]:
-    """The ``sage.v1.audit.hook_spoof_attempt`` payload: claims cut to 128 characters."""
-    token = rejection.token
-    return {
-        "claimed_principal": _field(rejection.claimed_principal, token),
-        "claimed_session": _field(rejection.claimed_session, token),
-        "hook": _field(rejection.hook, token),
-        "reason": rejection.code,
-        "source": _field(source, token),
-    }
+    return hook_event(
+        envelope.hook,
+        envelope.payload,
+        correlation_id=envelope.correlation_id,
+        principal_id=principal,
+        session_id=envelope.session_id,
+        decision_source="token",
+        token=envelope.token,
+        truncated=envelope.truncated,
+    )

@@ -7,11 +7,14 @@ any flag:
 - ``permissions.deny``: every built-in tool in ``headless`` mode (the
   session's tools are the supervisor's, ``mcp__sage__*`` and
   ``mcp__forge__*``), nothing in ``repl`` mode;
-- ``hooks``: every hook event the hooks capsule knows, in the nested
-  ``{matcher?, hooks: [{type: "command", command, timeout}]}`` form, each
-  running ``astrid-emit <Event>``, which sends it to the supervisor to be
-  checked against the session's token (``matcher`` only for the tool
-  events, which take one);
+- ``hooks``, in ``repl`` mode only: every hook event the hooks capsule knows,
+  in the nested ``{matcher?, hooks: [{type: "command", command, timeout}]}``
+  form, each running ``astrid-emit <Event>``, which sends it to the
+  supervisor to be checked against the session's token (``matcher`` only for
+  the tool events, which take one).  A REPL session has no control channel,
+  so that is the only way its hooks reach sage.  A ``headless`` session gets
+  the same events in-band (the runner registers them at ``initialize``), so
+  its settings have no command hooks: none of its hooks starts a process;
 - ``apiKeyHelper: "/bin/false"`` in ``api_key`` mode only, so the CLI
   cannot fall back to credentials of its own; ``subscription`` mode leaves
   it out so the CLI's own login works.
@@ -29,7 +32,7 @@ from typing import Any, Final
 
 import msgspec
 
-from sage.claude.hooks import KNOWN_HOOKS, hooks_known_by
+from sage.claude.hooks import IN_BAND_HOOKS, hooks_known_by
 
 __all__ = (
     "ARTIFACT_VERSION",
@@ -42,8 +45,9 @@ __all__ = (
     "settings_local",
 )
 
-ARTIFACT_VERSION: Final = 1
-"""Bumped whenever a file's format changes, so a re-install rewrites it."""
+ARTIFACT_VERSION: Final = 2
+"""Bumped whenever a file's format changes, so a re-install rewrites it (2: command
+hooks for ``repl`` principals only)."""
 BUILT_IN_TOOLS: Final = (
     "Bash", "BashOutput", "CronCreate", "CronDelete", "CronList", "Edit", "EnterWorktree",
     "ExitPlanMode", "ExitWorktree", "Glob", "Grep", "KillShell", "LS", "ListAgents",
@@ -52,12 +56,9 @@ BUILT_IN_TOOLS: Final = (
     "WebFetch", "WebSearch", "Workflow", "Write",
 )  # fmt: skip
 """Claude Code's own tools (2.1.328's init ``tools`` plus those of earlier releases)."""
-UNHOOKED: Final = frozenset(
-    {"UserPromptExpansion", "MessageDisplay", "PreModelSwitch", "PostModelSwitch", "Setup"}
-)
-"""Events the hooks capsule accepts but the installer does not hook: a command hook on
-them alters what the CLI does (an expansion or display hook that prints nothing)."""
-HOOK_EVENTS: Final = tuple(sorted(KNOWN_HOOKS - UNHOOKED))
+HOOK_EVENTS: Final = IN_BAND_HOOKS
+"""The events a REPL principal's command hooks report: those a headless session
+registers in-band (``sage.claude.hooks.UNHOOKED`` left out on both paths)."""
 TOOL_EVENTS: Final = frozenset(
     {"PreToolUse", "PostToolUse", "PostToolUseFailure", "PermissionRequest", "PermissionDenied"}
 )
@@ -70,10 +71,12 @@ def _json(value: Any) -> bytes:
 
 
 def settings_local(config: dict[str, Any], emit: str, claude_version: str) -> bytes:
-    """``.claude/settings.local.json`` for ``config`` (interaction_mode, auth_mode, ...),
-    hooking only the events ``claude_version`` knows (a release that meets one it does
-    not know may drop the whole file, deny rules and ``apiKeyHelper`` with it)."""
-    known = hooks_known_by(claude_version)
+    """``.claude/settings.local.json`` for ``config`` (interaction_mode, auth_mode, ...):
+    in ``repl`` mode command hooks for the events ``claude_version`` knows (a release
+    that meets one it does not know may drop the whole file, deny rules and
+    ``apiKeyHelper`` with it); in ``headless`` mode none (they come in-band)."""
+    headless = config.get("interaction_mode", "headless") == "headless"
+    known = frozenset() if headless else hooks_known_by(claude_version)
     hooks: dict[str, list[dict[str, Any]]] = {}
     for event in (e for e in HOOK_EVENTS if e in known):
         entry: dict[str, Any] = {
@@ -88,7 +91,6 @@ def settings_local(config: dict[str, Any], emit: str, claude_version: str) -> by
         if event in TOOL_EVENTS:
             entry = {"matcher": "*", **entry}
         hooks[event] = [entry]
-    headless = config.get("interaction_mode", "headless") == "headless"
     settings: dict[str, Any] = {
         "permissions": {"allow": [], "deny": list(BUILT_IN_TOOLS) if headless else []},
         "hooks": hooks,
@@ -123,13 +125,18 @@ def claude_md(principal: str, config: dict[str, Any]) -> bytes:
         if mode == "headless"
         else "Claude Code's built-in tools are allowed for this principal."
     )
+    hooks = (
+        "The supervisor receives every hook over its control channel with the session"
+        if mode == "headless"
+        else "Every hook fires `astrid-emit`, which reports it to the supervisor"
+    )
     return (
         f"# {principal}\n\n"
         f"This folder is the home of principal `{principal}`, run by the sage supervisor"
         f" ({mode} mode).\n\n"
         f"{tools}\n\n"
-        "Every hook fires `astrid-emit`, which reports it to the supervisor; each tool call"
-        " is checked against a policy and written to a tamper-evident audit log.\n"
+        f"{hooks}; each tool call is checked against a policy and written to a"
+        " tamper-evident audit log.\n"
     ).encode()
 
 

@@ -8,7 +8,14 @@ wins, by ``sage.v1.request.approve.<cid>`` or ``approval.v1.response.<cid>``),
 else deny.  Each outcome is an ``approval`` event and a ``tool_call``
 audit.  The requests ``sage.v1.request.approvals`` (what the caller may
 answer) and ``sage.v1.request.approve.<cid>`` are answered here too, and the
-CLI's in-band hook callbacks are relayed as ``hook.v1.event.<name>``.
+CLI's in-band hook callbacks are checked (:func:`sage.claude.hooks.in_band_hook`)
+and relayed as ``hook.v1.event.<mapped>``, the payload the hooks capsule gives a
+command hook (:func:`sage.claude.hooks.hook_event`, ``decision_source: "in_band"``);
+a callback the runner never registered, or one whose input names another hook or
+another Claude session, is dropped and audited as
+``sage.v1.audit.hook_spoof_attempt`` (source ``claude:<sid>``, at most
+:data:`AUDIT_BURST` reports per session per minute).  The CLI
+is answered ``{"continue": true}`` either way: a hook never stops a session.
 
 The pending calls are kept in :class:`~capsules.runner.approvals.Approvals`
 (a table, no I/O); this module is its thin async shell.  It gets what it
@@ -20,7 +27,7 @@ and the publish, event and audit callables.
 from __future__ import annotations
 
 import contextlib
-import re
+import time
 import uuid
 from typing import Any, Protocol
 
@@ -37,23 +44,28 @@ from capsules.runner.approvals import (
     valid_rule,
 )
 from capsules.runner.claude_process import SessionError
+from capsules.runner.command import Launch
 from capsules.runner.messages import ApprovalResponse, ApprovalsRequest, ApproveRequest
 from capsules.runner.outbox import Audit, Event, Publish
 from sage.capsule.context import CapsuleContext
+from sage.claude.hooks import (
+    NOTIFICATION_TOPIC,
+    HookRejected,
+    event_name,
+    hook_event,
+    in_band_hook,
+    spoof_report,
+)
 from sage.claude.protocol import CanUseToolRequest, HookCallbackRequest
-from sage.config import NAME_PATTERN
 from sage.contract.sessions import approver_topic
+from sage.security.denials import DenialLimiter
 
-__all__ = ("HOOK_NAMES", "ApprovalDesk", "Asker", "Rules")
+__all__ = ("AUDIT_BURST", "ApprovalDesk", "Asker", "HookSession", "Rules")
 
-HOOK_NAMES = {
-    "PreToolUse": "before_tool_call",
-    "PostToolUse": "after_tool_call",
-    "UserPromptSubmit": "message_received",
-    "Stop": "session_end",
-    "SubagentStop": "subagent_stop",
-}
-"""The hook.v1.event name of a Claude Code hook (others: the hook's name in snake_case)."""
+AUDIT_BURST = 20
+"""In-band spoof reports published per session per :data:`AUDIT_WINDOW` seconds
+(the hooks capsule's bound for a publisher)."""
+AUDIT_WINDOW = 60.0
 
 #: decision_source in tool_call audit entries, as before approvals had a table
 _SOURCES = {"approver": "approval", "timeout": "approval_timeout"}
@@ -75,6 +87,14 @@ class Asker(Protocol):
 
     @property
     def turn(self) -> Turns: ...
+
+
+class HookSession(Asker, Protocol):
+    """The session whose CLI sends a hook: its launch names its Claude session and
+    the token a hook input must not leak."""
+
+    @property
+    def launch(self) -> Launch: ...
 
 
 class Rules(Protocol):
@@ -104,6 +124,7 @@ class ApprovalDesk:
         self._event = event
         self.audit = audit
         self.approvals = approvals if approvals is not None else Approvals()
+        self.spoofs = DenialLimiter(burst=AUDIT_BURST, window=AUDIT_WINDOW)
 
     async def can_use_tool(self, proc: Asker, request: CanUseToolRequest) -> tuple[bool, str]:
         """Decide a tool call that is not pre-allowed: an allow rule of the principal,
@@ -244,30 +265,37 @@ class ApprovalDesk:
             **({"rule_added": added} if added is not None else {}),
         }
 
-    async def hook_callback(self, proc: Asker, request: HookCallbackRequest) -> dict[str, Any]:
-        hook = str(
-            request.input.get("hook_event_name") or request.callback_id.removeprefix("hook_")
-        )
-        name = HOOK_NAMES.get(hook) or _snake(hook)
-        if re.match(NAME_PATTERN, name) is not None:
-            self._publish(
-                f"hook.v1.event.{name}",
-                {
-                    "hook": hook,
-                    "payload": request.input,
-                    "correlation_id": request.tool_use_id,
-                    "principal_id": proc.principal_id,
-                    "session_id": proc.session_id,
-                    "decision_source": "in_band",
-                },
+    async def hook_callback(
+        self, proc: HookSession, request: HookCallbackRequest
+    ) -> dict[str, Any]:
+        """Check an in-band hook and publish it, or audit it as a spoof; always go on."""
+        launch = proc.launch
+        try:
+            hook = in_band_hook(
+                request.callback_id, request.input, launch.claude_session, proc.session_id
             )
+        except HookRejected as rejection:
+            rejection.claimed_principal = proc.principal_id
+            self._spoof(rejection, f"claude:{proc.session_id}")
+            return {"continue": True}
+        payload = hook_event(
+            hook,
+            request.input,
+            correlation_id=request.tool_use_id,
+            principal_id=proc.principal_id,
+            session_id=proc.session_id,
+            decision_source="in_band",
+            token=launch.env.get("ASTRID_HOOK_TOKEN", ""),
+        )
+        self._publish(f"hook.v1.event.{event_name(hook)}", payload, proc.principal_id)
+        if hook == "Notification":
+            self._publish(NOTIFICATION_TOPIC, payload, proc.principal_id)
         return {"continue": True}
 
-
-def _snake(name: str) -> str:
-    out = []
-    for i, ch in enumerate(name):
-        if ch.isupper() and i:
-            out.append("_")
-        out.append(ch.lower())
-    return "".join(out)
+    def _spoof(self, rejection: HookRejected, source: str) -> None:
+        suppressed = self.spoofs.admit(source, time.monotonic())
+        if suppressed is not None:
+            self.audit(
+                "hook_spoof_attempt",
+                {**spoof_report(rejection, source), "suppressed_before": suppressed},
+            )

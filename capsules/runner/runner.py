@@ -96,6 +96,7 @@ from capsules.runner.workplace import chosen_model, work_folder
 from sage import replies
 from sage.capsule.context import CapsuleContext
 from sage.capsule.sessions import session_owner
+from sage.claude.hooks import IN_BAND_HOOKS, callback_id
 from sage.claude.protocol import (
     CanUseToolRequest,
     HookCallbackRequest,
@@ -112,10 +113,10 @@ log = structlog.get_logger("sage.runner")
 
 Handler = Callable[[Envelope], Awaitable[dict[str, Any]]]
 """A request handler: the envelope in, the reply out (it may raise; see ``_answer``)."""
-HOOKS = {
-    name: [HookMatcher(None, [f"hook_{name}"])]
-    for name in ("PreToolUse", "PostToolUse", "UserPromptSubmit", "Stop", "SubagentStop")
-}
+HOOKS = {name: [HookMatcher(None, [callback_id(name)])] for name in IN_BAND_HOOKS}
+"""Registered at every child's ``initialize``: every hook event sage hooks arrives
+in-band, answered by the approval desk, so a headless turn starts no hook process
+(the installer writes command hooks for REPL principals only)."""
 
 
 CLAIMS_DEADLINE = 10.0

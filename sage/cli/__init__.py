@@ -5,58 +5,56 @@ One module per command group registers its sub-commands with
 :class:`sage.errors.SageError` (and bus error) into one line on stderr with a
 non-zero exit.  A handler is a plain function ``(args) -> int`` or a
 coroutine function, run under anyio.
+
+Every command starts a Python, so the start is kept short: a command's
+module (and what it imports) is imported only when that command runs;
+:data:`sage.cli._commands.COMMANDS` says which module registers which command
+and gives the line ``astrid --help`` shows for each, so listing them imports
+none.  :func:`build_parser` without arguments is still the whole parser.
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
+import importlib
 import sys
-from collections.abc import Sequence
-from typing import Any
 
-import anyio
-
-from bus import BusError, sole_error
+from bus.errors import BusError, sole_error
+from sage.cli._commands import COMMANDS, module_of, summary
 from sage.cli._common import printable
 from sage.errors import SageError
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from types import ModuleType
+
 __all__ = ("build_parser", "main")
 
-
-def _groups() -> list[Any]:
-    from sage.cli import (
-        audit,
-        bus_cmd,
-        capsule_cmd,
-        config_cmd,
-        doctor,
-        fleet_cmd,
-        forge_cmd,
-        llm_cmd,
-        mcp_cmd,
-        sage_cmd,
-        status,
-        supervisor_cmd,
-    )
-
-    return [
-        supervisor_cmd,
-        config_cmd,
-        status,
-        doctor,
-        sage_cmd,
-        capsule_cmd,
-        bus_cmd,
-        audit,
-        forge_cmd,
-        llm_cmd,
-        mcp_cmd,
-        fleet_cmd,
-    ]
+_CO_COROUTINE = 0x80  # inspect.CO_COROUTINE, without importing inspect
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _module(name: str) -> ModuleType:
+    return importlib.import_module(f"sage.cli.{name}")
+
+
+def _command(words: Sequence[str]) -> str | None:
+    """The command ``words`` name: the first word that is not a top-level option."""
+    rest = list(words)
+    while rest:
+        word = rest.pop(0)
+        if word == "--config":
+            if rest:
+                rest.pop(0)
+        elif word != "--json" and not word.startswith("--config="):
+            return word
+    return None
+
+
+def build_parser(command: str | None = None, *, listing: bool = False) -> argparse.ArgumentParser:
+    """The parser of every command (``command`` None), or of ``command`` alone with the
+    others' lines only (a command of :data:`~sage.cli._commands.COMMANDS`), or of no
+    command but their lines (``listing``: ``astrid --help``, a mistyped command)."""
     parser = argparse.ArgumentParser(
         prog="astrid",
         description="Drive the sage supervisor: bus, audit log, sessions.",
@@ -67,8 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", metavar="FILE", dest="top_config", help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true", dest="top_json", help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for group in _groups():
-        group.register(sub)
+    chosen = None if command is None else module_of(command)
+    registered: set[str] = set()
+    for name in COMMANDS:
+        module = module_of(name)
+        if listing or (chosen is not None and module != chosen):
+            sub.add_parser(name, help=summary(name))  # its line in --help, nothing more
+        elif module not in registered:  # a module may register two commands (capsule, tools)
+            registered.add(module)
+            _module(module).register(sub)
     return parser
 
 
@@ -98,14 +103,20 @@ def _parse(parser: argparse.ArgumentParser, words: list[str]) -> argparse.Namesp
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
     words = list(sys.argv[1:] if argv is None else argv)
+    command = _command(words)
+    # --help, no command, or one that does not exist: the commands' lines are enough
+    parser = build_parser(command) if command in COMMANDS else build_parser(listing=True)
     args = _parse(parser, words)
     handler = args.handler
     try:
         try:
-            is_async = inspect.iscoroutinefunction(handler)
-            code = anyio.run(handler, args) if is_async else handler(args)
+            if getattr(handler, "__code__", None) and handler.__code__.co_flags & _CO_COROUTINE:
+                import anyio
+
+                code = anyio.run(handler, args)
+            else:
+                code = handler(args)
         except BaseExceptionGroup as group:
             raise sole_error(group) from None
     except (SageError, BusError) as exc:

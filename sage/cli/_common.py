@@ -1,7 +1,8 @@
 """What the command modules share that is not a connection: the common flags, the runner call.
 
-It imports nothing of ``sage.cli`` (which imports every command module), so a
-command module can import it without a cycle.
+It imports nothing of ``sage.cli`` (which imports the command modules), so a
+command module can import it without a cycle; and nothing heavy, since
+:mod:`sage.cli` imports it for ``astrid --help`` too.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import re
 from typing import Any
 
 from bus import NoResponders
-from sage import replies
 from sage.errors import SageError
 
 __all__ = ("add_common", "call_runner", "printable")
@@ -43,6 +43,8 @@ def add_common(parser: argparse.ArgumentParser, *, json_output: bool = True) -> 
 
 async def call_runner(client: Any, topic: str, payload: Any, deadline: float) -> dict[str, Any]:
     """Ask the session runner; its ``ok`` reply, or a :class:`SageError` with its error."""
+    from sage import replies  # msgspec: not for `astrid --help`
+
     try:
         reply = await client.request(topic, payload, deadline=deadline)
     except NoResponders:

@@ -38,6 +38,7 @@ from sage.audit import (
     tail,
     verify_audit,
 )
+from sage.cli._commands import summary
 from sage.cli._common import add_common, printable
 from sage.cli._connect import config_of, connect, print_json
 from sage.errors import AuditError
@@ -54,7 +55,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``audit verify``, ``audit tail`` and ``audit pubkey`` to ``sub``."""
     group = sub.add_parser(
         "audit",
-        help="verify, follow or export the key of the audit log",
+        help=summary("audit"),
         description=(
             "Read the tamper-evident audit log (<state_dir>/audit.db) directly;"
             " no running supervisor is needed."

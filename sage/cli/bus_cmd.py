@@ -9,13 +9,14 @@ from typing import Any
 import msgspec
 
 from bus import BusError, Envelope
+from sage.cli._commands import summary
 from sage.cli._common import add_common
 from sage.cli._connect import connect, print_json
 from sage.errors import SageError
 
 
 def register(sub: Any) -> None:
-    group = sub.add_parser("bus", help="publish, subscribe and send requests on the bus")
+    group = sub.add_parser("bus", help=summary("bus"))
     commands = group.add_subparsers(dest="action", metavar="ACTION", required=True)
 
     pub = commands.add_parser(

@@ -10,6 +10,7 @@ import msgspec
 
 from bus import NoResponders
 from sage import replies
+from sage.cli._commands import summary
 from sage.cli._common import add_common, printable
 from sage.cli._connect import connect, print_json
 from sage.errors import SageError
@@ -22,9 +23,7 @@ CHANGE_DEADLINE = 30.0
 
 
 def register(sub: Any) -> None:
-    group = sub.add_parser(
-        "capsule", help="capsules: list, install, restart and remove them (admins)"
-    )
+    group = sub.add_parser("capsule", help=summary("capsule"))
     commands = group.add_subparsers(dest="action", metavar="ACTION", required=True)
     listing = commands.add_parser(
         "list",
@@ -88,7 +87,7 @@ def register(sub: Any) -> None:
     add_common(remove)
     remove.set_defaults(handler=_remove)
 
-    tools = sub.add_parser("tools", help="the tool catalogue Claude sessions are offered")
+    tools = sub.add_parser("tools", help=summary("tools"))
     tool_commands = tools.add_subparsers(dest="action", metavar="ACTION", required=True)
     catalogue = tool_commands.add_parser(
         "list",

@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from sage.capsule.manifest import load_manifest
+from sage.cli._commands import summary
 from sage.cli._connect import print_json
 from sage.config import Config, load_config
 from sage.daemon.capsule_host import builtin_capsules_dir, capsule_folder
@@ -30,7 +31,7 @@ _BUILT_IN_TOOLS_MODULE = "capsules.installer.files"
 
 
 def register(sub: Any) -> None:
-    group = sub.add_parser("config", help="check or show configuration")
+    group = sub.add_parser("config", help=summary("config"))
     commands = group.add_subparsers(dest="action", metavar="ACTION", required=True)
     check = commands.add_parser(
         "check",

@@ -32,6 +32,7 @@ from sage.claude.binary import (
     support,
 )
 from sage.claude.hooks import hooks_known_by
+from sage.cli._commands import summary
 from sage.cli._common import add_common
 from sage.cli._connect import print_json
 from sage.config import Config, load_config
@@ -91,7 +92,7 @@ class Check(msgspec.Struct, frozen=True, kw_only=True):
 def register(sub: Any) -> None:
     doctor = sub.add_parser(
         "doctor",
-        help="check that this host can run the supervisor",
+        help=summary("doctor"),
         description="Check the config, the claude binary, bubblewrap, the state folder,\n"
         "its keys and the control socket; print one row per check: ok, warn or fail.",
         epilog=_EPILOG,

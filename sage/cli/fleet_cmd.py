@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from sage import replies
+from sage.cli._commands import summary
 from sage.cli._common import add_common, printable
 from sage.cli._connect import connect, print_json
 from sage.errors import SageError
@@ -18,7 +19,7 @@ STATUS_TOPIC = "sage.v1.request.fleet.status"  # answered by the supervisor (sag
 def register(sub: Any) -> None:
     group = sub.add_parser(
         "fleet",
-        help="the fleet this supervisor is a node of (NATS)",
+        help=summary("fleet"),
         description="Several supervisors as one sage over NATS with JetStream (docs/fleet.md).",
     )
     commands = group.add_subparsers(dest="action", metavar="ACTION", required=True)

@@ -32,6 +32,7 @@ import msgspec
 
 from bus import NoResponders
 from sage import replies
+from sage.cli._commands import summary
 from sage.cli._common import add_common, printable
 from sage.cli._connect import config_of, connect, print_json
 from sage.errors import SageError
@@ -45,7 +46,7 @@ DEADLINE = 10.0
 def register(sub: Any) -> None:
     group = sub.add_parser(
         "forge",
-        help="forged tools: list, show, run, promote, rm, runs, secrets",
+        help=summary("forge"),
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

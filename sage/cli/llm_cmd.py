@@ -22,6 +22,7 @@ import msgspec
 
 from bus import BusClient, NoResponders, RemoteSubscription
 from sage import replies
+from sage.cli._commands import summary
 from sage.cli._common import add_common
 from sage.cli._connect import config_of, connect, print_json
 from sage.errors import SageError
@@ -41,7 +42,7 @@ _NO_PROVIDER = "no completion provider is running (is `llm` in supervisor.capsul
 def register(sub: Any) -> None:
     group = sub.add_parser(
         "llm",
-        help="one completion from the Messages API provider (llm capsule)",
+        help=summary("llm"),
         description=(
             "Ask the supervisor's completion provider (the `llm` capsule) for one"
             " completion. The API key is the principal's own (astrid sage install) or the"

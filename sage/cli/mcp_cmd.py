@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from sage.cli._commands import summary
 from sage.cli._common import add_common
 from sage.cli._connect import config_of
 from sage.errors import SageError
@@ -15,7 +16,7 @@ __all__ = ("register",)
 def register(sub: Any) -> None:
     group = sub.add_parser(
         "mcp",
-        help="MCP servers for Claude Code sessions sage does not run itself",
+        help=summary("mcp"),
         description="MCP servers for Claude Code: `serve` proxies a principal's tools.",
     )
     commands = group.add_subparsers(dest="action", metavar="ACTION", required=True)

@@ -21,6 +21,7 @@ import msgspec
 
 from bus import BusError, NoResponders
 from sage import replies
+from sage.cli._commands import summary
 from sage.cli._common import add_common, call_runner, printable
 from sage.cli._connect import connect, print_json
 from sage.errors import SageError
@@ -39,7 +40,7 @@ for its new child's ``initialize`` (``[limits] init_timeout``)."""
 def register(sub: Any) -> None:
     group = sub.add_parser(
         "sage",
-        help="Claude sessions: spawn, send, watch, interrupt, stop, list",
+        help=summary("sage"),
         description="Drive Claude Code sessions run by the supervisor's session runner.",
     )
     commands = group.add_subparsers(dest="action", metavar="ACTION", required=True)

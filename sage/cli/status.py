@@ -6,23 +6,23 @@ import argparse
 from typing import Any
 
 from sage import replies
+from sage.cli._commands import summary
 from sage.cli._common import add_common
-from sage.cli._connect import connect, print_json
+from sage.cli._connect import ask, print_json
 
 
 def register(sub: Any) -> None:
     status = sub.add_parser(
         "status",
-        help="show the running supervisor's state",
+        help=summary("status"),
         description="Ask the running supervisor for uptime, capsules, connections and bus statistics.",
     )
     add_common(status)
     status.set_defaults(handler=_status)
 
 
-async def _status(args: argparse.Namespace) -> int:
-    async with connect(args) as client:
-        reply = await client.request("sage.v1.request.status", {}, deadline=5.0)
+def _status(args: argparse.Namespace) -> int:
+    reply = ask(args, "sage.v1.request.status", {}, deadline=5.0)
     data = replies.parse(reply.payload)
     if args.json:
         print_json(data)

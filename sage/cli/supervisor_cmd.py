@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from sage.cli._commands import summary
 from sage.cli._common import add_common
 from sage.cli._connect import config_of
 
 
 def register(sub: Any) -> None:
-    group = sub.add_parser("supervisor", help="run the sage supervisor")
+    group = sub.add_parser("supervisor", help=summary("supervisor"))
     commands = group.add_subparsers(dest="action", metavar="ACTION", required=True)
     run = commands.add_parser(
         "run",

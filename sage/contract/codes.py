@@ -88,6 +88,8 @@ class ErrorCode(enum.StrEnum):
     UNKNOWN_SERVER = "unknown_server"  # the CLI's own control requests, never on the bus
     BAD_MESSAGE = "bad_message"  # likewise
     NOT_TAKEN = "not_taken"  # likewise: a warm spare's hook callback
+    HOOK_UNDELIVERED = "hook_undelivered"  # astrid-emit: the bus did not take the hook
+    BAD_COMMAND_LINE = "bad_command_line"  # astrid-emit: a command line it cannot read
 
     # -- principals: settings and installs ---------------------------------------------
     UNKNOWN_PRINCIPAL = "unknown_principal"

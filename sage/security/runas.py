@@ -161,8 +161,12 @@ def emit_launcher(run_as: RunAs) -> bytes | None:
 
     It runs a Python of the same minor version that the uid may execute
     (``/usr/bin``, ``/usr/local/bin``: extension modules are built per minor
-    version), isolated (``-I``), with sage's site-packages added; None too when
-    there is no such Python (the hooks cannot run: docs/security.md)."""
+    version), isolated and without ``site`` (``-IS``: astrid-emit needs the
+    standard library only, and ``site`` would cost every hook milliseconds), with
+    the folder holding the ``sage`` package first on its path and sage's
+    site-packages after it (for the config file, read only without
+    ``ASTRID_SOCKET``); None too when there is no such Python (the hooks cannot
+    run: docs/security.md)."""
     groups = {run_as.gid, *run_as.groups}
     if can_run(Path(sys.executable), run_as.uid, groups):
         return None
@@ -170,15 +174,17 @@ def emit_launcher(run_as: RunAs) -> bytes | None:
     for folder in ("/usr/bin", "/usr/local/bin"):
         python = Path(folder) / name
         if python.exists() and can_run(python, run_as.uid, groups):
-            sites = [p for p in site.getsitepackages() if os.path.isdir(p)]
+            import sage
+
+            root = os.path.dirname(os.path.dirname(os.path.abspath(sage.__file__)))
+            sites = [p for p in site.getsitepackages() if os.path.isdir(p) and p != root]
             return (
-                f"#!{python} -I\n"
+                f"#!{python} -IS\n"
                 "# astrid-emit for a claude child whose uid cannot run sage's own Python\n"
                 "# (written by sage's installer; sage/security/runas.py emit_launcher)\n"
-                "import site\n"
                 "import sys\n\n"
-                f"for folder in {sites!r}:\n"
-                "    site.addsitedir(folder)\n"
+                f"sys.path[:0] = {[root]!r}\n"
+                f"sys.path += {sites!r}\n"
                 "from sage.claude.emit import main\n\n"
                 "sys.exit(main())\n"
             ).encode()

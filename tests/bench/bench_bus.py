@@ -29,7 +29,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from tests.bench.report import Report
+from tests.bench.report import Report, percentile
 
 SOCKET_MESSAGES = 200_000
 PAYLOAD = b'"0123456789abcdef"'
@@ -127,11 +127,6 @@ async def _queue_baseline(n_msgs: int, *, timed: bool) -> tuple[float, list[floa
     return clock() - start, lat
 
 
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def _bench_inproc(report: Report) -> None:
     n_base = 300_000
     base = min(asyncio.run(_queue_baseline(n_base, timed=False))[0] for _ in range(RUNS))
@@ -155,13 +150,15 @@ def _bench_inproc(report: Report) -> None:
             reference_name="asyncio.Queue",
             goal=">= 1M/s" if n_subs == 1 else "",
         )
-        report.add("bus", f"in-process p50 latency, {n_subs} sub(s)", _pct(lat, 0.5) * 1e6, "us")
+        report.add(
+            "bus", f"in-process p50 latency, {n_subs} sub(s)", percentile(lat, 0.5) * 1e6, "us"
+        )
         report.add(
             "bus",
             f"in-process p99 latency, {n_subs} sub(s)",
-            _pct(lat, 0.99) * 1e6,
+            percentile(lat, 0.99) * 1e6,
             "us",
-            reference=_pct(base_lat, 0.99) * 1e6,
+            reference=percentile(base_lat, 0.99) * 1e6,
             reference_name="asyncio.Queue p99",
             higher_is_better=False,
         )

@@ -89,8 +89,8 @@ from sage.fleet.nodes import NodeRecord
 from sage.fleet.permissions import BUCKET
 from sage.fleet.routes import REGISTRY, SessionEntry, registry_key
 from sage.fleet.transcripts import TRANSCRIPTS
-from tests.bench.bench_sessions import FAKE, _pct, _reap_leftovers, _remove
-from tests.bench.report import Report
+from tests.bench.bench_sessions import FAKE, _reap_leftovers, _remove
+from tests.bench.report import Report, percentile
 from tests.support.daemon import Daemon, node_root, short_dir
 from tests.support.failover_fleet import put_transcript
 from tests.support.nats_cluster import JS_TIMEOUT, NatsCluster, stored_object
@@ -255,7 +255,7 @@ async def _routed_vs_local(daemons: dict[str, Daemon], report: Report) -> None:
         await call_runner(on_a, f"sage.v1.request.stop.{sid}", {}, DEADLINE)
 
     def ms(values: list[float], q: float) -> float:
-        return (statistics.median(values) if q == 0.5 else _pct(values, q)) * 1e3
+        return (statistics.median(values) if q == 0.5 else percentile(values, q)) * 1e3
 
     figures = {}
     for what, k in (("reply", 0), ("done", 1)):

@@ -94,15 +94,14 @@ from tests.bench.bench_sessions import (
     CLAUDE_BIN,
     FAKE,
     _Bare,
-    _pct,
     _reap,
     _reap_leftovers,
     _remove,
-    _rss_kib,
 )
-from tests.bench.report import Report
+from tests.bench.report import Report, percentile
 from tests.support.daemon import short_dir
 from tests.support.host import Host
+from tests.support.procs import rss_kib
 from tests.support.sage_harness import Events, Sage, running_sage, sage_config
 from tests.support.standin import Standin, Text
 
@@ -284,7 +283,7 @@ async def _spawn_all(
         done = start + len(sids)
         if done % chunk == 0 or done == SESSIONS:
             now, cpu = time.perf_counter(), _cpu_s(spid)
-            rss.append((done, _rss_kib(spid)))
+            rss.append((done, rss_kib(spid)))
             spawned, cpu_chunk = done - done_chunk, cpu - cpu_chunk
             print(
                 f"  hibernation: {done:,} sessions in {now - t0:.1f} s"
@@ -344,13 +343,13 @@ async def _scale(report: Report) -> None:
                     ):
                         subscription = await sage.client.subscribe(f"sage.v1.event.*.{name}")
                         tg.start_soon(seen.follow, subscription)
-                    cold = _rss_kib(spid)
+                    cold = rss_kib(spid)
                     # one session first: code paths and lazy imports run once, not per session
                     await _spawn(sage, "warm")
                     await inits.wait_for(["warm"])
                     await sage.request("sage.v1.request.stop.warm", {}, within=30)
                     await anyio.sleep(0.5)
-                    before = _rss_kib(spid)
+                    before = rss_kib(spid)
                     live.window()
                     print(
                         f"  hibernation: {SESSIONS:,} sessions, {BATCH} at once, max_live"
@@ -363,7 +362,7 @@ async def _scale(report: Report) -> None:
                     # every session beyond max_live hibernated; then let the process settle
                     await hibernated.wait_for(None, count=SESSIONS - MAX_LIVE, within=120)
                     await anyio.sleep(2.0)
-                    after = _rss_kib(spid)
+                    after = rss_kib(spid)
                     records = _records(root)
                     states = _states(records)
                     print(f"  hibernation: stored session states {states}", flush=True)
@@ -417,12 +416,12 @@ async def _scale(report: Report) -> None:
         f"  hibernation: supervisor RSS {before:,} -> {after:,} KiB with {SESSIONS:,}"
         f" sessions ({per:.2f} KiB each; slope from {first_n:,} sessions"
         f" {slope:.2f} KiB each); spawn to init p50 {statistics.median(to_init) * 1e3:.0f} ms,"
-        f" p90 {_pct(to_init, 0.9) * 1e3:.0f} ms (batches of {BATCH})",
+        f" p90 {percentile(to_init, 0.9) * 1e3:.0f} ms (batches of {BATCH})",
         flush=True,
     )
     print(
         f"  hibernation: {len(to_text)} wakes in {wake_s:.1f} s; to first text p50"
-        f" {statistics.median(to_text) * 1e3:.0f} ms, p90 {_pct(to_text, 0.9) * 1e3:.0f} ms;"
+        f" {statistics.median(to_text) * 1e3:.0f} ms, p90 {percentile(to_text, 0.9) * 1e3:.0f} ms;"
         f" to done p50 {statistics.median(to_done) * 1e3:.0f} ms; {listing_note}",
         flush=True,
     )
@@ -454,7 +453,7 @@ async def _scale(report: Report) -> None:
         f"wake to first reply p50 ({len(to_text)} wakes, double)",
         statistics.median(to_text) * 1e3,
         "ms",
-        goal=f"p90 {_pct(to_text, 0.9) * 1e3:.0f} ms",
+        goal=f"p90 {percentile(to_text, 0.9) * 1e3:.0f} ms",
         higher_is_better=False,
     )
     report.add(
@@ -613,8 +612,8 @@ async def _wake_vs_cold(report: Report) -> None:
     med = statistics.median
     w_text, b_text = [r[1] for r in ours], [r[1] for r in bare]
     print(
-        f"  hibernation: first text p90: wake {_pct(w_text, 0.9) * 1e3:.0f} ms, bare --resume"
-        f" {_pct(b_text, 0.9) * 1e3:.0f} ms; medians to init: wake"
+        f"  hibernation: first text p90: wake {percentile(w_text, 0.9) * 1e3:.0f} ms, bare --resume"
+        f" {percentile(b_text, 0.9) * 1e3:.0f} ms; medians to init: wake"
         f" {med([r[0] for r in ours]) * 1e3:.0f} ms, bare initialize"
         f" {med([r[0] for r in bare]) * 1e3:.0f} ms; the session had {turns} turns",
         flush=True,

@@ -44,11 +44,11 @@ from capsules.runner.command import Launch, build_launch
 from capsules.runner.runner import HOOKS
 from sage.claude.protocol import OutgoingState, ResultMessage, encode_initialize, encode_user_turn
 from sage.config import load_config
-from tests.bench.report import Report
+from tests.bench.report import Report, percentile
 from tests.support import FAKE_CLAUDE
 from tests.support.daemon import short_dir
 from tests.support.host import Host
-from tests.support.procs import alive, marked
+from tests.support.procs import alive, marked, rss_kib
 from tests.support.sage_harness import Events, Sage, running_sage, sage_config
 from tests.support.standin import Standin, Text
 
@@ -64,19 +64,6 @@ LIMITS = "[limits]\nmax_sessions_per_principal = 1000\ninit_timeout = 60.0\nstop
 
 
 # -- helpers --------------------------------------------------------------------
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def _rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
 def _remove(root: Path) -> None:
@@ -289,9 +276,9 @@ async def _cli(report: Report) -> None:
 
     med = statistics.median
     print(
-        f"  sessions: start p90: bare {_pct(b_init, 0.9) * 1e3:.0f} ms,"
-        f" ours {_pct(o_init, 0.9) * 1e3:.0f} ms; turn p90: bare"
-        f" {_pct(b_turn, 0.9) * 1e3:.0f} ms, ours {_pct(o_turn, 0.9) * 1e3:.0f} ms",
+        f"  sessions: start p90: bare {percentile(b_init, 0.9) * 1e3:.0f} ms,"
+        f" ours {percentile(o_init, 0.9) * 1e3:.0f} ms; turn p90: bare"
+        f" {percentile(b_turn, 0.9) * 1e3:.0f} ms, ours {percentile(o_turn, 0.9) * 1e3:.0f} ms",
         flush=True,
     )
     print(
@@ -417,7 +404,7 @@ async def _memory(report: Report) -> None:
                 envelope = await subscription.get()
                 inits.add(envelope.topic.split(".")[3])
 
-            cold = _rss_kib(spid)
+            cold = rss_kib(spid)
             # one session first: code paths and lazy imports run once, not per session
             pids += await _batch(sage, ["warm"], inits, arrived)
             await sage.request("sage.v1.request.stop.warm", {}, within=30)
@@ -425,7 +412,7 @@ async def _memory(report: Report) -> None:
             bare_s = await _bare_doubles(sage.daemon.config, IDLE_SESSIONS, BATCH)
             print(f"  sessions: {IDLE_SESSIONS} bare doubles up in {bare_s:.1f} s", flush=True)
             await anyio.sleep(0.5)
-            before = _rss_kib(spid)
+            before = rss_kib(spid)
             print(
                 f"  sessions: supervisor RSS cold {cold:,} KiB, after a warm-up session"
                 f" {before:,} KiB",
@@ -438,12 +425,12 @@ async def _memory(report: Report) -> None:
                 if (start // BATCH) % 5 == 4:
                     print(
                         f"  sessions: {len(inits) - 1} idle sessions up,"
-                        f" supervisor RSS {_rss_kib(spid):,} KiB",
+                        f" supervisor RSS {rss_kib(spid):,} KiB",
                         flush=True,
                     )
             spawn_s = time.perf_counter() - t0
             await anyio.sleep(1.0)  # let the children's handshakes settle
-            after = _rss_kib(spid)
+            after = rss_kib(spid)
             listing = await sage.request("sage.v1.request.sessions", {})
             live = len(listing["sessions"])
             if live != IDLE_SESSIONS:

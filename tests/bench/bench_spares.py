@@ -24,8 +24,8 @@ import uuid
 
 import anyio
 
-from tests.bench.bench_sessions import CLAUDE_BIN, _pct, _reap_leftovers, _remove
-from tests.bench.report import Report
+from tests.bench.bench_sessions import CLAUDE_BIN, _reap_leftovers, _remove
+from tests.bench.report import Report, percentile
 from tests.support.daemon import short_dir
 from tests.support.sage_harness import Sage, running_sage, sage_config
 from tests.support.spares import ready_spares
@@ -116,9 +116,9 @@ async def _bench(report: Report) -> None:
         return [row[k] for row in rows]
 
     print(
-        f"  spares: p90 ready cold {_pct(col(cold, 1), 0.9) * 1e3:.0f} ms,"
-        f" warm {_pct(col(warm, 1), 0.9) * 1e3:.1f} ms; first text p90 cold"
-        f" {_pct(col(cold, 2), 0.9) * 1e3:.0f} ms, warm {_pct(col(warm, 2), 0.9) * 1e3:.0f} ms;"
+        f"  spares: p90 ready cold {percentile(col(cold, 1), 0.9) * 1e3:.0f} ms,"
+        f" warm {percentile(col(warm, 1), 0.9) * 1e3:.1f} ms; first text p90 cold"
+        f" {percentile(col(cold, 2), 0.9) * 1e3:.0f} ms, warm {percentile(col(warm, 2), 0.9) * 1e3:.0f} ms;"
         f" spawn reply medians cold {med(col(cold, 0)) * 1e3:.1f} ms,"
         f" warm {med(col(warm, 0)) * 1e3:.1f} ms",
         flush=True,

@@ -57,7 +57,7 @@ from typing import Any
 
 import anyio
 
-from tests.bench.report import Report
+from tests.bench.report import Report, percentile
 from tests.support.daemon import short_dir
 from tests.support.procs import marked
 from tests.support.sage_harness import Sage, running_sage, sage_config
@@ -270,11 +270,6 @@ capsule = Capsule([Tool.of("greet_w", greet)])
 # -- helpers --------------------------------------------------------------------
 
 
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 async def _reap(marker: bytes, within: float = 5.0) -> list[int]:
     """Wait for the marked processes to be gone; kill and return any that stay."""
     deadline = time.monotonic() + within
@@ -422,12 +417,12 @@ async def _tools(report: Report) -> None:
     times, cpu = await _measure()
     for kind, ms in times.items():
         print(
-            f"  tools: {kind:<8} n={len(ms)} min {min(ms):.3f} p50 {_pct(ms, 0.5):.3f}"
-            f" p90 {_pct(ms, 0.9):.3f} p99 {_pct(ms, 0.99):.3f} max {max(ms):.3f} ms",
+            f"  tools: {kind:<8} n={len(ms)} min {min(ms):.3f} p50 {percentile(ms, 0.5):.3f}"
+            f" p90 {percentile(ms, 0.9):.3f} p99 {percentile(ms, 0.99):.3f} max {max(ms):.3f} ms",
             flush=True,
         )
     ping, greet, greet_w = times["ping"], times["greet"], times["greet_w"]
-    p50 = {k: _pct(v, 0.5) for k, v in times.items()}
+    p50 = {k: percentile(v, 0.5) for k, v in times.items()}
     print(
         f"  tools: p50 share of bus + bridge + capsule: in-process"
         f" {p50['greet'] - p50['ping']:.3f} ms, out-of-process"
@@ -449,9 +444,9 @@ async def _tools(report: Report) -> None:
         report.add(
             "tools",
             f"tools/call round trip p50, {label}",
-            _pct(values, 0.5),
+            percentile(values, 0.5),
             "ms",
-            reference=_pct(ping, 0.5),
+            reference=percentile(ping, 0.5),
             reference_name=ref,
             goal=goal,
             higher_is_better=False,
@@ -459,9 +454,9 @@ async def _tools(report: Report) -> None:
         report.add(
             "tools",
             f"tools/call round trip p99, {label}",
-            _pct(values, 0.99),
+            percentile(values, 0.99),
             "ms",
-            reference=_pct(ping, 0.99),
+            reference=percentile(ping, 0.99),
             reference_name=ref,
             higher_is_better=False,
         )

@@ -54,3 +54,9 @@ def _fmt(v: float | None) -> str:
     if abs(v) >= 1:
         return f"{v:.2f}"
     return f"{v:.4f}"
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (nearest rank, no interpolation)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]

@@ -1,13 +1,14 @@
-"""Installed principals end to end: the real CLI runs the installer's command hooks.
+"""Installed principals end to end: the real CLI, its hooks in-band or by command.
 
 ``astrid sage install`` has the installer write ``.claude/settings.local.json``
 into alice's home; the runner starts the real ``claude -p`` there, which reads
-that project-local file by itself.  A tool call the stand-in scripts fires the
-``PreToolUse`` command hook: ``astrid-emit`` sends it with the session's token,
-the hooks capsule checks the token and republishes it on
-``hook.v1.event.before_tool_call`` with ``decision_source: "token"``.  After the
-session ends its token is worthless: the same envelope replayed is audited as a
-spoof and not republished.
+that project-local file by itself.  A headless alice gets no command hook: a
+tool call the stand-in scripts fires ``PreToolUse`` in-band (``hook_callback``),
+published on ``hook.v1.event.before_tool_call`` with ``decision_source:
+"in_band"``, and the whole turn starts no process besides the ``claude`` child.
+The session's token still dies with it: replayed through ``astrid-emit``, it is
+audited as a spoof.  A REPL alice (no control channel) gets ``astrid-emit``
+command hooks, checked against the token ``sage.v1.request.repl.open`` minted.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import msgspec
 import pytest
 
 from tests.support.host import claude_env
-from tests.support.sage_harness import running_sage, sage_config
+from tests.support.procs import ProcessWatch
+from tests.support.sage_harness import Sage, running_sage, sage_config
+from tests.support.spares import claude_children
 from tests.support.standin import Standin, Text, ToolUse
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
@@ -43,18 +46,25 @@ def _config(claude_bin: Path, standin: Standin) -> str:
     )
 
 
-async def test_installed_command_hooks_are_validated_and_republished(
+async def _until_tools(sage: Sage) -> None:
+    with anyio.fail_after(20):
+        while not (await sage.request("sage.v1.request.tools", {}))["tools"]:  # noqa: ASYNC110
+            await anyio.sleep(0.05)
+
+
+async def test_a_headless_turn_with_a_tool_call_starts_no_process_and_hooks_come_in_band(
     claude_bin: Path, standin: Standin
 ) -> None:
+    """No hook process: nothing runs below the claude child during a tool turn, and its
+    hooks arrive in-band, never as astrid-emit envelopes, with no spoof alarm."""
     async with running_sage(_config(claude_bin, standin)) as sage:
         installed = await sage.request(
             "sage.v1.request.install", {"principal_id": "alice", "api_key": KEY}
         )
         assert installed["ok"], installed
-        hooks = await sage.client.subscribe("hook.v1.event.before_tool_call")
-        with anyio.fail_after(20):
-            while not (await sage.request("sage.v1.request.tools", {}))["tools"]:  # noqa: ASYNC110
-                await anyio.sleep(0.05)
+        hooks = await sage.client.subscribe("hook.v1.event.>")
+        raw = await sage.client.subscribe("sage.v1.hook.>")  # what astrid-emit would send
+        await _until_tools(sage)
         events, spawned = await sage.spawn("h1")
         assert spawned["ok"], spawned
         await events.until("init")
@@ -65,25 +75,33 @@ async def test_installed_command_hooks_are_validated_and_republished(
             if v.startswith(b"ASTRID_HOOK_TOKEN=")
         )
         assert f"ANTHROPIC_API_KEY={KEY}".encode() in environ.split(b"\0")
+        claude = claude_children(sage)["h1"]
         standin.push(ToolUse("mcp__sage__greet", {"name": "Ada"}), Text("greeted"))
-        await sage.send("h1", "greet Ada")
-        seen = await events.until("done", 60.0)
-        assert [e for e in seen if e[0] == "text"], (seen, standin.calls)
+        with ProcessWatch(claude) as watch:
+            await sage.send("h1", "greet Ada")
+            seen = await events.until("done", 60.0)
         text = "".join(d.get("delta", "") for n, d in seen if n == "text")
-        assert text == "greeted"
-        by_token: list[dict[str, Any]] = []
+        assert text == "greeted", (seen, standin.calls)
+        assert [n for n, _ in seen].count("tool_result") == 1
+        assert watch.seen == {}, f"the turn started processes: {watch.seen}"
+        assert watch.children_cpu == 0
+        got: dict[str, dict[str, Any]] = {}
         with anyio.fail_after(20):
-            while not by_token:
-                event = msgspec.json.decode((await hooks.get()).payload)
-                if event.get("decision_source") == "token":
-                    by_token.append(event)
-        (event,) = by_token
-        assert event["principal_id"] == "alice"
-        assert event["session_id"] == "h1"
+            while "after_tool_call" not in got or "session_end" not in got:
+                envelope = await hooks.get()
+                got[envelope.topic.rsplit(".", 1)[1]] = msgspec.json.decode(envelope.payload)
+        event = got["before_tool_call"]
+        assert event["decision_source"] == "in_band"
+        assert (event["principal_id"], event["session_id"]) == ("alice", "h1")
         assert event["hook"] == "PreToolUse"
         assert event["payload"]["tool_name"] == "mcp__sage__greet"
+        assert {"message_received", "post_tool_batch", "after_tool_call"} <= set(got)
+        assert {e["decision_source"] for e in got.values()} == {"in_band"}
         await sage.request("sage.v1.request.stop.h1", {})
         await events.until("exited")
+        with anyio.move_on_after(0.5):
+            stray = await raw.get()
+            raise AssertionError(f"a command hook ran: {stray.topic} from {stray.source}")
         # the ended session's token, replayed with the real astrid-emit, and a wrong one
         spoofs = await sage.client.subscribe("sage.v1.audit.hook_spoof_attempt")
         for stolen in (token, "0" * 43):
@@ -103,15 +121,54 @@ async def test_installed_command_hooks_are_validated_and_republished(
                 report = msgspec.json.decode((await spoofs.get()).payload)
             assert report["reason"] == "unknown_or_ended_session"
             assert stolen not in json.dumps(report)
-        with anyio.move_on_after(0.5):
-            late = await hooks.get()
-            assert msgspec.json.decode(late.payload).get("decision_source") != "token"
         code, out, err = await sage.astrid("audit", "verify")
         assert code == 0, out + err
         db = sqlite3.connect(f"file:{sage.daemon.root / 'state' / 'audit.db'}?mode=ro", uri=True)
         kinds = [r[0] for r in db.execute("SELECT kind FROM entries")]
         db.close()
-        assert kinds.count("sage.v1.audit.hook_spoof_attempt") == 2
+        assert kinds.count("sage.v1.audit.hook_spoof_attempt") == 2  # the replays only
+
+
+async def test_a_repl_principals_command_hooks_are_checked_by_their_token(
+    claude_bin: Path, standin: Standin
+) -> None:
+    """A REPL alice has no control channel: the real CLI runs the installed astrid-emit
+    command hooks, and the hooks capsule republishes them as token-checked."""
+    async with running_sage(_config(claude_bin, standin)) as sage:
+        installed = await sage.request(
+            "sage.v1.request.install", {"principal_id": "alice", "interaction_mode": "repl"}
+        )
+        assert installed["ok"], installed
+        opened = await sage.request("sage.v1.request.repl.open", {"principal_id": "alice"})
+        assert opened["ok"], opened
+        hooks = await sage.client.subscribe("hook.v1.event.>")
+        spoofs = await sage.client.subscribe("sage.v1.audit.hook_spoof_attempt")
+        home = Path(installed["home_path"])
+        env = {
+            **claude_env(home, standin.url),
+            "ASTRID_SOCKET": str(sage.daemon.socket),
+            "ASTRID_PRINCIPAL_ID": "alice",
+            "ASTRID_SESSION_ID": opened["session_id"],
+            "ASTRID_HOOK_TOKEN": opened["token"],
+        }
+        argv = [str(claude_bin), "-p", "--output-format", "stream-json", "--verbose", "hi"]
+        standin.push(Text("hello"))
+        with anyio.fail_after(90):
+            done = await anyio.run_process(argv, env=env, cwd=home, check=False)
+        assert done.returncode == 0, done.stderr[-2000:]
+        got: dict[str, dict[str, Any]] = {}
+        with anyio.fail_after(20):
+            while "session_end" not in got:
+                envelope = await hooks.get()
+                got[envelope.topic.rsplit(".", 1)[1]] = msgspec.json.decode(envelope.payload)
+        assert {"session_start", "message_received", "session_end"} <= set(got)
+        for event in got.values():
+            assert event["decision_source"] == "token"
+            assert (event["principal_id"], event["session_id"]) == ("alice", opened["session_id"])
+            assert opened["token"] not in json.dumps(event)
+        with anyio.move_on_after(0.5):
+            report = await spoofs.get()
+            raise AssertionError(f"a spoof alarm: {report.payload!r}")
 
 
 async def test_a_real_claude_uses_the_installed_mcp_json(
@@ -176,19 +233,17 @@ def _transcript_owners(home: Path) -> set[int]:
 async def test_a_real_claude_runs_as_its_principals_uid_under_a_root_supervisor(
     claude_bin: Path, standin: Standin
 ) -> None:
-    """The supervisor is root; alice's real ``claude`` and the ``astrid-emit`` its
-    installed command hook runs are alice's uid from sage's range, never root."""
+    """The supervisor is root; alice's real ``claude`` is alice's uid from sage's range,
+    never root, and its hooks still reach sage in-band."""
     async with running_sage(_config(claude_bin, standin)) as sage:
         installed = await sage.request(
             "sage.v1.request.install", {"principal_id": "alice", "api_key": KEY}
         )
         assert installed["ok"], installed
         home = Path(installed["home_path"])
-        raw = await sage.client.subscribe("sage.v1.hook.>")  # as astrid-emit sent them
+        raw = await sage.client.subscribe("sage.v1.hook.>")  # as astrid-emit would send them
         hooks = await sage.client.subscribe("hook.v1.event.before_tool_call")
-        with anyio.fail_after(20):
-            while not (await sage.request("sage.v1.request.tools", {}))["tools"]:  # noqa: ASYNC110
-                await anyio.sleep(0.05)
+        await _until_tools(sage)
         events, spawned = await sage.spawn("u1")
         assert spawned["ok"], spawned
         await events.until("init")
@@ -212,22 +267,14 @@ async def test_a_real_claude_runs_as_its_principals_uid_under_a_root_supervisor(
         text = "".join(d.get("delta", "") for n, d in seen if n == "text")
         assert text == "greeted", (seen, standin.calls)
         with anyio.fail_after(20):
-            while True:
-                event = msgspec.json.decode((await hooks.get()).payload)
-                if event.get("decision_source") == "token":
-                    break
+            event = msgspec.json.decode((await hooks.get()).payload)
+        assert event["decision_source"] == "in_band"
         assert event["principal_id"] == "alice"
         assert event["session_id"] == "u1"
         assert event["payload"]["tool_name"] == "mcp__sage__greet"
-        # the command hook's astrid-emit ran as alice's uid, and that uid's connection
-        # is alice's on the bus
-        with anyio.fail_after(10):
-            while True:
-                envelope = await raw.get()
-                if envelope.source.startswith("emit:"):
-                    break
-        assert envelope.source == f"emit:{uid}"
-        assert envelope.principal == "alice"
+        with anyio.move_on_after(0.5):  # a headless home has no command hook to run
+            stray = await raw.get()
+            raise AssertionError(f"a command hook ran: {stray.topic} from {stray.source}")
         # what the CLI wrote in its home (its transcript) is that uid's too
         assert await anyio.to_thread.run_sync(_transcript_owners, home) == {uid}
         await sage.request("sage.v1.request.stop.u1", {})

@@ -19,7 +19,7 @@ import anyio.abc
 import anyio.lowlevel
 import pytest
 
-from bus import BusClient, BusServer, PeerCred
+from bus import BlockingClient, BusClient, BusServer, PeerCred
 from bus.acl import Identity
 from bus.broker import Bus
 from bus.errors import (
@@ -743,3 +743,67 @@ async def _read_all(stream: anyio.abc.ByteReceiveStream) -> bytes:
         while True:
             data += await stream.receive()
     return data
+
+
+# -- the blocking client: one request at a time, no event loop ---------------------------
+
+
+def _ask(path: Path, topic: str, payload: Any, deadline: float = 5.0, **kw: Any) -> Any:
+    """A BlockingClient request (in a worker thread: it blocks); the reply or the error."""
+    try:
+        with BlockingClient.connect(path, **kw) as client:
+            return client.request(topic, payload, deadline=deadline)
+    except BusError as exc:
+        return exc
+
+
+async def test_the_blocking_client_asks_and_gets_the_reply(sock_path: Path) -> None:
+    """Its request is answered like BusClient's: the reply envelope, the responder's identity."""
+    async with (
+        serving(sock_path),
+        BusClient.connect(sock_path, role="capsule", principal="ops") as responder,
+    ):
+        sub = await responder.subscribe("svc.echo")
+
+        async def serve() -> None:
+            async for env in sub:
+                assert env.source == f"cli:{os.getuid()}"
+                responder.reply(env, {"echo": env.data()})
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(serve)
+            reply = await anyio.to_thread.run_sync(_ask, sock_path, "svc.echo", [1, "two"])
+            tg.cancel_scope.cancel()
+    assert reply.data() == {"echo": [1, "two"]}
+    assert reply.source == f"capsule:{os.getuid()}"
+    assert reply.principal == "ops"
+
+
+async def test_the_blocking_client_raises_what_the_server_answered(sock_path: Path) -> None:
+    """No responders, a deadline passed, a refused hello: the errors BusClient raises."""
+    async with serving(sock_path), BusClient.connect(sock_path) as silent:
+        await silent.subscribe("svc.silent")
+        nobody = await anyio.to_thread.run_sync(_ask, sock_path, "nobody.home", 1)
+        assert isinstance(nobody, NoResponders)
+        start = time.monotonic()
+        late = await anyio.to_thread.run_sync(
+            lambda: _ask(sock_path, "svc.silent", 1, deadline=0.2)
+        )
+        assert isinstance(late, BusError)
+        assert late.code == "timeout"
+        assert time.monotonic() - start < 3
+        refused = await anyio.to_thread.run_sync(
+            lambda: _ask(sock_path, "svc.echo", 1, principal="mallory")
+        )
+        assert isinstance(refused, NotAuthorized)
+
+
+async def test_the_blocking_client_says_why_it_cannot_connect(sock_path: Path) -> None:
+    """No socket: the same one line as BusClient's, not an OSError."""
+    missing = await anyio.to_thread.run_sync(_ask, sock_path, "svc.echo", 1)
+    assert isinstance(missing, ConnectionLost)
+    assert str(missing) == f"no supervisor socket at {sock_path} (is it running?)"
+    with pytest.raises(ConnectionLost) as caught:
+        async with BusClient.connect(sock_path):
+            pass
+    assert str(caught.value) == str(missing)

@@ -67,12 +67,7 @@ async def test_install_writes_the_home_stores_the_key_and_is_idempotent() -> Non
         assert "Bash" in settings["permissions"]["deny"]
         assert set(files.BUILT_IN_TOOLS) <= set(settings["permissions"]["deny"])
         assert settings["apiKeyHelper"] == "/bin/false"
-        pre = settings["hooks"]["PreToolUse"][0]
-        assert pre["matcher"] == "*"
-        assert pre["hooks"][0]["command"].endswith("astrid-emit PreToolUse")
-        assert await anyio.Path(pre["hooks"][0]["command"].split()[0]).exists()
-        assert "matcher" not in settings["hooks"]["Stop"][0]
-        assert set(settings["hooks"]) == set(files.HOOK_EVENTS)
+        assert settings["hooks"] == {}  # headless: every hook comes in-band
         home = _home(root)
         assert (home / "CLAUDE.md").read_text().startswith("# alice")
         marker = msgspec.json.decode((home / ".astrid" / "install.json").read_bytes())
@@ -145,7 +140,15 @@ async def test_switching_modes_rewrites_the_files_and_changes_what_spawn_does() 
         changes = await sage.client.subscribe("sage.v1.settings.changed")
         code, _, err = await sage.astrid("sage", "settings", "alice", "--interaction-mode", "repl")
         assert code == 0, err
-        assert _settings(root)["permissions"]["deny"] == []
+        settings = _settings(root)
+        assert settings["permissions"]["deny"] == []
+        # no control channel in a terminal: hooks reach sage through astrid-emit
+        pre = settings["hooks"]["PreToolUse"][0]
+        assert pre["matcher"] == "*"
+        assert pre["hooks"][0]["command"].endswith("astrid-emit PreToolUse")
+        assert await anyio.Path(pre["hooks"][0]["command"].split()[0]).exists()
+        assert "matcher" not in settings["hooks"]["Stop"][0]
+        assert set(settings["hooks"]) == set(files.HOOK_EVENTS)
         changed = msgspec.json.decode((await changes.get()).payload)
         assert changed["config"]["interaction_mode"] == "repl"
         _, spawn = await sage.spawn("r1")
@@ -163,6 +166,7 @@ async def test_switching_modes_rewrites_the_files_and_changes_what_spawn_does() 
         ]
         settings = _settings(root)
         assert "Bash" in settings["permissions"]["deny"]
+        assert settings["hooks"] == {}  # headless again: the command hooks are gone
         assert "apiKeyHelper" not in settings  # subscription: the CLI's own login
         events, spawn = await sage.spawn("h1")
         assert spawn["ok"], spawn

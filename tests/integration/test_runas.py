@@ -138,8 +138,19 @@ async def test_each_principals_children_run_as_its_own_uid() -> None:
         # bob's child cannot read alice's environment (her token, her API key)
         assert _as(b, "cat", f"/proc/{a}/environ").returncode != 0
 
-        # the installed PreToolUse hook, run as the CLI runs it (a shell of the child's
-        # uid and environment): astrid-emit reaches the socket, its hook is validated
+        # a headless home has no command hook (its hooks come in-band); alice switched
+        # to repl gets them: the PreToolUse one, run as the CLI runs it (a shell of the
+        # child's uid and environment), reaches the socket and is validated
+        assert (
+            json.loads((state / "homes" / "alice" / ".claude" / "settings.local.json").read_text())[
+                "hooks"
+            ]
+            == {}
+        )
+        switched = await sage.request(
+            "sage.v1.request.settings.set", {"principal_id": "alice", "interaction_mode": "repl"}
+        )
+        assert switched["ok"], switched
         child = _environ(a)
         env = {k: v for k, v in child.items() if k.startswith("ASTRID_") or k == "PATH"}
         hook = {"hook_event_name": "PreToolUse", "tool_name": "mcp__sage__greet"}

@@ -12,6 +12,12 @@ and ``GET /`` an empty 200, anything else a JSON 404.
 Responses are chunked and keep-alive by default; ``connection_close=True``
 answers with ``Connection: close`` and a body delimited by the close
 instead.
+
+A ``responder`` (a function of the request) answers what the queue does not,
+for runs whose requests interleave (many sessions at once), and each request
+records when it arrived and when its answer was written (``time.monotonic``),
+so the time a CLI takes between two requests (a tool call) is seen from here
+the same way whoever drives the CLI.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ import asyncio
 import contextlib
 import itertools
 import json
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -95,6 +103,10 @@ class Recorded:
     body: Any  # parsed JSON, or None
     raw: bytes
     reply: Reply | None = None  # the scripted reply it got (messages only)
+    received: float = 0.0
+    """``time.monotonic()`` when the whole request had arrived."""
+    answered: float = 0.0
+    """``time.monotonic()`` when its answer was written to the end."""
 
     @property
     def is_messages(self) -> bool:
@@ -155,9 +167,17 @@ def offline_env(base_url: str) -> dict[str, str]:
 class Standin:
     """The server; use ``async with Standin() as s`` or start()/stop()."""
 
-    def __init__(self, *, connection_close: bool = False, default: Reply | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        connection_close: bool = False,
+        default: Reply | None = None,
+        responder: Callable[[Recorded], Reply] | None = None,
+    ) -> None:
         self.connection_close = connection_close
         self.default: Reply = default if default is not None else Text("(unscripted)")
+        self.responder = responder
+        """Answers a messages request the script does not (before ``default``)."""
         self.script: deque[Reply] = deque()
         self.requests: list[Recorded] = []
         self.connections = 0
@@ -236,6 +256,7 @@ class Standin:
                     break
                 await self._record(request)
                 keep = await self._dispatch(request, writer)
+                request.answered = time.monotonic()
                 if not keep:
                     break
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -280,7 +301,7 @@ class Standin:
             body = json.loads(body_bytes) if body_bytes else None
         except ValueError:
             body = None
-        return Recorded(method, path, headers, body, body_bytes)
+        return Recorded(method, path, headers, body, body_bytes, received=time.monotonic())
 
     def _head(self, status: int, content_type: str, length: int | None) -> bytes:
         lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}"]
@@ -323,6 +344,8 @@ class Standin:
             )
         if self.script:
             reply = self.script.popleft()
+        elif self.responder is not None:
+            reply = self.responder(request)
         else:
             self.unscripted += 1
             reply = self.default

@@ -12,10 +12,14 @@ import msgspec
 import pytest
 
 from bus import Bus, Envelope, Identity
-from capsules.runner.approval_desk import ApprovalDesk
+from capsules.hooks.validate import event_name as capsule_event_name
+from capsules.runner.approval_desk import AUDIT_BURST, ApprovalDesk
 from capsules.runner.claude_process import SessionError
+from capsules.runner.command import Launch
+from capsules.runner.runner import HOOKS
 from sage.capsule.context import CapsuleContext
 from sage.capsule.manifest import load_manifest
+from sage.claude.hooks import IN_BAND_HOOKS, KNOWN_HOOKS, PAYLOAD_LIMIT, mint_token
 from sage.claude.protocol import CanUseToolRequest, HookCallbackRequest
 from sage.config import Config, LimitsConfig, PrincipalConfig
 
@@ -24,6 +28,8 @@ pytestmark = pytest.mark.anyio
 RUNNER = Path(__file__).resolve().parents[2] / "capsules" / "runner"
 ADMIN = Identity("cli:admin")
 ASK = CanUseToolRequest(tool_name="mcp__sage__greet", input={"name": "Ada"}, tool_use_id="tu1")
+CLAUDE_SESSION = "8121bd04-f55c-4cf1-b9ef-f73e73c33b8c"
+TOKEN = mint_token()
 
 
 @dataclass
@@ -38,6 +44,17 @@ class Proc:
     session_id: str = "s1"
     principal_id: str = "alice"
     turn: Turns = field(default_factory=Turns)
+    launch: Launch = field(
+        default_factory=lambda: Launch(
+            argv=[],
+            env={"ASTRID_HOOK_TOKEN": TOKEN},
+            cwd=Path("/"),
+            identity_file=Path("/nonexistent"),
+            claude_session=CLAUDE_SESSION,
+            flags_hash="",
+            identity_fallback=False,
+        )
+    )
 
 
 class Rules:
@@ -254,13 +271,21 @@ async def test_the_session_s_own_approver_is_enough_to_ask() -> None:
     assert rig.approval()["source"] == "approver"
 
 
+def _hook(event: str, callback: str | None = None, **fields: Any) -> HookCallbackRequest:
+    """A hook_callback as the CLI sends it for ``event`` in session CLAUDE_SESSION."""
+    hook_input = {"session_id": CLAUDE_SESSION, "hook_event_name": event, **fields}
+    return HookCallbackRequest(
+        callback_id=callback or f"hook_{event}", input=hook_input, tool_use_id="tu1"
+    )
+
+
 async def test_hook_callbacks_are_relayed_under_their_sage_names() -> None:
+    """In-band hooks go out on hook.v1.event.<mapped> with the session's own ids."""
     rig = Rig()
-    for callback, hook_input in (
-        ("hook_PreToolUse", {"hook_event_name": "PreToolUse", "tool_name": "Read"}),
-        ("hook_SessionStart", {}),
+    for request in (
+        _hook("PreToolUse", tool_name="Read"),
+        HookCallbackRequest(callback_id="hook_SessionStart", input={}),
     ):
-        request = HookCallbackRequest(callback_id=callback, input=hook_input, tool_use_id="tu1")
         assert await rig.desk.hook_callback(Proc(), request) == {"continue": True}
     assert [topic for topic, _ in rig.published] == [
         "hook.v1.event.before_tool_call",
@@ -269,9 +294,104 @@ async def test_hook_callbacks_are_relayed_under_their_sage_names() -> None:
     payload = rig.published[0][1]
     assert payload == {
         "hook": "PreToolUse",
-        "payload": {"hook_event_name": "PreToolUse", "tool_name": "Read"},
+        "payload": {
+            "session_id": CLAUDE_SESSION,
+            "hook_event_name": "PreToolUse",
+            "tool_name": "Read",
+        },
         "correlation_id": "tu1",
         "principal_id": "alice",
         "session_id": "s1",
         "decision_source": "in_band",
     }
+    assert rig.audits == []
+
+
+def test_every_hook_sage_knows_is_registered_in_band_under_the_capsules_name() -> None:
+    """initialize registers every known event but the unhooked ones; each maps to the
+    topic the hooks capsule uses for the same event from astrid-emit."""
+    assert set(HOOKS) == set(IN_BAND_HOOKS)
+    assert {"PreToolUse", "PostToolUse", "SessionEnd", "PermissionRequest"} <= set(HOOKS)
+    assert not {"MessageDisplay", "UserPromptExpansion"} & set(HOOKS)
+    assert set(HOOKS) <= KNOWN_HOOKS
+    for event, matchers in HOOKS.items():
+        assert [m.hook_callback_ids for m in matchers] == [[f"hook_{event}"]]
+
+
+async def test_each_in_band_hook_lands_where_its_command_hook_would() -> None:
+    """SessionEnd is claude_session_end on both paths (not Stop's session_end)."""
+    rig = Rig()
+    for event in IN_BAND_HOOKS:
+        await rig.desk.hook_callback(Proc(), _hook(event))
+    hook_topics = [t for t, _ in rig.published if t.startswith("hook.v1.event.")]
+    assert hook_topics == [f"hook.v1.event.{capsule_event_name(e)}" for e in IN_BAND_HOOKS]
+    assert "hook.v1.event.claude_session_end" in hook_topics
+
+
+async def test_a_notification_also_goes_to_sage_notification() -> None:
+    """As the hooks capsule does for astrid-emit's Notification."""
+    rig = Rig()
+    await rig.desk.hook_callback(Proc(), _hook("Notification", message="waiting"))
+    assert [t for t, _ in rig.published] == [
+        "hook.v1.event.notification",
+        "sage.v1.notification",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("request_", "reason", "hook"),
+    [
+        (_hook("PreToolUse", callback="hook_0"), "unknown_hook", "PreToolUse"),
+        (_hook("Bogus"), "unknown_hook", "Bogus"),
+        (_hook("MessageDisplay"), "unknown_hook", "MessageDisplay"),
+        (_hook("Stop", callback="hook_PreToolUse"), "unknown_hook", "Stop"),
+        (
+            HookCallbackRequest(
+                callback_id="hook_Stop",
+                input={"session_id": "0" * 8 + CLAUDE_SESSION[8:], "hook_event_name": "Stop"},
+            ),
+            "session_mismatch",
+            "Stop",
+        ),
+    ],
+)
+async def test_an_in_band_hook_that_contradicts_its_channel_is_audited_not_published(
+    request_: HookCallbackRequest, reason: str, hook: str
+) -> None:
+    """A callback never registered, another hook's input, another Claude session's:
+    a spoof report from claude:<sid>; the CLI still hears continue."""
+    rig = Rig()
+    assert await rig.desk.hook_callback(Proc(), request_) == {"continue": True}
+    assert rig.published == []
+    (report,) = rig.audited("hook_spoof_attempt")
+    assert report["reason"] == reason
+    assert report["hook"] == hook
+    assert report["source"] == "claude:s1"
+    assert report["claimed_principal"] == "alice"
+    assert report["suppressed_before"] == 0
+
+
+async def test_in_band_spoof_reports_are_rate_limited_per_session() -> None:
+    """A child that floods bad callbacks gets AUDIT_BURST reports a minute; another
+    session's first is reported at once."""
+    rig = Rig()
+    for _ in range(AUDIT_BURST + 5):
+        await rig.desk.hook_callback(Proc(), _hook("PreToolUse", callback="hook_x"))
+    assert len(rig.audited("hook_spoof_attempt")) == AUDIT_BURST
+    await rig.desk.hook_callback(Proc(session_id="s2"), _hook("Stop", callback="hook_x"))
+    assert rig.audited("hook_spoof_attempt")[-1]["source"] == "claude:s2"
+
+
+async def test_an_in_band_hook_input_never_carries_the_token_nor_too_much() -> None:
+    """The child's hook token echoed by a tool response is redacted; an input over
+    the payload limit is left out (truncated), as for a command hook."""
+    rig = Rig()
+    await rig.desk.hook_callback(
+        Proc(), _hook("PostToolUse", tool_response=f"env: ASTRID_HOOK_TOKEN={TOKEN}")
+    )
+    await rig.desk.hook_callback(Proc(), _hook("PostToolUse", tool_response="x" * PAYLOAD_LIMIT))
+    (_, echoed), (_, large) = rig.published
+    assert TOKEN not in msgspec.json.encode(echoed).decode()
+    assert echoed["payload"]["tool_response"] == "env: ASTRID_HOOK_TOKEN=<redacted>"
+    assert large["payload"] is None
+    assert large["truncated"] is True

@@ -6,9 +6,11 @@ import json
 
 import pytest
 
-from capsules.installer.files import HOOK_EVENTS, UNHOOKED, settings_local
+from capsules.installer.files import HOOK_EVENTS, settings_local
 from sage.claude.binary import FLOOR, NEWEST_TESTED, PINNED
-from sage.claude.hooks import HOOK_EVENTS_SINCE, KNOWN_HOOKS, hooks_known_by
+from sage.claude.hooks import HOOK_EVENTS_SINCE, KNOWN_HOOKS, UNHOOKED, hooks_known_by
+
+REPL = {"interaction_mode": "repl"}
 
 
 def test_every_known_event_has_a_first_release() -> None:
@@ -26,15 +28,26 @@ def test_releases_know_more_events_as_they_grow() -> None:
 
 @pytest.mark.parametrize("version", [FLOOR, PINNED, NEWEST_TESTED])
 def test_inside_the_range_every_hooked_event_is_written(version: str) -> None:
-    settings = json.loads(settings_local({}, "/venv/bin/astrid-emit", version))
+    """A REPL principal's settings hook every event sage hooks, by command."""
+    settings = json.loads(settings_local(REPL, "/venv/bin/astrid-emit", version))
     assert set(settings["hooks"]) == set(HOOK_EVENTS)
     assert not set(settings["hooks"]) & UNHOOKED
 
 
 def test_an_older_release_gets_only_the_events_it_knows() -> None:
     """2.1.0 drops a whole settings.local.json that names an event it does not know."""
-    settings = json.loads(settings_local({}, "/venv/bin/astrid-emit", "2.1.0"))
+    settings = json.loads(settings_local(REPL, "/venv/bin/astrid-emit", "2.1.0"))
     assert set(settings["hooks"]) == hooks_known_by("2.1.0") - UNHOOKED
     assert "PermissionDenied" not in settings["hooks"]
-    assert settings["permissions"]["deny"]  # the deny rules are still there
     assert settings["apiKeyHelper"] == "/bin/false"
+
+
+@pytest.mark.parametrize("version", [FLOOR, PINNED, NEWEST_TESTED])
+def test_a_headless_principal_gets_no_command_hook(version: str) -> None:
+    """Its hooks come in-band: no process per hook; its deny rules stay."""
+    for config in ({}, {"interaction_mode": "headless"}):
+        settings = json.loads(settings_local(config, "/venv/bin/astrid-emit", version))
+        assert settings["hooks"] == {}
+        assert "astrid-emit" not in json.dumps(settings)
+        assert "Bash" in settings["permissions"]["deny"]
+        assert settings["apiKeyHelper"] == "/bin/false"

@@ -285,18 +285,17 @@ def test_rejections_never_say_the_token() -> None:
 
 def test_the_envelope_type_matches_astrid_emit() -> None:
     """What sage/claude/emit.py builds decodes into HookEnvelope."""
-    from sage.claude.emit import _build
+    from sage.claude.emit import envelope, payload_json
 
-    built = _build("PreToolUse", {"hook_event_name": "PreToolUse"}, False)
-    envelope = msgspec.json.decode(msgspec.json.encode(built), type=HookEnvelope)
-    assert envelope.hook == "PreToolUse"
-    assert envelope.payload == {"hook_event_name": "PreToolUse"}
-    assert envelope.truncated is False
+    built = envelope("PreToolUse", payload_json(b'{"hook_event_name": "PreToolUse"}'))
+    decoded = msgspec.json.decode(built, type=HookEnvelope)
+    assert decoded.hook == "PreToolUse"
+    assert decoded.payload == {"hook_event_name": "PreToolUse"}
+    assert decoded.truncated is False
     # an input left out: republished as fired, without it
-    built = _build("PreToolUse", {"big": "x"}, True)
-    envelope = msgspec.json.decode(msgspec.json.encode(built), type=HookEnvelope)
-    assert envelope.payload is None
-    assert envelope.truncated is True
-    out = republished(envelope, "alice")
+    decoded = msgspec.json.decode(envelope("PreToolUse", None), type=HookEnvelope)
+    assert decoded.payload is None
+    assert decoded.truncated is True
+    out = republished(decoded, "alice")
     assert out["truncated"] is True
     assert out["payload"] is None
