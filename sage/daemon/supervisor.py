@@ -43,6 +43,7 @@ from bus.wire import Hello
 from sage import replies
 from sage.audit import AuditLog, AuditReceipt, load_signing_key, max_unsigned_for
 from sage.capsule.install import installed_folders, worker_manifest
+from sage.capsule.privileges import check_granted
 from sage.config import Config, load_config
 from sage.daemon.capsule_host import CapsuleRunner, capsule_folder, load_manifest
 from sage.daemon.capsule_set import CAPSULE_REQUESTS, CapsuleSet, Source
@@ -298,6 +299,13 @@ class Supervisor:
         folder = capsule_folder(source.entry)
         manifest = load_manifest(folder)
         if installed:
+            # third-party code: its ACL may reach beyond its tools only as an admin granted
+            check_granted(
+                self.config.state_dir,
+                manifest.name,
+                manifest.publish.patterns,
+                manifest.subscribe.patterns,
+            )
             manifest = worker_manifest(manifest, folder)
         if manifest.worker is not None:
             sandbox = None
