@@ -190,6 +190,11 @@ class LimitsConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
 
     stdin_quota: Annotated[int, msgspec.Meta(ge=1024)] = 1024 * 1024
     """Largest encoded user line a ``send`` may write to a session (1 MiB)."""
+    self_allow_rules: Literal["exact", "prefix", "any"] = "exact"
+    """What allow rules a principal may give itself (``settings --allow``, ``approve
+    --always --rule``, the "always" answer): ``exact`` tool names only; ``prefix`` also
+    every tool of one MCP server (``mcp__sage__*``); ``any`` any pattern (``*``).  An
+    admin's rules are not bound by it (capsules/runner/approvals.py)."""
 
 
 class SessionsConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
