@@ -120,6 +120,20 @@ class BusConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True)
                 raise ValueError(str(exc)) from None
 
 
+PRIVILEGED_GROUPS: Final = frozenset(
+    {
+        "root", "wheel", "sudo", "admin", "adm", "disk", "shadow", "docker", "lxd", "lxc",
+        "kvm", "libvirt", "systemd-journal", "kmem", "sys", "staff", "video", "input", "tty",
+        "podman", "incus", "incus-admin",
+    }
+)  # fmt: skip
+"""Groups whose members hold power over the host (read its logs or disks, start root
+containers, use sudo): never the socket's group, which every user of sage joins."""
+GROUP_ADVICE: Final = (
+    "make a group of its own for sage's users (groupadd astrid) and name it in [socket] group"
+)
+
+
 class SocketConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     hello_timeout: PositiveFloat = 5.0
     """Seconds a new connection has to send its hello."""
@@ -128,7 +142,15 @@ class SocketConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     max_connections_per_uid: Annotated[int, msgspec.Meta(gt=0, le=10_000)] = 64
     """Concurrent connections one local uid may hold."""
     group: str = ""
-    """A group whose members may connect: socket 0660, directory 0750. Empty: owner only."""
+    """A group whose members may connect: socket 0660, directory 0750. Empty: owner only.
+    Never a privileged group (:data:`PRIVILEGED_GROUPS`), never given to ``claude`` children."""
+
+    def __post_init__(self) -> None:
+        if self.group in PRIVILEGED_GROUPS:
+            raise ValueError(
+                f"group: {self.group!r} is a privileged group (its members hold power over"
+                f" the host, and every user of the socket would join it); {GROUP_ADVICE}"
+            )
 
 
 class AuditConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):

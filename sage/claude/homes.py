@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import stat
+import struct
 from pathlib import Path
 
 from sage import files
@@ -147,7 +148,7 @@ def unreachable(path: Path, uid: int, gids: set[int]) -> str | None:
             st = os.stat(folder)
         except OSError as exc:
             return f"cannot inspect {folder}: {exc.strerror}"
-        if not _may_execute(st, uid, gids):
+        if not _may_execute(st, uid, gids, folder):
             return (
                 f"uid {uid} cannot pass through {folder} (mode {st.st_mode & 0o777:o},"
                 f" owner {st.st_uid}:{st.st_gid})"
@@ -164,18 +165,40 @@ def can_run(path: Path, uid: int, gids: set[int]) -> bool:
         st = os.stat(real)
     except OSError:
         return False
-    return _may_execute(st, uid, gids)
+    return _may_execute(st, uid, gids, real)
 
 
-def _may_execute(st: os.stat_result, uid: int, gids: set[int]) -> bool:
-    """The execute (search, for a folder) bit that applies to ``uid`` and ``gids``."""
+def _may_execute(st: os.stat_result, uid: int, gids: set[int], path: Path) -> bool:
+    """The execute (search, for a folder) bit that applies to ``uid`` and ``gids``, with
+    the POSIX ACL's group entries when ``path`` has one (bus.unix.grant_group)."""
     if st.st_uid == uid:
-        bit = stat.S_IXUSR
-    elif st.st_gid in gids:
-        bit = stat.S_IXGRP
-    else:
-        bit = stat.S_IXOTH
-    return bool(st.st_mode & bit)
+        return bool(st.st_mode & stat.S_IXUSR)
+    acl = _acl_entries(path)
+    if acl:
+        users = {ident: perm for tag, perm, ident in acl if tag == 0x02}
+        mask = next((perm for tag, perm, _ in acl if tag == 0x10), 7)
+        if uid in users:
+            return bool(users[uid] & mask & 1)
+        groups = [  # the file's group entry, and the named groups the caller is in
+            perm
+            for tag, perm, ident in acl
+            if (tag == 0x04 and st.st_gid in gids) or (tag == 0x08 and ident in gids)
+        ]
+        if groups:
+            return any(perm & mask & 1 for perm in groups)
+        return bool(st.st_mode & stat.S_IXOTH)
+    if st.st_gid in gids:
+        return bool(st.st_mode & stat.S_IXGRP)
+    return bool(st.st_mode & stat.S_IXOTH)
+
+
+def _acl_entries(path: Path) -> list[tuple[int, int, int]]:
+    """The (tag, perm, id) entries of ``path``'s POSIX access ACL; none without one."""
+    try:
+        raw = os.getxattr(path, "system.posix_acl_access")
+    except OSError:
+        return []
+    return [struct.unpack_from("<HHI", raw, at) for at in range(4, len(raw) - 7, 8)]
 
 
 def write_in_home(

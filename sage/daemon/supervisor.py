@@ -61,7 +61,7 @@ from sage.fleet.nodes import NodeLoad
 from sage.fleet.router import Router
 from sage.fleet.tools import FleetTools
 from sage.security.denials import DenialLimiter
-from sage.security.runas import SessionUids, access_group
+from sage.security.runas import SessionUids, access_group, socket_group
 from sage.security.runas import enabled as runs_children_as_principals
 
 __all__ = ("ROLES", "AuditLimiter", "Supervisor")
@@ -400,9 +400,13 @@ class Supervisor:
             # group members must pass through the state folder to reach a socket inside
             # it; children of a root supervisor, to reach their homes and identity files
             inside = config.socket_path.is_relative_to(config.state_dir)
-            access = access_group(config)
-            group = access if inside or runs_children_as_principals() else None
-            ensure_private_dir(config.state_dir, group=group)
+            people, children = socket_group(config), access_group(config)
+            if children is not None:  # children pass through to their homes, people to it
+                ensure_private_dir(
+                    config.state_dir, group=children, extra_group=people if inside else None
+                )
+            else:
+                ensure_private_dir(config.state_dir, group=people if inside else None)
         except BusError as exc:
             raise SageError(f"state folder: {exc}") from exc
         instance = InstanceLock(config.state_dir, config.socket_path)
@@ -462,7 +466,7 @@ class Supervisor:
 
     async def _serve(self, audit: AuditLog, task_status: anyio.abc.TaskStatus[None]) -> None:
         config = self.config
-        group = access_group(config)
+        people, children = socket_group(config), access_group(config)
         sink = self.sink = _AuditSink(
             audit, config.audit.rate_per_source, config.audit.burst_per_source
         )
@@ -471,7 +475,8 @@ class Supervisor:
             config.socket_path,
             self.authorize,
             principals_of=lambda uid: self.config.principals_for_uid(uid),
-            group=group,
+            group=people if people is not None else children,
+            extra_group=children if people is not None else None,
             hello_timeout=config.socket.hello_timeout,
             idle_timeout=config.socket.idle_timeout,
             slow_consumer_timeout=config.bus.slow_consumer_timeout,

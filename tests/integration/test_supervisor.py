@@ -360,7 +360,8 @@ def test_socket_group_opens_the_path_to_the_socket_and_nothing_more() -> None:
     """With socket.group, the state folder and run folder are 0750 and the socket 0660."""
     import grp
 
-    group = grp.getgrgid(os.getgid()).gr_name
+    # root's own group is privileged (refused): as root, any group will do
+    group = "users" if os.geteuid() == 0 else grp.getgrgid(os.getgid()).gr_name
     d = Daemon(short_dir(), f'[socket]\ngroup = "{group}"\n').start()
     try:
         state = d.root / "state"
