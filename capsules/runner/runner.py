@@ -465,10 +465,9 @@ class Runner:
         when it may.  A session that joins ``asleep`` counts against the logical cap
         only; one that joins live may hibernate an idle session of the principal to
         make room (:meth:`Hibernation.room_for`)."""
-        limits = self.config.limits
-        cap, logical_cap = (
-            limits.max_sessions_per_principal,
-            limits.max_logical_sessions_per_principal,
+        (cap, note), logical_cap = (
+            self.hibernation.live_cap(pid_),  # the cap, or the principal's share of max_live
+            self.config.limits.max_logical_sessions_per_principal,
         )
         refusal = self.sessions.refusal(sid, pid_, None if asleep else cap, logical_cap)
         if refusal == "duplicate_session":
@@ -485,7 +484,7 @@ class Runner:
             return None
         return SessionError(
             "principal_limit",
-            f"principal {pid_!r} has {cap} live sessions already"
+            f"principal {pid_!r} has {cap} live sessions already{note}"
             + (", none of them idle" if self.config.sessions.hibernation else ""),
         )
 

@@ -108,6 +108,14 @@ def problems(config: Config) -> tuple[list[str], list[str]]:
                 f"principals[{principal.name}].allowed_tools: {name!r} names no tool a"
                 f" configured capsule, the forge or Claude Code offers{hint}"
             )
+    live, cap = config.sessions.max_live, config.limits.max_sessions_per_principal
+    if live and live <= cap and len(config.principals) > 1:
+        warnings.append(
+            f"sessions.max_live = {live} is at or below limits.max_sessions_per_principal ="
+            f" {cap}: one principal could hold every live slot; sage keeps a slot for each"
+            " other principal with sessions (its share), but a cap below max_live says so"
+            " outright (docs/operations.md, Hibernation)"
+        )
     return errors, warnings
 
 

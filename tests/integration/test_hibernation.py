@@ -400,3 +400,26 @@ async def test_send_past_its_timeout_says_so_and_leaves_the_turn() -> None:
         assert "did not end within 1 s; session slow goes on" in err
         assert "Traceback" not in err
         assert (await _rows(sage))["slow"]["state"] == "busy"
+
+
+async def test_one_principal_cannot_hold_every_live_slot() -> None:
+    """max_live = 3: with alice's session hibernated, bob's busy sessions hold two slots at
+    most (one is kept for alice), so her next send wakes it instead of ending host_full."""
+    config = _config("max_live = 3\nwake_wait = 2\nhibernate_after = 1.0\n") + (
+        '[[principals]]\nname = "bob"\noperator_key = true\n'
+    )
+    async with running_sage(config, env=ENV) as sage:
+        alice = await sage.ready("a1")
+        for sid in ("b1", "b2"):
+            await sage.ready(sid, principal_id="bob")
+            assert (await sage.send(sid, "/fault hang"))["ok"]
+        await alice.until("hibernated", within=10)
+        code, out, err = await sage.astrid(
+            "sage", "spawn", "bob", "--session", "b3", "--message", "/fault hang"
+        )
+        assert code == 1, out
+        assert "principal_limit" in err
+        assert "its share of [sessions] max_live = 3" in err
+        code, out, err = await sage.astrid("sage", "send", "a1", "back")
+        assert code == 0, err
+        assert out == "echo: back\n"

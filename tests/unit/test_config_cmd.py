@@ -110,3 +110,18 @@ def test_supervisor_toml_names_every_key() -> None:
         if f"\n# {field.encode_name} =" not in text:
             missing.append(f"[fleet] {field.encode_name}")
     assert missing == []
+
+
+def test_max_live_at_or_below_the_per_principal_cap_is_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One principal's cap reaching max_live is said, not accepted silently."""
+    two = '[[principals]]\nname = "alice"\n[[principals]]\nname = "bob"\n'
+    text = "[sessions]\nmax_live = 3\n[limits]\nmax_sessions_per_principal = 4\n" + two
+    assert main(["config", "check", _file(tmp_path, text)]) == 0
+    err = capsys.readouterr().err
+    assert "warning: sessions.max_live = 3 is at or below" in err
+    assert "one principal could hold every live slot" in err
+    fine = "[sessions]\nmax_live = 8\n" + two
+    assert main(["config", "check", _file(tmp_path, fine)]) == 0
+    assert "max_live" not in capsys.readouterr().err
