@@ -422,7 +422,7 @@ class _Connection:
             return False
         self.protocol.open(hello, identity)
         self._welcome(identity, sorted(self.server.principals_of(self.peer.uid)))
-        log.info(
+        log.debug(
             "bus.connected",
             uid=self.peer.uid,
             pid=self.peer.pid,

@@ -419,3 +419,20 @@ def test_tools_list_shows_the_example_capsules_tools() -> None:
         assert "mcp__sage__greet  greeter      Greet a person by name." in text
     finally:
         d.stop()
+
+
+def test_a_cli_call_logs_no_connection_line_at_info() -> None:
+    """Each CLI call's connection is a debug line, not one more line in the operator's
+    terminal; log_level = "debug" still shows it."""
+    d = Daemon(short_dir()).start()
+    try:
+        assert d.astrid("status").returncode == 0
+        assert d.log_events("bus.connected") == []
+    finally:
+        d.stop()
+    loud = Daemon(short_dir(), 'log_level = "debug"\n').start()
+    try:
+        assert loud.astrid("status").returncode == 0
+        assert loud.log_events("bus.connected")
+    finally:
+        loud.stop()
