@@ -780,8 +780,10 @@ async def _settings(args: argparse.Namespace) -> int:
     if args.json:
         print_json(data)
     else:
-        for key, value in {**data["config"], "allow_rules": data.get("allow_rules")}.items():
+        for key, value in data["config"].items():
             print(f"{key:<17} {value}")
+        rules = data.get("allow_rules") or []
+        print(printable(f"{'allow_rules':<17} {', '.join(rules) if rules else '(none)'}"))
     return 0
 
 
@@ -790,6 +792,8 @@ async def _simple(args: argparse.Namespace) -> int:
         data = await call_session(client, args.verb, args.session, {}, 30.0)
     if args.json:
         print_json(data)
+    elif args.verb == "interrupt" and data.get("interrupted") is False:
+        print(f"interrupt: {args.session}: no turn was running; nothing was interrupted")
     else:
         print(f"{args.verb}: {args.session}")
     return 0

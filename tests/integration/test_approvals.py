@@ -61,7 +61,7 @@ async def test_always_allows_this_call_and_every_later_one(sage: Sage) -> None:
     assert "[approval] mcp__sage__greet allowed by the rule mcp__sage__greet" in err
     code, out, err = await sage.astrid("sage", "settings", "alice")
     assert code == 0, err
-    assert "allow_rules       ['mcp__sage__greet']" in out
+    assert "allow_rules       mcp__sage__greet\n" in out  # a list, not Python's repr
     code, out, err = await sage.astrid(
         "sage", "settings", "alice", "--disallow", "mcp__sage__greet"
     )
