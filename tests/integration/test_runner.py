@@ -907,9 +907,10 @@ async def test_interrupt_says_whether_a_turn_was_running(sage: Sage) -> None:
     assert out == "interrupt: quiet: no turn was running; nothing was interrupted\n"
     assert (await sage.send("quiet", "/fault hang"))["ok"]
     with anyio.fail_after(10):
-        while (await sage.request("sage.v1.request.session.quiet", {}))["session"][
-            "state"
-        ] != "busy":
+        while True:
+            row = (await sage.request("sage.v1.request.session.quiet", {}))["session"]
+            if row["state"] == "busy":
+                break
             await anyio.sleep(0.05)
     code, out, err = await sage.astrid("sage", "interrupt", "quiet")
     assert (code, out) == (0, "interrupt: quiet\n"), err
