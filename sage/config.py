@@ -17,7 +17,7 @@ import difflib
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Final, Literal, get_args
+from typing import Annotated, Any, Final, Literal, get_args, get_origin
 
 import msgspec
 
@@ -761,6 +761,31 @@ def _section_type(field: str) -> type[msgspec.Struct] | None:
     return cls if isinstance(cls, type) and issubclass(cls, msgspec.Struct) else None
 
 
+def _valid_values(field: str, reason: str) -> str:
+    """``; one of: a, b, c`` for a value outside a key's fixed set (a Literal)."""
+    if not reason.startswith("Invalid enum value") or "." not in field:
+        return ""
+    section, _, key = field.rpartition(".")
+    owner = _section_type(section)
+    match = next(
+        (f for f in msgspec.structs.fields(owner) if f.encode_name == key) if owner else (),
+        None,
+    )
+    values = _literal_values(match.type) if match is not None else []
+    return f"; one of: {', '.join(map(str, values))}" if values else ""
+
+
+def _literal_values(kind: Any) -> list[Any]:
+    """The values a ``Literal`` (inside a list or an Optional too) allows."""
+    if get_origin(kind) is Literal:
+        return list(get_args(kind))
+    for inner in get_args(kind):
+        found = _literal_values(inner)
+        if found:
+            return found
+    return []
+
+
 def _nearest_key(field: str, unknown: str) -> str:
     """`` (did you mean `x`?)`` for a misspelt key: in its own section, else in another."""
     own = _section_type(field)
@@ -795,7 +820,7 @@ def decode_config(data: bytes | str, *, source: str = "<config>", base_dir: str 
         reason = re.sub(r"\s*-\s*at `[^`]*`$", "", text)
         where = f"{field}: " if field else ""
         unknown = re.search(r"unknown field `([^`]+)`", reason)
-        hint = _nearest_key(field, unknown.group(1)) if unknown else ""
+        hint = _nearest_key(field, unknown.group(1)) if unknown else _valid_values(field, reason)
         raise ConfigError(f"{source}: {where}{reason}{hint}") from exc
     except msgspec.DecodeError as exc:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from exc

@@ -125,3 +125,23 @@ def test_max_live_at_or_below_the_per_principal_cap_is_a_warning(
     fine = "[sessions]\nmax_live = 8\n" + two
     assert main(["config", "check", _file(tmp_path, fine)]) == 0
     assert "max_live" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("text", "values"),
+    [
+        ('[supervisor]\nlog_level = "verbose"\n', "one of: debug, info, warning, error"),
+        ('[[principals]]\nname = "a"\ninteraction_mode = "cli"\n', "one of: headless, repl"),
+        ('[[principals]]\nname = "a"\nauth_mode = "key"\n', "one of: api_key, subscription"),
+        ('[limits]\nself_allow_rules = "all"\n', "one of: exact, prefix, any"),
+        ('[fleet]\nnode = "a"\nplacement = "x"\n', "one of: local, least_loaded"),
+    ],
+)
+def test_a_value_outside_a_keys_set_lists_the_valid_ones(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, values: str
+) -> None:
+    """An enum error names the values the key takes, not only the one it refused."""
+    assert main(["config", "check", _file(tmp_path, text)]) == 1
+    err = capsys.readouterr().err
+    assert "Invalid enum value" in err
+    assert values in err
