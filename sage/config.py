@@ -767,10 +767,9 @@ def _valid_values(field: str, reason: str) -> str:
         return ""
     section, _, key = field.rpartition(".")
     owner = _section_type(section)
-    match = next(
-        (f for f in msgspec.structs.fields(owner) if f.encode_name == key) if owner else (),
-        None,
-    )
+    if owner is None:
+        return ""
+    match = next((f for f in msgspec.structs.fields(owner) if f.encode_name == key), None)
     values = _literal_values(match.type) if match is not None else []
     return f"; one of: {', '.join(map(str, values))}" if values else ""
 
@@ -838,5 +837,12 @@ def load_config(path: str | os.PathLike[str] | None = None) -> Config:
     try:
         data = file.read_bytes()
     except OSError as exc:
-        raise ConfigError(f"{chosen}: cannot read: {exc.strerror}") from exc
+        hint = ""
+        if path is None and not file.is_absolute():  # set once, read from wherever we are
+            hint = (
+                f" (ASTRID_CONFIG={chosen} is relative, so it is read from the current"
+                f" folder, {os.getcwd()}; export it absolute: export"
+                f" ASTRID_CONFIG=$PWD/{chosen} in the folder that holds it)"
+            )
+        raise ConfigError(f"{chosen}: cannot read: {exc.strerror}{hint}") from exc
     return decode_config(data, source=chosen, base_dir=str(file.resolve().parent))

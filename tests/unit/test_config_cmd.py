@@ -145,3 +145,28 @@ def test_a_value_outside_a_keys_set_lists_the_valid_ones(
     err = capsys.readouterr().err
     assert "Invalid enum value" in err
     assert values in err
+
+
+def test_a_missing_socket_names_the_config_it_came_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No supervisor at the config's socket: the error names the config, the likely cause."""
+    config = _file(tmp_path, f'[supervisor]\nstate_dir = "{tmp_path}/state"\n')
+    assert main(["status", "--config", config]) == 1
+    err = capsys.readouterr().err
+    assert (
+        f"no supervisor socket at {tmp_path}/state/run/astrid.sock (from --config {config})" in err
+    )
+    assert "no supervisor runs with that config" in err
+
+
+def test_a_relative_astrid_config_that_is_not_here_says_how_to_export_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`export ASTRID_CONFIG=my.toml`, then `cd`: the error says to export it absolute."""
+    monkeypatch.setenv("ASTRID_CONFIG", "my.toml")
+    monkeypatch.chdir(tmp_path)
+    assert main(["status"]) == 1
+    err = capsys.readouterr().err
+    assert "ASTRID_CONFIG=my.toml is relative" in err
+    assert "export ASTRID_CONFIG=$PWD/my.toml" in err
