@@ -128,12 +128,18 @@ async def _install(args: argparse.Namespace) -> int:
     if args.force:
         payload["force"] = True
     async with connect(args) as client:
-        current = None
-        if not (args.api_key_stdin or args.no_api_key):
-            listing = await call_runner(client, "sage.v1.request.principals", {}, 10.0)
-            current = next(
-                (p for p in listing["principals"] if p["principal_id"] == args.principal_id),
-                None,
+        # the principal first: nobody types a secret for one that does not exist
+        listing = await call_runner(client, "sage.v1.request.principals", {}, 10.0)
+        current = next(
+            (p for p in listing["principals"] if p["principal_id"] == args.principal_id),
+            None,
+        )
+        if current is None:
+            known = ", ".join(p["principal_id"] for p in listing["principals"]) or "none"
+            raise SageError(
+                f"unknown_principal: no principal {args.principal_id!r} you may install"
+                f" (yours: {known}); declare it under [[principals]] in the supervisor's"
+                " config and reload it (SIGHUP)"
             )
         key = await anyio.to_thread.run_sync(_read_key, args, current)
         if key:
