@@ -21,7 +21,7 @@ import msgspec
 
 from sage.cli._connect import print_json
 from sage.config import Config, load_config
-from sage.daemon.capsule_host import builtin_capsules_dir, capsule_folder, load_manifest
+from sage.daemon.capsule_host import capsule_folder, load_manifest, missing_capsule
 from sage.errors import ConfigError
 
 #: Claude Code's own tools: kept in step with the installer's deny list.
@@ -66,21 +66,11 @@ def problems(config: Config) -> tuple[list[str], list[str]]:
     errors: list[str] = []
     warnings: list[str] = []
     tools: set[str] = set()
-    built_in = sorted(
-        p.name for p in builtin_capsules_dir().iterdir() if (p / "Capsule.toml").is_file()
-    )
     for name in config.supervisor.capsules:
         folder = capsule_folder(name)
-        if not (folder / "Capsule.toml").is_file():
-            if "/" in name:
-                errors.append(f"supervisor.capsules: {name}: no Capsule.toml in that folder")
-            else:
-                close = difflib.get_close_matches(name, built_in, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                errors.append(
-                    f"supervisor.capsules: no built-in capsule {name!r}{hint};"
-                    f" built in: {', '.join(built_in)}; a path must contain a '/'"
-                )
+        missing = missing_capsule(name)
+        if missing is not None:
+            errors.append(missing)
             continue
         try:
             manifest = load_manifest(folder)

@@ -45,7 +45,12 @@ from sage.audit import AuditLog, AuditReceipt, load_signing_key, max_unsigned_fo
 from sage.capsule.install import installed_folders, worker_manifest
 from sage.capsule.privileges import check_granted
 from sage.config import Config, load_config
-from sage.daemon.capsule_host import CapsuleRunner, capsule_folder, load_manifest
+from sage.daemon.capsule_host import (
+    CapsuleRunner,
+    capsule_folder,
+    load_manifest,
+    missing_capsule,
+)
 from sage.daemon.capsule_set import CAPSULE_REQUESTS, CapsuleSet, Source
 from sage.daemon.instance import InstanceLock
 from sage.daemon.logs import configure_logging, log_loop_errors
@@ -279,6 +284,9 @@ class Supervisor:
             self._capsule, self._publish_audit, lambda: self.config.state_dir
         )
         for name in config.supervisor.capsules:
+            missing = missing_capsule(name)  # as config check says it, with the nearest name
+            if missing is not None:
+                raise ConfigError(missing)
             try:
                 self.capsules.add(Source(name))
             except ConfigError as exc:

@@ -436,3 +436,12 @@ def test_a_cli_call_logs_no_connection_line_at_info() -> None:
         assert loud.log_events("bus.connected")
     finally:
         loud.stop()
+
+
+def test_a_misspelt_capsule_gets_the_nearest_name_from_the_start_too() -> None:
+    """`supervisor run` says what `config check` says of a misspelt built-in capsule."""
+    d = Daemon(short_dir(), 'capsules = ["echo", "greter"]\n')
+    refused = d.run_refused()
+    assert refused.returncode == 1
+    assert "no built-in capsule 'greter' (did you mean 'greeter'?)" in refused.stderr
+    assert "cannot read" not in refused.stderr
