@@ -205,3 +205,17 @@ async def test_the_config_may_let_principals_give_themselves_a_servers_tools() -
         code, _, err = await sage.astrid("sage", "settings", "alice", "--allow", "*", *own)
         assert code == 1
         assert "self_allow_rules = 'prefix'" in err
+
+
+async def test_the_tool_time_shown_leaves_out_the_time_to_answer(sage: Sage) -> None:
+    """`[tool] NAME ok (N ms)` after a slow yes is the tool's time, not the wait for yes."""
+    await sage.ready("t10")
+    term = Terminal(sage, "t10", ASK)
+    await term.expect(b"allow? [y/a/n]")
+    await anyio.sleep(1.5)  # a person reading the prompt
+    term.type("y")
+    await term.expect(b"[tool] mcp__sage__greet ok (")
+    code, _ = await term.finish()
+    assert code == 0
+    took = int(term.screen.split(b"[tool] mcp__sage__greet ok (")[1].split(b" ms)")[0])
+    assert took < 1500, term.screen
