@@ -219,3 +219,29 @@ async def test_the_tool_time_shown_leaves_out_the_time_to_answer(sage: Sage) -> 
     assert code == 0
     took = int(term.screen.split(b"[tool] mcp__sage__greet ok (")[1].split(b" ms)")[0])
     assert took < 1500, term.screen
+
+
+async def test_approvals_watch_names_the_session_and_says_what_the_answer_did(
+    sage: Sage,
+) -> None:
+    """On a terminal, `approvals --watch` asks naming the session, then prints the outcome."""
+    import signal
+
+    await sage.ready("tw")
+    watcher = Terminal.astrid(sage, "sage", "approvals", "--watch")
+    await watcher.expect(b"waiting for approvals")
+    await anyio.sleep(0.5)  # its presence reaches the supervisor
+    sender = await anyio.open_process(
+        [*ASTRID, "sage", "send", "tw", ASK, "--approve", "ask", "--config",
+         str(sage.daemon.config)],
+        env=sage.daemon.env,
+    )  # fmt: skip
+    await watcher.expect(b"in session tw of alice")
+    await watcher.expect(b"allow? [y/a/n]")
+    watcher.type("y")
+    await watcher.expect(b"allowed: mcp__sage__greet in session tw")
+    with anyio.fail_after(15):
+        assert await sender.wait() == 0
+    await sender.aclose()
+    watcher.proc.send_signal(signal.SIGINT)
+    await watcher.finish()
