@@ -63,6 +63,10 @@ class AdoptRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cwd: str = ""
     model: str = ""
     turns: int = 0
+    cost_usd: Annotated[float, msgspec.Meta(ge=0, le=1e9)] = 0.0
+    """Of its earlier children, on the lost node: the session's cost goes on."""
+    started_at: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """When it was spawned (its age goes on); 0: now."""
     fresh: bool = False
     asleep: bool = False
     """It was hibernated on the lost node: it is kept hibernated here (no child, no slot)

@@ -767,14 +767,20 @@ class Runner:
             session_id=sid,
             principal_id=pid_,
             claude_session=req.claude_session,
-            started_at=time.time(),
+            started_at=min(req.started_at, time.time()) or time.time(),  # its age goes on
             cwd=cwd,
             model=model,
             turns=req.turns,
         )
         if req.asleep:  # it slept on the lost node: it sleeps here, and takes no slot
             record.state, record.hibernated_at = RecordState.HIBERNATED, time.time()
-            session = Session(record, principal, state=SessionState.HIBERNATED, turns=req.turns)
+            session = Session(
+                record,
+                principal,
+                state=SessionState.HIBERNATED,
+                turns=req.turns,
+                cost_usd=req.cost_usd,
+            )
             self.sessions.add(session)
             await self.save(record)
             self.session_event(
@@ -798,7 +804,13 @@ class Runner:
                 "host_full",
                 f"the host runs {len(slots)} sessions of max_live {slots.limit}, none idle",
             )
-        session = Session(record, principal, turns=req.turns, last_active=time.monotonic())
+        session = Session(
+            record,
+            principal,
+            turns=req.turns,
+            cost_usd=req.cost_usd,  # its cost goes on too
+            last_active=time.monotonic(),
+        )
         self.sessions.add(session)
         try:
             pid = await self.start(session, resume=not req.fresh, initial=None)
@@ -920,6 +932,9 @@ class Runner:
             "cwd": record.cwd,
             "model": record.model,
             "turns": session.turns + (proc.turn.finished if proc is not None and current else 0),
+            "cost_usd": session.cost_usd
+            + (proc.turn.cost_usd if proc is not None and current else 0.0),
+            "started_at": record.started_at,
         }
 
     async def _wake_request(self, request: Envelope) -> dict[str, Any]:
@@ -1218,6 +1233,7 @@ class Runner:
         row["turns"] = session.turns + (proc.turn.finished if proc and current else 0)
         row["cost_usd"] = session.cost_usd + (proc.turn.cost_usd if proc and current else 0.0)
         row["started_at"] = session.record.started_at
+        row["age_s"] = round(time.time() - session.record.started_at, 1)  # the session's
         row["hibernated_at"] = session.record.hibernated_at
         row["cwd"] = session.record.cwd
         row["model"] = session.record.model

@@ -609,10 +609,12 @@ async def _sessions(args: argparse.Namespace) -> int:
 
 
 def _row_age(row: dict[str, Any]) -> float:
-    if "age_s" in row:
-        return float(row["age_s"])
+    """AGE has one meaning: since the session was spawned (across hibernation, respawns and
+    a failover; an ended session's too, its end shown beside it)."""
     started = row.get("started_at") or 0.0
-    return max(0.0, (row.get("ended_at") or time.time()) - started) if started else 0.0
+    if started:
+        return max(0.0, time.time() - float(started))
+    return float(row.get("age_s") or 0.0)
 
 
 def _how(row: dict[str, Any]) -> str:

@@ -215,6 +215,8 @@ class Failover:
             node=self.node,
             turns=int(info.get("turns") or 0),
             size=len(data),
+            cost_usd=float(info.get("cost_usd") or 0.0),
+            started_at=float(info.get("started_at") or 0.0),
         )
         await store.put(sid, data, meta=ObjectMeta(name=sid, description=meta.encode()))
         self.replicated += 1
@@ -400,6 +402,8 @@ class Failover:
                     "cwd": meta.cwd if meta else "",
                     "model": meta.model if meta else "",
                     "turns": meta.turns if meta else 0,
+                    "cost_usd": meta.cost_usd if meta else 0.0,
+                    "started_at": meta.started_at if meta else 0.0,
                     "fresh": meta is None,
                     "asleep": entry.state == HIBERNATED,
                 },
