@@ -686,6 +686,13 @@ class Config(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
         return self._resolve(self.supervisor.state_dir)
 
     @property
+    def messages_api(self) -> str:
+        """The Messages API base URL of ``astrid llm generate`` (the ``llm`` capsule):
+        ``[llm] base_url``, else the gateway sessions use (``[claude] env``
+        ``ANTHROPIC_BASE_URL``), so one setting serves both; "" = the SDK's default."""
+        return self.llm.base_url or self.claude.env.get("ANTHROPIC_BASE_URL", "")
+
+    @property
     def socket_path(self) -> Path:
         if self.supervisor.socket:
             return self._resolve(self.supervisor.socket)
