@@ -759,7 +759,16 @@ class Router:
             return await self._ask_runner(
                 self.identity, "sage.v1.request.spawn", payload, request.principal, "spawn"
             )
-        return await self._forward(node, "spawn", None, request, payload)
+        reply = await self._forward(node, "spawn", None, request, payload)
+        if request.principal is not None or reply.get("error") != "principal_not_authenticated":
+            return reply
+        # an admin's that node does not take: `spawn PRINCIPAL` names whom the admin acts
+        # for, so ask again as that principal's request (what --principal PRINCIPAL does);
+        # a refused spawn started nothing
+        named = msgspec.json.decode(payload).get("principal_id")
+        if not isinstance(named, str):
+            return reply
+        return await self._forward(node, "spawn", None, request, payload, acting_for=named)
 
     async def _place(self, request: Envelope, body: dict[str, Any]) -> dict[str, Any]:
         """``spawn --node any``: on the least loaded live node that takes it
@@ -811,8 +820,11 @@ class Router:
         sid: str | None,
         request: Envelope,
         payload: bytes | None = None,
+        *,
+        acting_for: str | None = None,
     ) -> dict[str, Any]:
-        """Ask ``node``'s router; the reply as its runner gave it, or fleet_unavailable."""
+        """Ask ``node``'s router; the reply as its runner gave it, or fleet_unavailable.
+        ``acting_for``: the principal the request is for (default: the caller's)."""
         from nats.errors import NoRespondersError
         from nats.errors import TimeoutError as NatsTimeout
 
@@ -820,7 +832,8 @@ class Router:
             return unavailable(f"cannot reach node {node!r}: NATS is not connected")
         subject = request_subject(node, self.node, verb, sid)
         forwarded = Forwarded(
-            principal=request.principal,  # the bus's, from the caller's connection
+            # the bus's, from the caller's connection (an admin's spawn: the one it names)
+            principal=acting_for if acting_for is not None else request.principal,
             payload=msgspec.Raw(request.payload if payload is None else payload),
         )
         deadline = DEADLINES.get(verb, DEFAULT_DEADLINE) + NETWORK_SLACK
