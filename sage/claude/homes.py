@@ -12,6 +12,9 @@ import os
 import stat
 import struct
 from pathlib import Path
+from typing import Any
+
+import msgspec
 
 from sage import files
 from sage.config import Config
@@ -19,6 +22,8 @@ from sage.errors import ConfigError
 
 __all__ = (
     "API_KEY_CREDENTIAL",
+    "USER_CONFIG",
+    "answered_config",
     "can_run",
     "own_home",
     "read_api_key",
@@ -233,3 +238,55 @@ def write_in_home(
         files.write_at(fd, rel.parts[-1], data, replace=True, owner=(uid, gid), mode=mode)
     finally:
         os.close(fd)
+
+
+USER_CONFIG = Path(".claude.json")
+"""Claude Code's own user config in a home (``$HOME/.claude.json``): its answers to the
+questions an interactive start asks (onboarding, trusting the folder, using a key)."""
+
+
+MCP_SERVERS = ("sage", "forge")
+"""The servers the installer's ``.mcp.json`` names (``astrid mcp serve``)."""
+
+
+def answered_config(current: bytes | None, home: Path, api_key: str | None = None) -> bytes:
+    """``current`` (the home's ``.claude.json``, None or unreadable: a new one) with the
+    questions of an interactive start answered: onboarding done, ``home`` trusted, its
+    ``.mcp.json`` servers (sage's own) enabled, and
+    ``api_key`` (when given) accepted as Claude Code records it, by its last 20
+    characters, so Enter on its "use this key?" (default no) cannot drop it.  Every
+    other key of the file is kept: the CLI writes its own state there."""
+    try:
+        data: Any = msgspec.json.decode(current) if current else {}
+    except msgspec.DecodeError:
+        data = {}
+    if not isinstance(data, dict):
+        data = {}
+    data["hasCompletedOnboarding"] = True
+    projects: dict[str, Any] = data.get("projects") or {}
+    if not isinstance(projects, dict):
+        projects = {}
+    project: dict[str, Any] = projects.get(str(home)) or {}
+    if not isinstance(project, dict):
+        project = {}
+    servers = project.get("enabledMcpjsonServers")
+    servers = [s for s in servers if isinstance(s, str)] if isinstance(servers, list) else []
+    projects[str(home)] = {
+        **project,
+        "hasTrustDialogAccepted": True,
+        # the installer's .mcp.json servers, sage's own: not a question for the user
+        "enabledMcpjsonServers": [*servers, *(s for s in MCP_SERVERS if s not in servers)],
+    }
+    data["projects"] = projects
+    if api_key:
+        responses = data.get("customApiKeyResponses")
+        responses = responses if isinstance(responses, dict) else {}
+        approved = [k for k in responses.get("approved", []) if isinstance(k, str)]
+        tail = api_key.strip()[-20:]
+        rejected = [k for k in responses.get("rejected", []) if isinstance(k, str) and k != tail]
+        data["customApiKeyResponses"] = {
+            **responses,
+            "approved": approved if tail in approved else [*approved, tail],
+            "rejected": rejected,
+        }
+    return msgspec.json.format(msgspec.json.encode(data), indent=2) + b"\n"
