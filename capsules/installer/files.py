@@ -95,6 +95,8 @@ def settings_local(config: dict[str, Any], emit: str, claude_version: str) -> by
         "permissions": {"allow": [], "deny": list(BUILT_IN_TOOLS) if headless else []},
         "hooks": hooks,
     }
+    if not headless:  # .mcp.json's servers are sage's own: not a question at the terminal
+        settings["enabledMcpjsonServers"] = ["sage", "forge"]
     if config.get("auth_mode", "api_key") == "api_key":
         settings["apiKeyHelper"] = "/bin/false"
     return _json(settings)

@@ -271,7 +271,7 @@ class CompletionProvider:
         mapper = StreamMapper()
         client = anthropic.AsyncAnthropic(
             api_key=api_key,
-            base_url=llm.base_url or None,
+            base_url=config.messages_api or None,  # [llm] base_url, else the sessions'.
             timeout=llm.timeout,
             max_retries=llm.max_retries,
         )

@@ -33,7 +33,7 @@ import structlog
 
 from bus import Envelope
 from capsules.runner import principals
-from capsules.runner.approvals import valid_rule
+from capsules.runner.approvals import self_rule_refusal, valid_rule
 from capsules.runner.claude_process import SessionError
 from capsules.runner.messages import (
     InstallComplete,
@@ -216,10 +216,13 @@ class Admin:
             raise SessionError("bad_request", f"not a tool-name pattern: {', '.join(bad)}")
         if not changes and not add and not remove and patch.identity is None:
             raise SessionError("bad_request", "the patch changes nothing")
+        self._may_add(name, add, request.principal)  # before anything else changes
         if patch.identity is not None:
             await self.set_identity(name, patch.identity)
         if not changes:  # only allow rules or the identity: no files to rewrite
-            rules = await self.change_rules(name, add=add, remove=remove)
+            rules = await self.change_rules(
+                name, add=add, remove=remove, requester=request.principal
+            )
             view = principals.view(self.principal(name) or base)
             return {
                 "ok": True,
@@ -243,7 +246,7 @@ class Admin:
             self._save(new, "settings")
             after = principals.apply(base, new)
             self._changed(name, before, after)
-        rules = await self.change_rules(name, add=add, remove=remove)
+        rules = await self.change_rules(name, add=add, remove=remove, requester=request.principal)
         return {
             "ok": True,
             "principal_id": name,
@@ -431,8 +434,21 @@ class Admin:
         )
         self._refresh_identity(name)
 
-    async def change_rules(self, name: str, *, add: list[str], remove: list[str]) -> list[str]:
-        """Change a principal's allow rules through the settings path (saved, audited)."""
+    def _may_add(self, name: str, add: list[str], requester: str | None) -> None:
+        """A principal giving itself rules gets only what ``[limits] self_allow_rules``
+        lets it; an admin (no principal) any."""
+        if requester is None or not add:
+            return
+        why = self_rule_refusal(name, add, self.config.limits.self_allow_rules)
+        if why is not None:
+            raise SessionError("rule_not_allowed", why)
+
+    async def change_rules(
+        self, name: str, *, add: list[str], remove: list[str], requester: str | None
+    ) -> list[str]:
+        """Change a principal's allow rules through the settings path (saved, audited); the
+        one writer of rules, so every path obeys ``[limits] self_allow_rules``."""
+        self._may_add(name, add, requester)
         base = self.config.principal(name)
         if base is None:
             raise SessionError("unknown_principal", f"no principal {name!r} is configured")

@@ -102,7 +102,9 @@ class Rules(Protocol):
 
     def allow_rules(self, principal: str) -> list[str]: ...
 
-    async def change_rules(self, name: str, *, add: list[str], remove: list[str]) -> list[str]: ...
+    async def change_rules(
+        self, name: str, *, add: list[str], remove: list[str], requester: str | None
+    ) -> list[str]: ...
 
 
 class ApprovalDesk:
@@ -250,7 +252,9 @@ class ApprovalDesk:
             added = None
             if req.always:  # the rule first: the next call of the turn must find it
                 added = rule or pending.tool_name
-                await self.rules.change_rules(pending.principal_id, add=[added], remove=[])
+                await self.rules.change_rules(
+                    pending.principal_id, add=[added], remove=[], requester=request.principal
+                )
             self.approvals.decide(
                 cid, request.principal, Decision(req.allowed, req.reason or "", "approver")
             )

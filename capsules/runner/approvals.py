@@ -35,6 +35,8 @@ __all__ = (
     "Pending",
     "UnknownApproval",
     "matches",
+    "rule_reach",
+    "self_rule_refusal",
     "valid_rule",
 )
 
@@ -45,6 +47,39 @@ ARGS_SHOWN: Final = 4096  # encoded bytes of the arguments a listing shows whole
 def valid_rule(rule: str) -> bool:
     """A tool-name pattern as allow rules hold them (``*`` the only wildcard)."""
     return re.match(RULE_PATTERN, rule) is not None
+
+
+RULE_REACH: Final = ("exact", "prefix", "any")
+"""What an allow rule reaches, narrowest first: one tool; every tool of one MCP server
+(``mcp__sage__*``); anything else with a ``*`` (``*``, ``mcp__*``, ``mcp__sage__g*``)."""
+_SERVER_RULE: Final = re.compile(r"^mcp__[A-Za-z0-9_-]+?__\*\Z")
+
+
+def rule_reach(rule: str) -> str:
+    """``exact``, ``prefix`` or ``any``: see :data:`RULE_REACH`."""
+    if "*" not in rule:
+        return "exact"
+    return "prefix" if _SERVER_RULE.match(rule) and rule.count("*") == 1 else "any"
+
+
+def self_rule_refusal(principal: str, rules: list[str], allowed: str) -> str | None:
+    """Why ``principal`` may not give itself ``rules`` under ``[limits] self_allow_rules =
+    allowed``, or None when it may."""
+    ceiling = RULE_REACH.index(allowed)
+    wide = [r for r in rules if RULE_REACH.index(rule_reach(r)) > ceiling]
+    if not wide:
+        return None
+    lets = {
+        "exact": "exact tool names only",
+        "prefix": "exact tool names and one MCP server's tools (mcp__SERVER__*)",
+        "any": "any pattern",
+    }[allowed]
+    return (
+        f"principal {principal!r} may not give itself the allow rule"
+        f" {', '.join(repr(r) for r in wide)}: [limits] self_allow_rules = {allowed!r} lets a"
+        f" principal add {lets}; an admin may add it"
+        f" (astrid sage settings {principal} --allow '{wide[0]}')"
+    )
 
 
 def matches(rules: list[str] | tuple[str, ...], tool_name: str) -> str | None:

@@ -620,6 +620,7 @@ class ClaudeProcess:
             return encode_mcp_response(rid, response)
         if isinstance(body, CanUseToolRequest):
             allowed, message = await self.host.can_use_tool(self, body)
+            self.conversation.approval_answered(body.tool_use_id, time.monotonic())
             if allowed:
                 return encode_permission_allow(rid, body.input)
             return encode_permission_deny(rid, message)

@@ -316,6 +316,13 @@ class Conversation:
         self._deltas = 0
         return out
 
+    def approval_answered(self, tool_use_id: str | None, now: float) -> None:
+        """The approval of call ``tool_use_id`` was answered at ``now``: the call's
+        duration counts from here, so a person's time to answer is not the tool's."""
+        if tool_use_id is not None and tool_use_id in self._tool_started:
+            name, _ = self._tool_started[tool_use_id]
+            self._tool_started[tool_use_id] = (name, now)
+
     def _tool_results(self, msg: UserMessage, now: float) -> list[Output]:
         """The CLI's echo of a tool's result: its end, ok or not, and how long it took."""
         if isinstance(msg.message.content, str):

@@ -32,7 +32,7 @@ import structlog
 from capsules.runner.conversation import EndReason
 from capsules.runner.errors import SessionError
 from capsules.runner.history import EventHistory
-from capsules.runner.live_slots import LiveSlots
+from capsules.runner.live_slots import LiveSlots, share
 from capsules.runner.principals import SettingsError
 from capsules.runner.sessions import (
     ASLEEP,
@@ -153,12 +153,29 @@ class Hibernation:
 
     # -- room -----------------------------------------------------------------------
 
+    def live_cap(self, principal: str) -> tuple[int, str]:
+        """The live sessions ``principal`` may have: ``[limits] max_sessions_per_principal``,
+        or its share of ``[sessions] max_live`` when that is less (live_slots.share); and
+        a note saying so for a refusal ("" when the per-principal cap rules)."""
+        cap = self.keeper.config.limits.max_sessions_per_principal
+        if not self.slots.limit:
+            return cap, ""
+        others = {self.keeper.sessions[sid].record.principal_id for sid in self.keeper.sessions}
+        others.discard(principal)
+        fair = share(self.slots.limit, len(others))
+        if not others or fair >= cap:  # alone on the host: the slots' queue decides
+            return cap, ""
+        return fair, (
+            f" (its share of [sessions] max_live = {self.slots.limit}: a slot is kept for"
+            f" each other principal with sessions, {len(others)} now)"
+        )
+
     def room_for(self, principal: str) -> bool:
         """Whether ``principal`` may have one more live session: it has fewer than
-        ``[limits] max_sessions_per_principal``, or (with hibernation on) one of its
-        idle sessions starts to hibernate now to make room."""
-        config, sessions = self.keeper.config, self.keeper.sessions
-        if len(sessions.live_of(principal)) < config.limits.max_sessions_per_principal:
+        :meth:`live_cap`, or (with hibernation on) one of its idle sessions starts to
+        hibernate now to make room."""
+        sessions = self.keeper.sessions
+        if len(sessions.live_of(principal)) < self.live_cap(principal)[0]:
             return True
         victim = sessions.least_recent_idle(principal)
         if victim is None or not self.enabled:
@@ -243,10 +260,10 @@ class Hibernation:
         keeper = self.keeper
         principal = session.record.principal_id
         if not self.room_for(principal):
+            cap, note = self.live_cap(principal)
             raise SessionError(
                 "principal_limit",
-                f"principal {principal!r} has"
-                f" {keeper.config.limits.max_sessions_per_principal} live sessions, none idle",
+                f"principal {principal!r} has {cap} live sessions{note}, none idle",
             )
         try:
             session.principal = keeper.principal(principal) or session.principal

@@ -10,6 +10,16 @@ A spawn or a wake that finds no slot free waits in a bounded first-come queue
 slot given back goes straight to the first waiter.  A full queue, or a wait
 that runs out, is ``host_full``: never a silent drop.  Making room (which
 session hibernates) is the runner's decision, not this module's.
+
+**A principal's share** (:func:`share`): one principal may hold at most
+``max(1, max_live - others)`` live slots, ``others`` being the other
+principals with a session on the host (live or hibernated): one slot is
+kept for each of them, so bob's busy sessions cannot hold every slot while
+alice's hibernated session waits to wake.  It bounds a principal's live
+sessions below ``[limits] max_sessions_per_principal`` when it is smaller,
+and is enforced the same way: past it a spawn or a wake hibernates one of the
+principal's own idle sessions, or is refused ``principal_limit``.  A principal
+alone on the host has no share: its spawns and wakes wait for slots as usual.
 """
 
 from __future__ import annotations
@@ -22,7 +32,14 @@ import anyio
 
 from capsules.runner.errors import SessionError
 
-__all__ = ("LiveSlots",)
+__all__ = ("LiveSlots", "share")
+
+
+def share(limit: int, others: int) -> int:
+    """The live slots one principal may hold on a host of ``limit`` slots (``[sessions]
+    max_live``, not 0) while ``others`` other principals have sessions there: one slot is
+    kept for each of them, and each principal may hold one at least."""
+    return max(1, limit - others)
 
 
 @dataclass

@@ -465,10 +465,9 @@ class Runner:
         when it may.  A session that joins ``asleep`` counts against the logical cap
         only; one that joins live may hibernate an idle session of the principal to
         make room (:meth:`Hibernation.room_for`)."""
-        limits = self.config.limits
-        cap, logical_cap = (
-            limits.max_sessions_per_principal,
-            limits.max_logical_sessions_per_principal,
+        (cap, note), logical_cap = (
+            self.hibernation.live_cap(pid_),  # the cap, or the principal's share of max_live
+            self.config.limits.max_logical_sessions_per_principal,
         )
         refusal = self.sessions.refusal(sid, pid_, None if asleep else cap, logical_cap)
         if refusal == "duplicate_session":
@@ -485,7 +484,7 @@ class Runner:
             return None
         return SessionError(
             "principal_limit",
-            f"principal {pid_!r} has {cap} live sessions already"
+            f"principal {pid_!r} has {cap} live sessions already{note}"
             + (", none of them idle" if self.config.sessions.hibernation else ""),
         )
 
@@ -771,7 +770,7 @@ class Runner:
             session_id=sid,
             principal_id=pid_,
             claude_session=req.claude_session,
-            started_at=time.time(),
+            started_at=min(req.started_at, time.time()) or time.time(),  # its age goes on
             cwd=cwd,
             model=model,
             turns=req.turns,
@@ -779,7 +778,13 @@ class Runner:
         )
         if req.asleep:  # it slept on the lost node: it sleeps here, and takes no slot
             record.state, record.hibernated_at = RecordState.HIBERNATED, time.time()
-            session = Session(record, principal, state=SessionState.HIBERNATED, turns=req.turns)
+            session = Session(
+                record,
+                principal,
+                state=SessionState.HIBERNATED,
+                turns=req.turns,
+                cost_usd=req.cost_usd,
+            )
             self.sessions.add(session)
             await self.save(record)
             self.session_event(
@@ -803,7 +808,13 @@ class Runner:
                 "host_full",
                 f"the host runs {len(slots)} sessions of max_live {slots.limit}, none idle",
             )
-        session = Session(record, principal, turns=req.turns, last_active=time.monotonic())
+        session = Session(
+            record,
+            principal,
+            turns=req.turns,
+            cost_usd=req.cost_usd,  # its cost goes on too
+            last_active=time.monotonic(),
+        )
         self.sessions.add(session)
         try:
             pid = await self.start(session, resume=not req.fresh, initial=None)
@@ -916,6 +927,7 @@ class Runner:
         if session is None:
             raise SessionError("unknown_session", f"no session {sid!r}")
         record = session.record
+        turns, cost_usd = session.totals()
         return {
             "ok": True,
             "session_id": sid,
@@ -923,7 +935,9 @@ class Runner:
             "claude_session": record.claude_session,
             "cwd": record.cwd,
             "model": record.model,
-            "turns": session.totals()[0],
+            "turns": turns,
+            "cost_usd": cost_usd,
+            "started_at": record.started_at,
         }
 
     async def _wake_request(self, request: Envelope) -> dict[str, Any]:
@@ -1223,6 +1237,7 @@ class Runner:
         # the turns and cost of the whole session, its earlier children's included
         row["turns"], row["cost_usd"] = session.totals()
         row["started_at"] = session.record.started_at
+        row["age_s"] = round(time.time() - session.record.started_at, 1)  # the session's
         row["hibernated_at"] = session.record.hibernated_at
         row["cwd"] = session.record.cwd
         row["model"] = session.record.model

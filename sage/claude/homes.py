@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import os
 import stat
+import struct
 from pathlib import Path
+from typing import Any
+
+import msgspec
 
 from sage import files
 from sage.config import Config
@@ -18,6 +22,8 @@ from sage.errors import ConfigError
 
 __all__ = (
     "API_KEY_CREDENTIAL",
+    "USER_CONFIG",
+    "answered_config",
     "can_run",
     "own_home",
     "read_api_key",
@@ -147,7 +153,7 @@ def unreachable(path: Path, uid: int, gids: set[int]) -> str | None:
             st = os.stat(folder)
         except OSError as exc:
             return f"cannot inspect {folder}: {exc.strerror}"
-        if not _may_execute(st, uid, gids):
+        if not _may_execute(st, uid, gids, folder):
             return (
                 f"uid {uid} cannot pass through {folder} (mode {st.st_mode & 0o777:o},"
                 f" owner {st.st_uid}:{st.st_gid})"
@@ -164,18 +170,40 @@ def can_run(path: Path, uid: int, gids: set[int]) -> bool:
         st = os.stat(real)
     except OSError:
         return False
-    return _may_execute(st, uid, gids)
+    return _may_execute(st, uid, gids, real)
 
 
-def _may_execute(st: os.stat_result, uid: int, gids: set[int]) -> bool:
-    """The execute (search, for a folder) bit that applies to ``uid`` and ``gids``."""
+def _may_execute(st: os.stat_result, uid: int, gids: set[int], path: Path) -> bool:
+    """The execute (search, for a folder) bit that applies to ``uid`` and ``gids``, with
+    the POSIX ACL's group entries when ``path`` has one (bus.unix.grant_group)."""
     if st.st_uid == uid:
-        bit = stat.S_IXUSR
-    elif st.st_gid in gids:
-        bit = stat.S_IXGRP
-    else:
-        bit = stat.S_IXOTH
-    return bool(st.st_mode & bit)
+        return bool(st.st_mode & stat.S_IXUSR)
+    acl = _acl_entries(path)
+    if acl:
+        users = {ident: perm for tag, perm, ident in acl if tag == 0x02}
+        mask = next((perm for tag, perm, _ in acl if tag == 0x10), 7)
+        if uid in users:
+            return bool(users[uid] & mask & 1)
+        groups = [  # the file's group entry, and the named groups the caller is in
+            perm
+            for tag, perm, ident in acl
+            if (tag == 0x04 and st.st_gid in gids) or (tag == 0x08 and ident in gids)
+        ]
+        if groups:
+            return any(perm & mask & 1 for perm in groups)
+        return bool(st.st_mode & stat.S_IXOTH)
+    if st.st_gid in gids:
+        return bool(st.st_mode & stat.S_IXGRP)
+    return bool(st.st_mode & stat.S_IXOTH)
+
+
+def _acl_entries(path: Path) -> list[tuple[int, int, int]]:
+    """The (tag, perm, id) entries of ``path``'s POSIX access ACL; none without one."""
+    try:
+        raw = os.getxattr(path, "system.posix_acl_access")
+    except OSError:
+        return []
+    return [struct.unpack_from("<HHI", raw, at) for at in range(4, len(raw) - 7, 8)]
 
 
 def write_in_home(
@@ -210,3 +238,55 @@ def write_in_home(
         files.write_at(fd, rel.parts[-1], data, replace=True, owner=(uid, gid), mode=mode)
     finally:
         os.close(fd)
+
+
+USER_CONFIG = Path(".claude.json")
+"""Claude Code's own user config in a home (``$HOME/.claude.json``): its answers to the
+questions an interactive start asks (onboarding, trusting the folder, using a key)."""
+
+
+MCP_SERVERS = ("sage", "forge")
+"""The servers the installer's ``.mcp.json`` names (``astrid mcp serve``)."""
+
+
+def answered_config(current: bytes | None, home: Path, api_key: str | None = None) -> bytes:
+    """``current`` (the home's ``.claude.json``, None or unreadable: a new one) with the
+    questions of an interactive start answered: onboarding done, ``home`` trusted, its
+    ``.mcp.json`` servers (sage's own) enabled, and
+    ``api_key`` (when given) accepted as Claude Code records it, by its last 20
+    characters, so Enter on its "use this key?" (default no) cannot drop it.  Every
+    other key of the file is kept: the CLI writes its own state there."""
+    try:
+        data: Any = msgspec.json.decode(current) if current else {}
+    except msgspec.DecodeError:
+        data = {}
+    if not isinstance(data, dict):
+        data = {}
+    data["hasCompletedOnboarding"] = True
+    projects: dict[str, Any] = data.get("projects") or {}
+    if not isinstance(projects, dict):
+        projects = {}
+    project: dict[str, Any] = projects.get(str(home)) or {}
+    if not isinstance(project, dict):
+        project = {}
+    servers = project.get("enabledMcpjsonServers")
+    servers = [s for s in servers if isinstance(s, str)] if isinstance(servers, list) else []
+    projects[str(home)] = {
+        **project,
+        "hasTrustDialogAccepted": True,
+        # the installer's .mcp.json servers, sage's own: not a question for the user
+        "enabledMcpjsonServers": [*servers, *(s for s in MCP_SERVERS if s not in servers)],
+    }
+    data["projects"] = projects
+    if api_key:
+        responses = data.get("customApiKeyResponses")
+        responses = responses if isinstance(responses, dict) else {}
+        approved = [k for k in responses.get("approved", []) if isinstance(k, str)]
+        tail = api_key.strip()[-20:]
+        rejected = [k for k in responses.get("rejected", []) if isinstance(k, str) and k != tail]
+        data["customApiKeyResponses"] = {
+            **responses,
+            "approved": approved if tail in approved else [*approved, tail],
+            "rejected": rejected,
+        }
+    return msgspec.json.format(msgspec.json.encode(data), indent=2) + b"\n"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import Any
 
 import msgspec
@@ -44,6 +45,10 @@ def register(sub: Any) -> None:
             " its [publish]/[subscribe] patterns cover what its tools need), copy it to"
             " <state_dir>/capsules/, and ask the running supervisor to start it. Installed"
             " capsules run as out-of-process workers and start with every supervisor start."
+            " Prints the patterns it grants; a pattern reaching beyond the capsule's own"
+            " tools (sage's requests and session events, approvals, hooks, the audit log,"
+            " llm.v1, forge, other capsules' tool calls) is refused unless"
+            " --allow-privileged grants it (recorded and audited)."
             " Exit 1 with every problem listed if the folder is not a good capsule."
         ),
     )
@@ -55,6 +60,15 @@ def register(sub: Any) -> None:
     )
     install.add_argument(
         "--check", action="store_true", help="only check the folder; install nothing"
+    )
+    install.add_argument(
+        "--allow-privileged",
+        action="store_true",
+        help=(
+            "grant the manifest's privileged patterns (those reaching sage's requests,"
+            " sessions' events, approvals, hooks, the audit log, llm.v1, other capsules'"
+            " tool calls); refused without it"
+        ),
     )
     add_common(install)
     install.set_defaults(handler=_install)
@@ -106,6 +120,7 @@ def _install(args: argparse.Namespace) -> int:
 
     import anyio
 
+    from sage.capsule.privileges import grant
     from sage.cli._connect import config_of
     from sage.daemon.install import check_capsule, install
     from sage.daemon.workers import capsule_uids
@@ -121,13 +136,40 @@ def _install(args: argparse.Namespace) -> int:
         return 1
     assert check.manifest is not None
     name = check.manifest.name
+    patterns = {
+        "publish": list(check.manifest.publish.patterns),
+        "subscribe": list(check.manifest.subscribe.patterns),
+    }
+    privileged = [
+        {"kind": p.kind, "pattern": p.pattern, "reaches": p.reaches} for p in check.privileged
+    ]
     if args.check:
         if args.json:
-            print_json({"ok": True, "capsule": name, "tools": check.tools})
+            print_json(
+                {
+                    "ok": True,
+                    "capsule": name,
+                    "tools": check.tools,
+                    "patterns": patterns,
+                    "privileged": privileged,
+                }
+            )
         else:
             print(f"{name}: good ({len(check.tools)} tools)")
+            _print_patterns(check)
         return 0
-    target = install(check, config_of(args).state_dir, force=args.force)
+    if check.privileged and not args.allow_privileged:
+        for one in check.privileged:
+            print(printable(f"astrid: privileged: {one}"), file=sys.stderr)
+        print(
+            f"astrid: {name} was not installed: its manifest reaches beyond its own tools;"
+            " install it with --allow-privileged to grant these patterns",
+            file=sys.stderr,
+        )
+        return 1
+    state_dir = config_of(args).state_dir
+    target = install(check, state_dir, force=args.force)
+    granted = grant(state_dir, name, check.privileged)
     started = anyio.run(_load, args, name, args.force)
     if args.json:
         print_json(
@@ -136,11 +178,14 @@ def _install(args: argparse.Namespace) -> int:
                 "capsule": name,
                 "folder": str(target),
                 "tools": check.tools,
+                "patterns": patterns,
+                "privileged": privileged if granted is not None else [],
                 "started": started,
             }
         )
         return 0
     print(f"installed {name} in {target} ({', '.join(check.tools) or 'no tools'})")
+    _print_patterns(check)
     if isinstance(started, str):
         print(started)
     elif started.get("ok"):
@@ -148,6 +193,15 @@ def _install(args: argparse.Namespace) -> int:
     else:
         print(f"not started: {started.get('message')}")
     return 0
+
+
+def _print_patterns(check: Any) -> None:
+    """The bus patterns the capsule's manifest grants it, privileged ones marked."""
+    privileged = {(p.kind, p.pattern) for p in check.privileged}
+    for kind in ("publish", "subscribe"):
+        for pattern in getattr(check.manifest, kind).patterns:
+            mark = "  (privileged)" if (kind, pattern) in privileged else ""
+            print(printable(f"  {kind:<9} {pattern}{mark}"))
 
 
 async def _load(args: argparse.Namespace, name: str, replace: bool) -> dict[str, Any] | str:
@@ -199,9 +253,12 @@ async def _remove(args: argparse.Namespace) -> int:
     try:
         data = await _change(args, "remove")
     except BusError:  # no supervisor: only the installed copy is there to delete
+        from sage.capsule.privileges import revoke
+
         state_dir = config_of(args).state_dir
         if uninstall(state_dir, args.name) is None:
             raise SageError(f"no installed capsule {args.name!r} in {state_dir}") from None
+        revoke(state_dir, args.name)
         data = {"ok": True, "capsule": args.name, "running": False}
     if args.json:
         print_json(data)
@@ -230,6 +287,18 @@ async def _list(args: argparse.Namespace) -> int:
             f" {row.get('state', ''):<9} {row.get('restarts', 0):>8}"
             f"  {printable(row.get('last_error', ''))}"
         )
+    for row in capsules:
+        held = row.get("privileged")
+        if held:
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(held.get("granted_at", 0)))
+            grants = [f"publish {p}" for p in held.get("publish", [])]
+            grants += [f"subscribe {p}" for p in held.get("subscribe", [])]
+            print(
+                printable(
+                    f"privileged: {row.get('name')} holds {', '.join(grants)}"
+                    f" (granted {when} by uid {held.get('granted_by')})"
+                )
+            )
     _print_clashes(clashes)
     return 0
 

@@ -23,7 +23,7 @@ from sage.capsule.manifest import load_manifest
 from sage.cli._commands import summary
 from sage.cli._connect import print_json
 from sage.config import Config, load_config
-from sage.daemon.capsule_host import builtin_capsules_dir, capsule_folder
+from sage.daemon.capsule_host import capsule_folder, missing_capsule
 from sage.errors import ConfigError
 
 #: Claude Code's own tools: kept in step with the installer's deny list.
@@ -68,21 +68,11 @@ def problems(config: Config) -> tuple[list[str], list[str]]:
     errors: list[str] = []
     warnings: list[str] = []
     tools: set[str] = set()
-    built_in = sorted(
-        p.name for p in builtin_capsules_dir().iterdir() if (p / "Capsule.toml").is_file()
-    )
     for name in config.supervisor.capsules:
         folder = capsule_folder(name)
-        if not (folder / "Capsule.toml").is_file():
-            if "/" in name:
-                errors.append(f"supervisor.capsules: {name}: no Capsule.toml in that folder")
-            else:
-                close = difflib.get_close_matches(name, built_in, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                errors.append(
-                    f"supervisor.capsules: no built-in capsule {name!r}{hint};"
-                    f" built in: {', '.join(built_in)}; a path must contain a '/'"
-                )
+        missing = missing_capsule(name)
+        if missing is not None:
+            errors.append(missing)
             continue
         try:
             manifest = load_manifest(folder)
@@ -110,6 +100,14 @@ def problems(config: Config) -> tuple[list[str], list[str]]:
                 f"principals[{principal.name}].allowed_tools: {name!r} names no tool a"
                 f" configured capsule, the forge or Claude Code offers{hint}"
             )
+    live, cap = config.sessions.max_live, config.limits.max_sessions_per_principal
+    if live and live <= cap and len(config.principals) > 1:
+        warnings.append(
+            f"sessions.max_live = {live} is at or below limits.max_sessions_per_principal ="
+            f" {cap}: one principal could hold every live slot; sage keeps a slot for each"
+            " other principal with sessions (its share), but a cap below max_live says so"
+            " outright (docs/operations.md, Hibernation)"
+        )
     return errors, warnings
 
 

@@ -238,7 +238,22 @@ async def _check_api(config: Config) -> Check:
             facts=facts,
         )
     facts["http_status"] = status
-    return Check(name="api", status="ok", detail=f"{base} answers (HTTP {status})", facts=facts)
+    llm = (config.messages_api or DEFAULT_API).rstrip("/")
+    facts["llm_url"] = llm
+    if llm != base:  # astrid llm generate would go elsewhere than the sessions
+        return Check(
+            name="api",
+            status="warn",
+            detail=f"{base} answers (HTTP {status}), but [llm] base_url sends astrid llm"
+            f" generate to {llm}; leave [llm] base_url empty to use the sessions' gateway",
+            facts=facts,
+        )
+    return Check(
+        name="api",
+        status="ok",
+        detail=f"{base} answers (HTTP {status}); sessions and astrid llm generate use it",
+        facts=facts,
+    )
 
 
 def _check_homes(config: Config, version: str) -> Check:

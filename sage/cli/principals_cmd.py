@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import getpass
 import sys
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -128,12 +129,18 @@ async def _install(args: argparse.Namespace) -> int:
     if args.force:
         payload["force"] = True
     async with connect(args) as client:
-        current = None
-        if not (args.api_key_stdin or args.no_api_key):
-            listing = await call_runner(client, "sage.v1.request.principals", {}, 10.0)
-            current = next(
-                (p for p in listing["principals"] if p["principal_id"] == args.principal_id),
-                None,
+        # the principal first: nobody types a secret for one that does not exist
+        listing = await call_runner(client, "sage.v1.request.principals", {}, 10.0)
+        current = next(
+            (p for p in listing["principals"] if p["principal_id"] == args.principal_id),
+            None,
+        )
+        if current is None:
+            known = ", ".join(p["principal_id"] for p in listing["principals"]) or "none"
+            raise SageError(
+                f"unknown_principal: no principal {args.principal_id!r} you may install"
+                f" (yours: {known}); declare it under [[principals]] in the supervisor's"
+                " config and reload it (SIGHUP)"
             )
         key = await anyio.to_thread.run_sync(_read_key, args, current)
         if key:
@@ -232,12 +239,16 @@ async def _repl(args: argparse.Namespace) -> int:
             if key:
                 env["ANTHROPIC_API_KEY"] = key
         env.update(config.claude.env)
+        # the home is the project: git must not find a repository above it (the checkout
+        # of a state folder inside one), whose root would get the CLI's project files
+        env["GIT_CEILING_DIRECTORIES"] = str(Path(home).parent)
         extra = [a for a in args.claude_args if a != "--"] if args.claude_args else []
         # the CLI's default mode was auto (its own classifier decides) in 2.1.296-2.1.301:
         # ask for default unless the user chose a mode on this command line
         if not any(a == "--permission-mode" or a.startswith("--permission-mode=") for a in extra):
             extra = ["--permission-mode", "default", *extra]
         argv = [str(resolve_claude_binary(config)), *extra]
+        _repl_home(name, Path(home))
         if args.dry_run:
             masked = {
                 k: (
@@ -251,6 +262,7 @@ async def _repl(args: argparse.Namespace) -> int:
             }
             print_json({"argv": argv, "cwd": home, "env": masked, "session_id": sid})
             return 0
+        _answer_key(Path(home), env.get("ANTHROPIC_API_KEY"))
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # claude owns the terminal
         try:
             done = await anyio.to_thread.run_sync(
@@ -265,3 +277,54 @@ async def _repl(args: argparse.Namespace) -> int:
         with anyio.CancelScope(shield=True), contextlib.suppress(BusError, SageError, OSError):
             async with connect(args) as client:
                 await call_runner(client, "sage.v1.request.repl.close", {"session_id": sid}, 10.0)
+
+
+def _repl_home(name: str, home: Path) -> None:
+    """The REPL runs ``claude`` as the caller: only in a home that is the caller's own.
+
+    A home the installer gave to another uid (the uid a root supervisor runs the
+    principal's sessions as) would get the caller's files (root's, say) and an
+    onboarding that never sticks: refused, with the fix named."""
+    import os
+    import pwd
+
+    try:
+        owner = home.stat().st_uid
+    except OSError:
+        raise SageError(
+            f"not_installed: {home} does not exist; install the principal first"
+            f" (astrid sage install {name} --interaction-mode repl)"
+        ) from None
+    me = os.geteuid()
+    if owner == me:
+        return
+    try:
+        user = pwd.getpwuid(me).pw_name
+    except KeyError:
+        user = str(me)
+    as_user = "USER" if me == 0 else user  # root never runs a principal's claude
+    raise SageError(
+        f"repl_not_yours: {name}'s home {home} belongs to uid {owner} (the uid its sessions"
+        f" run as), not to you (uid {me}): a repl runs claude as you, and would leave your"
+        f" files there. Give {name} a user of its own: in the supervisor's config set"
+        f' run_as = "{as_user}" and add that uid to uids under [[principals]] name ='
+        f' "{name}", reload it, run astrid sage install {name} --force, then run astrid'
+        f" sage repl {name} as that user (a member of the socket's group)"
+    )
+
+
+def _answer_key(home: Path, key: str | None) -> None:
+    """Accept ``key`` in the home's Claude Code config, as the CLI itself records a yes to
+    its "use this API key?" (whose default is no), so Enter cannot drop the stored key; the
+    installer answered the onboarding and the folder's trust already."""
+    from sage.claude.homes import USER_CONFIG, answered_config
+    from sage.files import write_replace
+
+    path = home / USER_CONFIG
+    try:
+        current: bytes | None = path.read_bytes() if not path.is_symlink() else None
+    except OSError:
+        current = None
+    answered = answered_config(current, home, key)
+    if answered != current:
+        write_replace(path, answered)

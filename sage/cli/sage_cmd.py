@@ -349,7 +349,9 @@ async def _send(args: argparse.Namespace) -> int:
 ARGS_SHOWN = 120  # characters of a tool call's arguments send prints
 
 
-async def _ask_at_terminal(request: dict[str, Any]) -> dict[str, Any] | None:
+async def _ask_at_terminal(
+    request: dict[str, Any], *, where: bool = False
+) -> dict[str, Any] | None:
     """:func:`_ask` in a daemon thread: a question left open when the turn ends (it timed
     out, someone else answered) must not keep astrid waiting for a line at exit."""
     token = anyio.lowlevel.current_token()
@@ -358,7 +360,7 @@ async def _ask_at_terminal(request: dict[str, Any]) -> dict[str, Any] | None:
 
     def run() -> None:
         try:
-            box.append(_ask(request))
+            box.append(_ask(request, where=where))
         finally:
             with contextlib.suppress(Exception):  # the loop may be gone: nobody waits
                 anyio.from_thread.run_sync(done.set, token=token)
@@ -368,16 +370,18 @@ async def _ask_at_terminal(request: dict[str, Any]) -> dict[str, Any] | None:
     return box[0] if box else None
 
 
-def _ask(request: dict[str, Any]) -> dict[str, Any] | None:
-    """The approval question at the terminal (run in a thread: input blocks)."""
+def _ask(request: dict[str, Any], *, where: bool = False) -> dict[str, Any] | None:
+    """The approval question at the terminal (run in a thread: input blocks); ``where``:
+    name the session and principal (``approvals --watch`` asks for many)."""
     tool = str(request.get("tool_name", "?"))
     args = msgspec.json.encode(request.get("arguments", {})).decode()
     if len(args) > ARGS_SHOWN:
         args = args[: ARGS_SHOWN - 3] + "..."
     left = max(0.0, float(request.get("expires_at") or 0.0) - time.time())
     principal = request.get("principal_id", "")
+    session = printable(f" in session {request.get('session_id')} of {principal}") if where else ""
     sys.stderr.write(
-        f"\n[approval] Claude wants to run {tool} {args}\n"
+        f"\n[approval] Claude wants to run {tool} {args}{session}\n"
         f"  y = yes, a = yes, and always for {principal} ({tool}), n = no"
         f" ({left:.0f} s to answer)\n"
     )
@@ -606,10 +610,12 @@ async def _sessions(args: argparse.Namespace) -> int:
 
 
 def _row_age(row: dict[str, Any]) -> float:
-    if "age_s" in row:
-        return float(row["age_s"])
+    """AGE has one meaning: since the session was spawned (across hibernation, respawns and
+    a failover; an ended session's too, its end shown beside it)."""
     started = row.get("started_at") or 0.0
-    return max(0.0, (row.get("ended_at") or time.time()) - started) if started else 0.0
+    if started:
+        return max(0.0, time.time() - float(started))
+    return float(row.get("age_s") or 0.0)
 
 
 def _how(row: dict[str, Any]) -> str:
@@ -705,16 +711,25 @@ async def _watch_approvals(client: Any) -> int:
     print("waiting for approvals (Ctrl-C to stop)", file=sys.stderr, flush=True)
     async for envelope in requests:
         request = msgspec.json.decode(envelope.payload)
-        answer = await _ask_at_terminal(request)
+        answer = await _ask_at_terminal(request, where=True)
         if answer is None:
             return 0
         try:
-            await call_runner(
+            done = await call_runner(
                 client, f"sage.v1.request.approve.{request.get('approval_id')}", answer, 10.0
             )
         except SageError as exc:
             print(f"astrid: {exc}", file=sys.stderr, flush=True)
+            continue
+        print(_decided(done), file=sys.stderr, flush=True)
     return 0
+
+
+def _decided(data: dict[str, Any]) -> str:
+    """What an answer did: ``allowed: TOOL in session SID`` (and a rule it added)."""
+    verb = "allowed" if data.get("allowed") else "denied"
+    rule = f"; from now on allowed: {data['rule_added']}" if data.get("rule_added") else ""
+    return printable(f"{verb}: {data.get('tool_name')} in session {data.get('session_id')}{rule}")
 
 
 async def _decide(args: argparse.Namespace) -> int:
@@ -730,9 +745,7 @@ async def _decide(args: argparse.Namespace) -> int:
     if args.json:
         print_json(data)
     else:
-        verb = "allowed" if args.allowed else "denied"
-        rule = f"; from now on allowed: {data['rule_added']}" if data.get("rule_added") else ""
-        print(f"{verb}: {data['tool_name']} in session {data['session_id']}{rule}")
+        print(_decided(data))
     return 0
 
 
@@ -781,8 +794,10 @@ async def _settings(args: argparse.Namespace) -> int:
     if args.json:
         print_json(data)
     else:
-        for key, value in {**data["config"], "allow_rules": data.get("allow_rules")}.items():
+        for key, value in data["config"].items():
             print(f"{key:<17} {value}")
+        rules = data.get("allow_rules") or []
+        print(printable(f"{'allow_rules':<17} {', '.join(rules) if rules else '(none)'}"))
     return 0
 
 
@@ -791,6 +806,8 @@ async def _simple(args: argparse.Namespace) -> int:
         data = await call_session(client, args.verb, args.session, {}, 30.0)
     if args.json:
         print_json(data)
+    elif args.verb == "interrupt" and data.get("interrupted") is False:
+        print(f"interrupt: {args.session}: no turn was running; nothing was interrupted")
     else:
         print(f"{args.verb}: {args.session}")
     return 0

@@ -95,6 +95,7 @@ class ErrorCode(enum.StrEnum):
     UNKNOWN_PRINCIPAL = "unknown_principal"
     INVALID_PRINCIPAL = "invalid_principal"
     SETTINGS_ERROR = "settings_error"
+    RULE_NOT_ALLOWED = "rule_not_allowed"  # wider than [limits] self_allow_rules
     SETTINGS_CORRUPT = "settings_corrupt"
     SCHEMA_VERSION_UNSUPPORTED = "schema_version_unsupported"
     INSTALLER_UNAVAILABLE = "installer_unavailable"

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import enum
 import re
-from typing import Final
+from typing import Annotated, Final
 
 import msgspec
 
@@ -294,6 +294,10 @@ class AdoptRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cwd: str = ""
     model: str = ""
     turns: int = 0
+    cost_usd: Annotated[float, msgspec.Meta(ge=0, le=1e9)] = 0.0
+    """Of its earlier children, on the lost node: the session's cost goes on."""
+    started_at: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """When it was spawned (its age goes on); 0: now."""
     fresh: bool = False
     asleep: bool = False
     """It was hibernated on the lost node: it is kept hibernated here (no child, no slot)
@@ -331,6 +335,8 @@ class ConversationReply(msgspec.Struct, frozen=True, kw_only=True):
     cwd: str = ""
     model: str = ""
     turns: int = 0
+    cost_usd: float = 0.0
+    started_at: float = 0.0
 
 
 class SlotsReply(msgspec.Struct, frozen=True, kw_only=True):

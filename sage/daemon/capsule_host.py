@@ -14,6 +14,7 @@ process under the same policy.
 
 from __future__ import annotations
 
+import difflib
 import enum
 import importlib
 import importlib.util
@@ -209,6 +210,26 @@ class CapsuleRunner:
             "restarts": self.restarts,
             "last_error": self.last_error,
         }
+
+
+def missing_capsule(name_or_path: str) -> str | None:
+    """Why ``[supervisor] capsules`` entry ``name_or_path`` names no capsule (a folder
+    without a ``Capsule.toml``; a built-in name that does not exist, with the nearest one),
+    or None when it names one."""
+    folder = capsule_folder(name_or_path)
+    if (folder / "Capsule.toml").is_file():
+        return None
+    if "/" in name_or_path:
+        return f"supervisor.capsules: {name_or_path}: no Capsule.toml in that folder"
+    built_in = sorted(
+        p.name for p in builtin_capsules_dir().iterdir() if (p / "Capsule.toml").is_file()
+    )
+    close = difflib.get_close_matches(name_or_path, built_in, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return (
+        f"supervisor.capsules: no built-in capsule {name_or_path!r}{hint};"
+        f" built in: {', '.join(built_in)}; a path must contain a '/'"
+    )
 
 
 def capsule_folder(name_or_path: str) -> Path:

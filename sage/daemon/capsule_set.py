@@ -40,6 +40,7 @@ import structlog
 from bus import Envelope
 from sage import replies
 from sage.capsule.manifest import load_manifest
+from sage.capsule.privileges import grants, revoke
 from sage.daemon.capsule_host import CapsuleRunner
 from sage.daemon.install import installed_folders, uninstall
 from sage.errors import ConfigError, SageError
@@ -118,7 +119,31 @@ class CapsuleSet:
         return [entry.runner for entry in self._entries.values()]
 
     def describe(self) -> list[dict[str, Any]]:
-        return [entry.runner.describe() for entry in self._entries.values()]
+        given = self._grants()
+        rows = []
+        for name, entry in self._entries.items():
+            row = entry.runner.describe()
+            if entry.source.installed and name in given:
+                row["privileged"] = msgspec.to_builtins(given[name])
+            rows.append(row)
+        return rows
+
+    def _grants(self) -> dict[str, Any]:
+        try:
+            return grants(self._state_dir())
+        except ConfigError as exc:  # shown, never fatal: nothing starts without a good one
+            log.error("capsule_set.grants_unreadable", error=str(exc))
+            return {}
+
+    def _audit_privileged(self, entry: _Running) -> None:
+        """An installed capsule that holds privileged patterns starts: say so, with the grant."""
+        name = entry.runner.manifest.name
+        given = self._grants().get(name) if entry.source.installed else None
+        if given is not None:
+            self._audit(
+                "sage.v1.audit.capsule_privileged",
+                {"capsule": name, **msgspec.to_builtins(given)},
+            )
 
     # -- running ----------------------------------------------------------
 
@@ -126,6 +151,7 @@ class CapsuleSet:
         """Start every capsule in ``tg``; later loads and restarts start there too."""
         self._tg = tg
         for entry in self._entries.values():
+            self._audit_privileged(entry)
             tg.start_soon(self._run, entry)
 
     async def _run(self, entry: _Running) -> None:
@@ -152,6 +178,7 @@ class CapsuleSet:
         False when it did not say so within :data:`READY_WITHIN`."""
         assert self._tg is not None, "start_all first"
         self._entries[entry.runner.manifest.name] = entry
+        self._audit_privileged(entry)
         self._tg.start_soon(self._run, entry)
         with anyio.move_on_after(READY_WITHIN):
             await entry.runner.ready.wait()
@@ -241,7 +268,8 @@ class CapsuleSet:
         del self._entries[name]
         try:
             folder = uninstall(self._state_dir(), name, Path(entry.source.entry))
-        except OSError as exc:
+            revoke(self._state_dir(), name)
+        except (OSError, ConfigError) as exc:
             raise CapsuleRequestError(
                 f"capsule {name!r} is stopped but its copy could not be deleted: {exc}",
                 code="remove_failed",

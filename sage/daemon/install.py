@@ -29,6 +29,7 @@ import msgspec
 
 from bus.acl import pattern_covers
 from sage.capsule.manifest import CapsuleManifest, WorkerSpec, load_manifest
+from sage.capsule.privileges import Privilege, privileges
 from sage.daemon.workers import (
     PASSED_ENV,
     SANDBOX_ENV,
@@ -84,6 +85,8 @@ class CapsuleCheck:
     manifest: CapsuleManifest | None = None
     tools: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    privileged: list[Privilege] = field(default_factory=list)
+    """Patterns of the manifest that reach beyond the capsule's own tools."""
 
     @property
     def ok(self) -> bool:
@@ -104,6 +107,9 @@ def check_capsule(folder: Path, *, uids: SandboxUids | None = None) -> CapsuleCh
         check.problems.append(str(exc))
         return check
     check.manifest = manifest
+    check.privileged = privileges(
+        manifest.name, manifest.publish.patterns, manifest.subscribe.patterns
+    )
     if manifest.name in BUILT_IN:
         check.problems.append(f"the name {manifest.name!r} is taken by a built-in capsule")
     entry = manifest.package.entry

@@ -43,8 +43,9 @@ from bus.wire import Hello
 from sage import replies
 from sage.audit import AuditLog, AuditReceipt, load_signing_key, max_unsigned_for
 from sage.capsule.manifest import load_manifest
+from sage.capsule.privileges import check_granted
 from sage.config import Config, load_config
-from sage.daemon.capsule_host import CapsuleRunner, capsule_folder
+from sage.daemon.capsule_host import CapsuleRunner, capsule_folder, missing_capsule
 from sage.daemon.capsule_set import CAPSULE_REQUESTS, CapsuleSet, Source
 from sage.daemon.install import installed_folders, worker_manifest
 from sage.daemon.instance import InstanceLock
@@ -60,7 +61,7 @@ from sage.fleet.router import Router
 from sage.fleet.tools import FleetTools
 from sage.logs import configure_logging, log_loop_errors
 from sage.security.denials import DenialLimiter
-from sage.security.runas import SessionUids, access_group
+from sage.security.runas import SessionUids, access_group, socket_group
 from sage.security.runas import enabled as runs_children_as_principals
 from sage.state import StateStore
 
@@ -279,6 +280,9 @@ class Supervisor:
             self._capsule, self._publish_audit, lambda: self.config.state_dir
         )
         for name in config.supervisor.capsules:
+            missing = missing_capsule(name)  # as config check says it, with the nearest name
+            if missing is not None:
+                raise ConfigError(missing)
             try:
                 self.capsules.add(Source(name))
             except ConfigError as exc:
@@ -299,6 +303,13 @@ class Supervisor:
         folder = capsule_folder(source.entry)
         manifest = load_manifest(folder)
         if installed:
+            # third-party code: its ACL may reach beyond its tools only as an admin granted
+            check_granted(
+                self.config.state_dir,
+                manifest.name,
+                manifest.publish.patterns,
+                manifest.subscribe.patterns,
+            )
             manifest = worker_manifest(manifest, folder)
         if manifest.worker is not None:
             sandbox = None
@@ -393,9 +404,13 @@ class Supervisor:
             # group members must pass through the state folder to reach a socket inside
             # it; children of a root supervisor, to reach their homes and identity files
             inside = config.socket_path.is_relative_to(config.state_dir)
-            access = access_group(config)
-            group = access if inside or runs_children_as_principals() else None
-            ensure_private_dir(config.state_dir, group=group)
+            people, children = socket_group(config), access_group(config)
+            if children is not None:  # children pass through to their homes, people to it
+                ensure_private_dir(
+                    config.state_dir, group=children, extra_group=people if inside else None
+                )
+            else:
+                ensure_private_dir(config.state_dir, group=people if inside else None)
         except BusError as exc:
             raise SageError(f"state folder: {exc}") from exc
         instance = InstanceLock(config.state_dir, config.socket_path)
@@ -455,7 +470,7 @@ class Supervisor:
 
     async def _serve(self, audit: AuditLog, task_status: anyio.abc.TaskStatus[None]) -> None:
         config = self.config
-        group = access_group(config)
+        people, children = socket_group(config), access_group(config)
         sink = self.sink = _AuditSink(
             audit, config.audit.rate_per_source, config.audit.burst_per_source
         )
@@ -464,7 +479,8 @@ class Supervisor:
             config.socket_path,
             self.authorize,
             principals_of=lambda uid: self.config.principals_for_uid(uid),
-            group=group,
+            group=people if people is not None else children,
+            extra_group=children if people is not None else None,
             hello_timeout=config.socket.hello_timeout,
             idle_timeout=config.socket.idle_timeout,
             slow_consumer_timeout=config.bus.slow_consumer_timeout,

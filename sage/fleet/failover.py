@@ -235,6 +235,8 @@ class Failover:
             node=self.node,
             turns=info.turns,
             size=len(data),
+            cost_usd=info.cost_usd,
+            started_at=info.started_at,
         )
         await store.put(sid, data, meta=ObjectMeta(name=sid, description=meta.encode()))
         self.replicated += 1
@@ -438,6 +440,8 @@ class Failover:
                 cwd=meta.cwd if meta else "",
                 model=meta.model if meta else "",
                 turns=meta.turns if meta else 0,
+                cost_usd=meta.cost_usd if meta else 0.0,
+                started_at=meta.started_at if meta else 0.0,
                 fresh=meta is None,
                 asleep=entry.state == EntryState.HIBERNATED,
             )

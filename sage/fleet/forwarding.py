@@ -102,13 +102,17 @@ class Forwarding:
         sid: str | None,
         request: Envelope,
         payload: bytes | None = None,
+        *,
+        acting_for: str | None = None,
     ) -> dict[str, Any]:
-        """Ask ``node``'s router; the reply as its runner gave it, or fleet_unavailable."""
+        """Ask ``node``'s router; the reply as its runner gave it, or fleet_unavailable.
+        ``acting_for``: the principal the request is for (default: the caller's)."""
         if not self.member.connected:
             return unavailable(f"cannot reach node {node!r}: NATS is not connected")
         subject = request_subject(node, self.node, verb, sid)
         forwarded = Forwarded(
-            principal=request.principal,  # the bus's, from the caller's connection
+            # the bus's, from the caller's connection (an admin's spawn: the one it names)
+            principal=acting_for if acting_for is not None else request.principal,
             payload=msgspec.Raw(request.payload if payload is None else payload),
         )
         deadline = deadline_of(verb) + NETWORK_SLACK

@@ -333,7 +333,18 @@ class Router:
     async def _spawn_on(self, node: str, request: Envelope, payload: bytes) -> dict[str, Any]:
         if node == self.node:
             return await self.runner.ask(Verb.SPAWN, None, payload, principal=request.principal)
-        return await self.forwarding.forward(node, "spawn", None, request, payload)
+        reply = await self.forwarding.forward(node, "spawn", None, request, payload)
+        if request.principal is not None or reply.get("error") != "principal_not_authenticated":
+            return reply
+        # an admin's that node does not take: `spawn PRINCIPAL` names whom the admin acts
+        # for, so ask again as that principal's request (what --principal PRINCIPAL does);
+        # a refused spawn started nothing
+        named = msgspec.json.decode(payload).get("principal_id")
+        if not isinstance(named, str):
+            return reply
+        return await self.forwarding.forward(
+            node, "spawn", None, request, payload, acting_for=named
+        )
 
     async def _place(self, request: Envelope, body: dict[str, Any]) -> dict[str, Any]:
         """``spawn --node any``: on the least loaded live node that takes it

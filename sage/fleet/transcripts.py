@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+import time
 from pathlib import Path
 
 import msgspec
@@ -65,6 +66,10 @@ class TranscriptMeta(msgspec.Struct, frozen=True, kw_only=True):
     """The node that put it."""
     turns: int
     size: int
+    cost_usd: float = 0.0
+    """Of the session so far (older replicas: 0)."""
+    started_at: float = 0.0
+    """When the session was spawned (older replicas: 0, the adopter's now)."""
 
     def encode(self) -> str:
         return msgspec.json.encode(self).decode()
@@ -91,6 +96,8 @@ def check_meta(sid: str, principal_id: str, text: str | None) -> TranscriptMeta:
         raise TranscriptRefused(f"transcript of {sid!r}: model is not a model name")
     if not _NAME.match(meta.node) or meta.turns < 0 or meta.size < 0:
         raise TranscriptRefused(f"transcript of {sid!r}: node, turns or size unusable")
+    if not (0 <= meta.cost_usd <= 1e9) or not (0 <= meta.started_at <= time.time() + 60):
+        raise TranscriptRefused(f"transcript of {sid!r}: cost or start time unusable")
     return meta
 
 

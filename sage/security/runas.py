@@ -13,9 +13,12 @@ run as one uid of that principal's own (docs/security.md, Sessions):
 
 Their gid is the uid's number for sage's own uids, the user's primary group
 for a ``run_as`` user.  Their only supplementary group is the **access
-group**: ``socket.group`` when set, else the gid ``[sessions] uid_base``
-(91000, no host group may have it).  The supervisor gives the socket, its
-folder and the state folder to that group (0660 / 0750), so a child can pass
+group**, the gid ``[sessions] uid_base`` (91000, no host group may have it),
+never ``socket.group``: that group is the people's who may use the socket
+(:func:`socket_group`), and an agent gets nothing of theirs.  The supervisor
+gives the state folder to the access group (0750), and the socket and its
+folder to ``socket.group`` when set, with an ACL entry for the access group
+(``bus.unix.grant_group``), else to the access group, so a child can pass
 through the state folder to its home and identity file and connect to the
 socket, and read nothing else there (every file is 0600, every other folder
 0700 or 0711).  On the socket a child's uid is allowed only as ``astrid-emit``
@@ -38,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sage.claude.homes import can_run
-from sage.config import Config, PrincipalConfig
+from sage.config import GROUP_ADVICE, Config, PrincipalConfig
 from sage.errors import ConfigError, SageError, SandboxError
 from sage.security.uids import SandboxUids, known_uid
 
@@ -49,6 +52,7 @@ __all__ = (
     "emit_launcher",
     "enabled",
     "setpriv_prefix",
+    "socket_group",
 )
 
 TABLE = "session_uids"
@@ -69,13 +73,24 @@ def enabled() -> bool:
     return os.geteuid() == 0
 
 
+def socket_group(config: Config) -> int | None:
+    """The gid of ``socket.group`` (the people who may use the socket), None when unset;
+    a privileged one (gid 0 whatever its name) is refused."""
+    name = config.socket.group
+    if not name:
+        return None
+    try:
+        gid = grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise ConfigError(f"socket.group: no group named {name!r}") from None
+    if gid == 0:
+        raise ConfigError(f"socket.group: {name!r} has gid 0 (root's group); {GROUP_ADVICE}")
+    return gid
+
+
 def access_group(config: Config) -> int | None:
-    """The group that may reach the socket: ``socket.group``, else (root) the sessions'."""
-    if config.socket.group:
-        try:
-            return grp.getgrnam(config.socket.group).gr_gid
-        except KeyError:
-            raise ConfigError(f"socket.group: no group named {config.socket.group!r}") from None
+    """The ``claude`` children's access group (root only): the gid ``[sessions]
+    uid_base``, a group of sage's own, never ``socket.group``."""
     if not enabled():
         return None
     gid = config.sessions.uid_base

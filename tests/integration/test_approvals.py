@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
+import anyio.abc
 import pytest
 
 from tests.support import FAKE_CLAUDE
@@ -60,7 +61,7 @@ async def test_always_allows_this_call_and_every_later_one(sage: Sage) -> None:
     assert "[approval] mcp__sage__greet allowed by the rule mcp__sage__greet" in err
     code, out, err = await sage.astrid("sage", "settings", "alice")
     assert code == 0, err
-    assert "allow_rules       ['mcp__sage__greet']" in out
+    assert "allow_rules       mcp__sage__greet\n" in out  # a list, not Python's repr
     code, out, err = await sage.astrid(
         "sage", "settings", "alice", "--disallow", "mcp__sage__greet"
     )
@@ -99,10 +100,10 @@ async def test_off_a_terminal_the_default_is_deny_and_said(sage: Sage) -> None:
     assert "--approve prompt|ask waits for an answer" in err
 
 
-async def test_approvals_lists_and_approve_answers_from_another_terminal(sage: Sage) -> None:
-    await sage.ready("t6")
+async def _waiting_approval(sage: Sage, sid: str) -> tuple[anyio.abc.Process, list[dict[str, Any]]]:
+    """A send off a terminal (`--approve ask`) whose tool call waits; the pending rows."""
     sender = await anyio.open_process(
-        [*ASTRID, "sage", "send", "t6", ASK, "--approve", "ask", "--config",
+        [*ASTRID, "sage", "send", sid, ASK, "--approve", "ask", "--config",
          str(sage.daemon.config)],
         env=sage.daemon.env,
     )  # fmt: skip
@@ -112,6 +113,12 @@ async def test_approvals_lists_and_approve_answers_from_another_terminal(sage: S
             code, out, err = await sage.astrid("sage", "approvals", "--json")
             assert code == 0, err
             rows = json.loads(out)
+    return sender, rows
+
+
+async def test_approvals_lists_and_approve_answers_from_another_terminal(sage: Sage) -> None:
+    await sage.ready("t6")
+    sender, rows = await _waiting_approval(sage, "t6")
     (row,) = rows
     assert (row["session_id"], row["tool_name"]) == ("t6", "mcp__sage__greet")
     assert row["arguments"] == {"name": "Ada"}
@@ -150,3 +157,91 @@ async def test_a_misspelt_published_answer_is_audited_not_taken() -> None:
     kinds = [k for (k,) in db.execute("SELECT kind FROM entries")]
     db.close()
     assert "sage.v1.audit.approval_malformed" in kinds
+
+
+async def test_a_principal_gives_itself_exact_rules_only_unless_the_config_says(
+    sage: Sage,
+) -> None:
+    """`settings --allow '*'` and `approve --always --rule` for one's own principal are
+    refused under the default [limits] self_allow_rules; exact names pass; an admin's any."""
+    own = ("--principal", "alice")
+    for wide in ("*", "mcp__*", "mcp__sage__*"):
+        code, out, err = await sage.astrid("sage", "settings", "alice", "--allow", wide, *own)
+        assert code == 1, (wide, out)
+        assert "rule_not_allowed" in err
+        assert "self_allow_rules = 'exact'" in err
+    code, out, err = await sage.astrid("sage", "settings", "alice", "--json", *own)
+    assert json.loads(out)["allow_rules"] == [], err
+    code, out, err = await sage.astrid(
+        "sage", "settings", "alice", "--allow", "mcp__sage__shout", *own
+    )
+    assert code == 0, err
+    await sage.ready("t9")
+    sender, rows = await _waiting_approval(sage, "t9")
+    cid = rows[0]["approval_id"]
+    code, out, err = await sage.astrid("sage", "approve", cid, "--always", "--rule", "*", *own)
+    assert code == 1
+    assert "rule_not_allowed" in err
+    code, out, err = await sage.astrid("sage", "approve", cid, "--always", *own)  # still pending
+    assert code == 0, err
+    with anyio.fail_after(15):
+        assert await sender.wait() == 0
+    await sender.aclose()
+    code, out, err = await sage.astrid("sage", "settings", "alice", "--allow", "*")  # an admin
+    assert code == 0, err
+    code, out, err = await sage.astrid("sage", "settings", "alice", "--json")
+    assert json.loads(out)["allow_rules"] == ["mcp__sage__shout", "mcp__sage__greet", "*"]
+
+
+async def test_the_config_may_let_principals_give_themselves_a_servers_tools() -> None:
+    """self_allow_rules = "prefix": mcp__sage__* passes, '*' does not."""
+    config = _config().replace("[limits]\n", '[limits]\nself_allow_rules = "prefix"\n')
+    async with running_sage(config, env=ENV, root=short_dir()) as sage:
+        own = ("--principal", "alice")
+        code, _, err = await sage.astrid(
+            "sage", "settings", "alice", "--allow", "mcp__sage__*", *own
+        )
+        assert code == 0, err
+        code, _, err = await sage.astrid("sage", "settings", "alice", "--allow", "*", *own)
+        assert code == 1
+        assert "self_allow_rules = 'prefix'" in err
+
+
+async def test_the_tool_time_shown_leaves_out_the_time_to_answer(sage: Sage) -> None:
+    """`[tool] NAME ok (N ms)` after a slow yes is the tool's time, not the wait for yes."""
+    await sage.ready("t10")
+    term = Terminal(sage, "t10", ASK)
+    await term.expect(b"allow? [y/a/n]")
+    await anyio.sleep(1.5)  # a person reading the prompt
+    term.type("y")
+    await term.expect(b"[tool] mcp__sage__greet ok (")
+    code, _ = await term.finish()
+    assert code == 0
+    took = int(term.screen.split(b"[tool] mcp__sage__greet ok (")[1].split(b" ms)")[0])
+    assert took < 1500, term.screen
+
+
+async def test_approvals_watch_names_the_session_and_says_what_the_answer_did(
+    sage: Sage,
+) -> None:
+    """On a terminal, `approvals --watch` asks naming the session, then prints the outcome."""
+    import signal
+
+    await sage.ready("tw")
+    watcher = Terminal.astrid(sage, "sage", "approvals", "--watch")
+    await watcher.expect(b"waiting for approvals")
+    await anyio.sleep(0.5)  # its presence reaches the supervisor
+    sender = await anyio.open_process(
+        [*ASTRID, "sage", "send", "tw", ASK, "--approve", "ask", "--config",
+         str(sage.daemon.config)],
+        env=sage.daemon.env,
+    )  # fmt: skip
+    await watcher.expect(b"in session tw of alice")
+    await watcher.expect(b"allow? [y/a/n]")
+    watcher.type("y")
+    await watcher.expect(b"allowed: mcp__sage__greet in session tw")
+    with anyio.fail_after(15):
+        assert await sender.wait() == 0
+    await sender.aclose()
+    watcher.proc.send_signal(signal.SIGINT)
+    await watcher.finish()

@@ -445,3 +445,63 @@ def test_the_check_imports_the_capsule_in_its_sandbox(tmp_path: Path) -> None:
     assert not marker.exists()
     uids = json.loads((d.root / "state" / "capsule_uids.json").read_text())["uids"]
     assert uids == {"mine": 92000}  # the uid it will run as, kept for the install
+
+
+def test_privileged_patterns_are_granted_only_on_purpose(tmp_path: Path) -> None:
+    """A manifest reaching sage's requests and events is refused with the patterns named;
+    --allow-privileged installs it, `capsule list` and the audit log show the grant, and a
+    pattern added to the copy later keeps it from starting."""
+    publish = GOOD_PUBLISH.format(name="spy") + ', "sage.v1.request.>"'
+    folder = _capsule(tmp_path, "spy_capsule", name="spy", publish=publish)
+    toml = folder / "Capsule.toml"
+    toml.write_text(
+        toml.read_text().replace(
+            '"tool.v1.execute.hello"]', '"tool.v1.execute.hello", "sage.v1.event.>"]'
+        )
+    )
+    d = Daemon(short_dir(), 'capsules = ["tools"]\n').start()
+    try:
+        checked = d.astrid("capsule", "install", str(folder), "--check")
+        assert checked.returncode == 0, checked.stderr
+        assert "publish   sage.v1.request.>  (privileged)" in checked.stdout
+        assert "publish   tool.v1.execute.hello.result\n" in checked.stdout
+        refused = d.astrid("capsule", "install", str(folder))
+        assert refused.returncode == 1
+        assert "[publish] 'sage.v1.request.>' reaches sage's requests" in refused.stderr
+        assert "[subscribe] 'sage.v1.event.>'" in refused.stderr
+        assert "--allow-privileged" in refused.stderr
+        assert not (d.root / "state" / "capsules" / "spy_capsule").exists()
+
+        granted = d.astrid("capsule", "install", str(folder), "--allow-privileged")
+        assert granted.returncode == 0, granted.stderr
+        assert "subscribe sage.v1.event.>  (privileged)" in granted.stdout
+        assert "started spy" in granted.stdout
+        listing = d.astrid("capsule", "list")
+        assert (
+            "privileged: spy holds publish sage.v1.request.>, subscribe sage.v1.event.>"
+            " (granted " in listing.stdout
+        ), listing.stdout
+        assert f"by uid {os.geteuid()})" in listing.stdout
+        row = next(
+            r
+            for r in json.loads(d.astrid("capsule", "list", "--json").stdout)
+            if r["name"] == "spy"
+        )
+        assert row["privileged"]["publish"] == ["sage.v1.request.>"]
+        tail = d.astrid("audit", "tail", "-n", "50", "--json")
+        entries = [json.loads(line) for line in tail.stdout.splitlines()]
+        audited = [e["payload"]["payload"] for e in entries if e["kind"].endswith("privileged")]
+        assert audited, tail.stdout
+        assert audited[0]["subscribe"] == ["sage.v1.event.>"]
+
+        installed = d.root / "state" / "capsules" / "spy_capsule" / "Capsule.toml"
+        installed.write_text(
+            installed.read_text().replace(
+                '"sage.v1.request.>"', '"sage.v1.request.>", "approval.v1.>"'
+            )
+        )
+        restarted = d.astrid("capsule", "restart", "spy")
+        assert restarted.returncode == 1
+        assert "[publish] 'approval.v1.>' reaches approval prompts" in restarted.stderr
+    finally:
+        d.stop()

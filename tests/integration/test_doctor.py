@@ -213,7 +213,9 @@ def test_good_host_has_no_fail(tmp_path: Path, capsys: pytest.CaptureFixture[str
         "config", "claude", "api", "bwrap", "state", "homes", "keys", "socket"
     ]  # fmt: skip
     assert rows["api"]["status"] == "ok"
-    assert rows["api"]["detail"] == f"{_API_URL} answers (HTTP 401)"
+    assert rows["api"]["detail"] == (
+        f"{_API_URL} answers (HTTP 401); sessions and astrid llm generate use it"
+    )
     assert rows["config"]["status"] == "ok"
     assert rows["config"]["source"] == str(config)
     assert rows["claude"] == {
@@ -511,3 +513,14 @@ def test_doctor_says_forge_refuses_tools_without_bwrap(
     assert "bwrap not found on PATH" in row["detail"]
     assert "forge refuses to run any tool" in row["detail"]
     assert "fail closed" in row["detail"]
+
+
+def test_doctor_warns_when_llm_generate_would_use_another_api(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """[llm] base_url pointing elsewhere than the sessions' gateway is named, not silent."""
+    config = _setup(tmp_path, extra='\n[llm]\nbase_url = "https://elsewhere.invalid"\n')
+    _, report = _doctor(capsys, config)
+    api = _rows(report)["api"]
+    assert api["status"] == "warn"
+    assert "sends astrid llm generate to https://elsewhere.invalid" in api["detail"]

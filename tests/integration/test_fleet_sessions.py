@@ -168,6 +168,10 @@ def test_sessions_anywhere(fleet: tuple[NatsCluster, dict[str, Daemon]]) -> None
     _, daemons = fleet
     a, b, c = daemons["a"], daemons["b"], daemons["c"]
 
+    # docs/fleet.md's example as written: an admin names the principal, no --principal
+    example = b.astrid("sage", "spawn", "alice", "--node", "a", "--session", "doc1")
+    assert (example.returncode, example.stdout) == (0, "doc1\n"), example.stderr
+    assert ok_json(b, "sage", "stop", "doc1")["ok"]
     spawned = ok_json(b, "sage", "spawn", "alice", "--node", "a", "--session", "s1")
     assert spawned["session_id"] == "s1"
     assert spawned["node"] == "a"

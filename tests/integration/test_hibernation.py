@@ -403,3 +403,57 @@ async def test_send_past_its_timeout_says_so_and_leaves_the_turn() -> None:
         assert "did not end within 1 s; session slow goes on" in err
         assert "Traceback" not in err
         assert (await _rows(sage))["slow"]["state"] == "busy"
+
+
+async def test_one_principal_cannot_hold_every_live_slot() -> None:
+    """max_live = 3: with alice's session hibernated, bob's busy sessions hold two slots at
+    most (one is kept for alice), so her next send wakes it instead of ending host_full."""
+    config = _config("max_live = 3\nwake_wait = 2\nhibernate_after = 1.0\n") + (
+        '[[principals]]\nname = "bob"\noperator_key = true\n'
+    )
+    async with running_sage(config, env=ENV) as sage:
+        alice = await sage.ready("a1")
+        for sid in ("b1", "b2"):
+            await sage.ready(sid, principal_id="bob")
+            assert (await sage.send(sid, "/fault hang"))["ok"]
+        await alice.until("hibernated", within=10)
+        code, out, err = await sage.astrid(
+            "sage", "spawn", "bob", "--session", "b3", "--message", "/fault hang"
+        )
+        assert code == 1, out
+        assert "principal_limit" in err
+        assert "its share of [sessions] max_live = 3" in err
+        code, out, err = await sage.astrid("sage", "send", "a1", "back")
+        assert code == 0, err
+        assert out == "echo: back\n"
+
+
+async def test_age_and_cost_are_the_sessions_across_a_wake_and_an_adoption() -> None:
+    """AGE is since the spawn (not the current child's), and an adopted session keeps the
+    cost, turns and start the lost node had (the fleet's failover asks just this)."""
+    async with running_sage(_config("hibernate_after = 0.5\n"), env=ENV) as sage:
+        events = await sage.ready("old")
+        await events.until("hibernated", within=10)
+        await anyio.sleep(1.5)
+        assert await _turn(sage, events, "old", "hi") == "echo: hi"  # a new child
+        assert (await _rows(sage))["old"]["age_s"] >= 2.0
+        events = await sage.events("moved")
+        adopted = await sage.request(
+            "sage.v1.request.adopt",
+            {
+                "session_id": "moved",
+                "principal_id": "alice",
+                "claude_session": "6f1b3f2e-8a0c-4a6b-9d2e-1c3b5a7d9e0f",
+                "from_node": "lost",
+                "turns": 3,
+                "cost_usd": 1.25,
+                "started_at": time.time() - 3600,
+                "fresh": True,
+            },
+        )
+        assert adopted["ok"], adopted
+        await events.until("init")
+        code, out, err = await sage.astrid("sage", "sessions")
+        assert code == 0, err
+        (line,) = [x for x in out.splitlines() if x.startswith("moved ")]
+        assert line.split()[-3:] == ["60m", "3", "$1.2500"], line

@@ -196,3 +196,17 @@ async def test_a_bad_home_fails_the_install_and_keeps_the_settings() -> None:
         assert reply["error"] == "install_failed", reply
         assert "symbolic link" in reply["message"]
         assert not (root / "state" / "principals" / "alice.json").exists()
+
+
+async def test_install_of_an_unknown_principal_refuses_before_asking_for_a_key() -> None:
+    """On a terminal, `sage install bob` (no such principal) says so at once: no hidden
+    prompt asks for a key that would go nowhere."""
+    from tests.support.terminal import Terminal
+
+    async with running_sage(_config()) as sage:
+        term = Terminal.astrid(sage, "sage", "install", "bob")
+        code, out = await term.finish()
+        assert code == 1
+        assert b"API key" not in term.screen
+        assert "unknown_principal: no principal 'bob'" in term.screen.decode() + out
+        assert b"yours: alice" in term.screen

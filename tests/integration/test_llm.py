@@ -446,3 +446,19 @@ async def test_a_generation_cut_by_shutdown_is_audited_as_stopped() -> None:
         assert (row["request_id"], row["outcome"], row["error"]) == ("shut1", "error", "stopped")
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+async def test_llm_generate_uses_the_sessions_gateway_when_llm_names_none() -> None:
+    """The README's one setting, `[claude] env ANTHROPIC_BASE_URL`, serves `astrid llm
+    generate` too when `[llm] base_url` is unset: the stand-in gets the request."""
+    standin = LlmStandin()
+    await standin.start()
+    try:
+        config = sage_config("/bin/false", {"ANTHROPIC_BASE_URL": standin.url}, capsules='["llm"]')
+        async with running_sage(config, env={"ANTHROPIC_API_KEY": KEY}) as sage:
+            code, out, err = await sage.astrid("llm", "generate", "hello")
+            assert code == 0, err
+            assert len(standin.messages) == 1
+            assert out.strip()
+    finally:
+        await standin.stop()

@@ -18,8 +18,8 @@ import anyio
 import msgspec
 import pytest
 
-from tests.support.daemon import short_dir
-from tests.support.sage_harness import running_sage, sage_config
+from tests.support.daemon import ASTRID, short_dir
+from tests.support.sage_harness import Sage, running_sage, sage_config
 
 pytestmark = pytest.mark.anyio
 
@@ -31,18 +31,58 @@ def _fake_claude(folder: Path) -> Path:
     script.write_text(
         "#!/bin/sh\n"
         'env > "$HOME/repl.env"\n'
+        # the installed hook command: a launcher of the home's own when sage's Python is
+        # out of the user's reach (sage/security/runas.py emit_launcher), else astrid-emit
+        f'E="$HOME/.astrid/astrid-emit"; [ -x "$E" ] || E={EMIT}\n'
         f'echo \'{{"hook_event_name": "PreToolUse", "tool_name": "Bash"}}\''
-        f" | {EMIT} PreToolUse\n"
+        ' | "$E" PreToolUse\n'
     )
     script.chmod(0o755)
     return script
 
 
-async def test_repl_hooks_are_validated_and_the_token_dies_with_the_repl() -> None:
+ROOT = os.geteuid() == 0
+"""A root supervisor gives alice's home to her sessions' uid: her repl runs as her own user
+(``run_as = "nobody"``, uid 65534, in the children's access group 91000), never as root."""
+
+
+def _repl_config(script: Path) -> str:
+    config = sage_config(
+        script,
+        {},
+        capsules='["runner", "hooks", "installer"]',
+        principal_extra='run_as = "nobody"\n' if ROOT else "",
+    )
+    return config.replace(f"uids = [{os.getuid()}]", "uids = [65534]") if ROOT else config
+
+
+def _user(*argv: str) -> list[str]:
+    """``argv`` as alice's own user (as root: nobody, in the socket's group)."""
+    if not ROOT:
+        return list(argv)
+    return ["setpriv", "--reuid", "65534", "--regid", "65534", "--groups", "91000", "--", *argv]
+
+
+async def _repl(sage: Sage, *args: str) -> tuple[int, str, str]:
+    done = await anyio.run_process(
+        _user(*ASTRID, "sage", "repl", "alice", "--config", str(sage.daemon.config), *args),
+        env=sage.daemon.env,
+        check=False,
+    )
+    return done.returncode, done.stdout.decode(), done.stderr.decode()
+
+
+def _root() -> Path:
     root = short_dir()
     root.mkdir(parents=True, exist_ok=True)
+    root.chmod(0o755)  # alice's user reaches the stand-in claude and the state folder
+    return root
+
+
+async def test_repl_hooks_are_validated_and_the_token_dies_with_the_repl() -> None:
+    root = _root()
     script = _fake_claude(root)
-    config = sage_config(script, {}, capsules='["runner", "hooks", "installer"]')
+    config = _repl_config(script)
     async with running_sage(config, root=root, env={"ANTHROPIC_API_KEY": ""}) as sage:
         hooks = await sage.client.subscribe("hook.v1.event.before_tool_call")
         spoofs = await sage.client.subscribe("sage.v1.audit.hook_spoof_attempt")
@@ -50,31 +90,16 @@ async def test_repl_hooks_are_validated_and_the_token_dies_with_the_repl() -> No
             "sage.v1.request.install", {"principal_id": "alice", "interaction_mode": "repl"}
         )
         assert installed["ok"], installed
-        code, out, err = await sage.astrid("sage", "repl", "alice", "--dry-run")
+        code, out, err = await _repl(sage, "--dry-run")
         assert code == 0, err
         plan = json.loads(out)
         assert plan["env"]["ASTRID_HOOK_TOKEN"] == "<token>"
         assert plan["cwd"] == installed["home_path"]
         assert plan["argv"][1:3] == ["--permission-mode", "default"]  # never the CLI's default
-        from tests.support.daemon import ASTRID
 
-        chosen = await anyio.run_process(
-            [
-                *ASTRID,
-                "sage",
-                "repl",
-                "alice",
-                "--dry-run",
-                "--config",
-                str(sage.daemon.config),
-                "--",
-                "--permission-mode",
-                "plan",
-            ],
-            env=sage.daemon.env,
-        )
-        assert json.loads(chosen.stdout)["argv"][1:] == ["--permission-mode", "plan"]
-        code, out, err = await sage.astrid("sage", "repl", "alice")
+        code, out, err = await _repl(sage, "--dry-run", "--", "--permission-mode", "plan")
+        assert json.loads(out)["argv"][1:] == ["--permission-mode", "plan"], err
+        code, out, err = await _repl(sage)
         assert code == 0, err
         with anyio.fail_after(10):
             event = msgspec.json.decode((await hooks.get()).payload)
@@ -115,10 +140,9 @@ async def test_repl_tokens_are_capped_per_principal() -> None:
     """5,000 repl.open in a row minted 5,000 live tokens: now the 17th live one
     (``limits.max_repl_tokens_per_principal``, default 16) is refused with
     ``too_many_repl_sessions``, also through ``astrid sage repl``; a close frees a place."""
-    root = short_dir()
-    root.mkdir(parents=True, exist_ok=True)
+    root = _root()
     script = _fake_claude(root)
-    config = sage_config(script, {}, capsules='["runner", "hooks", "installer"]')
+    config = _repl_config(script)
     async with running_sage(config, root=root, env={"ANTHROPIC_API_KEY": ""}) as sage:
         installed = await sage.request(
             "sage.v1.request.install", {"principal_id": "alice", "interaction_mode": "repl"}
@@ -133,12 +157,12 @@ async def test_repl_tokens_are_capped_per_principal() -> None:
         assert refused["ok"] is False
         assert refused["error"] == "too_many_repl_sessions"
         assert "token" not in refused
-        code, _, err = await sage.astrid("sage", "repl", "alice")
+        code, _, err = await _repl(sage)
         assert code == 1
         assert "too_many_repl_sessions" in err
         closed = await sage.request("sage.v1.request.repl.close", {"session_id": opened[0]})
         assert closed["ok"], closed
-        code, _, err = await sage.astrid("sage", "repl", "alice")
+        code, _, err = await _repl(sage)
         assert code == 0, err  # it ran, and closed its own token when done
         again = await sage.request("sage.v1.request.repl.open", {"principal_id": "alice"})
         assert again["ok"], again
@@ -160,3 +184,25 @@ async def test_a_repl_that_cannot_start_claude_releases_its_token() -> None:
         for _ in range(2):
             reply = await sage.request("sage.v1.request.repl.open", {"principal_id": "alice"})
             assert reply["ok"], reply
+
+
+async def test_a_repl_in_a_home_that_is_not_the_callers_is_refused_with_the_fix() -> None:
+    """As root under a root supervisor, alice's home is her sessions' uid's: a repl would
+    run claude as root there, so it is refused, naming run_as and the reinstall."""
+    if not ROOT:
+        pytest.skip("only a root supervisor gives homes to other uids")
+    root = _root()
+    config = sage_config(_fake_claude(root), {}, capsules='["runner", "hooks", "installer"]')
+    async with running_sage(config, root=root, env={"ANTHROPIC_API_KEY": ""}) as sage:
+        installed = await sage.request(
+            "sage.v1.request.install", {"principal_id": "alice", "interaction_mode": "repl"}
+        )
+        assert installed["ok"], installed
+        code, _, err = await sage.astrid("sage", "repl", "alice")
+        assert code == 1
+        assert "repl_not_yours" in err
+        assert 'run_as = "USER"' in err
+        assert "astrid sage install alice --force" in err
+        assert not (Path(installed["home_path"]) / "repl.env").exists()  # claude never ran
+        again = await sage.request("sage.v1.request.repl.open", {"principal_id": "alice"})
+        assert again["ok"], again  # and its token was closed

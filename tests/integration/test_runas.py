@@ -26,6 +26,7 @@ import msgspec
 import pytest
 
 from tests.support import FAKE_CLAUDE
+from tests.support.daemon import short_dir
 from tests.support.sage_harness import Sage, running_sage, sage_config
 
 pytestmark = [
@@ -265,7 +266,7 @@ def test_what_the_state_folder_holds_is_closed_to_the_childrens_group() -> None:
     """The state folder is the access group's (0750) so children can pass through it;
     whatever sits in it open to others (a policy file written 0644, a folder made
     0755) is closed at start, so a child's uid reads none of it."""
-    from tests.support.daemon import Daemon, short_dir
+    from tests.support.daemon import Daemon
 
     root = short_dir()
     state = root / "state"
@@ -292,3 +293,62 @@ def test_what_the_state_folder_holds_is_closed_to_the_childrens_group() -> None:
         assert stat.S_IMODE(d.socket.parent.stat().st_mode) == 0o750
     finally:
         d.stop()
+
+
+_CONNECT = (
+    "import socket, sys\n"
+    "s = socket.socket(socket.AF_UNIX)\n"
+    "try:\n"
+    "    s.connect(sys.argv[1])\n"
+    "    print('connected')\n"
+    "except OSError as exc:\n"
+    "    print(type(exc).__name__)\n"
+)
+
+
+def _connect_as(uid: int, gid: int, sock: str) -> bytes:
+    """What a process of ``uid``:``gid`` (no other group) gets connecting to ``sock``."""
+    argv = ["setpriv", "--reuid", str(uid), "--regid", str(gid), "--clear-groups", "--"]
+    argv += [sys.executable, "-I", "-c", _CONNECT, sock]
+    return subprocess.run(argv, capture_output=True, timeout=30, check=False).stdout
+
+
+async def test_children_get_no_group_of_the_sockets_people() -> None:
+    """With [socket] group set, children keep only sage's own access group (not the
+    people's), and still reach the socket and their homes; the group's members too."""
+    import grp
+
+    users = grp.getgrnam("users").gr_gid
+    root = short_dir()
+    root.chmod(0o755)
+    config = _config() + '\n[socket]\ngroup = "users"\n'
+    async with running_sage(config, root=root) as sage:
+        state = root / "state"
+        pid = await _spawn(sage, "alice", "rg1")
+        _, _, groups = _creds(pid)
+        assert groups == [BASE]  # not "users": an agent is not one of the people
+        sock = str(sage.daemon.socket)
+        child = _as(pid, sys.executable, "-I", "-c", _CONNECT, sock)
+        assert child.stdout == b"connected\n", child.stderr
+        assert _as(pid, "cat", str(state / "sessions" / "rg1" / "identity.md")).returncode == 0
+        assert _connect_as(65534, users, sock) == b"connected\n"  # one of the people
+        assert _connect_as(65534, 65534, sock) == b"PermissionError\n"  # anyone else
+        assert (state / "run").stat().st_gid == users
+        assert state.stat().st_gid == BASE
+
+
+@pytest.mark.parametrize("group", ["docker", "adm", "sudo", "wheel", "disk", "root", "shadow"])
+def test_a_privileged_socket_group_is_refused_by_config_check_and_at_start(group: str) -> None:
+    """Every user of the socket joins its group: never one with power over the host."""
+    from tests.support.daemon import ASTRID, Daemon
+
+    d = Daemon(short_dir(), f'\n[socket]\ngroup = "{group}"\n')
+    checked = subprocess.run(
+        [*ASTRID, "config", "check", str(d.config)], capture_output=True, text=True, timeout=30
+    )
+    assert checked.returncode == 1
+    assert f"socket: group: {group!r} is a privileged group" in checked.stderr
+    assert "groupadd" in checked.stderr
+    refused = d.run_refused()
+    assert refused.returncode != 0
+    assert "privileged group" in refused.stderr

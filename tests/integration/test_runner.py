@@ -897,3 +897,20 @@ def test_a_second_sigterm_during_the_stop_does_not_kill_the_supervisor(tmp_path:
     d.signal(signal.SIGTERM)
     assert d.stop() == 0
     assert '"supervisor.already_stopping"' in d.log()
+
+
+async def test_interrupt_says_whether_a_turn_was_running(sage: Sage) -> None:
+    """`astrid sage interrupt` on an idle session says nothing was running, not success."""
+    await sage.ready("quiet")
+    code, out, err = await sage.astrid("sage", "interrupt", "quiet")
+    assert code == 0, err
+    assert out == "interrupt: quiet: no turn was running; nothing was interrupted\n"
+    assert (await sage.send("quiet", "/fault hang"))["ok"]
+    with anyio.fail_after(10):
+        while True:
+            row = (await sage.request("sage.v1.request.session.quiet", {}))["session"]
+            if row["state"] == "busy":
+                break
+            await anyio.sleep(0.05)
+    code, out, err = await sage.astrid("sage", "interrupt", "quiet")
+    assert (code, out) == (0, "interrupt: quiet\n"), err

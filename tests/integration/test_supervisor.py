@@ -360,7 +360,8 @@ def test_socket_group_opens_the_path_to_the_socket_and_nothing_more() -> None:
     """With socket.group, the state folder and run folder are 0750 and the socket 0660."""
     import grp
 
-    group = grp.getgrgid(os.getgid()).gr_name
+    # root's own group is privileged (refused): as root, any group will do
+    group = "users" if os.geteuid() == 0 else grp.getgrgid(os.getgid()).gr_name
     d = Daemon(short_dir(), f'[socket]\ngroup = "{group}"\n').start()
     try:
         state = d.root / "state"
@@ -418,3 +419,29 @@ def test_tools_list_shows_the_example_capsules_tools() -> None:
         assert "mcp__sage__greet  greeter      Greet a person by name." in text
     finally:
         d.stop()
+
+
+def test_a_cli_call_logs_no_connection_line_at_info() -> None:
+    """Each CLI call's connection is a debug line, not one more line in the operator's
+    terminal; log_level = "debug" still shows it."""
+    d = Daemon(short_dir()).start()
+    try:
+        assert d.astrid("status").returncode == 0
+        assert d.log_events("bus.connected") == []
+    finally:
+        d.stop()
+    loud = Daemon(short_dir(), 'log_level = "debug"\n').start()
+    try:
+        assert loud.astrid("status").returncode == 0
+        assert loud.log_events("bus.connected")
+    finally:
+        loud.stop()
+
+
+def test_a_misspelt_capsule_gets_the_nearest_name_from_the_start_too() -> None:
+    """`supervisor run` says what `config check` says of a misspelt built-in capsule."""
+    d = Daemon(short_dir(), 'capsules = ["echo", "greter"]\n')
+    refused = d.run_refused()
+    assert refused.returncode == 1
+    assert "no built-in capsule 'greter' (did you mean 'greeter'?)" in refused.stderr
+    assert "cannot read" not in refused.stderr

@@ -81,6 +81,8 @@ class Daemon:
         self.env = {**os.environ, **(env or {})}
         self.log_path = root / "daemon.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.prefix: list[str] = []
+        """Run before the supervisor's argv (``setpriv --bounding-set ...``: a unit's caps)."""
         self._log: BinaryIO | None = None
         self.startup_s = 0.0
 
@@ -97,7 +99,7 @@ class Daemon:
         self._log = self.log_path.open("ab")
         self._offset = self._log.tell()  # a restarted daemon appends to the same log
         self.proc = subprocess.Popen(
-            [*ASTRID, "supervisor", "run", "--config", str(self.config)],
+            [*self.prefix, *ASTRID, "supervisor", "run", "--config", str(self.config)],
             stdout=subprocess.DEVNULL,
             stderr=self._log,
             env=self.env,

@@ -129,7 +129,11 @@ class Sage:
 
 @asynccontextmanager
 async def running_sage(
-    config: str, *, env: dict[str, str] | None = None, root: Path | None = None
+    config: str,
+    *,
+    env: dict[str, str] | None = None,
+    root: Path | None = None,
+    prefix: list[str] | None = None,
 ) -> AsyncIterator[Sage]:
     """Start a supervisor, yield it connected; stop it however the body ends.
 
@@ -139,6 +143,7 @@ async def running_sage(
     started (its process tree, found by pid)."""
     own = root is None
     daemon = Daemon(root or short_dir(), config, env=env)
+    daemon.prefix = prefix or []  # e.g. setpriv with a unit's capabilities
     daemon.launch()  # in the loop's thread: the daemon's death signal is tied to it
     try:
         await anyio.to_thread.run_sync(daemon.wait_ready)

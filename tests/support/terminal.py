@@ -1,4 +1,5 @@
-"""`astrid sage send` on a real pseudo-terminal, for the inline approval tests."""
+"""`astrid` on a real pseudo-terminal: `sage send`'s inline approvals, and any command
+whose behaviour depends on a terminal (a hidden prompt, a question)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ __all__ = ("Terminal",)
 
 
 class Terminal:
-    """`astrid sage send` with its stdin and stderr on a pseudo-terminal."""
+    """`astrid sage send SID TEXT` (or ``astrid *command``) with its stdin and stderr on a
+    pseudo-terminal."""
 
-    def __init__(self, sage: Sage, sid: str, text: str) -> None:
+    def __init__(self, sage: Sage, sid: str, text: str, *, command: tuple[str, ...] = ()) -> None:
         self.master, slave = pty.openpty()
+        argv = command or ("sage", "send", sid, text)
         self.proc = subprocess.Popen(
-            [*ASTRID, "sage", "send", sid, text, "--config", str(sage.daemon.config)],
+            [*ASTRID, *argv, "--config", str(sage.daemon.config)],
             stdin=slave,
             stdout=subprocess.PIPE,
             stderr=slave,
@@ -28,6 +31,11 @@ class Terminal:
         )
         os.close(slave)
         self.screen = b""
+
+    @classmethod
+    def astrid(cls, sage: Sage, *command: str) -> Terminal:
+        """Any ``astrid`` command on the terminal."""
+        return cls(sage, "", "", command=command)
 
     async def expect(self, text: bytes, within: float = 15.0) -> None:
         with anyio.fail_after(within):
@@ -51,5 +59,13 @@ class Terminal:
         assert self.proc.stdout is not None
         with self.proc.stdout:
             out = self.proc.stdout.read().decode()
+        while True:  # what it wrote to the terminal last (EIO once it is all read)
+            try:
+                chunk = os.read(self.master, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            self.screen += chunk
         os.close(self.master)
         return code, out

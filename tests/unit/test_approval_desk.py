@@ -66,7 +66,9 @@ class Rules:
     def allow_rules(self, principal: str) -> list[str]:
         return list(self.rules.get(principal, []))
 
-    async def change_rules(self, name: str, *, add: list[str], remove: list[str]) -> list[str]:
+    async def change_rules(
+        self, name: str, *, add: list[str], remove: list[str], requester: str | None
+    ) -> list[str]:
         kept = [r for r in self.rules.get(name, []) if r not in remove]
         self.rules[name] = kept + [r for r in add if r not in kept]
         return self.rules[name]

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from capsules.runner.approvals import Approvals, Decision, UnknownApproval, matches, valid_rule
+from capsules.runner.approvals import (
+    Approvals,
+    Decision,
+    UnknownApproval,
+    matches,
+    rule_reach,
+    self_rule_refusal,
+    valid_rule,
+)
 from sage.errors import SageError
 
 YES = Decision(True, "", "approver")
@@ -84,3 +92,25 @@ def test_rules_are_plain_patterns() -> None:
     assert not valid_rule("mcp__sage__[ab]")
     assert not valid_rule("")
     assert not valid_rule("x" * 129)
+
+
+@pytest.mark.parametrize(
+    ("rule", "reach"),
+    [
+        ("mcp__sage__greet", "exact"),
+        ("Bash", "exact"),
+        ("mcp__sage__*", "prefix"),
+        ("mcp__forge__*", "prefix"),
+        ("mcp__*", "any"),
+        ("*", "any"),
+        ("mcp__sage__g*", "any"),
+        ("mcp__sage__*__*", "any"),
+    ],
+)
+def test_a_rules_reach_is_one_tool_one_servers_tools_or_any(rule: str, reach: str) -> None:
+    """What an allow rule reaches decides whether a principal may give it to itself."""
+    assert rule_reach(rule) == reach
+    allowed = {"exact": ("exact", "prefix", "any"), "prefix": ("prefix", "any"), "any": ("any",)}
+    for ceiling in ("exact", "prefix", "any"):
+        refused = self_rule_refusal("alice", [rule], ceiling)
+        assert (refused is None) == (ceiling in allowed[reach]), (rule, ceiling)

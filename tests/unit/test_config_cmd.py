@@ -110,3 +110,63 @@ def test_supervisor_toml_names_every_key() -> None:
         if f"\n# {field.encode_name} =" not in text:
             missing.append(f"[fleet] {field.encode_name}")
     assert missing == []
+
+
+def test_max_live_at_or_below_the_per_principal_cap_is_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One principal's cap reaching max_live is said, not accepted silently."""
+    two = '[[principals]]\nname = "alice"\n[[principals]]\nname = "bob"\n'
+    text = "[sessions]\nmax_live = 3\n[limits]\nmax_sessions_per_principal = 4\n" + two
+    assert main(["config", "check", _file(tmp_path, text)]) == 0
+    err = capsys.readouterr().err
+    assert "warning: sessions.max_live = 3 is at or below" in err
+    assert "one principal could hold every live slot" in err
+    fine = "[sessions]\nmax_live = 8\n" + two
+    assert main(["config", "check", _file(tmp_path, fine)]) == 0
+    assert "max_live" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("text", "values"),
+    [
+        ('[supervisor]\nlog_level = "verbose"\n', "one of: debug, info, warning, error"),
+        ('[[principals]]\nname = "a"\ninteraction_mode = "cli"\n', "one of: headless, repl"),
+        ('[[principals]]\nname = "a"\nauth_mode = "key"\n', "one of: api_key, subscription"),
+        ('[limits]\nself_allow_rules = "all"\n', "one of: exact, prefix, any"),
+        ('[fleet]\nnode = "a"\nplacement = "x"\n', "one of: local, least_loaded"),
+    ],
+)
+def test_a_value_outside_a_keys_set_lists_the_valid_ones(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, values: str
+) -> None:
+    """An enum error names the values the key takes, not only the one it refused."""
+    assert main(["config", "check", _file(tmp_path, text)]) == 1
+    err = capsys.readouterr().err
+    assert "Invalid enum value" in err
+    assert values in err
+
+
+def test_a_missing_socket_names_the_config_it_came_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No supervisor at the config's socket: the error names the config, the likely cause."""
+    config = _file(tmp_path, f'[supervisor]\nstate_dir = "{tmp_path}/state"\n')
+    assert main(["status", "--config", config]) == 1
+    err = capsys.readouterr().err
+    assert (
+        f"no supervisor socket at {tmp_path}/state/run/astrid.sock (from --config {config})" in err
+    )
+    assert "no supervisor runs with that config" in err
+
+
+def test_a_relative_astrid_config_that_is_not_here_says_how_to_export_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`export ASTRID_CONFIG=my.toml`, then `cd`: the error says to export it absolute."""
+    monkeypatch.setenv("ASTRID_CONFIG", "my.toml")
+    monkeypatch.chdir(tmp_path)
+    assert main(["status"]) == 1
+    err = capsys.readouterr().err
+    assert "ASTRID_CONFIG=my.toml is relative" in err
+    assert "export ASTRID_CONFIG=$PWD/my.toml" in err

@@ -207,8 +207,11 @@ def meta(**fields: object) -> str:
 
 
 def test_a_good_description_is_taken() -> None:
-    got = check_meta("s1", "alice", meta(cwd="/srv/work", model="claude-x"))
+    got = check_meta(
+        "s1", "alice", meta(cwd="/srv/work", model="claude-x", cost_usd=1.5, started_at=1e9)
+    )
     assert (got.claude_session, got.cwd, got.turns) == (CS, "/srv/work", 2)
+    assert (got.cost_usd, got.started_at) == (1.5, 1e9)  # the adopter carries them on
 
 
 @pytest.mark.parametrize(
@@ -222,6 +225,9 @@ def test_a_good_description_is_taken() -> None:
         ("s1", "alice", meta(model="x; rm -rf /")),
         ("s1", "alice", meta(node="a.b")),
         ("s1", "alice", meta(turns=-1)),
+        ("s1", "alice", meta(cost_usd=-1.0)),
+        ("s1", "alice", meta(cost_usd=float("nan"))),
+        ("s1", "alice", meta(started_at=4e10)),  # in the future
         ("s1", "alice", "not json"),
         ("s1", "alice", None),
     ],

@@ -110,22 +110,28 @@ async def test_a_settings_patch_is_checked_before_anything_changes(
 
 async def test_allow_rules_alone_are_saved_and_audited_without_a_relink(rig: Rig) -> None:
     reply = await rig.admin.set_settings(
-        _settings({"principal_id": "alice", "allow_add": ["mcp__sage__*", "Read"]}, "alice")
+        _settings({"principal_id": "alice", "allow_add": ["mcp__sage__greet", "Read"]}, "alice")
     )
     assert reply == {
         "ok": True,
         "principal_id": "alice",
         "config": principals.view(PrincipalConfig(name="alice")),
-        "allow_rules": ["mcp__sage__*", "Read"],
+        "allow_rules": ["mcp__sage__greet", "Read"],
         "relinked": False,
         "changed": [],
     }
-    assert rig.admin.allow_rules("alice") == ["mcp__sage__*", "Read"]
-    rules = await rig.admin.change_rules("alice", add=["Read", "Write"], remove=["mcp__sage__*"])
+    assert rig.admin.allow_rules("alice") == ["mcp__sage__greet", "Read"]
+    rules = await rig.admin.change_rules(
+        "alice", add=["Read", "Write"], remove=["mcp__sage__greet"], requester=None
+    )
     assert rules == ["Read", "Write"]
     assert rig.audited("allow_rules_changed") == [
-        {"principal_id": "alice", "before": [], "after": ["mcp__sage__*", "Read"]},
-        {"principal_id": "alice", "before": ["mcp__sage__*", "Read"], "after": ["Read", "Write"]},
+        {"principal_id": "alice", "before": [], "after": ["mcp__sage__greet", "Read"]},
+        {
+            "principal_id": "alice",
+            "before": ["mcp__sage__greet", "Read"],
+            "after": ["Read", "Write"],
+        },
     ]
     assert rig.audited("settings_changed") == []
 
@@ -213,7 +219,7 @@ async def test_a_corrupt_settings_file_is_named_and_allows_no_rules(rig: Rig) ->
     path.write_text("{not json")
     assert rig.admin.allow_rules("alice") == []
     with pytest.raises(SessionError) as info:
-        await rig.admin.change_rules("alice", add=["Read"], remove=[])
+        await rig.admin.change_rules("alice", add=["Read"], remove=[], requester=None)
     assert info.value.code == "settings_corrupt"
     with pytest.raises(SessionError) as info:
         await rig.admin.set_settings(_settings({"principal_id": "alice", "model": "m"}))

@@ -490,3 +490,31 @@ def test_permission_denied_and_informational_are_published() -> None:
     conv = conversation()
     [info] = decode({"type": "system", "subtype": "informational", "content": "hi"})
     assert conv.receive(info, 0.0) == [Publish("informational", {"content": "hi"})]
+
+
+def test_a_tools_duration_leaves_out_the_approval_wait() -> None:
+    """The call's clock restarts when its approval is answered: `[tool] NAME ok (N ms)`
+    is the tool's time, not the person's time to say yes."""
+    use = {"type": "tool_use", "id": "tu1", "name": "mcp__sage__greet", "input": {}}
+    result = {"type": "tool_result", "tool_use_id": "tu1", "content": "hi"}
+    assistant = {
+        "type": "assistant",
+        "message": {"role": "assistant", "content": [use]},
+        "parent_tool_use_id": None,
+        "session_id": "u",
+    }
+    user = {
+        "type": "user",
+        "message": {"role": "user", "content": [result]},
+        "parent_tool_use_id": None,
+        "session_id": "u",
+    }
+    conv = conversation()
+    conv.initialized()
+    conv.sent()
+    [used, answered] = decode(assistant, user)
+    conv.receive(used, 10.0)
+    conv.approval_answered("tu1", 15.0)  # five seconds of a person reading the prompt
+    conv.approval_answered("unknown", 15.1)  # a call it never saw changes nothing
+    [tool_result] = published(conv.receive(answered, 15.25), "tool_result")
+    assert tool_result["duration_ms"] == 250
