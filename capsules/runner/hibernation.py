@@ -250,6 +250,8 @@ class Hibernation:
                 now: SessionState = session.state  # (it changed while we waited)
                 if waking and now is SessionState.HIBERNATED and session.wake_error:
                     raise session.wake_error  # the wake we waited for failed: so do we
+            elif session.between_children:  # an identity refresh: the next child takes it
+                await session.changed_child.wait()
             else:
                 session.last_active = time.monotonic()
                 return

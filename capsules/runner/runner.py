@@ -987,7 +987,7 @@ class Runner:
         proc = warm.proc
         assert proc is not None
         assert proc.pid is not None
-        session.proc = proc
+        session.attach(proc)
         if session.state is SessionState.STARTING:  # (a stop may have come first)
             session.move(SessionState.RUNNING)
         task_status.started(proc.pid)
@@ -1012,7 +1012,7 @@ class Runner:
     async def _incarnation(
         self, session: Session, proc: ClaudeProcess, *, task_status: anyio.abc.TaskStatus[int]
     ) -> None:
-        session.proc = proc
+        session.attach(proc)
         if session.state is SessionState.STARTING:
             session.move(SessionState.RUNNING)
         elif session.state is SessionState.STOPPING:  # stopped before the child was there
@@ -1376,17 +1376,34 @@ class Runner:
         return await self.desk.hook_callback(proc, request)
 
     def _refresh_identity(self, principal: str) -> None:
-        """Respawn ``principal``'s live sessions (``--resume``) with the identity now in force;
-        its spares, started with the old one, are replaced."""
+        """Respawn ``principal``'s live sessions (``--resume``) with the identity now in force,
+        each once its running turn (if any) has ended: a refresh never cuts a turn short;
+        its spares, started with the old one, are replaced.  A hibernated session takes
+        the new identity when it wakes."""
         self.spares.stale(principal)
+        assert self._tg is not None
         for session in list(self.sessions.values()):
             if (
                 session.record.principal_id == principal
                 and session.proc is not None
-                and session.respawn("identity_refresh")
+                and not session.refresh_due
             ):
-                assert self._tg is not None
-                self._tg.start_soon(session.proc.stop, EndReason.RESPAWN)
+                session.refresh_due = True
+                self._tg.start_soon(self._respawn_when_idle, session)
+
+    async def _respawn_when_idle(self, session: Session) -> None:
+        """Once ``session`` is idle (no turn, approval or tool call under way), stop its
+        child to start the next one; nothing when it ends or sleeps meanwhile."""
+        try:
+            while session.state not in ASLEEP and not session.done.is_set():
+                proc = session.proc
+                if session.idle and proc is not None:
+                    if session.respawn("identity_refresh"):
+                        await proc.stop(EndReason.RESPAWN)
+                    return
+                await anyio.sleep(0.05)
+        finally:
+            session.refresh_due = False
 
 
 def _ended_row(record: SessionRecord) -> dict[str, Any]:

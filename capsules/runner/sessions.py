@@ -154,6 +154,10 @@ class Session:
     sending: int = 0  # sends between their wake and their turn written: not idle
     end_reason: str | None = None  # why it ends whatever its child says (a fleet's fence)
     counted: ClaudeProcess | None = None  # the last child whose turns are in ``turns``
+    replaced: ClaudeProcess | None = None  # the child a respawn stops (it takes no turn)
+    refresh_due: bool = False  # an identity refresh waits for the running turn to end
+    changed_child: anyio.Event = field(default_factory=anyio.Event)  # set when ``proc`` is
+    # replaced or the session is over (a send waits on it through a respawn)
 
     @property
     def id(self) -> str:
@@ -196,6 +200,7 @@ class Session:
             return False
         self.move(SessionState.RESPAWNING)
         self.respawn_reason = reason
+        self.replaced = self.proc
         return True
 
     def stop(self) -> None:
@@ -269,6 +274,21 @@ class Session:
         """The session ended or was interrupted: nothing waits on it any more."""
         self._settle()
         self.done.set()
+        self.changed_child.set()
+
+    def attach(self, proc: ClaudeProcess) -> None:
+        """``proc`` serves the session now; whoever waited for a new child goes on."""
+        self.proc = proc
+        self.changed_child.set()
+        self.changed_child = anyio.Event()
+
+    @property
+    def between_children(self) -> bool:
+        """Respawning, and its child is still the one being replaced (or none yet): a
+        turn waits for the next child instead of being refused as the old one goes."""
+        return self.state is SessionState.RESPAWNING and (
+            self.proc is None or self.proc is self.replaced
+        )
 
     @property
     def live(self) -> bool:

@@ -639,6 +639,36 @@ async def test_a_new_identity_from_settings_reaches_the_live_sessions(tmp_path: 
         assert "cannot read it" in err
 
 
+async def test_an_identity_refresh_waits_for_the_running_turn_and_keeps_every_send() -> None:
+    """A refresh during a turn lets it finish (it is not interrupted), then respawns; a
+    send while the session is respawning goes to the new child instead of being refused
+    as the old one ends (found by the lifecycle model test)."""
+    async with running_sage(_config(), env=ENV) as sage:
+        events = await sage.ready("busy")
+        assert (await sage.send("busy", "/fault hang"))["ok"]
+        await events.until("text")  # the turn runs
+        reply = await sage.request(
+            "sage.v1.request.settings.set", {"principal_id": "alice", "identity": "You are v2."}
+        )
+        assert reply["ok"], reply
+        await anyio.sleep(0.5)
+        assert "respawned" not in [name for name, _ in events.seen]  # not while it runs
+        assert (await _listing(sage))[0]["state"] == "busy"
+        assert (await sage.request("sage.v1.request.interrupt.busy", {}))["ok"]
+        _, done = (await events.until("done"))[-1]
+        assert done["is_error"] is True  # the interrupt we sent, nothing else
+        async with anyio.create_task_group() as tg:
+
+            async def send_meanwhile() -> None:
+                await events.until("respawned")
+                answer = await sage.send("busy", "during the respawn")
+                assert answer["ok"], answer
+
+            tg.start_soon(send_meanwhile)
+        text, done = await events.text_until_done()
+        assert (text, done["is_error"]) == ("echo: during the respawn", False)
+
+
 async def test_identity_refresh_respawns_then_gives_up(tmp_path: Path) -> None:
     from bus import BusClient
 

@@ -441,3 +441,38 @@ async def test_a_send_on_its_way_keeps_the_session_awake() -> None:
     assert session.idle
     session.sending += 1  # between its wake and its turn written
     assert not session.idle
+
+
+async def test_a_send_during_a_respawn_waits_for_the_next_child() -> None:
+    """While an identity refresh replaces the child, a turn is not for the old one (it
+    ends): awake returns once the new child is attached, and at once when the session
+    is over instead."""
+    keeper = _Keeper(max_live=0)
+    hibernation = Hibernation(cast(Keeper, keeper))
+    session = made()
+    old = session.proc
+    assert session.respawn("identity_refresh")
+    assert session.between_children
+    returned: list[Any] = []
+
+    async def send() -> None:
+        await hibernation.awake(session)
+        returned.append(session.proc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(send)
+        await anyio.sleep(0.05)
+        assert returned == []  # the old child may not take it
+        new = cast(ClaudeProcess, _Proc())
+        session.attach(new)
+    assert returned == [new]
+    assert old is not new
+    assert not session.between_children
+
+    ending = made("s2")
+    assert ending.respawn("identity_refresh")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(hibernation.awake, ending)
+        await anyio.sleep(0.05)
+        ending.move(SessionState.ENDED)
+        ending.over()  # the respawn failed: the send learns it from the session's state
