@@ -290,6 +290,7 @@ class SpareKeeper:
             warm.ended.set()
             if spare.state is not SpareState.CLAIMED:  # a taken spare's files are its session's
                 remove_session_files(self.config, spare.session_id)
+            self.pool.left(spare)  # its place may be filled now, not while it stopped
             self.wake()
 
     def _failed(self, spare: Spare[Warm], error: str) -> None:

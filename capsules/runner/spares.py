@@ -149,6 +149,8 @@ class Spare(Generic[H]):
     state: SpareState = SpareState.STARTING
     reason: str = ""
     """Why it was discarded."""
+    gone: bool = False
+    """Discarded, and its process is gone too (:meth:`SparePool.left`)."""
 
     @property
     def kind(self) -> Kind:
@@ -172,6 +174,10 @@ class SparePool(Generic[H]):
     _spares: dict[str, Spare[H]] = field(default_factory=dict)
     _retry: dict[tuple[str, Kind], tuple[float, float]] = field(default_factory=dict)
     """Per principal whose last spare failed: (not before, the pause that led there)."""
+    _leaving: dict[tuple[str, Kind], int] = field(default_factory=dict)
+    """Discarded spares whose process still runs (it stops), per principal and kind:
+    they count against ``per_principal`` until :meth:`left`, so a replacement never
+    runs beside the spare it replaces."""
 
     def __len__(self) -> int:
         return len(self._spares)
@@ -187,7 +193,8 @@ class SparePool(Generic[H]):
 
     def wanted(self, targets: Targets) -> list[tuple[str, Kind]]:
         """One entry per spare to start now: each kind of each eligible principal short
-        of ``per_principal`` spares (starting ones count), once per missing spare;
+        of ``per_principal`` spares (starting ones count, and discarded ones still
+        stopping), once per missing spare;
         none for a principal whose last spare failed less than its pause ago."""
         now = self.clock()
         out: list[tuple[str, Kind]] = []
@@ -196,7 +203,7 @@ class SparePool(Generic[H]):
             for kind in dict.fromkeys(kinds):
                 if self._retry.get((name, kind), (0.0, 0.0))[0] > now:
                     continue  # its last spare failed: that kind pauses, not the others
-                have = sum(1 for s in mine if s.kind == kind)
+                have = sum(1 for s in mine if s.kind == kind) + self._leaving.get((name, kind), 0)
                 out += [(name, kind)] * max(0, self.per_principal - have)
         return out
 
@@ -266,7 +273,21 @@ class SparePool(Generic[H]):
         del self._spares[spare.session_id]
         spare.move(SpareState.DISCARDED)
         spare.reason = reason
+        key = (spare.principal_id, spare.kind)
+        self._leaving[key] = self._leaving.get(key, 0) + 1
         return True
+
+    def left(self, spare: Spare[H]) -> None:
+        """A discarded spare's process is gone (or never ran): its place may be filled."""
+        if spare.state is not SpareState.DISCARDED or spare.gone:
+            return
+        spare.gone = True
+        key = (spare.principal_id, spare.kind)
+        count = self._leaving.get(key, 0) - 1
+        if count > 0:
+            self._leaving[key] = count
+        else:
+            self._leaving.pop(key, None)
 
     def expired(self) -> list[Spare[H]]:
         """Discard and return the spares older than ``max_age``."""

@@ -192,6 +192,24 @@ def test_stale_discards_a_principals_spares_only() -> None:
     assert pool.spares() == [b1]
 
 
+def test_a_replacement_waits_until_the_spare_it_replaces_is_gone() -> None:
+    """A stale spare still stopping holds its place: never two spares where one is
+    wanted (found by the lifecycle model test, after an identity change)."""
+    pool, _ = _pool()
+    old = _spare(pool, "a1")
+    pool.ready(old, INPUTS)
+    assert pool.stale("alice") == [old]
+    assert pool.wanted(_default("alice")) == []  # its process still stops
+    pool.left(old)
+    pool.left(old)  # once only
+    assert pool.wanted(_default("alice")) == _each("alice")
+    claimed = _spare(pool, "a2")
+    pool.ready(claimed, INPUTS)
+    assert pool.claim("alice", "", "") is claimed
+    pool.left(claimed)  # a spawn took it: it never held a leaving place
+    assert pool.wanted(_default("alice")) == _each("alice")
+
+
 def test_a_discarded_spare_is_never_handed_out() -> None:
     """A spare that died is gone; its late ``ready`` is refused."""
     pool, _ = _pool()
