@@ -29,6 +29,7 @@ from bus.errors import (
     ConnectionLost,
     FrameError,
     RequestTimeout,
+    check_payload,
     connect_error,
     error_for_code,
 )
@@ -96,8 +97,13 @@ class BlockingClient:
 
     def request(self, topic: str, payload: Any, *, deadline: float | None = None) -> Envelope:
         """Ask and wait for the reply: its envelope, or the error the server answered."""
+        body = msgspec.json.encode(payload)
+        welcome = self.welcome
+        check_payload(
+            len(body), welcome.max_payload if welcome else None, f"the request on {topic!r}"
+        )
         rid = next(self._ids)
-        self._send(encode(Req(rid, topic, msgspec.Raw(msgspec.json.encode(payload)), deadline)))
+        self._send(encode(Req(rid, topic, msgspec.Raw(body), deadline)))
         local = MAX_LOCAL_WAIT if deadline is None else deadline + REQUEST_GRACE
         end = time.monotonic() + local
         while True:

@@ -35,6 +35,7 @@ from bus.errors import (
     ConnectionLost,
     FrameError,
     RequestTimeout,
+    check_payload,
     connect_error,
     error_for_code,
     sole_error,
@@ -304,6 +305,7 @@ class BusClient:
         correlation_id: str | None = None,
         on_behalf_of: str | None = None,
     ) -> None:
+        self._check_payload(payload, f"the publish on {topic!r}")
         self._send(Pub(topic, msgspec.Raw(payload), correlation_id, on_behalf_of))
 
     async def flush(self) -> None:
@@ -344,6 +346,7 @@ class BusClient:
             msgspec.json.decode(payload)
         except msgspec.DecodeError as exc:
             raise FrameError(f"request payload is not valid JSON: {exc}") from None
+        self._check_payload(payload, f"the request on {topic!r}")
         rid = next(self._ids)
         self._send(Req(rid, topic, msgspec.Raw(payload), deadline))
         slot: list[Any] = []
@@ -358,9 +361,14 @@ class BusClient:
 
     def reply_raw(self, reply_to: str, payload: bytes) -> None:
         """Answer the request whose ``reply_to`` token this is with JSON text."""
+        self._check_payload(payload, "the reply")
         self._send(Reply(reply_to, msgspec.Raw(payload)))
 
     # -- plumbing -------------------------------------------------------------
+
+    def _check_payload(self, payload: bytes, what: str) -> None:
+        welcome = self.welcome
+        check_payload(len(payload), welcome.max_payload if welcome else None, what)
 
     def _raise_errors(self) -> None:
         if self._errors:

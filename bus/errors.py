@@ -23,6 +23,7 @@ __all__ = (
     "RequestTimeout",
     "SlowConsumer",
     "TopicError",
+    "check_payload",
     "connect_error",
     "error_for_code",
     "sole_error",
@@ -50,6 +51,17 @@ class PayloadTooLarge(BusError):
     """A payload is larger than the configured limit."""
 
     code = "payload_too_large"
+
+
+def check_payload(size: int, limit: int | None, what: str) -> None:
+    """Refuse at once a payload the server would not take (``limit``: the welcome's
+    ``max_payload``; None before the welcome).  Sent anyway, it would make the server
+    drop the frame with an error no request waits for, and the request time out."""
+    if limit is not None and size > limit:
+        raise PayloadTooLarge(
+            f"{what}: the payload is {size} bytes, over the supervisor's limit of"
+            f" {limit} ([bus] max_payload)"
+        )
 
 
 class AclDenied(BusError):

@@ -77,6 +77,7 @@ from sage.claude.protocol import (
     encode_user_turn,
 )
 from sage.config import LimitsConfig
+from sage.contract.sessions import turn_too_large
 from sage.errors import ProcessError, ProtocolError
 from sage.process import Child, ExitStatus, Ring, stop
 
@@ -327,10 +328,7 @@ class ClaudeProcess:
             raise SessionError("session_ended", f"session {self.session_id} is ending")
         line = encode_user_turn(text)
         if len(line) > self.stdin_quota:
-            raise SessionError(
-                "stdin_quota",
-                f"the encoded turn is {len(line)} bytes; the limit is {self.stdin_quota}",
-            )
+            raise SessionError("payload_too_large", turn_too_large(len(line), self.stdin_quota))
         if self.state is ProcessState.STARTING:
             await self._ready_or_ending()
             if self.conversation.ending:

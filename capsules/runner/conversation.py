@@ -42,7 +42,7 @@ from sage.claude.protocol import (
     UnknownMessage,
     UserMessage,
 )
-from sage.contract.sessions import EndReason
+from sage.contract.sessions import EndReason, turn_end
 from sage.errors import IllegalTransition
 
 __all__ = (
@@ -57,6 +57,8 @@ __all__ = (
 )
 
 AUTH_STATUSES: Final = frozenset({401, 403})
+MESSAGE_CHARS: Final = 1000
+"""Of a failed turn's result text, what its ``done`` event carries as ``message``."""
 AUTH_ERROR: Final = "authentication_failed"  # an assistant message's ``error`` for a 401/403
 TOOL_INPUT_SHOWN: Final = (
     4096  # encoded bytes of a tool call's input a tool_use event carries whole
@@ -369,6 +371,17 @@ class Conversation:
                     "total_cost_usd": msg.total_cost_usd,
                     "num_turns": msg.num_turns,
                     "turn": self.turn.finished,
+                    "reason": turn_end(
+                        is_error=msg.is_error,
+                        subtype=msg.subtype,
+                        api_error_status=msg.api_error_status,
+                        terminal_reason=msg.terminal_reason,
+                    ).value,
+                    **(
+                        {"message": (msg.result or "")[:MESSAGE_CHARS]}
+                        if msg.is_error and msg.result
+                        else {}
+                    ),
                 },
             )
         ]

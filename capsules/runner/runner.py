@@ -104,7 +104,7 @@ from sage.claude.protocol import (
     McpMessageRequest,
 )
 from sage.config import NAME_PATTERN, Config, PrincipalConfig
-from sage.contract.sessions import CLAIMS_TOPIC
+from sage.contract.sessions import CLAIMS_TOPIC, turn_size, turn_too_large
 from sage.errors import SageError
 
 __all__ = ("Runner", "SessionRecord", "run")
@@ -1182,6 +1182,19 @@ class Runner:
         req = msgspec.json.decode(request.payload, type=SendRequest)
         if req.session_id is not None and req.session_id != session.id:
             raise SessionError("bad_request", "session_id does not match the topic")
+        size, limit = turn_size(req.text), self.config.limits.stdin_quota
+        if size > limit:  # at once: no wake, no child, for a turn that cannot be written
+            log.warning("session.send_refused", session_id=session.id, size=size, limit=limit)
+            self.session_event(
+                session.id,
+                "error",
+                {
+                    "principal_id": session.record.principal_id,
+                    "session_id": session.id,
+                    "reason": "payload_too_large",
+                },
+            )
+            raise SessionError("payload_too_large", turn_too_large(size, limit))
         session.sending += 1  # from its wake to its turn written, the session is not idle
         try:
             await self._still_here(session)
@@ -1195,8 +1208,8 @@ class Runner:
         try:
             turn = await proc.send(text)
         except SessionError as exc:
-            if exc.code == "stdin_quota":
-                proc._error("stdin_quota")
+            if exc.code == "payload_too_large":
+                proc._error("payload_too_large")
             raise
         return {"ok": True, "session_id": session.id, "turn": turn}
 

@@ -23,7 +23,8 @@ from bus import BusError, NoResponders
 from sage import replies
 from sage.cli._commands import summary
 from sage.cli._common import add_common, call_runner, printable
-from sage.cli._connect import connect, print_json
+from sage.cli._connect import config_of, connect, print_json
+from sage.contract.sessions import turn_size, turn_too_large
 from sage.errors import SageError
 from sage.replies import ReplyError
 
@@ -32,6 +33,10 @@ __all__ = ("call_session", "register")
 SPAWN_TIMEOUT = 30.0
 PLACE_TIMEOUT = 120.0  # a placed spawn may ask several nodes in turn
 WAKE_TIMEOUT = 180.0
+EXIT_TURN_FAILED = 3
+"""``send``'s exit code for a turn that ran and failed (the reason on stderr)."""
+EXIT_SESSION_ENDED = 4
+"""``send``'s exit code for a session that ended during the turn."""
 """Seconds a send (or ``watch --wake``) waits for its answer: a hibernated session is
 woken first, which may wait for a live slot (``[sessions] wake_wait``, at most 60 s) and
 for its new child's ``initialize`` (``[limits] init_timeout``)."""
@@ -80,8 +85,15 @@ def register(sub: Any) -> None:
         help="send a user turn and print the reply as it streams",
         description=(
             "Send TEXT ('-' reads it from stdin) to session SID, print Claude's reply as it"
-            " streams, exit when the turn ends: 0 on success, 1 on an error result or if"
-            " the session ends first."
+            " streams, exit when the turn ends. A failed turn says why on stderr"
+            " (auth_failed, overloaded, rate_limited, api_error, max_turns, ...)."
+        ),
+        epilog=(
+            "exit codes: 0 the turn completed; 1 refused before the turn ran (the message"
+            " names the code: unknown_session, payload_too_large, host_full, ...);"
+            f" {EXIT_TURN_FAILED} the turn ran and failed; {EXIT_SESSION_ENDED} the session"
+            " ended during the turn; 124 --timeout passed; 130 interrupted (Ctrl-C) or"
+            " detached"
         ),
     )
     send.add_argument("session", metavar="SID")
@@ -322,6 +334,11 @@ async def _spawn(args: argparse.Namespace) -> int:
 async def _send(args: argparse.Namespace) -> int:
     text = sys.stdin.read() if args.text == "-" else args.text
     sid = args.session
+    size, limit = turn_size(text), config_of(args).limits.stdin_quota
+    if size > limit:  # the runner refuses it too; say so before anything is sent
+        raise SageError(
+            f"payload_too_large: {turn_too_large(size, limit)}", code="payload_too_large"
+        )
     async with connect(args) as client:
         events = await client.subscribe(f"sage.v1.event.{sid}.>")
         approve = args.approve or ("prompt" if sys.stdin.isatty() else "deny")
@@ -507,12 +524,15 @@ class _Turn:
                         print(f"astrid: turn {self.number} interrupted", file=sys.stderr)
                         return 130
                     if data.get("is_error"):
-                        print(f"astrid: the turn ended with {data.get('subtype')}", file=sys.stderr)
-                        return 1
+                        reason = data.get("reason") or data.get("subtype") or "failed"
+                        said = f": {printable(str(data['message']))}" if data.get("message") else ""
+                        print(f"astrid: the turn failed: {reason}{said}", file=sys.stderr)
+                        return EXIT_TURN_FAILED
                     return 0
                 if name in ("exited", "error"):
-                    print(f"astrid: session {self.sid}: {data.get('reason')}", file=sys.stderr)
-                    return 1
+                    reason = data.get("reason")
+                    print(f"astrid: session {self.sid}: {reason}", file=sys.stderr)
+                    return EXIT_SESSION_ENDED if name == "exited" else EXIT_TURN_FAILED
             raise SageError("the connection ended before the turn did")
         print(f"astrid: detached; session {self.sid} goes on", file=sys.stderr)
         return 130

@@ -68,7 +68,8 @@ class ErrorCode(enum.StrEnum):
     PRINCIPAL_LIMIT = "principal_limit"
     HOST_FULL = "host_full"
     SPAWN_FAILED = "spawn_failed"
-    STDIN_QUOTA = "stdin_quota"
+    PAYLOAD_TOO_LARGE = "payload_too_large"  # a turn over [limits] stdin_quota, or any
+    # request over the bus's max_payload (refused by the client before it is sent)
     CONTROL_FAILED = "control_failed"
     INTERACTION_MODE_IS_REPL = "interaction_mode_is_repl"
     BAD_CWD = "bad_cwd"

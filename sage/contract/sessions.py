@@ -34,6 +34,7 @@ from typing import Annotated, Final
 
 import msgspec
 
+from sage.claude.protocol.encoder import encode_user_turn
 from sage.config import NAME_PATTERN
 from sage.contract.codes import ErrorCode
 from sage.errors import RequestError
@@ -62,6 +63,7 @@ __all__ = (
     "SessionRow",
     "SessionState",
     "SlotsReply",
+    "TurnEnd",
     "Verb",
     "YieldReply",
     "YieldRequest",
@@ -73,6 +75,9 @@ __all__ = (
     "fleet_topic",
     "request_pattern",
     "request_topic",
+    "turn_end",
+    "turn_size",
+    "turn_too_large",
 )
 
 _NAME = re.compile(NAME_PATTERN)
@@ -377,3 +382,76 @@ class SessionRow(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     fleet row its node could not give: the node's state (``lost``, ``unreachable``, ...)."""
     node: str | None = None
     started_at: float | None = None
+
+
+# -- a turn's size ----------------------------------------------------------------------
+
+
+def turn_size(text: str) -> int:
+    """The bytes a send of ``text`` writes to the child's stdin (the encoded user line),
+    which ``[limits] stdin_quota`` bounds; the CLI checks it before it sends."""
+    return len(encode_user_turn(text))
+
+
+def turn_too_large(size: int, limit: int) -> str:
+    """Why a turn is refused ``payload_too_large``: its size and the limit, named."""
+    return (
+        f"the turn is {size} bytes encoded, over the limit of {limit}"
+        " ([limits] stdin_quota); send it in parts, or as a file the session can read"
+    )
+
+
+# -- how a turn ended ---------------------------------------------------------------------
+
+
+class TurnEnd(enum.StrEnum):
+    """Why a turn ended: the ``reason`` of a ``done`` event, which ``astrid sage send``
+    prints and maps to its exit code (docs/topics.md, docs/operations.md)."""
+
+    COMPLETED = "completed"
+    INTERRUPTED = "interrupted"  # an interrupt (Ctrl-C, sage.v1.request.interrupt)
+    AUTH_FAILED = "auth_failed"  # the Messages API refused the key (401, 403)
+    RATE_LIMITED = "rate_limited"  # 429, after the CLI's own retries
+    OVERLOADED = "overloaded"  # 529, after the CLI's own retries
+    PAYLOAD_TOO_LARGE = "payload_too_large"  # 413: the request was too large for the API
+    API_REFUSED = "api_refused"  # another 4xx: the API refused the request
+    API_ERROR = "api_error"  # a 5xx, or an API failure with no status
+    MAX_TURNS = "max_turns"  # the principal's max_turns was reached
+    EXECUTION_ERROR = "execution_error"  # the CLI failed during the turn
+    FAILED = "failed"  # an error result of a kind not named above
+
+
+_BY_STATUS: Final = {
+    401: TurnEnd.AUTH_FAILED,
+    403: TurnEnd.AUTH_FAILED,
+    413: TurnEnd.PAYLOAD_TOO_LARGE,
+    429: TurnEnd.RATE_LIMITED,
+    529: TurnEnd.OVERLOADED,
+}
+
+
+def turn_end(
+    *,
+    is_error: bool,
+    subtype: str,
+    api_error_status: int | None = None,
+    terminal_reason: str | None = None,
+) -> TurnEnd:
+    """What a ``result`` says of its turn.  The CLI reports an API failure as subtype
+    ``success`` with ``is_error`` and the HTTP status (seen with 2.1.328), so the
+    status decides before the subtype does."""
+    if not is_error:
+        return TurnEnd.COMPLETED
+    if terminal_reason is not None and terminal_reason.startswith("aborted"):
+        return TurnEnd.INTERRUPTED
+    if api_error_status is not None:
+        if api_error_status in _BY_STATUS:
+            return _BY_STATUS[api_error_status]
+        return TurnEnd.API_REFUSED if 400 <= api_error_status < 500 else TurnEnd.API_ERROR
+    if terminal_reason == "api_error":
+        return TurnEnd.API_ERROR
+    if subtype == "error_max_turns":
+        return TurnEnd.MAX_TURNS
+    if subtype == "error_during_execution":
+        return TurnEnd.EXECUTION_ERROR
+    return TurnEnd.FAILED

@@ -20,7 +20,7 @@ import pytest
 from tests.support.daemon import short_dir
 from tests.support.nats_cluster import NatsCluster
 from tests.support.sage_harness import Sage, running_sage, sage_config
-from tests.support.standin import Standin, Text
+from tests.support.standin import Error, Standin, Text
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
@@ -138,3 +138,24 @@ async def test_a_changed_identity_reaches_a_session_that_spoke(
         request = standin.messages[-1].body
         assert "NEW-IDENTITY-7" in str(request["system"])
         assert "remember plum" in str(request["messages"])
+
+
+@pytest.mark.parametrize(
+    ("status", "kind", "reason"),
+    [(529, "overloaded_error", "overloaded"), (403, "permission_error", "auth_failed")],
+)
+async def test_a_failed_turn_says_why_and_exits_non_zero(
+    claude_bin: Path, standin: Standin, status: int, kind: str, reason: str
+) -> None:
+    """`astrid sage send` names how the turn failed (the CLI calls it 'success' with
+    is_error) and exits 3, the code --help gives for a turn that ran and failed."""
+    env = {**standin.offline_env(), "CLAUDE_CODE_MAX_RETRIES": "1"}  # not minutes of retries
+    config = sage_config(claude_bin, env, extra=f"{LIMITS}[sessions]\n")
+    async with running_sage(config, env=ENV) as sage:
+        await sage.ready("fails")
+        standin.push(*[Error(status, kind)] * 3)
+        code, out, err = await sage.astrid("sage", "send", "fails", "hello")
+        assert code == 3, (out, err)
+        assert f"astrid: the turn failed: {reason}: " in err, err
+        assert f"API Error: {status}" in err, err
+        assert "success" not in err

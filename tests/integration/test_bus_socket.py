@@ -245,7 +245,9 @@ async def test_bad_publish_topic_errors_on_flush_and_connection_survives(
 
 
 async def test_payload_over_limit_errors_and_connection_survives(sock_path: Path) -> None:
-    """A payload over max_payload raises PayloadTooLarge on flush; the connection stays usable."""
+    """A payload over the welcome's max_payload is refused by the client before it is
+    sent (a publish, a request: never a wait for an answer the server will not give);
+    one the server gets anyway is refused there; the connection stays usable."""
     async with (
         serving(sock_path, Bus(max_payload=1000)),
         BusClient.connect(sock_path) as listener,
@@ -254,7 +256,13 @@ async def test_payload_over_limit_errors_and_connection_survives(sock_path: Path
         assert client.welcome is not None
         assert client.welcome.max_payload == 1000
         sub = await listener.subscribe("t")
-        client.publish_raw("t", b'"' + b"x" * 2000 + b'"')
+        big = b'"' + b"x" * 2000 + b'"'
+        with pytest.raises(PayloadTooLarge, match="over the supervisor's limit of 1000"):
+            client.publish_raw("t", big)
+        with anyio.fail_after(2), pytest.raises(PayloadTooLarge, match="the request on 't'"):
+            await client.request_raw("t", big, deadline=60)
+        client.welcome = None  # as a client that does not check would
+        client.publish_raw("t", big)
         with pytest.raises(PayloadTooLarge):
             await client.flush()
         client.publish("t", "small")

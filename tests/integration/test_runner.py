@@ -532,16 +532,41 @@ async def test_a_mode_that_changes_after_the_handshake_ends_the_session() -> Non
 
 
 async def test_an_oversized_turn_is_refused_and_the_session_goes_on(sage: Sage) -> None:
+    """A turn over ``[limits] stdin_quota`` is refused ``payload_too_large`` naming the
+    size and the limit; the session takes the next one."""
     events = await sage.ready("quota")
     # the payload fits the bus (1 MiB), the encoded stdin line does not
     reply = await sage.send("quota", "x" * (1024 * 1024 - 40))
     assert reply["ok"] is False
-    assert reply["error"] == "stdin_quota"
+    assert reply["error"] == "payload_too_large"
+    assert "over the limit of 1048576 ([limits] stdin_quota)" in reply["message"]
     name, data = await events.next()
-    assert (name, data["reason"]) == ("error", "stdin_quota")
+    assert (name, data["reason"]) == ("error", "payload_too_large")
     await sage.send("quota", "small")
     text, _ = await events.text_until_done()
     assert text == "echo: small"
+    assert "session.send_refused" in sage.daemon.log()
+
+
+async def test_oversized_sends_are_refused_at_once_and_wake_nothing() -> None:
+    """Over the stdin quota: the runner refuses before it wakes a hibernated session;
+    over the bus's payload limit: astrid refuses before it sends (it used to wait
+    minutes for an answer that never came), naming the limit either way."""
+    config = _config(extra="stdin_quota = 4096\n[sessions]\nhibernate_after = 0.3\n")
+    async with running_sage(config, env=ENV) as sage:
+        events = await sage.ready("big")
+        await events.until("hibernated")
+        reply = await sage.send("big", "x" * 5000)
+        assert reply["error"] == "payload_too_large", reply
+        assert (await _listing(sage))[0]["state"] == "hibernated"  # not woken for it
+        for size in (5000, 3 * 1024 * 1024):
+            t0 = time.monotonic()
+            code, out, err = await sage.astrid("sage", "send", "big", "-", stdin=b"y" * size)
+            assert time.monotonic() - t0 < 10
+            assert code == 1, (out, err)
+            assert "payload_too_large" in err
+            assert "[limits] stdin_quota" in err
+        assert (await _listing(sage))[0]["state"] == "hibernated"
 
 
 async def test_pending_approvals_fail_at_once_when_the_child_dies(sage: Sage) -> None:

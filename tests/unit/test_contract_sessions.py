@@ -31,6 +31,7 @@ from sage.contract.sessions import (
     ConversationReply,
     SessionRow,
     SlotsReply,
+    TurnEnd,
     Verb,
     YieldReply,
     YieldRequest,
@@ -39,6 +40,7 @@ from sage.contract.sessions import (
     fleet_topic,
     request_pattern,
     request_topic,
+    turn_end,
 )
 from sage.errors import RequestError
 from tests.support.runner_context import RunnerContext
@@ -169,3 +171,40 @@ def test_a_listing_row_keeps_what_every_row_says() -> None:
     assert (row.session_id, row.pid, row.state, row.node) == ("s1", 7, "ready", None)
     ended = msgspec.convert({"session_id": "s2", "state": RecordState.ENDED}, SessionRow)
     assert ended.state == "ended"
+
+
+@pytest.mark.parametrize(
+    ("fields", "end"),
+    [
+        ({"is_error": False, "subtype": "success"}, TurnEnd.COMPLETED),
+        # what 2.1.328 says of an API failure: subtype success, is_error, the status
+        ({"is_error": True, "subtype": "success", "api_error_status": 529}, TurnEnd.OVERLOADED),
+        ({"is_error": True, "subtype": "success", "api_error_status": 403}, TurnEnd.AUTH_FAILED),
+        ({"is_error": True, "subtype": "success", "api_error_status": 401}, TurnEnd.AUTH_FAILED),
+        ({"is_error": True, "subtype": "success", "api_error_status": 429}, TurnEnd.RATE_LIMITED),
+        (
+            {"is_error": True, "subtype": "success", "api_error_status": 413},
+            TurnEnd.PAYLOAD_TOO_LARGE,
+        ),
+        ({"is_error": True, "subtype": "success", "api_error_status": 400}, TurnEnd.API_REFUSED),
+        ({"is_error": True, "subtype": "success", "api_error_status": 500}, TurnEnd.API_ERROR),
+        (
+            {"is_error": True, "subtype": "success", "terminal_reason": "api_error"},
+            TurnEnd.API_ERROR,
+        ),
+        (
+            {
+                "is_error": True,
+                "subtype": "error_during_execution",
+                "terminal_reason": "aborted_streaming",
+            },
+            TurnEnd.INTERRUPTED,
+        ),
+        ({"is_error": True, "subtype": "error_max_turns"}, TurnEnd.MAX_TURNS),
+        ({"is_error": True, "subtype": "error_during_execution"}, TurnEnd.EXECUTION_ERROR),
+        ({"is_error": True, "subtype": "brand_new"}, TurnEnd.FAILED),
+    ],
+)
+def test_how_a_turn_ended_is_read_from_its_result(fields: dict[str, Any], end: TurnEnd) -> None:
+    """A failed turn is named for what failed, never for the subtype 'success' it carries."""
+    assert turn_end(**fields) is end

@@ -29,7 +29,7 @@ from capsules.runner.sessions import (
     SessionState,
     SessionTable,
 )
-from sage.config import PrincipalConfig
+from sage.config import Config, PrincipalConfig
 from sage.errors import IllegalTransition, SageError
 
 pytestmark = pytest.mark.anyio
@@ -189,6 +189,7 @@ class _Context:
         self.answered = anyio.Event()
         self.published: list[tuple[str, Any]] = []
         self.tmp = tmp
+        self.config = Config()  # the defaults: a send's size is checked against them
 
     def reply(self, request: Envelope, payload: Any) -> bool:
         self.replies.append((request.topic, payload))
