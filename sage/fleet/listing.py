@@ -20,6 +20,7 @@ in the reply's ``warning``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -197,13 +198,46 @@ class Listing:
             for node, state in states.items()
             if node != self.node and answers.get(node) is None
         }
-        rows += registry_rows(entries, shown, listed, principal)
+        moved = await self._moved(entries, shown, listed)
+        rows += registry_rows(entries, shown, listed, principal, moved)
         log.info("fleet.listing", registry=source, claims=len(entries), rows=len(rows))
         reply["sessions"] = rows
         reply["nodes"] = {node: state.value for node, state in sorted(states.items())}
         if refused:
             reply["warning"] = _refusals(refused)
         return reply
+
+    async def _moved(
+        self,
+        entries: list[tuple[str, SessionEntry]],
+        shown: dict[str, str],
+        listed: set[object],
+    ) -> set[tuple[str, str]]:
+        """The lost nodes' entries whose session another node took over (its
+        ``sage_claims`` names that node): the entry stays until its node comes back,
+        but the session is not there, and once it ended where it went no node lists it,
+        so it must not come back as ``lost``.  Read for lost nodes only (few), at once,
+        within the listing's deadline; an entry whose claim cannot be read is shown."""
+        lost = [
+            (sid, entry.node)
+            for sid, entry in entries
+            if shown.get(entry.node) == NodeState.LOST.value and sid not in listed
+        ]
+        moved: set[tuple[str, str]] = set()
+        if not lost or self.member.claims is None:
+            return moved
+
+        async def check(sid: str, node: str) -> None:
+            with contextlib.suppress(FleetError):
+                claim, _ = await self.member.claim_of(sid)
+                if claim is not None and claim.node != node:
+                    moved.add((sid, node))
+
+        with anyio.move_on_after(LISTING_DEADLINE):
+            async with anyio.create_task_group() as tg:
+                for sid, node in lost:
+                    tg.start_soon(check, sid, node)
+        return moved
 
     async def _listed_entries(self) -> tuple[str, list[tuple[str, SessionEntry]]]:
         """Where the listing took the registry's claims from (``copy`` or ``bucket``), and

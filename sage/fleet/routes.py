@@ -327,20 +327,25 @@ def registry_rows(
     shown: Mapping[str, str],
     listed: Collection[object],
     principal: str | None,
+    moved: Collection[tuple[str, str]] = (),
 ) -> list[dict[str, Any]]:
     """The fleet listing's rows of the nodes that did not answer it, from the registry's
     claims ``entries`` (``(sid, entry)``, the bucket's or the registry copy's, in any
     order): ``shown`` maps each such node to the state its rows say (``lost``,
     ``stopped``, ``unreachable``, ``refused``); by node, then session id; only what
-    ``principal`` may see, and no session in ``listed`` (a node that answered has it:
-    its adopter, say)."""
+    ``principal`` may see, no session in ``listed`` (a node that answered has it:
+    its adopter, say), and no ``(sid, node)`` in ``moved`` (its ``sage_claims`` names
+    another node: the session left that node, and may have ended where it went)."""
     by_sid = sorted(entries, key=lambda found: found[0])
     rows: list[dict[str, Any]] = []
     for node in sorted(shown):
         rows += [
             row_of(sid, entry, shown[node])
             for sid, entry in by_sid
-            if entry.node == node and visible(entry, principal) and sid not in listed
+            if entry.node == node
+            and visible(entry, principal)
+            and sid not in listed
+            and (sid, node) not in moved
         ]
     return rows
 

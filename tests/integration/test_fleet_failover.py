@@ -195,3 +195,35 @@ def test_a_killed_nodes_session_resumes_on_another_node(
     ok_json(c, "sage", "stop", "f1", "--principal", "alice")  # wherever it runs (b or c)
     ok_json(c, "sage", "stop", "g1", "--principal", "bob")
     wait_for(lambda: stored(cluster, "f1") is None, 10.0, "f1's replica deleted at its end")
+
+
+def test_a_session_that_ended_where_it_was_adopted_is_not_listed_lost(
+    fleet: tuple[NatsCluster, dict[str, Daemon]],
+) -> None:
+    """The lost node's entry outlives the session, whose claim names its adopter: once the
+    adopter ended it, the listing must not show it again as the lost node's."""
+    cluster, daemons = fleet
+    a, c = daemons["a"], daemons["c"]
+    if a.proc is None or a.proc.poll() is not None:
+        a.launch()
+        a.wait_ready(30.0)
+    ok_json(a, "sage", "spawn", "alice", "--session", "e1")
+    sent = a.astrid("sage", "send", "e1", "a turn", "--timeout", "20")
+    assert sent.returncode == 0, sent.stderr
+    wait_for(lambda: stored(cluster, "e1"), 10.0, "e1 replicated after its turn")
+    a.signal(signal.SIGKILL)
+    assert a.proc is not None
+    a.proc.wait()
+    try:
+        wait_for(
+            lambda: rows(c).get("e1", {}).get("node") in ("b", "c"),
+            LOST_AFTER + 15.0,
+            "e1 adopted by b or c",
+        )
+        ok_json(c, "sage", "stop", "e1", "--principal", "alice")
+        assert "e1" not in rows(c), rows(c).get("e1")  # not 'lost' on a
+        ended = {row["session_id"]: row for row in ok_json(c, "sage", "sessions", "--all")}
+        assert ended.get("e1", {}).get("state") != "lost", ended.get("e1")
+    finally:
+        a.launch()
+        a.wait_ready(30.0)

@@ -104,6 +104,18 @@ def test_only_the_callers_sessions_and_only_of_nodes_that_did_not_answer() -> No
     assert registry_rows(copied, {}, set(), ADMIN) == []
 
 
+def test_an_entry_whose_session_moved_on_is_not_shown() -> None:
+    """A lost node's entry whose claim names its adopter is left out, only that one."""
+    keys = bucket()
+    copied = synced_copy(keys).entries(last_of(keys))
+    assert copied is not None
+    every = registry_rows(copied, {"lost1": "lost"}, set(), ADMIN)
+    first = every[0]["session_id"]
+    rest = registry_rows(copied, {"lost1": "lost"}, set(), ADMIN, {(first, "lost1")})
+    assert [row["session_id"] for row in rest] == [row["session_id"] for row in every[1:]]
+    assert registry_rows(copied, {"lost1": "lost"}, set(), ADMIN, {(first, "other")}) == every
+
+
 def test_a_copy_not_caught_up_behind_or_found_stale_gives_nothing() -> None:
     """The listing then reads the bucket: a copy that may miss claims must not hide rows,
     nor show ones gone."""
