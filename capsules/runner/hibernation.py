@@ -170,6 +170,17 @@ class Hibernation:
             f" each other principal with sessions, {len(others)} now)"
         )
 
+    def room_soon(self) -> bool:
+        """Whether a live slot is free or will be without waiting on a turn: an idle
+        session can hibernate for it, or one hibernates already (its slot comes back
+        once its child is reaped: :meth:`room_for` may just have begun it)."""
+        sessions = self.keeper.sessions
+        return (
+            self.slots.free
+            or sessions.least_recent_idle() is not None
+            or any(sessions[sid].state is SessionState.HIBERNATING for sid in sessions)
+        )
+
     def room_for(self, principal: str) -> bool:
         """Whether ``principal`` may have one more live session: it has fewer than
         :meth:`live_cap`, or (with hibernation on) one of its idle sessions starts to

@@ -802,7 +802,7 @@ class Runner:
             self._failed_over(req, node, None)
             return {"ok": True, "session_id": sid, "pid": None, "hibernated": True}
         slots = self.hibernation.slots
-        if not slots.free and self.sessions.least_recent_idle() is None:
+        if not self.hibernation.room_soon():
             # a spawn would wait for a slot; an adoption leaves it to a node with room
             raise SessionError(
                 "host_full",

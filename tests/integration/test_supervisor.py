@@ -118,7 +118,7 @@ def test_oversized_payload_refused(daemon: Daemon) -> None:
     big = json.dumps({"x": "a" * (1024 * 1024 + 10)}).encode()
     result = daemon.astrid("bus", "pub", "demo.big", "-", input=big)
     assert result.returncode == 1
-    assert "over the limit" in result.stderr
+    assert "over the supervisor's limit of 1048576 ([bus] max_payload)" in result.stderr
 
 
 def test_request_reply_through_echo_capsule(daemon: Daemon) -> None:
