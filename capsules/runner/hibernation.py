@@ -51,6 +51,9 @@ __all__ = ("Hibernation", "Keeper")
 
 log = structlog.get_logger("sage.runner")
 
+ROOM_POLL = 0.05
+"""Seconds between two looks for room under a principal's cap while a wake waits."""
+
 
 class Keeper(Protocol):
     """What hibernation asks of the runner."""
@@ -272,12 +275,20 @@ class Hibernation:
         runs (its turns wait for ``initialize``)."""
         keeper = self.keeper
         principal = session.record.principal_id
-        if not self.room_for(principal):
-            cap, note = self.live_cap(principal)
-            raise SessionError(
-                "principal_limit",
-                f"principal {principal!r} has {cap} live sessions{note}, none idle",
-            )
+        # at the principal's cap (or share of max_live), one of its sessions still busy
+        # or starting: wait for it to go idle and sleep, as a wake waits for a slot
+        deadline = time.monotonic() + self.wake_wait
+        while not self.room_for(principal):
+            if time.monotonic() >= deadline:
+                cap, note = self.live_cap(principal)
+                raise SessionError(
+                    "principal_limit",
+                    f"principal {principal!r} has {cap} live sessions{note}, none idle"
+                    f" within {self.wake_wait:g} s ([sessions] wake_wait)",
+                )
+            await anyio.sleep(ROOM_POLL)
+        if session.state is not SessionState.HIBERNATED:
+            return  # woken (or stopped) meanwhile: the caller looks again
         try:
             session.principal = keeper.principal(principal) or session.principal
         except SettingsError as exc:

@@ -457,3 +457,29 @@ async def test_age_and_cost_are_the_sessions_across_a_wake_and_an_adoption() -> 
         assert code == 0, err
         (line,) = [x for x in out.splitlines() if x.startswith("moved ")]
         assert line.split()[-3:] == ["60m", "3", "$1.2500"], line
+
+
+async def test_a_wake_at_the_principals_cap_waits_for_its_busy_session() -> None:
+    """At its cap with its live session busy, a principal's send to a hibernated session
+    waits (up to wake_wait) for that session to go idle and sleep, then is answered; it
+    used to be refused principal_limit at once (found by the lifecycle model test)."""
+    config = _config("max_live = 10\nwake_wait = 20\n", limits="max_sessions_per_principal = 1\n")
+    async with running_sage(config, env=ENV) as sage:
+        first = await sage.ready("one")
+        busy = await sage.ready("two")  # one hibernates for it
+        await first.until("hibernated", within=10)
+        assert (await sage.send("two", "/fault hang"))["ok"]
+        await busy.until("text")
+        async with anyio.create_task_group() as tg:
+            answers: list[str] = []
+
+            async def send() -> None:
+                answers.append(await _turn(sage, first, "one", "back"))
+
+            tg.start_soon(send)
+            await anyio.sleep(1.0)
+            assert answers == []  # it waits: no refusal
+            assert (await sage.request("sage.v1.request.interrupt.two", {}))["ok"]
+        assert answers == ["echo: back"]
+        rows = await _rows(sage)
+        assert rows["two"]["state"] in ("hibernating", "hibernated")
