@@ -19,7 +19,7 @@ CLAUDE_OTHERS := $(foreach v,$(sort $(CLAUDE_FLOOR) $(CLAUDE_NEWEST) $(CLAUDE_WI
 STAMP := $(VENV)/.installed
 
 .PHONY: setup run test test-matrix check lint typecheck format bench clean system-deps \
-	transcripts claude-versions soak
+	transcripts claude-versions soak soak-lifecycle
 
 setup: $(STAMP) $(CLAUDE_BIN) $(CLAUDE_OTHERS) system-deps
 
@@ -105,8 +105,23 @@ bench: setup
 # four workers (admin, a mapped user, an unmapped uid) against a real supervisor while a
 # canary keeps doing round trips; prints a table, fails on a crash, a hang or growth.
 # Needs root. Bounded: 10 minutes at most. SEED=<seed> replays a run.
+#
+# Then the session lifecycle's model test (tests/integration/test_lifecycle_model.py) for
+# LIFECYCLE_EXAMPLES examples of the seed SEED (a random one, printed, when not given),
+# each up to LIFECYCLE_STEPS steps; a counterexample is shrunk and printed as astrid
+# commands.  `make soak-lifecycle` runs it alone (no root needed).
+LIFECYCLE_EXAMPLES ?= 200
+LIFECYCLE_STEPS ?= 30
 soak: setup
 	timeout -k 10 600 $(BIN)/python -m tests.soak $(if $(SEED),--seed $(SEED))
+	$(MAKE) --no-print-directory soak-lifecycle
+
+soak-lifecycle: setup
+	@seed=$${SEED:-$$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}; \
+	echo "== the lifecycle model: $(LIFECYCLE_EXAMPLES) examples of seed $$seed (SEED=$$seed replays it)"; \
+	SEED=$$seed LIFECYCLE_EXAMPLES=$(LIFECYCLE_EXAMPLES) LIFECYCLE_RANDOM_EXAMPLES=0 \
+	  LIFECYCLE_STEPS=$(LIFECYCLE_STEPS) LIFECYCLE_TIMEOUT=36000 \
+	  $(BIN)/python -m pytest -q -p no:cacheprovider tests/integration/test_lifecycle_model.py
 
 # Re-record the golden stream-json transcripts (tests/fixtures/claude-code-<version>/)
 # from the real CLI against the Messages API stand-in; CLAUDE=path for another release.
