@@ -45,6 +45,7 @@ from capsules.installer import files
 from sage.capsule.context import CapsuleContext
 from sage.claude.binary import FLOOR, read_claude_version, resolve_claude_binary
 from sage.claude.homes import (
+    INSTALL_MARKER,
     USER_CONFIG,
     answered_config,
     own_home,
@@ -61,7 +62,7 @@ __all__ = ("Installer", "run")
 SETTINGS = Path(".claude") / "settings.local.json"
 CLAUDE_MD = Path("CLAUDE.md")
 MCP_JSON = Path(".mcp.json")
-MARKER = Path(".astrid") / "install.json"
+MARKER = INSTALL_MARKER
 EMIT_LAUNCHER = Path(".astrid") / "astrid-emit"
 
 

@@ -32,6 +32,7 @@ from typing import Any, Final
 
 import msgspec
 
+from sage.claude.homes import HOME_ARTIFACTS
 from sage.claude.hooks import IN_BAND_HOOKS, hooks_known_by
 
 __all__ = (
@@ -45,9 +46,9 @@ __all__ = (
     "settings_local",
 )
 
-ARTIFACT_VERSION: Final = 2
-"""Bumped whenever a file's format changes, so a re-install rewrites it (2: command
-hooks for ``repl`` principals only)."""
+ARTIFACT_VERSION: Final = HOME_ARTIFACTS
+"""Bumped (in sage/claude/homes.py) whenever a file's format changes: the runner
+installs a home of an older version again before its next session."""
 BUILT_IN_TOOLS: Final = (
     "Bash", "BashOutput", "CronCreate", "CronDelete", "CronList", "Edit", "EnterWorktree",
     "ExitPlanMode", "ExitWorktree", "Glob", "Grep", "KillShell", "LS", "ListAgents",

@@ -44,18 +44,18 @@ from capsules.runner.messages import (
 from capsules.runner.outbox import Audit, Publish
 from capsules.runner.principals import PrincipalSettings, SettingsError
 from sage.capsule.context import CapsuleContext
+from sage.claude.homes import INSTALL_MARKER, install_current
 from sage.config import NAME_PATTERN, Config, PrincipalConfig
 from sage.contract.sessions import INSTALL_STATUS_TOPIC
 from sage.errors import SageError
 from sage.security.secrets import API_KEY, SecretError, SecretStore, principal_namespace
 
-__all__ = ("INSTALL_DEADLINE", "INSTALL_MARKER", "Admin")
+__all__ = ("INSTALL_DEADLINE", "Admin")
 
 log = structlog.get_logger("sage.runner")
 
 INSTALL_DEADLINE = 30.0
 """Seconds the installer has to answer an install or relink."""
-INSTALL_MARKER = Path(".astrid") / "install.json"
 
 
 class Admin:
@@ -321,8 +321,9 @@ class Admin:
             raise SessionError("state_failed", f"the {what} were not saved: {exc}") from None
 
     async def install_on_first_spawn(self, name: str, session_id: str) -> bool:
-        """Have the installer write ``name``'s home when it never did (no install marker):
-        a session must not run without the deny rules and hooks the install writes.
+        """Have the installer write ``name``'s home when it never did (no install marker)
+        or did with older artifacts (a session must not run without the deny rules and
+        hooks the install writes, nor keep command hooks an upgrade moved in-band).
 
         True when it installed now.  Nothing to do (False) when the home is installed,
         or when no installer capsule runs: then the operator keeps homes themselves."""
@@ -330,7 +331,8 @@ class Admin:
         if base is None or not self.installer_configured():
             return False  # no installer in the config: the operator keeps homes
         async with self.lock(name):
-            if await anyio.Path(self.config.home_of(base) / INSTALL_MARKER).is_file():
+            home = self.config.home_of(base)
+            if await anyio.to_thread.run_sync(install_current, home):
                 return False
             try:
                 stored = principals.load(self.config.state_dir, name)
@@ -347,7 +349,7 @@ class Admin:
                 )
                 raise SessionError(
                     "installer_unavailable",
-                    f"principal {name!r} was never installed and the installer capsule is"
+                    f"principal {name!r} needs its home installed and the installer capsule is"
                     " not serving now (see `astrid capsule list`); try again, or run"
                     f" `astrid sage install {name}`",
                 )
@@ -358,7 +360,7 @@ class Admin:
                 )
                 raise SessionError(
                     "install_failed",
-                    f"principal {name!r} was never installed and installing it failed:"
+                    f"principal {name!r} needs its home installed and installing it failed:"
                     f" {done.error or 'the installer failed'} (try `astrid sage install {name}`)",
                 )
             self._save(settings, "settings")

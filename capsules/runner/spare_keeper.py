@@ -31,7 +31,7 @@ import anyio
 import anyio.abc
 import structlog
 
-from capsules.runner.admin import INSTALL_MARKER, Admin
+from capsules.runner.admin import Admin
 from capsules.runner.claude_process import ClaudeProcess, Ending, EndReason, Host
 from capsules.runner.command import Launch, remove_session_files
 from capsules.runner.errors import SessionError
@@ -42,6 +42,7 @@ from capsules.runner.sessions import Session, SessionRecord, new_session_id
 from capsules.runner.spares import DEFAULT_KIND, Kind, Spare, SparePool, SpareState, inputs_of
 from capsules.runner.workplace import chosen_model, work_folder
 from sage.capsule.context import CapsuleContext
+from sage.claude.homes import install_current
 from sage.claude.protocol import CanUseToolRequest, HookCallbackRequest, McpMessageRequest
 from sage.config import Config, PrincipalConfig, SpareKind
 from sage.errors import SageError
@@ -176,7 +177,7 @@ class SpareKeeper:
                 continue
             if principal is None or principal.interaction_mode != "headless":
                 continue
-            if installer and not (self.config.home_of(principal) / INSTALL_MARKER).is_file():
+            if installer and not install_current(self.config.home_of(principal)):
                 continue
             out[principal.name] = principal
         return out

@@ -22,9 +22,12 @@ from sage.errors import ConfigError
 
 __all__ = (
     "API_KEY_CREDENTIAL",
+    "HOME_ARTIFACTS",
+    "INSTALL_MARKER",
     "USER_CONFIG",
     "answered_config",
     "can_run",
+    "install_current",
     "own_home",
     "read_api_key",
     "unreachable",
@@ -33,6 +36,22 @@ __all__ = (
 )
 
 API_KEY_CREDENTIAL = "anthropic-api-key"
+INSTALL_MARKER = Path(".astrid") / "install.json"
+"""Where the installer says what it wrote into a home (relative to the home)."""
+HOME_ARTIFACTS = 2
+"""The version of what the installer writes into a home; a home installed with an older
+one is installed again before its next session (2: command hooks for ``repl``
+principals only, headless sessions' hooks in-band)."""
+
+
+def install_current(home: Path) -> bool:
+    """Whether ``home`` was installed with the artifacts of this version (its marker
+    names :data:`HOME_ARTIFACTS`); a missing or unreadable marker: no."""
+    try:
+        marker = msgspec.json.decode((home / INSTALL_MARKER).read_bytes())
+    except (OSError, msgspec.DecodeError):
+        return False
+    return isinstance(marker, dict) and marker.get("artifact_version") == HOME_ARTIFACTS
 
 
 def read_api_key(config: Config, environ: dict[str, str] | None = None) -> str | None:

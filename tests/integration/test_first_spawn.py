@@ -50,3 +50,26 @@ async def test_without_an_installer_the_operator_keeps_the_home() -> None:
         home = sage.daemon.root / "state" / "homes" / "alice"
         assert not (home / ".astrid" / "install.json").exists()
         assert _audited(sage.daemon.root, "sage.v1.audit.principal_installed") == []
+
+
+async def test_a_home_installed_by_an_older_release_is_installed_again() -> None:
+    """A home whose marker names older artifacts (command hooks for a headless
+    principal, before hooks moved in-band) is installed again before its next session,
+    so an upgrade does not keep a process per hook event."""
+    config = sage_config(FAKE_CLAUDE, {}, capsules='["runner", "installer"]')
+    async with running_sage(config, env={"ANTHROPIC_API_KEY": "sk-test"}) as sage:
+        home = sage.daemon.root / "state" / "homes" / "alice"
+        await sage.ready("u1")
+        marker = home / ".astrid" / "install.json"
+        old = json.loads(marker.read_text())
+        old["artifact_version"] = 1
+        marker.write_text(json.dumps(old))
+        settings = home / ".claude" / "settings.local.json"
+        stale = json.loads(settings.read_text())
+        stale["hooks"] = {"Stop": [{"hooks": [{"type": "command", "command": "astrid-emit Stop"}]}]}
+        settings.write_text(json.dumps(stale))
+        await sage.ready("u2")
+        assert json.loads(settings.read_text())["hooks"] == {}
+        assert json.loads(marker.read_text())["artifact_version"] > 1
+        installs = _audited(sage.daemon.root, "sage.v1.audit.principal_installed")
+        assert [i["session_id"] for i in installs] == ["u1", "u2"]
