@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import anyio
 import msgspec
 
 from bus import BusError
@@ -121,6 +120,8 @@ def _read_key(args: argparse.Namespace, current: dict[str, Any] | None) -> str |
 
 
 async def _install(args: argparse.Namespace) -> int:
+    import anyio  # `astrid sage send` registers this group too: no loop imported for it
+
     payload: dict[str, Any] = {"principal_id": args.principal_id}
     for field in ("interaction_mode", "auth_mode", "model", "max_turns"):
         value = getattr(args, field)
@@ -202,6 +203,8 @@ async def _repl(args: argparse.Namespace) -> int:
     import os
     import signal
     import subprocess
+
+    import anyio
 
     from sage.claude.binary import resolve_claude_binary
     from sage.cli._connect import config_of
