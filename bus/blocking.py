@@ -1,14 +1,18 @@
 """A blocking client of the bus server: one request at a time, no event loop.
 
-For a program that asks one question and exits (``astrid status``): it
-connects, says hello, sends ``req`` frames and reads up to each ``result``, in
-the calling thread.  It speaks the wire protocol of :mod:`bus.wire` through
-the same sans-IO pieces as :class:`bus.BusClient` (frames encoded by
-:func:`~bus.wire.encode`, read by :class:`~bus.wire.FrameReader`, decoded by
+For a program that asks a few questions and exits (``astrid status``,
+``astrid sage send``): it connects, says hello, sends ``req`` and ``sub``
+frames and reads up to each ``result`` or ``ok``, in the calling thread;
+frames that arrive meanwhile (a subscription's messages, the answer to
+another request) are kept in order for :meth:`BlockingClient.take`.  It speaks
+the wire protocol of :mod:`bus.wire` through the same sans-IO pieces as
+:class:`bus.BusClient` (frames encoded by :func:`~bus.wire.encode`, read by
+:class:`~bus.wire.FrameReader`, decoded by
 :func:`~bus.wire.decode_server_frame`) and raises the same errors, but imports
 neither anyio nor asyncio: a command that needs nothing else starts tens of
-milliseconds sooner.  Anything more (subscriptions, streams of events, several
-requests at once) is :class:`bus.BusClient`'s.
+milliseconds sooner.  A program that waits on something besides the socket
+(a signal, a terminal) selects on :meth:`~BlockingClient.fileno` and calls
+:meth:`~BlockingClient.receive` when it is readable.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import itertools
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -38,16 +42,18 @@ from bus.wire import (
     FrameReader,
     FrameTooLarge,
     Hello,
+    Ok,
     Req,
     Result,
     ServerFrame,
+    Sub,
     Welcome,
     decode_server_frame,
     encode,
     frame_limit,
 )
 
-__all__ = ("REQUEST_GRACE", "BlockingClient")
+__all__ = ("REQUEST_GRACE", "BlockingClient", "answer")
 
 REQUEST_GRACE = 2.0
 """Seconds past a request's deadline the client still waits (the server enforces it)."""
@@ -63,6 +69,7 @@ class BlockingClient:
         self._reader = FrameReader(max_frame)
         self._frames: list[ServerFrame] = []
         self._ids = itertools.count(1)
+        self._topics: dict[int, str] = {}
         self.welcome: Welcome | None = None
 
     @classmethod
@@ -87,7 +94,7 @@ class BlockingClient:
                 raise (connect_error(path, exc) or exc) from exc
             client = cls(sock, max_frame)
             client._send(encode(Hello(role=role, name=name, principal=principal)))
-            frame = client._next(time.monotonic() + hello_deadline, "the hello")
+            frame = client._wait(lambda f: True, time.monotonic() + hello_deadline, "the hello")
             if not isinstance(frame, Welcome):
                 raise ConnectionLost("the supervisor did not answer the hello")
             client.welcome = frame
@@ -95,8 +102,17 @@ class BlockingClient:
         finally:
             sock.close()
 
+    def fileno(self) -> int:
+        """The socket's descriptor, to select on beside others."""
+        return self._sock.fileno()
+
     def request(self, topic: str, payload: Any, *, deadline: float | None = None) -> Envelope:
         """Ask and wait for the reply: its envelope, or the error the server answered."""
+        return self.result(self.begin(topic, payload, deadline=deadline), deadline)
+
+    def begin(self, topic: str, payload: Any, *, deadline: float | None = None) -> int:
+        """Send a request now; its id, for :meth:`result` (or a :class:`Result` frame
+        :meth:`take` returns).  A reply nobody waits for is dropped unread."""
         body = msgspec.json.encode(payload)
         welcome = self.welcome
         check_payload(
@@ -104,14 +120,55 @@ class BlockingClient:
         )
         rid = next(self._ids)
         self._send(encode(Req(rid, topic, msgspec.Raw(body), deadline)))
+        self._topics[rid] = topic
+        return rid
+
+    def result(self, rid: int, deadline: float | None = None) -> Envelope:
+        """Wait for the answer to request ``rid``: its envelope, or the error it got."""
+        topic = self._topics.pop(rid, "?")
         local = MAX_LOCAL_WAIT if deadline is None else deadline + REQUEST_GRACE
-        end = time.monotonic() + local
+        frame = self._wait(
+            lambda f: isinstance(f, Result) and f.rid == rid,
+            time.monotonic() + local,
+            f"the request on {topic!r}",
+        )
+        assert isinstance(frame, Result)
+        return answer(frame)
+
+    def subscribe(self, pattern: str, *, deadline: float = 10.0) -> int:
+        """Subscribe to ``pattern``; the ``sid`` its :class:`~bus.wire.Msg` frames carry."""
+        sid = next(self._ids)
+        self._send(encode(Sub(sid, pattern)))
+        frame = self._wait(
+            lambda f: isinstance(f, (Ok, Err)) and f.sid == sid,
+            time.monotonic() + deadline,
+            f"the subscription to {pattern!r}",
+        )
+        if isinstance(frame, Err):
+            raise error_for_code(frame.code, frame.message)
+        return sid
+
+    def take(self) -> list[ServerFrame]:
+        """The frames read and not yet taken, oldest first (no wait)."""
+        frames, self._frames = self._frames, []
+        return frames
+
+    def receive(self, timeout: float) -> list[ServerFrame]:
+        """The frames kept, else what one read brings within ``timeout`` seconds
+        (none: nothing came).  A closed connection raises :class:`ConnectionLost`."""
+        if not self._frames:
+            self._read(time.monotonic() + timeout, wait=False)
+        return self.take()
+
+    def _wait(
+        self, match: Callable[[ServerFrame], bool], end: float, waiting_for: str
+    ) -> ServerFrame:
+        """The first frame ``match`` takes, read until ``end``; the others are kept."""
         while True:
-            frame = self._next(end, f"the request on {topic!r}")
-            if isinstance(frame, Result) and frame.rid == rid:
-                if frame.env is None:
-                    raise error_for_code(frame.code or "bus_error", frame.message or "failed")
-                return frame.env.to_envelope()
+            for i, frame in enumerate(self._frames):
+                if match(frame):
+                    return self._frames.pop(i)
+            self._read(end, waiting_for=waiting_for)
 
     def _send(self, data: bytes) -> None:
         try:
@@ -119,27 +176,38 @@ class BlockingClient:
         except OSError as exc:
             raise ConnectionLost("the connection to the supervisor broke") from exc
 
-    def _next(self, end: float, waiting_for: str) -> ServerFrame:
-        """The next frame, read until ``end``; a fatal ``err`` is raised as its error."""
-        while not self._frames:
-            left = end - time.monotonic()
-            if left <= 0:
+    def _read(self, end: float, *, waiting_for: str = "", wait: bool = True) -> None:
+        """Read once (until ``end``) and keep the frames it brings.  Past ``end``:
+        :class:`RequestTimeout` (``wait``) or nothing.  A fatal ``err`` (one that names
+        no subscription) is raised as its error."""
+        left = end - time.monotonic()
+        if left <= 0:
+            if wait:
                 raise RequestTimeout(f"no answer to {waiting_for}")
-            self._sock.settimeout(left)
-            try:
-                data = self._sock.recv(262144)
-            except TimeoutError:
-                continue
-            except OSError as exc:
-                raise ConnectionLost("the connection to the supervisor broke") from exc
-            if not data:
-                raise ConnectionLost("the supervisor closed the connection")
-            for item in self._reader.feed(data):
-                if isinstance(item, FrameTooLarge):
-                    raise FrameError(f"server sent a frame of {item.size} bytes")
-                self._frames.append(decode_server_frame(item))
-        frame = self._frames.pop(0)
-        if isinstance(frame, Err):  # it sends only a hello and requests: any error is theirs
-            error: BusError = error_for_code(frame.code, frame.message)
-            raise error
-        return frame
+            left = 0.0
+        self._sock.settimeout(left)
+        try:
+            data = self._sock.recv(262144)
+        except TimeoutError:
+            return
+        except BlockingIOError:  # a zero timeout: nothing to read
+            return
+        except OSError as exc:
+            raise ConnectionLost("the connection to the supervisor broke") from exc
+        if not data:
+            raise ConnectionLost("the supervisor closed the connection")
+        for item in self._reader.feed(data):
+            if isinstance(item, FrameTooLarge):
+                raise FrameError(f"server sent a frame of {item.size} bytes")
+            frame = decode_server_frame(item)
+            if isinstance(frame, Err) and frame.sid is None:
+                error: BusError = error_for_code(frame.code, frame.message)
+                raise error
+            self._frames.append(frame)
+
+
+def answer(frame: Result) -> Envelope:
+    """A ``result`` frame's envelope, or the error the server answered with."""
+    if frame.env is None:
+        raise error_for_code(frame.code or "bus_error", frame.message or "failed")
+    return frame.env.to_envelope()

@@ -11,7 +11,7 @@ import argparse
 import contextlib
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -52,19 +52,29 @@ async def connect(args: argparse.Namespace, *, role: str = "cli") -> AsyncIterat
         yield client
 
 
+@contextlib.contextmanager
+def blocking(args: argparse.Namespace) -> Iterator[BlockingClient]:
+    """The blocking client (no event loop), connected as ``args`` say."""
+    config = config_of(args)
+    with contextlib.ExitStack() as stack:
+        try:
+            client = stack.enter_context(
+                BlockingClient.connect(
+                    config.socket_path,
+                    name="astrid",
+                    principal=getattr(args, "principal", None),
+                    max_frame=frame_limit(config.bus.max_payload),
+                )
+            )
+        except ConnectionLost as exc:
+            raise _no_socket(args, config) or exc from None
+        yield client
+
+
 def ask(args: argparse.Namespace, topic: str, payload: Any, *, deadline: float) -> Envelope:
     """One request to the supervisor, its reply (blocking, no event loop)."""
-    config = config_of(args)
-    try:
-        with BlockingClient.connect(
-            config.socket_path,
-            name="astrid",
-            principal=getattr(args, "principal", None),
-            max_frame=frame_limit(config.bus.max_payload),
-        ) as client:
-            return client.request(topic, payload, deadline=deadline)
-    except ConnectionLost as exc:
-        raise _no_socket(args, config) or exc from None
+    with blocking(args) as client:
+        return client.request(topic, payload, deadline=deadline)
 
 
 def _no_socket(args: argparse.Namespace, config: Config) -> ConnectionLost | None:

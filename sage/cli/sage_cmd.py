@@ -10,21 +10,28 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import signal
 import sys
 import threading
 import time
 from typing import Any
 
-import anyio
 import msgspec
 
 from bus import BusError, NoResponders
 from sage import replies
 from sage.cli._commands import summary
 from sage.cli._common import add_common, call_runner, printable
-from sage.cli._connect import config_of, connect, print_json
-from sage.contract.sessions import turn_size, turn_too_large
+from sage.cli._connect import connect, print_json
+from sage.cli.turn import (
+    ARGS_SHOWN,
+    EXIT_SESSION_ENDED,
+    EXIT_TURN_FAILED,
+    WAKE_TIMEOUT,
+    age,
+    ask,
+    event_line,
+)
+from sage.cli.turn import send as _send
 from sage.errors import SageError
 from sage.replies import ReplyError
 
@@ -32,14 +39,6 @@ __all__ = ("call_session", "register")
 
 SPAWN_TIMEOUT = 30.0
 PLACE_TIMEOUT = 120.0  # a placed spawn may ask several nodes in turn
-WAKE_TIMEOUT = 180.0
-EXIT_TURN_FAILED = 3
-"""``send``'s exit code for a turn that ran and failed (the reason on stderr)."""
-EXIT_SESSION_ENDED = 4
-"""``send``'s exit code for a session that ended during the turn."""
-"""Seconds a send (or ``watch --wake``) waits for its answer: a hibernated session is
-woken first, which may wait for a live slot (``[sessions] wake_wait``, at most 60 s) and
-for its new child's ``initialize`` (``[limits] init_timeout``)."""
 
 
 def register(sub: Any) -> None:
@@ -307,7 +306,7 @@ async def _spawn(args: argparse.Namespace) -> int:
     if args.message:
         payload["initial_message"] = args.message
     if args.cwd is not None:
-        payload["cwd"] = str(await anyio.Path(args.cwd).absolute())  # from where astrid runs
+        payload["cwd"] = str(await _absolute(args.cwd))  # from where astrid runs
     if args.model is not None:
         payload["model"] = args.model
     async with connect(args) as client:
@@ -331,53 +330,20 @@ async def _spawn(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _send(args: argparse.Namespace) -> int:
-    text = sys.stdin.read() if args.text == "-" else args.text
-    sid = args.session
-    size, limit = turn_size(text), config_of(args).limits.stdin_quota
-    if size > limit:  # the runner refuses it too; say so before anything is sent
-        raise SageError(
-            f"payload_too_large: {turn_too_large(size, limit)}", code="payload_too_large"
-        )
-    async with connect(args) as client:
-        events = await client.subscribe(f"sage.v1.event.{sid}.>")
-        approve = args.approve or ("prompt" if sys.stdin.isatty() else "deny")
-        if approve != "deny":  # present as this session's approver: calls wait for us
-            await client.subscribe(f"sage.v1.approver.{sid}")
-        # Ctrl-C is ours from before the turn is sent: its first text may already be here
-        with anyio.open_signal_receiver(signal.SIGINT) as signals:
-            sent = await call_session(client, "send", sid, {"text": text}, WAKE_TIMEOUT)
-            turn = _Turn(client, sid, int(sent.get("turn") or 0), json_output=args.json)
-            turn.approve = approve
-            with anyio.move_on_after(args.timeout or None) as waited:
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(turn.watch_interrupts, signals)
-                    code = await turn.follow(events)
-                    tg.cancel_scope.cancel()
-        if waited.cancelled_caught:
-            print(
-                f"\nastrid: the turn did not end within {args.timeout:g} s; session {sid} goes on",
-                file=sys.stderr,
-            )
-            return 124  # as timeout(1)
-        return code
-
-
-ARGS_SHOWN = 120  # characters of a tool call's arguments send prints
-
-
 async def _ask_at_terminal(
     request: dict[str, Any], *, where: bool = False
 ) -> dict[str, Any] | None:
-    """:func:`_ask` in a daemon thread: a question left open when the turn ends (it timed
-    out, someone else answered) must not keep astrid waiting for a line at exit."""
+    """:func:`~sage.cli.turn.ask` in a daemon thread: a question left open when the
+    watch ends must not keep astrid waiting for a line at exit."""
+    import anyio
+
     token = anyio.lowlevel.current_token()
     done = anyio.Event()
     box: list[dict[str, Any] | None] = []
 
     def run() -> None:
         try:
-            box.append(_ask(request, where=where))
+            box.append(ask(request, where=where))
         finally:
             with contextlib.suppress(Exception):  # the loop may be gone: nobody waits
                 anyio.from_thread.run_sync(done.set, token=token)
@@ -385,208 +351,6 @@ async def _ask_at_terminal(
     threading.Thread(target=run, name="astrid-approval", daemon=True).start()
     await done.wait()
     return box[0] if box else None
-
-
-def _ask(request: dict[str, Any], *, where: bool = False) -> dict[str, Any] | None:
-    """The approval question at the terminal (run in a thread: input blocks); ``where``:
-    name the session and principal (``approvals --watch`` asks for many)."""
-    tool = str(request.get("tool_name", "?"))
-    args = msgspec.json.encode(request.get("arguments", {})).decode()
-    if len(args) > ARGS_SHOWN:
-        args = args[: ARGS_SHOWN - 3] + "..."
-    left = max(0.0, float(request.get("expires_at") or 0.0) - time.time())
-    principal = request.get("principal_id", "")
-    session = printable(f" in session {request.get('session_id')} of {principal}") if where else ""
-    sys.stderr.write(
-        f"\n[approval] Claude wants to run {tool} {args}{session}\n"
-        f"  y = yes, a = yes, and always for {principal} ({tool}), n = no"
-        f" ({left:.0f} s to answer)\n"
-    )
-    while True:
-        sys.stderr.write("allow? [y/a/n] ")
-        sys.stderr.flush()
-        try:
-            line = sys.stdin.readline()
-        except (OSError, ValueError):
-            return None
-        if not line:
-            return None  # the terminal closed: leave it to time out
-        choice = line.strip().lower()
-        if choice in ("y", "yes"):
-            return {"allowed": True}
-        if choice in ("a", "always"):
-            return {"allowed": True, "always": True}
-        if choice in ("n", "no"):
-            sys.stderr.write("reason (optional, Enter for none): ")
-            sys.stderr.flush()
-            reason = sys.stdin.readline().strip()
-            return {"allowed": False, **({"reason": reason} if reason else {})}
-
-
-def _tool_use(data: dict[str, Any]) -> str:
-    args = data.get("input_preview") or msgspec.json.encode(data.get("input", {})).decode()
-    if len(args) > ARGS_SHOWN:
-        args = args[: ARGS_SHOWN - 3] + "..."
-    return f"[tool] {data.get('name', '?')} {args}"
-
-
-def _tool_result(data: dict[str, Any]) -> str:
-    took = data.get("duration_ms")
-    when = f" ({took} ms)" if took is not None else ""
-    return f"[tool] {data.get('name') or data.get('tool_use_id')} {'error' if data.get('is_error') else 'ok'}{when}"
-
-
-def _retry(data: dict[str, Any]) -> str:
-    status = f" (HTTP {data['status']})" if data.get("status") else ""
-    delay = (data.get("delay_ms") or 0) / 1000
-    return (
-        f"[api] retrying ({data.get('attempt')}/{data.get('max_retries')}):"
-        f" {data.get('error') or 'error'}{status}, next try in {delay:.1f} s"
-    )
-
-
-def _waking(data: dict[str, Any]) -> str:
-    since = data.get("hibernated_at")
-    ago = f" (hibernated {_age(time.time() - float(since))} ago)" if since else ""
-    return f"[session] resuming {data.get('session_id', '')}{ago}"
-
-
-def _approval_line(data: dict[str, Any]) -> str:
-    source = str(data.get("source", ""))
-    if source == "timeout":
-        verdict = "timed out: denied"
-    elif data.get("allowed"):
-        verdict = f"allowed by the rule {data['rule']}" if data.get("rule") else "allowed"
-    else:
-        reason = data.get("reason") or ""
-        verdict = "denied" + (f": {reason}" if reason else "")
-    return f"[approval] {data.get('tool_name')} {verdict}"
-
-
-#: Events send prints on stderr, one line each, beside the reply on stdout.
-_NOTES = {
-    "tool_use": _tool_use,
-    "tool_result": _tool_result,
-    "retry": _retry,
-    "approval": _approval_line,
-    "waking": _waking,
-}
-
-
-class _Turn:
-    """One sent turn: prints its events, ends at its ``done``; Ctrl-C interrupts the
-    turn (the session stays ready), a second Ctrl-C detaches at once."""
-
-    def __init__(self, client: Any, sid: str, number: int, *, json_output: bool) -> None:
-        self.client = client
-        self.sid = sid
-        self.number = number  # events of earlier turns still running are not ours
-        self.json = json_output
-        self.interrupted = False
-        self.scope: anyio.CancelScope | None = None
-        self.approve = "deny"  # prompt | deny | ask
-        self._prompting = anyio.Lock()
-
-    async def follow(self, events: Any) -> int:
-        async with anyio.create_task_group() as prompts:
-            self._prompts = prompts
-            code = await self._follow(events)
-            prompts.cancel_scope.cancel()
-        return code
-
-    async def _follow(self, events: Any) -> int:
-        out = sys.stdout
-        with anyio.CancelScope() as self.scope:
-            async for envelope in events:
-                name = envelope.topic.rsplit(".", 1)[1]
-                data = msgspec.json.decode(envelope.payload)
-                if name in ("text", "done") and int(data.get("turn") or self.number) < self.number:
-                    continue  # the tail of an earlier turn of this session
-                if self.json:
-                    print_json(event_line(name, envelope.ts, data))
-                elif name == "text":
-                    out.write(data.get("delta", ""))
-                    out.flush()
-                elif name in _NOTES:
-                    print(_NOTES[name](data), file=sys.stderr, flush=True)
-                    if name == "approval" and data.get("source") == "no_approver":
-                        print(
-                            "  (astrid sage send --approve prompt|ask waits for an answer)",
-                            file=sys.stderr,
-                            flush=True,
-                        )
-                if name == "approval_request":
-                    self._prompts.start_soon(self._approval, data)
-                if name == "done":
-                    if not self.json:
-                        out.write("\n")
-                    if self.interrupted:
-                        print(f"astrid: turn {self.number} interrupted", file=sys.stderr)
-                        return 130
-                    if data.get("is_error"):
-                        reason = data.get("reason") or data.get("subtype") or "failed"
-                        said = f": {printable(str(data['message']))}" if data.get("message") else ""
-                        print(f"astrid: the turn failed: {reason}{said}", file=sys.stderr)
-                        return EXIT_TURN_FAILED
-                    return 0
-                if name in ("exited", "error"):
-                    reason = data.get("reason")
-                    print(f"astrid: session {self.sid}: {reason}", file=sys.stderr)
-                    return EXIT_SESSION_ENDED if name == "exited" else EXIT_TURN_FAILED
-            raise SageError("the connection ended before the turn did")
-        print(f"astrid: detached; session {self.sid} goes on", file=sys.stderr)
-        return 130
-
-    async def _approval(self, request: dict[str, Any]) -> None:
-        """Answer an approval this turn needs: ask at the terminal, deny, or leave it."""
-        cid = str(request.get("approval_id", ""))
-        if self.approve == "ask":
-            print(
-                f"[approval] waiting: `astrid sage approve {cid}` or `astrid sage deny {cid}`",
-                file=sys.stderr,
-                flush=True,
-            )
-            return
-        if self.approve == "deny":  # another approver made it wait: answer for us
-            await self._answer(cid, {"allowed": False, "reason": "denied: nobody to ask"})
-            return
-        async with self._prompting:  # one question at a time
-            answer = await _ask_at_terminal(request)
-        if answer is not None:
-            await self._answer(cid, answer)
-
-    async def _answer(self, cid: str, answer: dict[str, Any]) -> None:
-        try:
-            await call_runner(self.client, f"sage.v1.request.approve.{cid}", answer, 10.0)
-        except (SageError, BusError) as exc:
-            print(f"astrid: the answer was not taken: {exc}", file=sys.stderr, flush=True)
-
-    async def watch_interrupts(self, signals: Any) -> None:
-        async with anyio.create_task_group() as tg:
-            async for _ in signals:
-                if self.interrupted:  # a second Ctrl-C: leave the turn to itself
-                    if self.scope is not None:
-                        self.scope.cancel()
-                    tg.cancel_scope.cancel()
-                    return
-                self.interrupted = True
-                print(
-                    "\nastrid: interrupting the turn (Ctrl-C again to detach)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                tg.start_soon(self._interrupt)  # the next Ctrl-C must not wait for it
-
-    async def _interrupt(self) -> None:
-        try:
-            await call_session(self.client, "interrupt", self.sid, {}, 10.0)
-        except (SageError, BusError) as exc:
-            print(f"astrid: interrupt failed: {exc}", file=sys.stderr)
-
-
-def event_line(name: str, ts: float | None, data: Any) -> dict[str, Any]:
-    """One session event as ``send --json`` and ``watch`` both print it."""
-    return {"event": name, "ts": ts or time.time(), "data": data}
 
 
 async def _sessions(args: argparse.Namespace) -> int:
@@ -622,14 +386,14 @@ async def _sessions(args: argparse.Namespace) -> int:
             (f"{printable(row.get('node', '')):<10} " if fleet else "")
             + f"{printable(row['session_id']):<20} {printable(row.get('principal_id', '')):<12} "
             f"{printable(row.get('pid') or '-'):>8} {printable(row['state']):<11}"
-            f" {_age(_row_age(row)):>8} "
+            f" {age(_rowage(row)):>8} "
             f"{printable(row.get('turns', 0)):>5} ${row.get('cost_usd', 0.0):.4f}"
             + (f"  {_how(row)}" if row["state"] == "ended" else "")
         )
     return 0
 
 
-def _row_age(row: dict[str, Any]) -> float:
+def _rowage(row: dict[str, Any]) -> float:
     """AGE has one meaning: since the session was spawned (across hibernation, respawns and
     a failover; an ended session's too, its end shown beside it)."""
     started = row.get("started_at") or 0.0
@@ -645,15 +409,6 @@ def _how(row: dict[str, Any]) -> str:
     sig = row.get("signal")
     how = f"signal {sig}" if sig is not None else f"exit {code}" if code is not None else ""
     return printable(f"ended {when}: {row.get('reason', '')}{' (' + how + ')' if how else ''}")
-
-
-def _age(seconds: float) -> str:
-    s = int(seconds)
-    if s < 120:
-        return f"{s}s"
-    if s < 7200:
-        return f"{s // 60}m"
-    return f"{s // 3600}h"
 
 
 async def _watch(args: argparse.Namespace) -> int:
@@ -787,9 +542,7 @@ async def _settings(args: argparse.Namespace) -> int:
     if args.identity is not None:
         try:
             patch["identity"] = (
-                sys.stdin.read()
-                if args.identity == "-"
-                else await anyio.Path(args.identity).read_text(encoding="utf-8")
+                sys.stdin.read() if args.identity == "-" else await _read_text(args.identity)
             )
         except (OSError, UnicodeDecodeError) as exc:
             raise SageError(f"--identity {args.identity}: cannot read it: {exc}") from None
@@ -831,3 +584,15 @@ async def _simple(args: argparse.Namespace) -> int:
     else:
         print(f"{args.verb}: {args.session}")
     return 0
+
+
+async def _read_text(path: str) -> str:
+    import anyio  # the commands that run a loop import it (anyio.run), not the module
+
+    return await anyio.Path(path).read_text(encoding="utf-8")
+
+
+async def _absolute(path: str) -> str:
+    import anyio
+
+    return str(await anyio.Path(path).absolute())

@@ -166,7 +166,7 @@ async def test_send_shows_tool_calls_on_stderr(sage: Sage) -> None:
 
 
 def test_retry_lines_say_attempt_reason_and_delay() -> None:
-    from sage.cli.sage_cmd import _retry
+    from sage.cli.turn import retry_line as _retry
 
     line = _retry(
         {"attempt": 3, "max_retries": 10, "status": 529, "error": "overloaded", "delay_ms": 2150}

@@ -59,3 +59,11 @@ def test_astrid_status_imports_no_event_loop() -> None:
     loaded = _loaded("status", "--config", "/nonexistent/supervisor.toml")
     assert "sage.cli.status" in loaded
     assert not {"anyio", "asyncio", "structlog", "bus.broker", "sage.cli.sage_cmd"} & loaded
+
+
+def test_astrid_sage_send_imports_no_event_loop() -> None:
+    """send follows its turn with the blocking client: no anyio, asyncio or ssl, and
+    not the stream decoder (it sizes the turn with one encoder)."""
+    loaded = _loaded("sage", "send", "s1", "hi", "--config", "/nonexistent/supervisor.toml")
+    assert "sage.cli.turn" in loaded
+    assert not {"anyio", "asyncio", "ssl", "sage.claude.protocol.decoder"} & loaded
