@@ -447,6 +447,14 @@ async def _watch(args: argparse.Namespace) -> int:
 
 
 async def _approvals(args: argparse.Namespace) -> int:
+    if args.watch and not sys.stdin.isatty():
+        # It would stand as the approver (calls wait for it instead of being denied at
+        # once), read end of input at the first question and leave it to time out.
+        raise SageError(
+            "approvals --watch asks at a terminal and stdin is not one; off a terminal,"
+            " answer with `astrid sage approve ID` / `astrid sage deny ID`",
+            code="no_terminal",
+        )
     async with connect(args) as client:
         if args.watch:
             return await _watch_approvals(client)

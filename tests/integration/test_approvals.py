@@ -245,3 +245,14 @@ async def test_approvals_watch_names_the_session_and_says_what_the_answer_did(
     await sender.aclose()
     watcher.proc.send_signal(signal.SIGINT)
     await watcher.finish()
+
+
+async def test_approvals_watch_off_a_terminal_is_refused_before_it_stands_as_approver(
+    sage: Sage,
+) -> None:
+    """Off a terminal, `approvals --watch` exits 1 and says so instead of standing as approver."""
+    with anyio.fail_after(15):
+        code, out, err = await sage.astrid("sage", "approvals", "--watch", stdin=b"")
+    assert (code, out) == (1, "")
+    assert err.startswith("astrid: approvals --watch asks at a terminal"), err
+    assert "astrid sage approve ID" in err
