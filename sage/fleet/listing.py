@@ -230,7 +230,7 @@ class Listing:
         async def check(sid: str, node: str) -> None:
             with contextlib.suppress(FleetError):
                 claim, _ = await self.member.claim_of(sid)
-                if claim is not None and claim.node != node:
+                if claim is not None and claim.holder != node:
                     moved.add((sid, node))
 
         with anyio.move_on_after(LISTING_DEADLINE):

@@ -171,11 +171,11 @@ class RegistryKeeper:
         if claims is None:
             return
         claim, revision = await self.member.claim_of(sid)
-        if claim is None or claim.node != self.node or await self.member.entries_of(sid):
+        if claim is None or claim.holder != self.node or await self.member.entries_of(sid):
             return
         # taken meanwhile: it stays
         with contextlib.suppress(FleetRaceLost), nats_errors(f"the {CLAIMS} bucket"):
-            await claims.delete(sid, last=revision)
+            await claims.withdraw(sid, last=revision)
 
     # -- resync -----------------------------------------------------------------------
 
