@@ -1,9 +1,12 @@
 """Failover's claims in the ``sage_claims`` bucket: a compare-and-set no third node can forge.
 
-Each node writes only its own keys, ``$KV.sage_claims.<node>.<sid>`` (its NATS user
-may publish nothing else there: sage/fleet/permissions.py), so the server proves who
-wrote a claim.  A session's claim is the *latest* message of all its keys,
-``$KV.sage_claims.*.<sid>`` (:meth:`Claims.latest`, read from the stream's leader).
+Each node writes only its own keys, ``$KV.sage_claims.<node>.<principal>.<sid>`` (its
+NATS user may publish nothing else there: sage/fleet/permissions.py), so the server
+proves who wrote a claim.  Session ids are each node's (two principals may each have a
+``review`` on two nodes), so a session is named across the fleet by its principal and
+its id: its claim is the *latest* message of all its keys,
+``$KV.sage_claims.*.<principal>.<sid>`` (:meth:`Claims.latest`, read from the stream's
+leader), and no claim to one principal's session touches another's.
 A write names the revision of that latest message
 (``Nats-Expected-Last-Subject-Sequence`` with ``Nats-Expected-Last-Subject-Sequence-Subject``
 set to the session's subject filter: NATS 2.11 and later), so it fails when any
@@ -47,11 +50,12 @@ class Claims:
         self.js = js
         self.node = node
 
-    async def latest(self, sid: str) -> tuple[Claim | None, int]:
-        """``sid``'s claim (None: none, withdrawn, or unusable) and the revision a write
-        names to replace it (0: no node ever wrote one).  A value whose ``node`` is not
-        its key's writer is a lie, and counts as none."""
-        subjects = claim_filter(sid)
+    async def latest(self, principal: str, sid: str) -> tuple[Claim | None, int]:
+        """``principal``'s session ``sid``'s claim (None: none, withdrawn, or unusable) and
+        the revision a write names to replace it (0: no node ever wrote one).  A value
+        whose ``node`` is not its key's writer, or whose ``principal_id`` is not its key's,
+        is a lie, and counts as none."""
+        subjects = claim_filter(principal, sid)
         try:
             with nats_errors(f"the {CLAIMS} bucket"):
                 msg = await self.js.get_last_msg(CLAIMS_STREAM, subjects, direct=False)
@@ -63,30 +67,33 @@ class Claims:
         if operation in ("DEL", "PURGE") or not writer:
             return None, revision
         claim = decode_claim(msg.data or b"")
-        if claim is None or claim.node != writer[0]:
+        if claim is None or claim.node != writer[0] or claim.principal_id != principal:
             return None, revision
         return claim, revision
 
     async def write(self, sid: str, claim: Claim, last: int) -> int:
-        """Store ``claim`` (this node's) under this node's key for ``sid`` if ``last`` is
-        still the revision of the session's latest claim; its revision, or
-        FleetRaceLost when another node wrote meanwhile."""
+        """Store ``claim`` (this node's, to ``claim.principal_id``'s session ``sid``) under
+        this node's key if ``last`` is still the revision of the session's latest claim;
+        its revision, or FleetRaceLost when another node wrote meanwhile."""
         if claim.node != self.node:
             raise ValueError(f"node {self.node!r} writes its own claims, not {claim.node!r}'s")
+        if not claim.principal_id:
+            raise ValueError(f"a claim to {sid!r} names its principal")
+        principal = claim.principal_id
         with nats_errors(f"the {CLAIMS} bucket"):
             ack = await self.js.publish(
-                f"$KV.{CLAIMS}.{claim_key(self.node, sid)}",
+                f"$KV.{CLAIMS}.{claim_key(self.node, principal, sid)}",
                 claim.encode(),
-                headers=cas_headers(last, claim_filter(sid)),
+                headers=cas_headers(last, claim_filter(principal, sid)),
             )
         return int(ack.seq)
 
-    async def withdraw(self, sid: str, last: int) -> int:
-        """Withdraw this node's claim to ``sid`` (a delete marker on its own key) if
-        ``last`` is still the latest revision; FleetRaceLost if not."""
-        headers = {**cas_headers(last, claim_filter(sid)), _OPERATION: "DEL"}
+    async def withdraw(self, principal: str, sid: str, last: int) -> int:
+        """Withdraw this node's claim to ``principal``'s ``sid`` (a delete marker on its own
+        key) if ``last`` is still the latest revision; FleetRaceLost if not."""
+        headers = {**cas_headers(last, claim_filter(principal, sid)), _OPERATION: "DEL"}
         with nats_errors(f"the {CLAIMS} bucket"):
             ack = await self.js.publish(
-                f"$KV.{CLAIMS}.{claim_key(self.node, sid)}", b"", headers=headers
+                f"$KV.{CLAIMS}.{claim_key(self.node, principal, sid)}", b"", headers=headers
             )
         return int(ack.seq)

@@ -91,9 +91,11 @@ ADOPTIONS = 4  # sessions restored and started at once
 STAGGER = 0.5  # seconds a node waits per node ranked before it for a session
 RECHECK = 2.0  # seconds to the next pass after a race lost: the winner may release it
 REFUSED_FOR = 30.0  # seconds a node leaves alone a session it refused (no room, say)
-ADOPT_REFUSALS = NODE_REFUSALS - {ErrorCode.FLEET_UNAVAILABLE}
+ADOPT_REFUSALS = (NODE_REFUSALS - {ErrorCode.FLEET_UNAVAILABLE}) | {ErrorCode.DUPLICATE_SESSION}
 """A runner's refusals of an adoption another node might not give: the claim is released
-for the next node.  (No answer in time is not one: the session may yet start here.)"""
+for the next node.  (No answer in time is not one: the session may yet start here.)  A
+session of another principal with the same id here (ids are each node's) is one: the
+next node takes it."""
 OWED = 4096  # sessions whose replica may wait at once
 STORE_DEADLINE = 30.0
 
@@ -306,7 +308,7 @@ class Failover:
         try:
             # read before the wait: a node first wins only once
             with nats_errors(f"the {CLAIMS} bucket"), anyio.fail_after(5.0):
-                claim, revision = await self.member.claim_of(sid)
+                claim, revision = await self.member.claim_of(entry.principal_id, sid)
             claim_state = self.tries.setdefault(
                 sid, Machine(f"claim {sid}", CLAIM_TRANSITIONS, ClaimState.PLANNED)
             )
@@ -523,7 +525,10 @@ class Failover:
             return replies.error(ErrorCode.NOT_AUTHORIZED, "only the session runner asks this")
         try:
             body = msgspec.json.decode(request.payload or b"{}", type=ClaimsRequest)
-            sids = [check_name(sid, "session id") for sid in body.session_ids]
+            sessions = {
+                check_name(sid, "session id"): check_name(body.principals.get(sid, ""), "principal")
+                for sid in body.session_ids
+            }
         except (msgspec.DecodeError, msgspec.ValidationError, SageError) as exc:
             return replies.error(ErrorCode.BAD_REQUEST, f"claims: {exc}")
         registry, claims = self.member.registry, self.member.claims
@@ -531,16 +536,17 @@ class Failover:
             return replies.error(ErrorCode.FLEET_UNAVAILABLE, "NATS is not connected")
         try:
             with nats_errors(f"the {CLAIMS} bucket"), anyio.fail_after(10.0):
-                elsewhere = await self.take_back(sids)
+                elsewhere = await self.take_back(sessions)
         except FleetError as exc:
             return replies.error(ErrorCode.FLEET_UNAVAILABLE, f"the registry: {describe(exc)}")
         if elsewhere:
             log.info("fleet.sessions_taken_elsewhere", sessions=elsewhere)
         return replies.ok(**msgspec.to_builtins(ClaimsReply(elsewhere=elsewhere)))
 
-    async def take_back(self, sids: list[str]) -> dict[str, str]:
-        """Of ``sids`` (this node's sessions, at its start or back after it may have
-        been judged lost), those another node took (id -> node): this node's registry
+    async def take_back(self, sessions: dict[str, str]) -> dict[str, str]:
+        """Of ``sessions`` (id -> principal: this node's sessions, at its start or back
+        after it may have been judged lost), those another node took (id -> node): this
+        node's registry
         entry for each goes at once (two live entries would be a conflict).  The others
         are claimed again for this node in ``sage_claims``: an adopter that read the
         revision before is late and loses its race.  A FleetError when the buckets cannot
@@ -549,9 +555,9 @@ class Failover:
         assert registry is not None
         assert claims is not None
         elsewhere: dict[str, str] = {}
-        for sid in sids:
+        for sid, principal in sessions.items():
             for _ in range(3):
-                claim, revision = await self.member.claim_of(sid)
+                claim, revision = await self.member.claim_of(principal, sid)
                 node = runs_elsewhere(self.node, claim)
                 if node is not None:
                     elsewhere[sid] = node
@@ -560,19 +566,13 @@ class Failover:
                     break
                 if claim is not None and claim.node == self.node and not claim.back:
                     break  # this node's own claim is the latest already
-                again = Claim(
-                    node=self.node, at=time.time(), principal_id=self._principal_of(claim)
-                )
+                again = Claim(node=self.node, at=time.time(), principal_id=principal)
                 try:  # an adopter that read the same revision now loses its race
                     await claims.write(sid, again, last=revision)
                     break
                 except FleetRaceLost:
                     continue
         return elsewhere
-
-    @staticmethod
-    def _principal_of(claim: Claim | None) -> str:
-        return "" if claim is None else claim.principal_id
 
     def _audit(self, kind: str, payload: dict[str, Any]) -> None:
         try:
@@ -585,16 +585,17 @@ def lost_entries(
     entries: list[tuple[str, SessionEntry, int]], live: set[str]
 ) -> dict[str, tuple[SessionEntry, int]]:
     """Per session id, the registry entry a lost node's session would be adopted from:
-    none for a session a live node claims (it runs there, or is being adopted); of
+    none for a session a live node claims for the same principal (it runs there, or is
+    being adopted; another principal's session of that id is another session); of
     several claims of nodes none live, the latest."""
     out: dict[str, tuple[SessionEntry, int]] = {}
-    taken: set[str] = set()
+    taken: set[tuple[str, str]] = set()
     for sid, entry, revision in entries:
         if entry.node in live:
-            taken.add(sid)
+            taken.add((entry.principal_id, sid))
         elif sid not in out or entry.at > out[sid][0].at:
             out[sid] = (entry, revision)
-    return {sid: found for sid, found in out.items() if sid not in taken}
+    return {sid: found for sid, found in out.items() if (found[0].principal_id, sid) not in taken}
 
 
 def _home_of(config: Config, principal: PrincipalConfig) -> tuple[Path, int, int]:

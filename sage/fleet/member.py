@@ -399,13 +399,13 @@ class FleetMember:
                 out.append((keyed[0], keyed[1], value.revision))
         return out
 
-    async def claim_of(self, sid: str) -> tuple[Claim | None, int]:
-        """The claim of ``sid``: the latest of its ``sage_claims`` keys (its registry
-        entries are :meth:`entries_of`'s) and the revision a write names to replace it
-        (0: never written)."""
+    async def claim_of(self, principal: str, sid: str) -> tuple[Claim | None, int]:
+        """The claim of ``principal``'s session ``sid``: the latest of its ``sage_claims``
+        keys (its registry entries are :meth:`entries_of`'s) and the revision a write names
+        to replace it (0: never written)."""
         claims = self.claims
         assert claims is not None
-        return await claims.latest(check_name(sid, "session id"))
+        return await claims.latest(principal, check_name(sid, "session id"))
 
     async def leave(self) -> None:
         """Say this node stopped (best effort, NATS may be gone), then close the connection;

@@ -85,9 +85,9 @@ REGISTRY = "sage_sessions"
 it is (a node may write only its own keys)."""
 REGISTRY_STREAM = f"KV_{REGISTRY}"
 CLAIMS = "sage_claims"
-"""The key-value bucket deciding failover's races: ``<node>.<sid>`` -> that node's claim
-(each node writes its own keys, every write naming the last revision of all the
-session's keys; never used to route)."""
+"""The key-value bucket deciding failover's races: ``<node>.<principal>.<sid>`` -> that
+node's claim to that principal's session (each node writes its own keys, every write
+naming the last revision of all the session's keys; never used to route)."""
 CLAIMS_STREAM = f"KV_{CLAIMS}"
 
 SESSION_VERBS = frozenset({"send", "stop", "interrupt", "session", "wake"})
@@ -220,7 +220,9 @@ class Claim(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Fal
     """A ``sage_claims`` value: ``node`` (the writer, whose name its key starts with: the
     server proves it) took the session over, or took it back, or gives it ``back``.
 
-    A session's claim is the latest of its keys ``<node>.<sid>`` (the stream's order);
+    A session's claim is the latest of its keys ``<node>.<principal>.<sid>`` (the
+    stream's order): session ids are each node's, so the principal is part of what
+    names a session across the fleet, and one principal's claims never touch another's;
     every write names the revision it read of them all (sage/fleet/claims.py), so two
     nodes never both win, and no node writes a claim in another's name.  A lost node's
     entry in the registry may outlive the session (it stays until that node comes back
@@ -257,16 +259,17 @@ def decode_claim(data: bytes) -> Claim | None:
     return claim
 
 
-def claim_key(node: str, sid: str) -> str:
-    """The ``sage_claims`` key of ``node``'s claim to ``sid``: under its own name, the only
-    keys its NATS user may write."""
-    return registry_key(node, sid)
+def claim_key(node: str, principal: str, sid: str) -> str:
+    """The ``sage_claims`` key of ``node``'s claim to ``principal``'s session ``sid``:
+    under its own name, the only keys its NATS user may write."""
+    return f"{check_name(node, 'node')}.{check_name(principal, 'principal')}.{check_name(sid, 'session id')}"
 
 
-def claim_filter(sid: str) -> str:
-    """The subject of every node's claim to ``sid``: a write names the last revision of
-    them all, so it fails when any node wrote since."""
-    return f"$KV.{CLAIMS}.*.{check_name(sid, 'session id')}"
+def claim_filter(principal: str, sid: str) -> str:
+    """The subject of every node's claim to ``principal``'s session ``sid``: a write names
+    the last revision of them all, so it fails when any node wrote since; another
+    principal's session of the same id has keys of its own."""
+    return f"$KV.{CLAIMS}.*.{check_name(principal, 'principal')}.{check_name(sid, 'session id')}"
 
 
 def decode_forwarded(data: bytes) -> Forwarded:

@@ -96,8 +96,9 @@ def test_a_claim_under_a_lost_nodes_name_is_not_followed(
     async def main() -> None:
         async with cluster.client("b") as rogue:
             claims = Claims(rogue.jetstream(timeout=JS_TIMEOUT), "b")
-            _, last = await claims.latest("t2")
-            await claims.write("t2", Claim(node="b", at=time.time(), failed=True), last)
+            _, last = await claims.latest("alice", "t2")
+            lie = Claim(node="b", at=time.time(), principal_id="alice", failed=True)
+            await claims.write("t2", lie, last)
 
     anyio.run(main)
     status = json.loads(c.astrid("fleet", "status", "--json", timeout=30.0).stdout)

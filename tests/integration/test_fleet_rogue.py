@@ -45,6 +45,8 @@ def own_subject(spec: StreamSpec, node: str, key: str = "x") -> str:
         return f"$KV.{spec.bucket}.{node}"
     if spec.bucket == TRANSCRIPTS:
         return f"$KV.{spec.bucket}.{node}.{key}.meta"
+    if spec.bucket == CLAIMS:
+        return f"$KV.{spec.bucket}.{node}.alice.{key}"
     return f"$KV.{spec.bucket}.{node}.{key}"
 
 
@@ -113,7 +115,7 @@ async def test_no_one_purges_or_deletes_a_message_of_a_fleet_stream(
 
 @pytest.mark.parametrize(
     ("bucket", "key"),
-    [(CLAIMS, "a.s9"), (TRANSCRIPTS, "a.s9.meta"), (TRANSCRIPTS, "a.s9.0")],
+    [(CLAIMS, "a.alice.s9"), (TRANSCRIPTS, "a.s9.meta"), (TRANSCRIPTS, "a.s9.0")],
 )
 async def test_a_node_writes_no_claim_or_transcript_under_another_nodes_name(
     fleet: Fleet, bucket: str, key: str
@@ -147,7 +149,10 @@ async def test_a_claim_race_has_one_winner_and_no_third_node_writes_for_another(
     async with cluster.client("b") as b, cluster.client("c") as c:
         claims_b = Claims(b.jetstream(timeout=JS_TIMEOUT), "b")
         claims_c = Claims(c.jetstream(timeout=JS_TIMEOUT), "c")
-        (_, seen_b), (_, seen_c) = await claims_b.latest(sid), await claims_c.latest(sid)
+        (_, seen_b), (_, seen_c) = (
+            await claims_b.latest("alice", sid),
+            await claims_c.latest("alice", sid),
+        )
         assert seen_b == seen_c == 0
         results: dict[str, Any] = {}
 
@@ -162,22 +167,37 @@ async def test_a_claim_race_has_one_winner_and_no_third_node_writes_for_another(
             tg.start_soon(race, "c", claims_c)
         won = [name for name, got in results.items() if isinstance(got, int)]
         assert len(won) == 1, results
-        claim, revision = await claims_b.latest(sid)
+        claim, revision = await claims_b.latest("alice", sid)
         assert claim is not None
         assert claim.holder == won[0]
         loser = claims_c if won == ["b"] else claims_b
         with pytest.raises(FleetRaceLost):
-            await loser.write(sid, Claim(node=loser.node), 0)
+            await loser.write(sid, Claim(node=loser.node, principal_id="alice"), 0)
         with pytest.raises(ValueError, match="writes its own claims"):
-            await loser.write(sid, Claim(node=won[0]), revision)
+            await loser.write(sid, Claim(node=won[0], principal_id="alice"), revision)
+        # bob's session of the same id is another session: its claims race apart
+        assert await claims_b.latest("bob", sid) == (None, 0)
+        await loser.write(sid, Claim(node=loser.node, principal_id="bob"), 0)
+        bobs, _ = await claims_b.latest("bob", sid)
+        assert bobs is not None
+        assert bobs.holder == loser.node
+        assert (await claims_b.latest("alice", sid))[0] == claim
         # a value naming another node than its key's writer is not taken as that node's
         js = (b if loser.node == "b" else c).jetstream(timeout=JS_TIMEOUT)
         await js.publish(
-            f"$KV.{CLAIMS}.{loser.node}.{sid}",
-            Claim(node=won[0], back="a").encode(),
-            headers=cas_headers(revision, claim_filter(sid)),
+            f"$KV.{CLAIMS}.{loser.node}.alice.{sid}",
+            Claim(node=won[0], principal_id="alice", back="a").encode(),
+            headers=cas_headers(revision, claim_filter("alice", sid)),
         )
-        claim, _ = await claims_b.latest(sid)
+        claim, revision = await claims_b.latest("alice", sid)
+        assert claim is None
+        # nor one naming another principal than its key's
+        await js.publish(
+            f"$KV.{CLAIMS}.{loser.node}.alice.{sid}",
+            Claim(node=loser.node, principal_id="bob").encode(),
+            headers=cas_headers(revision, claim_filter("alice", sid)),
+        )
+        claim, _ = await claims_b.latest("alice", sid)
         assert claim is None
 
 

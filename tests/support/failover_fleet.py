@@ -142,13 +142,15 @@ def stored(
     return None
 
 
-def claim(cluster: NatsCluster, sid: str) -> dict[str, Any] | None:
-    """``sid``'s claim in ``sage_claims`` (the latest of every node's keys, as the NATS
+def claim(cluster: NatsCluster, sid: str, principal: str = "alice") -> dict[str, Any] | None:
+    """``principal``'s session ``sid``'s claim in ``sage_claims`` (the latest of every node's keys, as the NATS
     admin), with ``holder``; None: none, or withdrawn."""
 
     async def main() -> dict[str, Any] | None:
         async with cluster.client() as nc:
-            found, _ = await Claims(nc.jetstream(timeout=JS_TIMEOUT), "admin").latest(sid)
+            found, _ = await Claims(nc.jetstream(timeout=JS_TIMEOUT), "admin").latest(
+                principal, sid
+            )
         if found is None:
             return None
         return {**msgspec.to_builtins(found), "holder": found.holder}
@@ -163,7 +165,7 @@ def put_claim(cluster: NatsCluster, sid: str, claim: Claim) -> None:
     async def main() -> None:
         async with cluster.client() as nc:
             js = nc.jetstream(timeout=JS_TIMEOUT)
-            _, revision = await Claims(js, claim.node).latest(sid)
+            _, revision = await Claims(js, claim.node).latest(claim.principal_id, sid)
             await Claims(js, claim.node).write(sid, claim, revision)
 
     anyio.run(main)

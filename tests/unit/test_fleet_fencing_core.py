@@ -66,7 +66,7 @@ class _Member:
     def __init__(self, a_state: NodeState) -> None:
         self.a_state = a_state
 
-    async def claim_of(self, sid: str) -> tuple[Claim | None, int]:
+    async def claim_of(self, principal: str, sid: str) -> tuple[Claim | None, int]:
         return None, 0
 
     async def nodes(self) -> list[NodeView]:
