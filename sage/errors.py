@@ -51,6 +51,7 @@ __all__ = (
     "FleetNotFound",
     "FleetRaceLost",
     "FleetRecordError",
+    "FleetStreamUnsafe",
     "FleetUnavailable",
     "FleetUnreachable",
     "ForgeError",
@@ -218,6 +219,14 @@ class FleetNotFound(FleetError):
     def __init__(self, message: str = "", *, revision: int = 0) -> None:
         super().__init__(message)
         self.revision = revision
+
+
+class FleetStreamUnsafe(FleetError):
+    """A stream the fleet uses was found with settings weaker than it needs (rollups,
+    purges or deletes allowed, limits, memory storage...): the message names each
+    setting and the fix (sage/fleet/streams.py)."""
+
+    code = "fleet_stream_unsafe"
 
 
 class FleetBusy(FleetError):

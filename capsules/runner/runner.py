@@ -317,7 +317,7 @@ class Runner:
             if (r.state is RecordState.HIBERNATED or r.state in LIVE)
             and r.session_id not in self.sessions
         ]
-        elsewhere = await self._taken_elsewhere([r.session_id for r in records])
+        elsewhere = await self._taken_elsewhere({r.session_id: r.principal_id for r in records})
         for record in records:
             asleep = record.state is RecordState.HIBERNATED
             if record.pid:  # a hibernation the last supervisor did not see through, too
@@ -405,15 +405,17 @@ class Runner:
                 session = Session(record, principal or PrincipalConfig(name=record.principal_id))
                 await self.ended(session, None, EndReason.SUPERVISOR_RESTART)
 
-    async def _taken_elsewhere(self, sids: list[str]) -> dict[str, str] | None:
-        """Of ``sids`` (sessions this node left live), those another node of the fleet
+    async def _taken_elsewhere(self, sids: dict[str, str]) -> dict[str, str] | None:
+        """Of ``sids`` (id -> principal: sessions this node left live), those another node of the fleet
         runs now (id -> node): the fleet's router asks the registry, and claims the rest
         for this node.  ``{}`` without a fleet; None when the fleet cannot say."""
         if self.config.fleet is None or not sids:
             return {}
         try:
             answer = await self.ctx.request(
-                CLAIMS_TOPIC, {"session_ids": sids}, deadline=CLAIMS_DEADLINE
+                CLAIMS_TOPIC,
+                {"session_ids": sorted(sids), "principals": sids},
+                deadline=CLAIMS_DEADLINE,
             )
             reply = msgspec.json.decode(answer.payload)
         except (BusError, msgspec.DecodeError) as exc:
@@ -873,7 +875,7 @@ class Runner:
         sid = session.id
         if sid not in self._unsure:
             return
-        elsewhere = await self._taken_elsewhere([sid])
+        elsewhere = await self._taken_elsewhere({sid: session.record.principal_id})
         if elsewhere is None:
             raise SessionError(
                 "fleet_unavailable",

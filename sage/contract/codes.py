@@ -118,6 +118,8 @@ class ErrorCode(enum.StrEnum):
     FLEET_RACE_LOST = "fleet_race_lost"  # a key changed since the revision a write named
     FLEET_NOT_FOUND = "fleet_not_found"  # a key, bucket or object is not there
     FLEET_BUSY = "fleet_busy"
+    FLEET_STREAM_UNSAFE = "fleet_stream_unsafe"  # a stream allows what the fleet must not
+    FLEET_SERVER_UNSUPPORTED = "fleet_server_unsupported"  # a NATS server older than 2.11
     NOT_IN_FLEET = "not_in_fleet"
     NO_RUNNER = "no_runner"
     SESSION_CONFLICT = "session_conflict"

@@ -360,6 +360,9 @@ class ClaimsRequest(msgspec.Struct, frozen=True):
     sessions it left live, which does another node run now?"""
 
     session_ids: list[str] = []
+    principals: dict[str, str] = {}
+    """Session id -> its principal: a session is named across the fleet by both (two
+    principals may each have a session of one id on two nodes)."""
 
 
 class ClaimsReply(msgspec.Struct, frozen=True, kw_only=True):

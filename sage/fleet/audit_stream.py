@@ -10,8 +10,11 @@ Three parts, run by the supervisor of a node in a fleet (docs/fleet.md#fleet-aud
   a publish fails (NATS gone) or the queue is full, the queue is dropped (the
   full queue is logged, ``fleet.audit_queue_full``) and the publisher catches
   up from the node's own SQLite log, from the last seq the stream holds for the
-  node: nothing is lost, and a message id per entry lets JetStream drop a
-  duplicate of a publish whose ack was lost.
+  node: nothing is lost.  A publish whose ack was lost may be stored twice: the
+  copies are identical, and verify takes that.  No message carries a
+  ``Nats-Msg-Id``: the stream's duplicate window is one for every node, so an id a
+  node could predict would let another publish it first on its own subject and
+  have the server drop the genuine entry as a duplicate.
 - :meth:`FleetAudit.answer_verify` answers on the node's own subject
   ``sage.fleet.<node>.audit.verify``: it verifies its local log (as ``astrid
   audit verify``) and compares every local row with what the stream holds of
@@ -42,9 +45,8 @@ from sage import replies
 from sage.audit.chain import Checkpoint, CheckpointRow, EntryRow
 from sage.audit.store import read_checkpoints, read_entries, verify_audit
 from sage.contract.codes import ErrorCode
-from sage.errors import FleetError, FleetNotFound, FleetRaceLost, FleetUnavailable, NotInFleet
+from sage.errors import FleetError, FleetNotFound, FleetUnavailable, NotInFleet
 from sage.fleet.audit_check import (
-    AUDIT_SUBJECTS,
     Comparison,
     FleetFailure,
     StreamBook,
@@ -56,10 +58,11 @@ from sage.fleet.audit_check import (
     subject_of,
     verify_subject,
 )
-from sage.fleet.member import FleetMember
+from sage.fleet.member import FleetMember, open_stream
 from sage.fleet.nats_errors import code_of, describe, nats_errors
 from sage.fleet.nodes import NodeState
 from sage.fleet.permissions import AUDIT_STREAM
+from sage.fleet.streams import spec_of
 
 if TYPE_CHECKING:
     from nats.js.client import JetStreamContext
@@ -85,34 +88,6 @@ _Item = tuple[Literal["entry", "checkpoint"], tuple[Any, ...]]
 
 def _raw_key(key: Ed25519PublicKey) -> bytes:
     return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-
-
-async def ensure_stream(js: JetStreamContext, replicas: int) -> None:
-    """Create ``sage_audit`` when it is not there (no deletes, no purges, no limits)."""
-    from nats.js.api import StorageType, StreamConfig
-
-    try:
-        with nats_errors(f"the {AUDIT_STREAM} stream"):
-            await js.stream_info(AUDIT_STREAM)
-        return
-    except FleetNotFound:
-        pass
-    config = StreamConfig(
-        name=AUDIT_STREAM,
-        subjects=list(AUDIT_SUBJECTS),
-        storage=StorageType.FILE,
-        num_replicas=replicas,
-        deny_delete=True,
-        deny_purge=True,
-        duplicate_window=120.0,
-    )
-    try:
-        with nats_errors(f"the {AUDIT_STREAM} stream"):
-            await js.add_stream(config)
-        log.info("fleet.audit_stream_created", stream=AUDIT_STREAM, replicas=replicas)
-    except (FleetUnavailable, FleetNotFound, FleetRaceLost):  # the server refused it:
-        with nats_errors(f"the {AUDIT_STREAM} stream"):
-            await js.stream_info(AUDIT_STREAM)  # another node created it meanwhile
 
 
 async def read_book(
@@ -275,8 +250,8 @@ class AuditStreamer:
         js = self._member.jetstream
         self._queue.clear()
         self.behind = False  # from here on the queue takes what is committed
-        if not self._stream_ready:
-            await ensure_stream(js, self._member.config.replicas)
+        if not self._stream_ready:  # made (or checked) at the join; made again if gone
+            await open_stream(js, self._member.config, spec_of(AUDIT_STREAM))
             self._stream_ready = True
         await self._ensure_key(js)
         self.sent_seq = await self._last(js, "entry")
@@ -311,8 +286,7 @@ class AuditStreamer:
         if known == self._key:
             return
         data = msgspec.json.encode(StreamedKey(key=self._key, ts=time.time_ns()))
-        msg_id = f"{self.node}.key.{self._key.hex()[:32]}"
-        await js.publish(subject, data, timeout=PUBLISH_TIMEOUT, headers={"Nats-Msg-Id": msg_id})
+        await js.publish(subject, data, timeout=PUBLISH_TIMEOUT)
 
     async def _last(self, js: JetStreamContext, kind: Literal["entry", "checkpoint"]) -> int:
         """The last seq (entry) or size (checkpoint) the stream holds of this node."""
@@ -344,12 +318,7 @@ class AuditStreamer:
             if len(data) > limit:
                 data = msgspec.json.encode(StreamedEntry.of(entry_row, with_payload=False))
                 log.warning("fleet.audit_payload_left_out", node=self.node, seq=seq, limit=limit)
-            await js.publish(
-                subject_of(self.node, "entry"),
-                data,
-                timeout=PUBLISH_TIMEOUT,
-                headers={"Nats-Msg-Id": f"{self.node}.entry.{seq}"},
-            )
+            await js.publish(subject_of(self.node, "entry"), data, timeout=PUBLISH_TIMEOUT)
             self.sent_seq = seq
         else:
             size = int(row[0])
@@ -364,12 +333,7 @@ class AuditStreamer:
                     size=size_, head_hash=bytes(head), signature=bytes(signature), ts=ts
                 )
             )
-            await js.publish(
-                subject_of(self.node, "checkpoint"),
-                data,
-                timeout=PUBLISH_TIMEOUT,
-                headers={"Nats-Msg-Id": f"{self.node}.checkpoint.{size}"},
-            )
+            await js.publish(subject_of(self.node, "checkpoint"), data, timeout=PUBLISH_TIMEOUT)
             self.sent_size = size
         self.published += 1
 

@@ -37,7 +37,6 @@ run by the router (sage/fleet/router.py) of each node:
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import time
 import uuid
@@ -63,7 +62,7 @@ from sage.contract.sessions import (
     Verb,
     audit_topic,
 )
-from sage.errors import FleetError, FleetNotFound, FleetRaceLost, NotVouched, SageError
+from sage.errors import FleetError, FleetRaceLost, NotVouched, SageError
 from sage.fleet.adoption import Owed, Pending, adoptable, adopters, adopting_entry, rank
 from sage.fleet.fencing import runs_elsewhere
 from sage.fleet.member import FleetMember
@@ -76,7 +75,6 @@ from sage.fleet.transcripts import (
     TRANSCRIPTS,
     TranscriptMeta,
     TranscriptRefused,
-    check_meta,
     read_transcript,
     restore_transcript,
     transcript_rel,
@@ -93,38 +91,17 @@ ADOPTIONS = 4  # sessions restored and started at once
 STAGGER = 0.5  # seconds a node waits per node ranked before it for a session
 RECHECK = 2.0  # seconds to the next pass after a race lost: the winner may release it
 REFUSED_FOR = 30.0  # seconds a node leaves alone a session it refused (no room, say)
-ADOPT_REFUSALS = NODE_REFUSALS - {ErrorCode.FLEET_UNAVAILABLE}
+ADOPT_REFUSALS = (NODE_REFUSALS - {ErrorCode.FLEET_UNAVAILABLE}) | {ErrorCode.DUPLICATE_SESSION}
 """A runner's refusals of an adoption another node might not give: the claim is released
-for the next node.  (No answer in time is not one: the session may yet start here.)"""
+for the next node.  (No answer in time is not one: the session may yet start here.)  A
+session of another principal with the same id here (ids are each node's) is one: the
+next node takes it."""
 OWED = 4096  # sessions whose replica may wait at once
 STORE_DEADLINE = 30.0
 
 Ask = Callable[[Verb, str | None, Any], Awaitable[dict[str, Any]]]
 """A request to the local runner as the supervisor (an admin): verb, session id, body (a
 contract struct) -> reply (sage/fleet/runner_link.py)."""
-
-
-class CappedBuffer(io.BufferedIOBase):
-    """Where an object store read lands: at most ``limit`` bytes, then TranscriptRefused
-    (nats-py reads the object's info again inside ``get``, so a size checked before is
-    no bound on what arrives)."""
-
-    def __init__(self, sid: str, limit: int) -> None:
-        super().__init__()
-        self.sid = sid
-        self.limit = limit
-        self.data = bytearray()
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, chunk: Any) -> int:
-        if len(self.data) + len(chunk) > self.limit:
-            raise TranscriptRefused(
-                f"transcript of {self.sid!r}: more than the {self.limit} bytes allowed"
-            )
-        self.data += chunk
-        return len(chunk)
 
 
 class Failover:
@@ -198,8 +175,6 @@ class Failover:
                     )
 
     async def _put(self, sid: str) -> None:
-        from nats.js.api import ObjectMeta
-
         store = self.member.transcripts
         if store is None or not self.member.connected:
             return
@@ -238,20 +213,17 @@ class Failover:
             cost_usd=info.cost_usd,
             started_at=info.started_at,
         )
-        await store.put(sid, data, meta=ObjectMeta(name=sid, description=meta.encode()))
+        await store.put(sid, data, meta)
         self.replicated += 1
         log.debug("fleet.transcript_replicated", session_id=sid, size=len(data))
 
     async def _forget(self, sid: str) -> None:
-        """The object of a session that ended here, unless the registry names another node."""
+        """This node's copy of a session that ended here (a node that took it over keeps
+        its own: it made one as it adopted it)."""
         store = self.member.transcripts
-        if store is None or self.member.claims is None or not self.member.connected:
+        if store is None or not self.member.connected:
             return
-        claim, _ = await self.member.claim_of(sid)
-        if claim is not None and claim.node != self.node and not claim.failed:
-            return  # it runs elsewhere now (this node ended it failed_over)
-        with contextlib.suppress(FleetNotFound), nats_errors(f"the {TRANSCRIPTS} object store"):
-            await store.delete(sid)
+        await store.delete(sid)
 
     # -- takeover --------------------------------------------------------------------
 
@@ -336,13 +308,13 @@ class Failover:
         try:
             # read before the wait: a node first wins only once
             with nats_errors(f"the {CLAIMS} bucket"), anyio.fail_after(5.0):
-                claim, revision = await self.member.claim_of(sid)
+                claim, revision = await self.member.claim_of(entry.principal_id, sid)
             claim_state = self.tries.setdefault(
                 sid, Machine(f"claim {sid}", CLAIM_TRANSITIONS, ClaimState.PLANNED)
             )
-            if claim is not None and (claim.node != entry.node or claim.failed):
+            if claim is not None and (claim.holder != entry.node or claim.failed):
                 claim_state.move(ClaimState.TAKEN_BEFORE)
-                log.debug("fleet.failover_taken_before", session_id=sid, by=claim.node)
+                log.debug("fleet.failover_taken_before", session_id=sid, by=claim.holder)
                 return
             claim_state.move(ClaimState.WAITING)
             await anyio.sleep(wait)  # the nodes ranked first for it try first
@@ -382,8 +354,10 @@ class Failover:
         claim_state.move(ClaimState.RACING)
         try:
             with nats_errors(f"the {CLAIMS} bucket"), anyio.fail_after(5.0):
-                won = await claims.update(
-                    sid, Claim(node=self.node, at=now).encode(), last=revision
+                won = await claims.write(
+                    sid,
+                    Claim(node=self.node, at=now, principal_id=entry.principal_id),
+                    last=revision,
                 )
         except FleetRaceLost:
             claim_state.move(ClaimState.LOST)
@@ -399,6 +373,7 @@ class Failover:
         config = self.config_of()
         principal = config.principal(entry.principal_id)
         meta: TranscriptMeta | None = None
+        data = b""
         why = code = ""
         try:
             if principal is None:  # (a config reloaded since the plan): another may run it
@@ -409,28 +384,13 @@ class Failover:
             claim_state.move(ClaimState.RESTORING)
             assert config.fleet is not None
             limit = config.fleet.transcript_max_bytes
-            try:
-                with (
-                    nats_errors(f"the {TRANSCRIPTS} object store"),
-                    anyio.fail_after(STORE_DEADLINE),
-                ):
-                    size = (await store.get_info(sid)).size or 0
-                    if size > limit:  # never fetched: a node could have put anything there
-                        raise TranscriptRefused(
-                            f"transcript of {sid!r}: {size} bytes, over the {limit} allowed"
-                        )
-                    # read into a capped buffer: the object may be replaced after get_info
-                    capped = CappedBuffer(sid, limit)
-                    result = await store.get(sid, writeinto=capped)
-            except FleetNotFound:
+            # the lost node's own copy: its word, as the session is
+            with nats_errors(f"the {TRANSCRIPTS} bucket"), anyio.fail_after(STORE_DEADLINE):
+                found = await store.get(entry.node, sid, entry.principal_id, limit)
+            if found is None:
                 log.warning("fleet.failover_no_transcript", session_id=sid, from_node=entry.node)
             else:
-                meta = check_meta(sid, entry.principal_id, result.info.description)
-                data = bytes(capped.data)
-                if len(data) != meta.size:
-                    raise TranscriptRefused(
-                        f"transcript of {sid!r}: {len(data)} bytes, not {meta.size}"
-                    )
+                meta, data = found
                 await anyio.to_thread.run_sync(self._restore, config, principal, meta, data)
             adopt = AdoptRequest(
                 session_id=sid,
@@ -466,6 +426,8 @@ class Failover:
                 from_node=entry.node,
                 seconds=round(time.monotonic() - started, 3),
             )
+            if meta is not None:  # this node's own copy from now on (the lost one's may go)
+                await self._copy(sid, meta, data)
             return
         # this node won but cannot run it: the session is lost, and says why
         claim_state.move(ClaimState.FAILED)
@@ -481,9 +443,26 @@ class Failover:
                 "reason": why[:500],
             },
         )
-        back = Claim(node=entry.node, at=time.time(), failed=True)
+        back = Claim(
+            node=self.node,
+            at=time.time(),
+            principal_id=entry.principal_id,
+            back=entry.node,
+            failed=True,
+        )
         # given back to the lost node, which resumes it if it comes back
         await self._give_back(sid, mine, back, won)
+
+    async def _copy(self, sid: str, meta: TranscriptMeta, data: bytes) -> None:
+        """Store the adopted transcript as this node's copy (logged when it cannot be:
+        the next finished turn puts it again)."""
+        store = self.member.transcripts
+        assert store is not None
+        try:
+            with nats_errors(f"the {TRANSCRIPTS} bucket"), anyio.fail_after(STORE_DEADLINE):
+                await store.put(sid, data, meta)
+        except FleetError as exc:
+            log.warning("fleet.transcript_failed", session_id=sid, op="put", code=exc.code)
 
     async def _release(self, sid: str, entry: SessionEntry, won: int, why: str) -> None:
         """This node won ``sid`` but may not run it (no room, a cap): its own registry
@@ -491,13 +470,15 @@ class Failover:
         next ranked node to take."""
         log.warning("fleet.failover_refused", session_id=sid, from_node=entry.node, reason=why)
         self._refused[sid] = anyio.current_time() + REFUSED_FOR
-        back = Claim(node=entry.node, at=time.time())
+        back = Claim(
+            node=self.node, at=time.time(), principal_id=entry.principal_id, back=entry.node
+        )
         await self._give_back(sid, registry_key(self.node, sid), back, won)
 
     async def _give_back(self, sid: str, mine: str, back: Claim, won: int) -> None:
-        """This node's registry claim ``mine`` goes, and ``sid``'s ``sage_claims`` key is
-        ``back`` unless it was written since ``won`` (the revision this node's win wrote);
-        within 5 s, a failure logged."""
+        """This node's registry claim ``mine`` goes, and this node's ``sage_claims`` claim
+        gives ``sid`` ``back`` unless a claim was written since ``won`` (the revision
+        this node's win wrote); within 5 s, a failure logged."""
         registry, claims = self.member.registry, self.member.claims
         assert registry is not None
         assert claims is not None
@@ -506,7 +487,7 @@ class Failover:
                 with nats_errors(f"the {REGISTRY} bucket"):
                     await registry.delete(mine)
                 with contextlib.suppress(FleetRaceLost), nats_errors(f"the {CLAIMS} bucket"):
-                    await claims.update(sid, back.encode(), last=won)
+                    await claims.write(sid, back, last=won)
             except FleetError as exc:
                 log.warning(
                     "fleet.registry_write_failed",
@@ -544,7 +525,10 @@ class Failover:
             return replies.error(ErrorCode.NOT_AUTHORIZED, "only the session runner asks this")
         try:
             body = msgspec.json.decode(request.payload or b"{}", type=ClaimsRequest)
-            sids = [check_name(sid, "session id") for sid in body.session_ids]
+            sessions = {
+                check_name(sid, "session id"): check_name(body.principals.get(sid, ""), "principal")
+                for sid in body.session_ids
+            }
         except (msgspec.DecodeError, msgspec.ValidationError, SageError) as exc:
             return replies.error(ErrorCode.BAD_REQUEST, f"claims: {exc}")
         registry, claims = self.member.registry, self.member.claims
@@ -552,16 +536,17 @@ class Failover:
             return replies.error(ErrorCode.FLEET_UNAVAILABLE, "NATS is not connected")
         try:
             with nats_errors(f"the {CLAIMS} bucket"), anyio.fail_after(10.0):
-                elsewhere = await self.take_back(sids)
+                elsewhere = await self.take_back(sessions)
         except FleetError as exc:
             return replies.error(ErrorCode.FLEET_UNAVAILABLE, f"the registry: {describe(exc)}")
         if elsewhere:
             log.info("fleet.sessions_taken_elsewhere", sessions=elsewhere)
         return replies.ok(**msgspec.to_builtins(ClaimsReply(elsewhere=elsewhere)))
 
-    async def take_back(self, sids: list[str]) -> dict[str, str]:
-        """Of ``sids`` (this node's sessions, at its start or back after it may have
-        been judged lost), those another node took (id -> node): this node's registry
+    async def take_back(self, sessions: dict[str, str]) -> dict[str, str]:
+        """Of ``sessions`` (id -> principal: this node's sessions, at its start or back
+        after it may have been judged lost), those another node took (id -> node): this
+        node's registry
         entry for each goes at once (two live entries would be a conflict).  The others
         are claimed again for this node in ``sage_claims``: an adopter that read the
         revision before is late and loses its race.  A FleetError when the buckets cannot
@@ -570,19 +555,20 @@ class Failover:
         assert registry is not None
         assert claims is not None
         elsewhere: dict[str, str] = {}
-        for sid in sids:
+        for sid, principal in sessions.items():
             for _ in range(3):
-                claim, revision = await self.member.claim_of(sid)
+                claim, revision = await self.member.claim_of(principal, sid)
                 node = runs_elsewhere(self.node, claim)
                 if node is not None:
                     elsewhere[sid] = node
                     with nats_errors(f"the {REGISTRY} bucket"):
                         await registry.delete(registry_key(self.node, sid))
                     break
-                again = Claim(node=self.node, at=time.time())
+                if claim is not None and claim.node == self.node and not claim.back:
+                    break  # this node's own claim is the latest already
+                again = Claim(node=self.node, at=time.time(), principal_id=principal)
                 try:  # an adopter that read the same revision now loses its race
-                    with nats_errors(f"the {CLAIMS} bucket"):
-                        await claims.update(sid, again.encode(), last=revision)
+                    await claims.write(sid, again, last=revision)
                     break
                 except FleetRaceLost:
                     continue
@@ -599,16 +585,17 @@ def lost_entries(
     entries: list[tuple[str, SessionEntry, int]], live: set[str]
 ) -> dict[str, tuple[SessionEntry, int]]:
     """Per session id, the registry entry a lost node's session would be adopted from:
-    none for a session a live node claims (it runs there, or is being adopted); of
+    none for a session a live node claims for the same principal (it runs there, or is
+    being adopted; another principal's session of that id is another session); of
     several claims of nodes none live, the latest."""
     out: dict[str, tuple[SessionEntry, int]] = {}
-    taken: set[str] = set()
+    taken: set[tuple[str, str]] = set()
     for sid, entry, revision in entries:
         if entry.node in live:
-            taken.add(sid)
+            taken.add((entry.principal_id, sid))
         elif sid not in out or entry.at > out[sid][0].at:
             out[sid] = (entry, revision)
-    return {sid: found for sid, found in out.items() if sid not in taken}
+    return {sid: found for sid, found in out.items() if (found[0].principal_id, sid) not in taken}
 
 
 def _home_of(config: Config, principal: PrincipalConfig) -> tuple[Path, int, int]:

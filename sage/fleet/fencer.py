@@ -41,7 +41,7 @@ class Fencer:
         member: FleetMember,
         runner: RunnerLink,
         failover: Failover | None,
-        here: set[str],
+        here: dict[str, str],
     ) -> None:
         self.member = member
         self.node = member.node
@@ -75,6 +75,7 @@ class Fencer:
         for this node, so an adoption under way loses its race."""
         if self.member.claims is None:
             return sids
+        principals = {sid: self.here.get(sid, "") for sid in sids}
         elsewhere: dict[str, str] = {}
         unread: set[str] = set()
         for at in range(0, len(sids), BATCH):
@@ -82,10 +83,13 @@ class Fencer:
             try:
                 with nats_errors(f"the {CLAIMS} bucket"), anyio.fail_after(10.0):
                     if take_back and self.failover is not None:
-                        elsewhere |= await self.failover.take_back(batch)
+                        mine = {sid: principals[sid] for sid in batch if principals[sid]}
+                        elsewhere |= await self.failover.take_back(mine)
                         continue
                     for sid in batch:
-                        claim, _ = await self.member.claim_of(sid)
+                        if not principals[sid]:
+                            continue  # ended meanwhile
+                        claim, _ = await self.member.claim_of(principals[sid], sid)
                         node = runs_elsewhere(self.node, claim)
                         if node is not None:
                             elsewhere[sid] = node
@@ -112,5 +116,5 @@ class Fencer:
             if not reply.get("ok") and reply.get("error") != ErrorCode.UNKNOWN_SESSION:
                 log.error("fleet.fence_failed", session_id=sid, node=node, reply=reply)
                 continue  # still here: the next sweep tries again
-            self.here.discard(sid)
+            self.here.pop(sid, None)
         return [sid for sid in sids if sid not in elsewhere or sid in unread]

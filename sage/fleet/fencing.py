@@ -44,10 +44,11 @@ def may_have_been_lost(
 
 def runs_elsewhere(node: str, claim: Claim | None) -> str | None:
     """The node that runs a session of ``node`` now, by its ``sage_claims`` value:
-    another node's claim that did not fail; None: the session is still ``node``'s."""
-    if claim is None or claim.node == node or claim.failed:
+    another node holds it by a claim that did not fail; None: the session is still
+    ``node``'s."""
+    if claim is None or claim.holder == node or claim.failed:
         return None
-    return claim.node
+    return claim.holder
 
 
 class Sweep:

@@ -219,7 +219,7 @@ class Listing:
         so it must not come back as ``lost``.  Read for lost nodes only (few), at once,
         within the listing's deadline; an entry whose claim cannot be read is shown."""
         lost = [
-            (sid, entry.node)
+            (sid, entry)
             for sid, entry in entries
             if shown.get(entry.node) == NodeState.LOST.value and sid not in listed
         ]
@@ -227,16 +227,16 @@ class Listing:
         if not lost or self.member.claims is None:
             return moved
 
-        async def check(sid: str, node: str) -> None:
+        async def check(sid: str, entry: SessionEntry) -> None:
             with contextlib.suppress(FleetError):
-                claim, _ = await self.member.claim_of(sid)
-                if claim is not None and claim.node != node:
-                    moved.add((sid, node))
+                claim, _ = await self.member.claim_of(entry.principal_id, sid)
+                if claim is not None and claim.holder != entry.node:
+                    moved.add((sid, entry.node))
 
         with anyio.move_on_after(LISTING_DEADLINE):
             async with anyio.create_task_group() as tg:
-                for sid, node in lost:
-                    tg.start_soon(check, sid, node)
+                for sid, entry in lost:
+                    tg.start_soon(check, sid, entry)
         return moved
 
     async def _listed_entries(self) -> tuple[str, list[tuple[str, SessionEntry]]]:

@@ -47,35 +47,36 @@ from sage.errors import (
     FleetError,
     FleetNotFound,
     FleetRecordError,
+    FleetStreamUnsafe,
     FleetUnavailable,
     FleetUnreachable,
     NotInFleet,
     SageError,
 )
 from sage.files import read_private
+from sage.fleet.claims import Claims
 from sage.fleet.creds import UserCreds, parse_creds
 from sage.fleet.fencing import may_have_been_lost
 from sage.fleet.nats_errors import code_of, describe, nats_errors
 from sage.fleet.nodes import NodeLoad, NodeRecord, NodeTable, NodeView, decode_record
-from sage.fleet.permissions import BUCKET, STREAM, inbox_prefix
+from sage.fleet.permissions import BUCKET, STREAM, TOOLS_BUCKET, inbox_prefix
 from sage.fleet.routes import (
-    CLAIMS,
     REGISTRY,
     REGISTRY_STREAM,
     Claim,
     SessionEntry,
     check_name,
-    decode_claim,
     decode_keyed,
 )
 from sage.fleet.states import MEMBERSHIP_TRANSITIONS, Machine, MembershipState
+from sage.fleet.streams import STREAMS, StreamSpec, describe_unsafe, stream_config, unsafe
+from sage.fleet.transcript_store import TranscriptStore
 from sage.fleet.transcripts import TRANSCRIPTS
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as Nats
     from nats.js.client import JetStreamContext
     from nats.js.kv import KeyValue
-    from nats.js.object_store import ObjectStore
 
 __all__ = (
     "FleetMember",
@@ -197,8 +198,9 @@ class FleetMember:
         config: FleetConfig,
         started_at: float,
         registry: KeyValue | None = None,
-        transcripts: ObjectStore | None = None,
-        claims: KeyValue | None = None,
+        transcripts: KeyValue | None = None,
+        claims: bool = False,
+        tools: KeyValue | None = None,
     ) -> None:
         self.config = config
         self.node = config.node
@@ -207,12 +209,15 @@ class FleetMember:
         self.registry = registry
         """The ``sage_sessions`` bucket: ``<node>.<sid>`` -> that node's entry
         (sage/fleet/routes.py)."""
-        self.claims = claims
-        """The ``sage_claims`` bucket: session id -> the node that took it over (failover's
-        races only, sage/fleet/failover.py)."""
-        self.transcripts = transcripts
-        """The ``sage_transcripts`` object store: session id -> its conversation
-        (sage/fleet/transcripts.py)."""
+        self.claims = Claims(js, self.node) if claims else None
+        """Failover's claims in the ``sage_claims`` bucket: ``<node>.<sid>`` -> that
+        node's claim, each write a compare-and-set over all of a session's keys
+        (sage/fleet/claims.py)."""
+        self.transcripts = None if transcripts is None else TranscriptStore(transcripts, self.node)
+        """The ``sage_transcripts`` bucket: each node's copies of its sessions'
+        conversations under its own name (sage/fleet/transcript_store.py)."""
+        self.tools = tools
+        """The ``sage_tools`` bucket: each node's tool catalogue under its name."""
         self._nc = nc
         self._js = js
         self._kv = kv
@@ -394,17 +399,13 @@ class FleetMember:
                 out.append((keyed[0], keyed[1], value.revision))
         return out
 
-    async def claim_of(self, sid: str) -> tuple[Claim | None, int]:
-        """The claim of ``sid``: its ``sage_claims`` value (its registry entries are
-        :meth:`entries_of`'s) and the revision an update names to replace it (0: never written; a delete marker's own revision after a delete)."""
+    async def claim_of(self, principal: str, sid: str) -> tuple[Claim | None, int]:
+        """The claim of ``principal``'s session ``sid``: the latest of its ``sage_claims``
+        keys (its registry entries are :meth:`entries_of`'s) and the revision a write names
+        to replace it (0: never written)."""
         claims = self.claims
         assert claims is not None
-        try:
-            with nats_errors(f"the {CLAIMS} bucket"):
-                got = await claims.get(check_name(sid, "session id"))
-        except FleetNotFound as exc:  # a deleted key's carries its delete marker
-            return None, exc.revision
-        return decode_claim(got.value or b""), got.revision or 0
+        return await claims.latest(principal, check_name(sid, "session id"))
 
     async def leave(self) -> None:
         """Say this node stopped (best effort, NATS may be gone), then close the connection;
@@ -602,41 +603,68 @@ async def _when_ready(config: FleetConfig, what: str, open_it: Callable[[], Awai
         ) from exc
 
 
-async def _open_bucket(
-    nc: Nats, config: FleetConfig, bucket: str = BUCKET
-) -> tuple[JetStreamContext, KeyValue]:
-    """Open (or create) the key-value ``bucket``, once JetStream serves it."""
-    js = nc.jetstream(timeout=max(1.0, min(5.0, config.connect_timeout)))
+MIN_SERVER = (2, 11)
+"""The oldest NATS server the fleet runs on: a claim's compare-and-set names a subject
+filter (``Nats-Expected-Last-Subject-Sequence-Subject``), which older servers ignore."""
 
-    async def open_it() -> KeyValue:
+
+def _check_server(nc: Nats) -> None:
+    """Refuse a server older than :data:`MIN_SERVER` (``fleet_server_unsupported``)."""
+    version = nc.connected_server_version
+    if (version.major, version.minor) < MIN_SERVER:
+        raise FleetError(
+            f"fleet: NATS at {_netloc(nc)} is version {version}; the fleet needs"
+            f" {MIN_SERVER[0]}.{MIN_SERVER[1]} or newer on every server (a claim's"
+            " compare-and-set names a subject filter, which older servers ignore)",
+            code="fleet_server_unsupported",
+        )
+
+
+async def open_stream(js: JetStreamContext, config: FleetConfig, spec: StreamSpec) -> Any:
+    """``spec``'s stream, made with the fleet's safe configuration when it is not there,
+    once JetStream serves it; its info.  A stream found weaker than ``spec`` wants
+    (sage/fleet/streams.py) is :class:`~sage.errors.FleetStreamUnsafe` naming each
+    setting and the fix; one that cannot be read or made is ``fleet_bucket_failed``."""
+    what = f"{spec.bucket} bucket" if spec.bucket else f"{spec.name} stream"
+
+    async def open_it() -> Any:
         try:
-            with nats_errors(f"the {bucket} bucket"):
-                return await js.key_value(bucket)
+            with nats_errors(f"the {what}"):
+                return await js.stream_info(spec.name)
         except FleetNotFound:
-            kv = await js.create_key_value(bucket=bucket, history=1, replicas=config.replicas)
-            log.info("fleet.bucket_created", bucket=bucket, replicas=config.replicas)
-            return kv
-
-    return js, await _when_ready(config, f"{bucket} bucket", open_it)
-
-
-async def _open_store(js: JetStreamContext, config: FleetConfig) -> ObjectStore:
-    """Open (or create) the ``sage_transcripts`` object store, once JetStream serves it
-    (a 3-replica stream created while the cluster is busy may time out at first)."""
-    from nats.js.api import ObjectStoreConfig
-
-    async def open_it() -> ObjectStore:
+            pass
         try:
-            with nats_errors(f"the {TRANSCRIPTS} object store"):
-                return await js.object_store(TRANSCRIPTS)
-        except FleetNotFound:
-            store = await js.create_object_store(
-                TRANSCRIPTS, ObjectStoreConfig(bucket=TRANSCRIPTS, replicas=config.replicas)
+            with nats_errors(f"the {what}"):
+                info = await js.add_stream(stream_config(spec, config.replicas))
+            log.info(
+                "fleet.bucket_created", bucket=spec.bucket or spec.name, replicas=config.replicas
             )
-            log.info("fleet.bucket_created", bucket=TRANSCRIPTS, replicas=config.replicas)
-            return store
+            return info
+        except FleetUnavailable as exc:
+            if exc.not_ready or exc.timed_out:
+                raise
+            # another node made it meanwhile (or one that differs): what is there is checked
+            with nats_errors(f"the {what}"):
+                return await js.stream_info(spec.name)
 
-    return await _when_ready(config, f"{TRANSCRIPTS} object store", open_it)
+    info = await _when_ready(config, what, open_it)
+    found = unsafe(spec, info.config, config.replicas)
+    if found:
+        raise FleetStreamUnsafe(f"fleet: {describe_unsafe(spec, found)}")
+    return info
+
+
+async def _open_streams(nc: Nats, config: FleetConfig) -> JetStreamContext:
+    """Every stream of the fleet (sage/fleet/streams.py), made or checked."""
+    js = nc.jetstream(timeout=max(1.0, min(5.0, config.connect_timeout)))
+    for spec in STREAMS:
+        await open_stream(js, config, spec)
+    return js
+
+
+async def _bucket(js: JetStreamContext, bucket: str) -> KeyValue:
+    with nats_errors(f"the {bucket} bucket"):
+        return await js.key_value(bucket)
 
 
 @contextlib.asynccontextmanager
@@ -653,11 +681,20 @@ async def join(
     says now (each heartbeat record declares them)."""
     nc = await _connect(config, path_of)
     try:
-        js, kv = await _open_bucket(nc, config)
-        _, registry = await _open_bucket(nc, config, REGISTRY)
-        _, claims = await _open_bucket(nc, config, CLAIMS)
-        transcripts = await _open_store(js, config)
-        member = FleetMember(nc, js, kv, config, started_at, registry, transcripts, claims)
+        _check_server(nc)
+        js = await _open_streams(nc, config)
+        try:
+            kv, registry, transcripts, tools = [
+                await _bucket(js, bucket)
+                for bucket in (BUCKET, REGISTRY, TRANSCRIPTS, TOOLS_BUCKET)
+            ]
+        except FleetError as exc:
+            raise FleetError(
+                f"fleet: cannot open the buckets: {describe(exc)}", code="fleet_bucket_failed"
+            ) from exc
+        member = FleetMember(
+            nc, js, kv, config, started_at, registry, transcripts, claims=True, tools=tools
+        )
         member.principals = principals
         try:
             await member.first_beat(max(1.0, config.connect_timeout))

@@ -5,7 +5,8 @@ inside :func:`nats_errors`, which lets a :class:`~sage.errors.SageError` pass an
 turns what nats-py (or the socket, or a deadline around the call) raised into one of
 the fleet's errors (sage/errors.py), each with its code:
 
-- a key written since the revision a write named (``KeyWrongLastSequenceError``):
+- a key written since the revision a write named (``KeyWrongLastSequenceError``, or a
+  publish's "wrong last sequence"):
   :class:`~sage.errors.FleetRaceLost` (``fleet_race_lost``): another node won the race;
 - a key, bucket or object that is not there (``NotFoundError`` and its kin):
   :class:`~sage.errors.FleetNotFound` (``fleet_not_found``), with the revision of a
@@ -46,6 +47,9 @@ def code_of(exc: BaseException) -> str:
     return exc.code if isinstance(exc, SageError) else INTERNAL
 
 
+WRONG_LAST_SEQUENCE = 10071
+"""JetStream's "wrong last sequence": a publish that named the revision it read (of a key,
+or of a subject filter: sage/fleet/claims.py) found another stored since."""
 NO_PEERS_YET = 10005
 """JetStream's "no suitable peers for placement": a cluster whose servers are still
 meeting (a bucket with replicas 3 while one is not yet known)."""
@@ -67,7 +71,9 @@ def translate(exc: BaseException, what: str) -> FleetError | None:
     mapped: FleetError
     if isinstance(exc, FleetError):
         return exc
-    if isinstance(exc, KeyWrongLastSequenceError):
+    if isinstance(exc, KeyWrongLastSequenceError) or (
+        isinstance(exc, BadRequestError) and exc.err_code == WRONG_LAST_SEQUENCE
+    ):
         mapped = FleetRaceLost(describe(exc))
     elif isinstance(exc, NotFoundError):
         marker = getattr(getattr(exc, "entry", None), "revision", None)

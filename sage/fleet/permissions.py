@@ -17,9 +17,10 @@ with exactly them:
   under its own name, ``$KV.sage_sessions.<node>.>`` (a key is ``<node>.<sid>``: a
   node claims only for itself, and cannot rewrite or delete another's claim); read
   every key, its stream's info, and watch it through a consumer of its own;
-- failover's races, the ``sage_claims`` bucket (session id -> the node that took it
-  over): put and delete any key (every node may adopt any lost session; a write names
-  the revision it read), read it: it decides who adopts, and routes nothing;
+- failover's races, the ``sage_claims`` bucket: put and withdraw only its own claims,
+  ``$KV.sage_claims.<node>.>`` (a key is ``<node>.<sid>``: each write names the last
+  revision of every node's key for the session, sage/fleet/claims.py), read them all:
+  it decides who adopts, and routes nothing;
 - forwarded requests (sage/fleet/routes.py): publish on the peers' request
   prefixes with its own name as the origin, ``sage.fleet.<peer>.request.<node>.>``
   (every node's, ``*``, or the ``peers`` named), never with another's, so the
@@ -42,14 +43,14 @@ with exactly them:
   ``sage.fleet.<other>.tool.call.<node>`` (its own call subjects are denied),
   received on its own call subjects only, and answered through
   ``allow_responses`` (a reply to the requester's inbox, nothing else).
-- failover (sage/fleet/failover.py): the ``sage_transcripts`` object store, whose
-  stream is ``OBJ_sage_transcripts``: publish its chunks and metadata
-  (``$O.sage_transcripts.>``: any session's, since a node that adopts a session
-  replicates it from then on), create the stream and read its info, read an
-  object's metadata (message or direct get), read its chunks through a consumer of
-  its own (create, delete; nats-py finds the stream by the chunks' subject first,
-  ``$JS.API.STREAM.NAMES``, which lists stream names and nothing of their content) and purge an object's old chunks (what a put that
-  replaces, or a delete, does): nothing of any other stream.
+- failover (sage/fleet/failover.py): the ``sage_transcripts`` bucket, its own copies
+  only (``$KV.sage_transcripts.<node>.>``: ``<node>.<sid>.<part>``), read any node's
+  from the stream's leader (the message get: the bucket has no direct gets).
+
+Every stream is made by the fleet itself with no rollups, purges or message deletes
+(sage/fleet/streams.py), so a header or an API call cannot do what these subjects
+forbid; no node may update or delete a stream, and every node checks each one's
+configuration at its start.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ def node_permissions(node: str, peers: Sequence[str] = ()) -> dict[str, Any]:
                 f"$JS.API.CONSUMER.CREATE.{REGISTRY_STREAM}.>",
                 f"$JS.API.CONSUMER.INFO.{REGISTRY_STREAM}.*",
                 f"$JS.API.CONSUMER.DELETE.{REGISTRY_STREAM}.*",
-                f"$KV.{CLAIMS}.>",
+                f"$KV.{CLAIMS}.{node}.>",
                 f"$JS.API.STREAM.CREATE.{CLAIMS_STREAM}",
                 f"$JS.API.STREAM.INFO.{CLAIMS_STREAM}",
                 f"$JS.API.STREAM.MSG.GET.{CLAIMS_STREAM}",
@@ -155,16 +156,10 @@ def node_permissions(node: str, peers: Sequence[str] = ()) -> dict[str, Any]:
                 f"$JS.API.STREAM.MSG.GET.{TOOLS_STREAM}",
                 f"$JS.API.DIRECT.GET.{TOOLS_STREAM}.>",
                 *tool_calls,
-                f"$O.{TRANSCRIPTS}.>",
+                f"$KV.{TRANSCRIPTS}.{node}.>",
                 f"$JS.API.STREAM.CREATE.{TRANSCRIPTS_STREAM}",
                 f"$JS.API.STREAM.INFO.{TRANSCRIPTS_STREAM}",
                 f"$JS.API.STREAM.MSG.GET.{TRANSCRIPTS_STREAM}",
-                f"$JS.API.DIRECT.GET.{TRANSCRIPTS_STREAM}.>",
-                f"$JS.API.STREAM.PURGE.{TRANSCRIPTS_STREAM}",
-                "$JS.API.STREAM.NAMES",
-                f"$JS.API.CONSUMER.CREATE.{TRANSCRIPTS_STREAM}",
-                f"$JS.API.CONSUMER.CREATE.{TRANSCRIPTS_STREAM}.>",
-                f"$JS.API.CONSUMER.DELETE.{TRANSCRIPTS_STREAM}.*",
             ],
             "deny": [call_subject(node, "*")],
         },
@@ -198,9 +193,9 @@ def server_block(node: str, user: str, nkey: str = "", peers: Sequence[str] = ()
     return "\n".join(
         [
             f"# sage fleet node {node!r}: its heartbeats, its claims in the session registry"
-            " and failover's claims, its"
+            " and failover's claims (its own keys only), its"
             f" sessions' requests and events, its own audit in the {AUDIT_STREAM} stream,"
-            " its tool catalogue and tool calls, the transcripts of failover",
+            " its tool catalogue and tool calls, its copies of its sessions' transcripts",
             "{",
             *who,
             "  permissions: {",

@@ -72,7 +72,9 @@ class RegistryKeeper:
         """The lifecycle events' own queue (made again, and added to the bus, by the router)."""
         self.fence: Fence | None = None
         """How a session another node took is ended here (set by the router)."""
-        self.here: set[str] = set()
+        self.here: dict[str, str] = {}
+        """This node's sessions: id -> principal (a session is named across the fleet by
+        both: sage/fleet/claims.py)."""
         """Sessions this node's runner has: spawned and not exited, as its events said, and
         those its listing had at a resync (restored at a start, say)."""
         self.resync_state = Machine(
@@ -81,12 +83,12 @@ class RegistryKeeper:
         """Whether the registry agrees with the runner (sage/fleet/states.py)."""
         self._exited_meanwhile: set[str] = set()
         """While listing: the sessions whose ``exited`` came after the listing was asked."""
-        self._writes: MemoryObjectSendStream[tuple[str, SessionEntry | None]] | None = None
+        self._writes: MemoryObjectSendStream[tuple[str, SessionEntry | None, str]] | None = None
 
     def writes(self) -> Any:
         """A new queue of writes: its receiving end, for :meth:`write` (its sending end is
         this keeper's)."""
-        send, receive = anyio.create_memory_object_stream[tuple[str, SessionEntry | None]](
+        send, receive = anyio.create_memory_object_stream[tuple[str, SessionEntry | None, str]](
             WRITES_QUEUED
         )
         self._writes = send
@@ -119,10 +121,9 @@ class RegistryKeeper:
                     resume=self.resumes(),
                 )
                 self.note(sid, entry)
-                self.here.add(sid)
+                self.here[sid] = envelope.principal
             elif name == SessionEvent.EXITED:
-                self.note(sid, None)
-                self.here.discard(sid)
+                self.note(sid, None, self.here.pop(sid, "") or envelope.principal or "")
                 if self.resync_state.state is ResyncState.LISTING:
                     self._exited_meanwhile.add(sid)
                 if self.failover is not None:
@@ -130,11 +131,12 @@ class RegistryKeeper:
             elif name == SessionEvent.DONE and self.failover is not None:
                 self.failover.turn_done(sid)
 
-    def note(self, sid: str, entry: SessionEntry | None) -> None:
-        """Put ``entry`` (None: delete this node's entry) in line to be written."""
+    def note(self, sid: str, entry: SessionEntry | None, principal: str = "") -> None:
+        """Put ``entry`` (None: delete this node's entry for ``principal``'s ``sid``) in
+        line to be written."""
         try:
             assert self._writes is not None
-            self._writes.send_nowait((sid, entry))
+            self._writes.send_nowait((sid, entry, principal))
         except anyio.WouldBlock:  # the registry is told again by the next resync
             log.warning("fleet.registry_write_dropped", session_id=sid)
             self.lifecycle.lost = True
@@ -144,11 +146,11 @@ class RegistryKeeper:
     async def write(self, writes: Any) -> None:
         registry = self.member.registry
         assert registry is not None
-        async for sid, entry in writes:
+        async for sid, entry, principal in writes:
             try:
                 with nats_errors(f"the {REGISTRY} bucket"), anyio.fail_after(5.0):
                     if entry is None:
-                        await self.forget(registry, sid)
+                        await self.forget(registry, sid, principal)
                     else:
                         await registry.put(registry_key(self.node, sid), entry.encode())
             except Exception as exc:  # the writes outlive any error: logged, resynced later
@@ -159,7 +161,7 @@ class RegistryKeeper:
                     error=describe(exc),
                 )
 
-    async def forget(self, registry: Any, sid: str) -> None:
+    async def forget(self, registry: Any, sid: str, principal: str) -> None:
         """Delete this node's entry for ``sid`` (a session this node ended ``failed_over``
         runs on another, whose entry is under that node's name and stays).  Its
         ``sage_claims`` key goes too when it names this node and no other node claims
@@ -168,14 +170,16 @@ class RegistryKeeper:
         with nats_errors(f"the {REGISTRY} bucket"):
             await registry.delete(registry_key(self.node, sid))
         claims = self.member.claims
-        if claims is None:
+        if claims is None or not principal:
             return
-        claim, revision = await self.member.claim_of(sid)
-        if claim is None or claim.node != self.node or await self.member.entries_of(sid):
+        claim, revision = await self.member.claim_of(principal, sid)
+        if claim is None or claim.holder != self.node:
             return
-        # taken meanwhile: it stays
+        others = await self.member.entries_of(sid)
+        if any(entry.principal_id == principal for entry in others.values()):
+            return  # a stale entry of the node it was taken from: the claim stays
         with contextlib.suppress(FleetRaceLost), nats_errors(f"the {CLAIMS} bucket"):
-            await claims.delete(sid, last=revision)
+            await claims.withdraw(principal, sid, last=revision)
 
     # -- resync -----------------------------------------------------------------------
 
@@ -211,7 +215,11 @@ class RegistryKeeper:
             for row in _rows(listing.get("sessions"))
             if row.state != RecordState.ENDED
         }
-        self.here |= live.keys() - self._exited_meanwhile
+        self.here |= {
+            sid: principal
+            for sid, principal in live.items()
+            if principal and sid not in self._exited_meanwhile
+        }
         self.resync_state.move(ResyncState.COMPARING)
         try:
             with nats_errors(f"the {REGISTRY} bucket"), anyio.fail_after(LISTING_DEADLINE):
@@ -237,7 +245,7 @@ class RegistryKeeper:
         for sid, entry in sorted(mine.items()):
             # an entry written after the listing was taken is a spawn's: left alone
             if sid not in live and entry.at < since:
-                self.note(sid, None)
+                self.note(sid, None, entry.principal_id)
                 delete += 1
         if put or delete:
             log.info("fleet.registry_resynced", put=put, deleted=delete)

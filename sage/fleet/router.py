@@ -227,8 +227,9 @@ class Router:
         if verb not in SESSION_VERBS or len(parts) != 6:
             return replies.error(ErrorCode.BAD_REQUEST, f"no fleet request {request.topic!r}")
         sid = check_name(parts[5], "session id")
-        if sid in self.keeper.here:
+        if sid in self.keeper.here and request.principal in (None, self.keeper.here[sid]):
             # the runner has it and answers (the CLI asks both at once): nothing to forward
+            # (another principal's session of the same id here is not the one asked for)
             return replies.error(ErrorCode.UNKNOWN_SESSION, f"session {sid!r} is on this node")
         if not self.member.connected:
             return unavailable(

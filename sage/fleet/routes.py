@@ -60,6 +60,8 @@ __all__ = (
     "SessionEntry",
     "approval_answer",
     "check_name",
+    "claim_filter",
+    "claim_key",
     "decode_claim",
     "decode_entry",
     "decode_event",
@@ -83,8 +85,9 @@ REGISTRY = "sage_sessions"
 it is (a node may write only its own keys)."""
 REGISTRY_STREAM = f"KV_{REGISTRY}"
 CLAIMS = "sage_claims"
-"""The key-value bucket deciding failover's races: session id -> the node that took it
-(written by any node, always naming the revision it read; never used to route)."""
+"""The key-value bucket deciding failover's races: ``<node>.<principal>.<sid>`` -> that
+node's claim to that principal's session (each node writes its own keys, every write
+naming the last revision of all the session's keys; never used to route)."""
 CLAIMS_STREAM = f"KV_{CLAIMS}"
 
 SESSION_VERBS = frozenset({"send", "stop", "interrupt", "session", "wake"})
@@ -214,26 +217,59 @@ class SessionEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 
 class Claim(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
-    """The ``sage_claims`` value of a session: the node that took it over (or took it back).
+    """A ``sage_claims`` value: ``node`` (the writer, whose name its key starts with: the
+    server proves it) took the session over, or took it back, or gives it ``back``.
 
-    A lost node's entry in the registry may outlive the session (it stays until that
-    node comes back and deletes it): a node adopts it only while this names that node
-    (or nothing), so a session taken over once is never taken from the stale entry
+    A session's claim is the latest of its keys ``<node>.<principal>.<sid>`` (the
+    stream's order): session ids are each node's, so the principal is part of what
+    names a session across the fleet, and one principal's claims never touch another's;
+    every write names the revision it read of them all (sage/fleet/claims.py), so two
+    nodes never both win, and no node writes a claim in another's name.  A lost node's
+    entry in the registry may outlive the session (it stays until that node comes back
+    and deletes it): a node adopts it only while the claim's holder is that node (or
+    there is none), so a session taken over once is never taken from the stale entry
     again."""
 
     node: str
     at: float = 0.0
+    principal_id: str = ""
+    """Whose session it is (a claim for another principal's session is not followed)."""
+    back: str = ""
+    """The node it is given back to: the winner could not run it (or may not) and gave
+    it back to the node it took it from; "": ``node`` holds it."""
     failed: bool = False
-    """The node that won could not run it and gave it back to ``node`` (the lost one): no
-    other node tries again; ``node`` resumes it when it comes back."""
+    """Given back for good: no other node tries again; ``back`` resumes it when it comes
+    back."""
+
+    @property
+    def holder(self) -> str:
+        """The node that holds the session by this claim."""
+        return self.back or self.node
 
     def encode(self) -> bytes:
         return msgspec.json.encode(self)
 
 
 def decode_claim(data: bytes) -> Claim | None:
-    """A ``sage_claims`` value, or None when it cannot be used."""
-    return _of_a_node(data, Claim)
+    """A ``sage_claims`` value, or None when it cannot be used (its ``back``, when set,
+    must be a node's name)."""
+    claim = _of_a_node(data, Claim)
+    if claim is None or (claim.back and _NAME.match(claim.back) is None):
+        return None
+    return claim
+
+
+def claim_key(node: str, principal: str, sid: str) -> str:
+    """The ``sage_claims`` key of ``node``'s claim to ``principal``'s session ``sid``:
+    under its own name, the only keys its NATS user may write."""
+    return f"{check_name(node, 'node')}.{check_name(principal, 'principal')}.{check_name(sid, 'session id')}"
+
+
+def claim_filter(principal: str, sid: str) -> str:
+    """The subject of every node's claim to ``principal``'s session ``sid``: a write names
+    the last revision of them all, so it fails when any node wrote since; another
+    principal's session of the same id has keys of its own."""
+    return f"$KV.{CLAIMS}.*.{check_name(principal, 'principal')}.{check_name(sid, 'session id')}"
 
 
 def decode_forwarded(data: bytes) -> Forwarded:

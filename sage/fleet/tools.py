@@ -192,15 +192,13 @@ class FleetTools:
     # -- the catalogues ---------------------------------------------------
 
     async def _bucket(self) -> KeyValue:
+        """The ``sage_tools`` bucket (opened, made or checked, at the node's join)."""
         if self._kv is None:
-            js = self.member.jetstream
-            try:
+            if self.member.tools is not None:
+                self._kv = self.member.tools
+            else:
                 with nats_errors(f"the {TOOLS_BUCKET} bucket"):
-                    self._kv = await js.key_value(TOOLS_BUCKET)
-            except FleetNotFound:
-                self._kv = await js.create_key_value(
-                    bucket=TOOLS_BUCKET, history=1, replicas=self.member.config.replicas
-                )
+                    self._kv = await self.member.jetstream.key_value(TOOLS_BUCKET)
         return self._kv
 
     async def _watch_changes(self, changed: Subscription) -> None:

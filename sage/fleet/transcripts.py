@@ -3,10 +3,13 @@ writing it without following a principal's links (docs/fleet.md, "Failover").
 
 The CLI keeps a session's conversation as a JSONL transcript under the
 principal's home (where: :mod:`sage.claude.conversation`).  After each finished turn a node with ``[sessions]
-resume = true`` puts that file into the ``sage_transcripts`` object store
-(object name: the session id) with a :class:`TranscriptMeta` as its description;
-a node that adopts the session writes it back under the principal's home there
-before ``claude --resume``.
+resume = true`` puts that file into the ``sage_transcripts`` key-value bucket under
+keys of its own name (:func:`chunk_key`, :func:`meta_key`: ``<node>.<sid>.<i>`` for
+each :data:`CHUNK_BYTES` of it, then ``<node>.<sid>.meta``, a :class:`TranscriptMeta`
+with the chunks' count and digest), so a node's user writes its own copies only and
+an adopter reads the copy of the node it takes the session from
+(sage/fleet/transcript_store.py); the adopter writes it back under the principal's
+home there before ``claude --resume``.
 
 The home and everything in it belong to the principal's children, so a
 hostile principal may have put a link, a FIFO or a huge file where the
@@ -33,24 +36,43 @@ from sage.claude.conversation import TranscriptRefused, escape_cwd, transcript_r
 from sage.config import MODEL_PATTERN, NAME_PATTERN
 
 __all__ = (
+    "CHUNK_BYTES",
     "TRANSCRIPTS",
     "TRANSCRIPTS_STREAM",
     "TranscriptMeta",
     "TranscriptRefused",
     "check_meta",
+    "chunk_key",
     "escape_cwd",
+    "meta_key",
     "read_transcript",
     "restore_transcript",
     "transcript_rel",
 )
 
 TRANSCRIPTS = "sage_transcripts"
-"""The JetStream object store: session id -> its transcript."""
-TRANSCRIPTS_STREAM = f"OBJ_{TRANSCRIPTS}"
+"""The key-value bucket of the replicated transcripts: ``<node>.<sid>.<part>``."""
+TRANSCRIPTS_STREAM = f"KV_{TRANSCRIPTS}"
+CHUNK_BYTES = 256 * 1024
+"""A transcript is stored in values of at most this many bytes (the bucket takes no
+larger message: NATS's ``max_payload`` is 1 MiB by default)."""
+
+
+def chunk_key(node: str, sid: str, index: int) -> str:
+    """The key of ``node``'s ``index``-th chunk of ``sid``'s transcript (checked names)."""
+    return f"{node}.{sid}.{index}"
+
+
+def meta_key(node: str, sid: str) -> str:
+    """The key of ``node``'s description of its copy of ``sid``'s transcript, written
+    after its chunks: a copy is whole once this names them."""
+    return f"{node}.{sid}.meta"
+
 
 _UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\Z")
 _NAME = re.compile(NAME_PATTERN)
 _MODEL = re.compile(MODEL_PATTERN)
+_SHA256 = re.compile(r"^[0-9a-f]{64}\Z")
 
 
 class TranscriptMeta(msgspec.Struct, frozen=True, kw_only=True):
@@ -70,6 +92,11 @@ class TranscriptMeta(msgspec.Struct, frozen=True, kw_only=True):
     """Of the session so far (older replicas: 0)."""
     started_at: float = 0.0
     """When the session was spawned (older replicas: 0, the adopter's now)."""
+    chunks: int = 0
+    """How many values of at most :data:`CHUNK_BYTES` hold it (``<node>.<sid>.0`` on)."""
+    sha256: str = ""
+    """The hex digest of the whole transcript: chunks of a later copy read meanwhile
+    do not pass for this one."""
 
     def encode(self) -> str:
         return msgspec.json.encode(self).decode()
@@ -96,6 +123,8 @@ def check_meta(sid: str, principal_id: str, text: str | None) -> TranscriptMeta:
         raise TranscriptRefused(f"transcript of {sid!r}: model is not a model name")
     if not _NAME.match(meta.node) or meta.turns < 0 or meta.size < 0:
         raise TranscriptRefused(f"transcript of {sid!r}: node, turns or size unusable")
+    if meta.chunks != -(-meta.size // CHUNK_BYTES) or not _SHA256.match(meta.sha256):
+        raise TranscriptRefused(f"transcript of {sid!r}: chunks or digest unusable")
     if not (0 <= meta.cost_usd <= 1e9) or not (0 <= meta.started_at <= time.time() + 60):
         raise TranscriptRefused(f"transcript of {sid!r}: cost or start time unusable")
     return meta

@@ -88,12 +88,11 @@ from sage.fleet.listing import LISTING_FROM_BUCKET
 from sage.fleet.nodes import NodeRecord
 from sage.fleet.permissions import BUCKET
 from sage.fleet.routes import REGISTRY, SessionEntry, registry_key
-from sage.fleet.transcripts import TRANSCRIPTS
 from tests.bench.bench_sessions import FAKE, _reap_leftovers, _remove
 from tests.bench.report import Report, percentile
 from tests.support.daemon import Daemon, node_root, short_dir
 from tests.support.failover_fleet import put_transcript
-from tests.support.nats_cluster import JS_TIMEOUT, NatsCluster, stored_object
+from tests.support.nats_cluster import JS_TIMEOUT, NatsCluster, stored_transcript
 
 NODES = ("a", "c")
 ROUNDS = 100  # of each path, alternating
@@ -536,7 +535,7 @@ async def _kill_and_time(
         await _until_done(events)
     with anyio.fail_after(DEADLINE):
         while True:  # its replica is in the object store: what an adopter restores
-            if await stored_object(cluster, TRANSCRIPTS, sid) is not None:
+            if await stored_transcript(cluster, "a", sid) is not None:
                 break
             await anyio.sleep(0.05)
     async with _client(daemons["b"]) as on_b, _client(daemons["c"]) as on_c:

@@ -15,8 +15,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from sage.fleet.transcripts import TRANSCRIPTS
-from tests.support.nats_cluster import NatsCluster, stored_object
+from tests.support.nats_cluster import NatsCluster, stored_transcript
 from tests.support.sage_harness import running_sage, sage_config
 from tests.support.standin import Standin, Text
 
@@ -51,7 +50,7 @@ async def test_a_killed_nodes_session_resumes_on_b_with_its_turns(
 
             async def replicated() -> bytes:
                 while True:
-                    found = await stored_object(cluster, TRANSCRIPTS, "far")
+                    found = await stored_transcript(cluster, "a", "far")
                     if found is not None and b"tangerine" in found[0]:
                         return found[0]
                     await anyio.sleep(0.1)

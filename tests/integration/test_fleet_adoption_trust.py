@@ -18,7 +18,8 @@ import anyio
 
 from sage.fleet.nodes import NodeRecord
 from sage.fleet.routes import SessionEntry, registry_key
-from sage.fleet.transcripts import TranscriptMeta
+from sage.fleet.transcript_store import TranscriptStore
+from sage.fleet.transcripts import TRANSCRIPTS, TranscriptMeta
 from tests.support.daemon import Daemon, short_dir
 from tests.support.failover_fleet import (
     HEARTBEAT,
@@ -35,8 +36,6 @@ PLANTED = "11111111-2222-4333-8444-555555555555"
 async def _play_rogue(cluster: NatsCluster) -> None:
     """As node r: a record declaring alice and bob, claims to a1 (alice) and b1 (bob), and a
     transcript for b1; then silence (its record ages into lost)."""
-    from nats.js.api import ObjectMeta
-
     async with cluster.client("r") as nc:
         js = nc.jetstream(timeout=JS_TIMEOUT)
         now = time.time()
@@ -65,8 +64,8 @@ async def _play_rogue(cluster: NatsCluster) -> None:
             turns=1,
             size=len(data),
         )
-        store = await js.object_store("sage_transcripts")
-        await store.put("b1", data, meta=ObjectMeta(name="b1", description=meta.encode()))
+        store = TranscriptStore(await js.key_value(TRANSCRIPTS), "r")
+        await store.put("b1", data, meta)
 
 
 def test_a_lost_node_pinned_to_alice_cannot_plant_a_session_of_bob() -> None:

@@ -16,17 +16,19 @@ from collections.abc import Iterator
 import pytest
 
 from sage.fleet.fencing import SWEEP_BEATS
-from sage.fleet.routes import CLAIMS, REGISTRY
+from sage.fleet.routes import REGISTRY, Claim
 from tests.support.daemon import Daemon, all_running, descendant_argvs, short_dir
 from tests.support.failover_fleet import (
     HEARTBEAT,
     LOST_AFTER,
     NODES,
     audit_rows,
+    claim,
     conversation_of,
     fleet,
     local_rows,
     node_config,
+    put_claim,
     request,
     rows,
     running,
@@ -92,9 +94,9 @@ def test_a_frozen_node_back_ends_its_copy_of_a_session_another_node_adopted(
     assert not any(children_on(daemons[n], claude_session) for n in others)
     wait_for(lambda: value(cluster, REGISTRY, "a.z1") is None, 10.0, "a's own claim gone")
     assert value(cluster, REGISTRY, f"{adopter_name}.z1") is not None
-    claim = value(cluster, CLAIMS, "z1")
-    assert claim is not None
-    assert (claim["node"], claim["failed"]) == (adopter_name, False)
+    taken = claim(cluster, "z1")
+    assert taken is not None
+    assert (taken["holder"], taken["failed"]) == (adopter_name, False)
     assert stored(cluster, "z1") is not None  # the transcript stays: it runs on
 
     # a send from any node reaches the adopter
@@ -111,7 +113,7 @@ def test_a_frozen_node_back_ends_its_copy_of_a_session_another_node_adopted(
     # a's resync, later, claims nothing back
     time.sleep(3.0)
     assert value(cluster, REGISTRY, "a.z1") is None
-    assert value(cluster, CLAIMS, "z1") == claim
+    assert claim(cluster, "z1") == taken
     assert not children_on(a, claude_session)
     assert fenced_in < 8.0
     stop = c.astrid("sage", "stop", "z1", "--principal", "alice", "--json")
@@ -149,18 +151,12 @@ def test_the_slow_sweep_ends_a_session_sage_claims_gives_another_node(
     # (a start under load may stall b's loop past lost_after / 2 once: that return, before
     # the claim below, fences nothing; only one after it would make this no sweep's work)
     returns_before = len(b.log_events("fleet.may_have_been_lost"))
-    put_claim(cluster, "w1", {"node": "c", "at": time.time(), "failed": False})
+    put_claim(cluster, "w1", Claim(node="c", at=time.time(), principal_id="alice"))
     wait_for(lambda: not running(b, "w1"), 4 * SWEEP_BEATS * HEARTBEAT, "w1 fenced by a sweep")
     local = local_rows(b)["w1"]
     assert (local["state"], local["reason"]) == ("ended", "failed_over")
     assert value(cluster, REGISTRY, "b.w1") is None
     assert len(b.log_events("fleet.may_have_been_lost")) == returns_before
-
-
-def put_claim(cluster: NatsCluster, sid: str, claim: dict[str, object]) -> None:
-    import json
-
-    cluster.admin_put(CLAIMS, sid, json.dumps(claim).encode())
 
 
 def _as_alice(daemon: Daemon, topic: str, payload: object) -> dict[str, object]:

@@ -13,11 +13,12 @@ import signal
 import time
 
 from sage.fleet.failover import RESWEEP
-from sage.fleet.routes import CLAIMS, REGISTRY
+from sage.fleet.routes import REGISTRY
 from tests.support.daemon import Daemon
 from tests.support.failover_fleet import (
     LOST_AFTER,
     audit_rows,
+    claim,
     fleet,
     local_rows,
     ok_json,
@@ -45,9 +46,9 @@ def test_a_session_taken_over_and_ended_is_not_adopted_again_from_the_stale_clai
         LOST_AFTER + 15.0,
         "r1 adopted by b or c",
     )
-    taken = value(cluster, CLAIMS, "r1")
+    taken = claim(cluster, "r1")
     assert taken is not None
-    assert (taken["node"], taken["failed"]) == (adopter, False)
+    assert (taken["holder"], taken["failed"]) == (adopter, False)
     assert value(cluster, REGISTRY, "a.r1") is not None  # a's stale claim stays
     ok_json(daemons[adopter], "sage", "stop", "r1")
     wait_for(lambda: value(cluster, REGISTRY, f"{adopter}.r1") is None, 10.0, "its claim gone")
@@ -62,9 +63,9 @@ def test_a_session_taken_over_and_ended_is_not_adopted_again_from_the_stale_clai
         if row["session_id"] == "r1"
     ]
     assert len(adoptions) == 1, adoptions
-    claim = value(cluster, CLAIMS, "r1")
-    assert claim is not None
-    assert claim["node"] == adopter
+    latest = claim(cluster, "r1")
+    assert latest is not None
+    assert latest["holder"] == adopter
 
     # a comes back: r1 was taken from it, so it ends it failed_over and drops its claim
     a.launch()

@@ -20,9 +20,10 @@ import anyio
 import nats
 import pytest
 
+from sage.fleet.claims import Claims
 from sage.fleet.nodes import NodeRecord
 from sage.fleet.permissions import BUCKET
-from sage.fleet.routes import CLAIMS, REGISTRY, Claim, SessionEntry, registry_key
+from sage.fleet.routes import REGISTRY, Claim, SessionEntry, registry_key
 from tests.support.daemon import Daemon
 from tests.support.nats_cluster import JS_TIMEOUT, NatsCluster, refused_kv, wait_for
 from tests.support.registry_fleet import fleet, forwarded, send
@@ -94,8 +95,10 @@ def test_a_claim_under_a_lost_nodes_name_is_not_followed(
 
     async def main() -> None:
         async with cluster.client("b") as rogue:
-            claims = await rogue.jetstream(timeout=JS_TIMEOUT).key_value(CLAIMS)
-            await claims.put("t2", Claim(node="b", at=time.time(), failed=True).encode())
+            claims = Claims(rogue.jetstream(timeout=JS_TIMEOUT), "b")
+            _, last = await claims.latest("alice", "t2")
+            lie = Claim(node="b", at=time.time(), principal_id="alice", failed=True)
+            await claims.write("t2", lie, last)
 
     anyio.run(main)
     status = json.loads(c.astrid("fleet", "status", "--json", timeout=30.0).stdout)

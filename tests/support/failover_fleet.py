@@ -17,12 +17,15 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 
-from sage.fleet.transcripts import TRANSCRIPTS, transcript_rel
+from sage.fleet.claims import Claims
+from sage.fleet.routes import Claim
+from sage.fleet.transcripts import transcript_rel
 from tests.support import FAKE_CLAUDE
 from tests.support.daemon import Daemon, all_running, short_dir
-from tests.support.nats_cluster import NatsCluster, stored_object
+from tests.support.nats_cluster import JS_TIMEOUT, NatsCluster, stored_transcript
 
 __all__ = (
     "HEARTBEAT",
@@ -30,12 +33,14 @@ __all__ = (
     "NODES",
     "argv_of",
     "audit_rows",
+    "claim",
     "conversation_of",
     "fleet",
     "home_of",
     "local_rows",
     "node_config",
     "ok_json",
+    "put_claim",
     "put_transcript",
     "request",
     "rows",
@@ -125,10 +130,45 @@ def audit_rows(daemon: Daemon, kind: str) -> list[dict[str, Any]]:
     return [json.loads(payload)["payload"] for (payload,) in found]
 
 
-def stored(cluster: NatsCluster, sid: str) -> tuple[bytes, dict[str, Any]] | None:
-    """The object store's transcript of ``sid`` and its description (as the NATS admin)."""
-    found = anyio.run(stored_object, cluster, TRANSCRIPTS, sid)
-    return None if found is None else (found[0], json.loads(found[1] or "{}"))
+def stored(
+    cluster: NatsCluster, sid: str, node: str | None = None
+) -> tuple[bytes, dict[str, Any]] | None:
+    """``node``'s copy of ``sid``'s transcript and its description (as the NATS admin);
+    without ``node``, the first of :data:`NODES` that holds one."""
+    for name in [node] if node is not None else NODES:
+        found = anyio.run(stored_transcript, cluster, name, sid)
+        if found is not None:
+            return found[0], json.loads(found[1] or "{}")
+    return None
+
+
+def claim(cluster: NatsCluster, sid: str, principal: str = "alice") -> dict[str, Any] | None:
+    """``principal``'s session ``sid``'s claim in ``sage_claims`` (the latest of every node's keys, as the NATS
+    admin), with ``holder``; None: none, or withdrawn."""
+
+    async def main() -> dict[str, Any] | None:
+        async with cluster.client() as nc:
+            found, _ = await Claims(nc.jetstream(timeout=JS_TIMEOUT), "admin").latest(
+                principal, sid
+            )
+        if found is None:
+            return None
+        return {**msgspec.to_builtins(found), "holder": found.holder}
+
+    return anyio.run(main)
+
+
+def put_claim(cluster: NatsCluster, sid: str, claim: Claim) -> None:
+    """Store ``claim`` as its node's latest claim to ``sid`` (as the NATS admin, naming the
+    revision it read)."""
+
+    async def main() -> None:
+        async with cluster.client() as nc:
+            js = nc.jetstream(timeout=JS_TIMEOUT)
+            _, revision = await Claims(js, claim.node).latest(claim.principal_id, sid)
+            await Claims(js, claim.node).write(sid, claim, revision)
+
+    anyio.run(main)
 
 
 def argv_of(pid: int) -> list[str]:

@@ -57,7 +57,7 @@ __all__ = (
     "new_user_seed",
     "public_key",
     "refused_kv",
-    "stored_object",
+    "stored_transcript",
     "wait_for",
 )
 
@@ -421,18 +421,27 @@ async def refused_kv(nc: Any, bucket: str, patience: float = 1.0) -> Any:
     )
 
 
-async def stored_object(cluster: NatsCluster, bucket: str, name: str) -> tuple[bytes, str] | None:
-    """Object ``name`` of the object store ``bucket`` and its description, read as the
-    cluster's admin (None: there is none)."""
-    from nats.js.errors import NotFoundError
+async def stored_transcript(cluster: NatsCluster, node: str, sid: str) -> tuple[bytes, str] | None:
+    """``node``'s copy of ``sid``'s transcript in ``sage_transcripts`` and its description
+    (the meta's JSON), read as the cluster's admin (None: that node holds none)."""
+    from nats.js.errors import KeyNotFoundError
+
+    from sage.fleet.transcripts import TRANSCRIPTS, chunk_key, meta_key
 
     async with cluster.client() as nc:
-        store = await nc.jetstream(timeout=JS_TIMEOUT).object_store(bucket)
+        kv = await nc.jetstream(timeout=JS_TIMEOUT).key_value(TRANSCRIPTS)
         try:
-            result = await store.get(name)
-        except NotFoundError:
+            meta = bytes((await kv.get(meta_key(node, sid))).value or b"").decode()
+            chunks = int(json.loads(meta).get("chunks", 0))
+            data = b"".join(
+                [
+                    bytes((await kv.get(chunk_key(node, sid, index))).value or b"")
+                    for index in range(chunks)
+                ]
+            )
+        except KeyNotFoundError:
             return None
-        return bytes(result.data or b""), result.info.description or ""
+        return data, meta
 
 
 def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:

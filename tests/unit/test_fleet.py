@@ -278,35 +278,31 @@ def test_a_node_may_publish_its_own_key_only() -> None:
     assert perms["publish"]["deny"] == ["sage.fleet.a.tool.call.*"]
 
 
-def test_the_transcripts_store_is_reached_through_its_own_stream_only() -> None:
-    """Failover: the object store's chunks and metadata, and the JetStream API calls on
-    its stream OBJ_sage_transcripts; no other stream's purge, no other consumer."""
+def test_the_transcripts_bucket_is_written_under_its_own_name_only() -> None:
+    """Failover: its own copies, ``$KV.sage_transcripts.<node>.>``, and reads of any node's
+    from the stream's leader; no purge, no consumer, no object store."""
     publish = node_permissions("a")["publish"]["allow"]
-    assert "$O.sage_transcripts.>" in publish
-    assert not any(p.startswith("$O.") and p != "$O.sage_transcripts.>" for p in publish)
-    store_api = sorted(p for p in publish if "OBJ_" in p)
-    assert store_api == sorted(
+    assert [p for p in publish if p.startswith("$KV.sage_transcripts.")] == [
+        "$KV.sage_transcripts.a.>"
+    ]
+    assert sorted(p for p in publish if "KV_sage_transcripts" in p) == sorted(
         [
-            "$JS.API.STREAM.CREATE.OBJ_sage_transcripts",
-            "$JS.API.STREAM.INFO.OBJ_sage_transcripts",
-            "$JS.API.STREAM.MSG.GET.OBJ_sage_transcripts",
-            "$JS.API.DIRECT.GET.OBJ_sage_transcripts.>",
-            "$JS.API.STREAM.PURGE.OBJ_sage_transcripts",
-            "$JS.API.CONSUMER.CREATE.OBJ_sage_transcripts",
-            "$JS.API.CONSUMER.CREATE.OBJ_sage_transcripts.>",
-            "$JS.API.CONSUMER.DELETE.OBJ_sage_transcripts.*",
+            "$JS.API.STREAM.CREATE.KV_sage_transcripts",
+            "$JS.API.STREAM.INFO.KV_sage_transcripts",
+            "$JS.API.STREAM.MSG.GET.KV_sage_transcripts",
         ]
     )
-    assert [p for p in publish if ".PURGE." in p] == ["$JS.API.STREAM.PURGE.OBJ_sage_transcripts"]
-    assert "$JS.API.STREAM.NAMES" in publish  # how nats-py finds the stream of the chunks
+    assert not any(p.startswith("$O.") or "OBJ_" in p for p in publish)
+    assert not any(".PURGE." in p or ".MSG.DELETE." in p or ".UPDATE." in p for p in publish)
+    assert not any(p.startswith("$JS.API.STREAM.DELETE.") for p in publish)
 
 
 def test_a_node_writes_registry_keys_under_its_own_name_only() -> None:
-    """Its claims are ``<node>.<sid>``: no wildcard reaches another node's; the claims
-    bucket (failover's races) is every node's, and its stream is only read."""
+    """Its entries and its claims are ``<node>.<sid>``: no wildcard reaches another
+    node's; the streams are only read."""
     publish = node_permissions("a")["publish"]["allow"]
     assert [p for p in publish if p.startswith("$KV.sage_sessions.")] == ["$KV.sage_sessions.a.>"]
-    assert [p for p in publish if p.startswith("$KV.sage_claims.")] == ["$KV.sage_claims.>"]
+    assert [p for p in publish if p.startswith("$KV.sage_claims.")] == ["$KV.sage_claims.a.>"]
     assert sorted(p for p in publish if "KV_sage_claims" in p) == sorted(
         [
             "$JS.API.STREAM.CREATE.KV_sage_claims",

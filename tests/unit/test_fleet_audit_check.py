@@ -222,10 +222,9 @@ def test_a_node_may_publish_its_own_audit_subjects_only() -> None:
         subject_of("a", "checkpoint"),
         subject_of("a", "key"),
     ]
-    # the one purge a node may do is the transcripts' (a put that replaces an object purges
-    # its old chunks): never the audit stream's
+    # no purge of any stream, the audit stream's least
     purges = [p for p in perms["publish"]["allow"] if p.startswith("$JS.API.STREAM.PURGE")]
-    assert purges == ["$JS.API.STREAM.PURGE.OBJ_sage_transcripts"]
+    assert purges == []
     assert all("MSG.DELETE" not in p and "UPDATE" not in p for p in perms["publish"]["allow"])
     # its own verify requests only (the rest of the list: test_fleet's permissions test)
     verify = [p for p in perms["subscribe"]["allow"] if p.endswith(".audit.verify")]

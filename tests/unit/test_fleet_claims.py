@@ -24,3 +24,11 @@ def test_of_several_lost_claims_the_latest_is_adopted_from() -> None:
     entries = [("s1", claim("c", 5.0), 9), ("s1", claim("a", 1.0), 3)]
     assert lost_entries(entries, {"b"}) == {"s1": (claim("c", 5.0), 9)}
     assert lost_entries(list(reversed(entries)), {"b"}) == {"s1": (claim("c", 5.0), 9)}
+
+
+def test_another_principals_live_session_of_the_same_id_does_not_hide_a_lost_one() -> None:
+    """Ids are each node's: bob's live ``review`` on c is not alice's lost ``review`` of a,
+    which is still adopted (found by the fleet's first try: it stayed lost)."""
+    bobs = SessionEntry(node="c", principal_id="bob", at=2.0, resume=True)
+    entries = [("review", claim("a", 1.0), 3), ("review", bobs, 5)]
+    assert lost_entries(entries, {"b", "c"}) == {"review": (claim("a", 1.0), 3)}

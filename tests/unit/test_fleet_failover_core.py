@@ -18,10 +18,10 @@ from sage.fleet.adoption import (
     adopting_entry,
     rank,
 )
-from sage.fleet.failover import CappedBuffer
 from sage.fleet.nodes import NodeLoad, NodeState, NodeView
 from sage.fleet.routes import SessionEntry
 from sage.fleet.transcripts import (
+    CHUNK_BYTES,
     TranscriptMeta,
     TranscriptRefused,
     check_meta,
@@ -202,6 +202,8 @@ def meta(**fields: object) -> str:
         "node": "a",
         "turns": 2,
         "size": 10,
+        "chunks": 1,
+        "sha256": "0" * 64,
     }
     return TranscriptMeta(**{**base, **fields}).encode()  # type: ignore[arg-type]
 
@@ -228,6 +230,9 @@ def test_a_good_description_is_taken() -> None:
         ("s1", "alice", meta(cost_usd=-1.0)),
         ("s1", "alice", meta(cost_usd=float("nan"))),
         ("s1", "alice", meta(started_at=4e10)),  # in the future
+        ("s1", "alice", meta(chunks=5)),  # more chunks than its size fills
+        ("s1", "alice", meta(size=CHUNK_BYTES + 1)),  # fewer
+        ("s1", "alice", meta(sha256="not a digest")),
         ("s1", "alice", "not json"),
         ("s1", "alice", None),
     ],
@@ -304,16 +309,3 @@ def test_a_restore_never_writes_through_a_link(tmp_path: Path) -> None:
     assert list(outside.iterdir()) == []
     with pytest.raises(TranscriptRefused, match="not a transcript path"):
         restore_transcript(home, Path("../x/y/z"), b"", os.getuid(), os.getgid())
-
-
-def test_an_object_read_lands_in_a_capped_buffer() -> None:
-    """What nats-py writes into it stops at the cap, however large the object grew after
-    its size was checked."""
-    capped = CappedBuffer("s1", 10)
-    assert capped.writable()
-    assert capped.write(b"12345") == 5
-    assert capped.write(b"67890") == 5
-    assert bytes(capped.data) == b"1234567890"
-    with pytest.raises(TranscriptRefused, match="more than the 10 bytes allowed"):
-        capped.write(b"x")
-    assert bytes(capped.data) == b"1234567890"

@@ -31,6 +31,10 @@ def test_only_another_nodes_claim_that_did_not_fail_takes_a_session() -> None:
     assert runs_elsewhere("a", Claim(node="b", at=1.0)) == "b"
     # b won but could not run it: given back to a, which keeps it
     assert runs_elsewhere("a", Claim(node="b", at=1.0, failed=True)) is None
+    assert runs_elsewhere("a", Claim(node="b", at=1.0, back="a", failed=True)) is None
+    # b gives it back to a (no room there): a keeps it; given back to c: c's
+    assert runs_elsewhere("a", Claim(node="b", at=1.0, back="a")) is None
+    assert runs_elsewhere("a", Claim(node="b", at=1.0, back="c")) == "c"
 
 
 def test_sweeps_read_every_session_a_batch_at_a_time_and_go_round() -> None:
@@ -62,7 +66,7 @@ class _Member:
     def __init__(self, a_state: NodeState) -> None:
         self.a_state = a_state
 
-    async def claim_of(self, sid: str) -> tuple[Claim | None, int]:
+    async def claim_of(self, principal: str, sid: str) -> tuple[Claim | None, int]:
         return None, 0
 
     async def nodes(self) -> list[NodeView]:

@@ -194,7 +194,7 @@ async def test_the_resync_walks_its_table() -> None:
     keeper = _keeper(listing, [])
     assert await keeper.resync()
     assert keeper.resync_state.state is ResyncState.SYNCED
-    assert keeper.here == {"s1"}
+    assert keeper.here == {"s1": "alice"}
     with pytest.raises(IllegalTransition):
         await keeper.resync()  # synced: only an outage or a dropped event asks again
     keeper.resync_state.move(ResyncState.NEEDED)

@@ -102,7 +102,10 @@ async def test_a_session_the_fleet_could_not_vouch_for_is_asked_about_before_it_
     assert moved.value.code == "unknown_session"
     assert state_of(session) is SessionState.ENDED
     assert [e["reason"] for e in exited(ctx)] == ["failed_over"]
-    assert ctx.asked == [{"session_ids": ["s1"]}, {"session_ids": ["s1"]}]
+    assert ctx.asked == [
+        {"session_ids": ["s1"], "principals": {"s1": "alice"}},
+        {"session_ids": ["s1"], "principals": {"s1": "alice"}},
+    ]
 
 
 async def test_a_session_still_this_nodes_wakes_and_is_asked_about_once(tmp_path: Path) -> None:
@@ -113,7 +116,7 @@ async def test_a_session_still_this_nodes_wakes_and_is_asked_about_once(tmp_path
     ctx.claims = {"ok": True, "elsewhere": {}}
     await runner._still_here(session)
     await runner._still_here(session)
-    assert ctx.asked == [{"session_ids": ["s1"]}]
+    assert ctx.asked == [{"session_ids": ["s1"], "principals": {"s1": "alice"}}]
     assert session.state is SessionState.HIBERNATED  # the wake goes on from here
     other = asleep(runner, "s2")  # never in doubt: nothing asked
     await runner._still_here(other)
