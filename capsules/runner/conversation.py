@@ -28,10 +28,10 @@ import msgspec
 from sage.claude.protocol import (
     AssistantMessage,
     ContentBlock,
-    RedactedThinkingBlock,
     Event,
     InvalidLine,
     LineTooLong,
+    RedactedThinkingBlock,
     ResultMessage,
     StreamEvent,
     SystemApiRetry,
