@@ -438,8 +438,8 @@ async def test_another_principal_cannot_change_the_input() -> None:
     """Only the session's principal (or an admin) may answer, with an input or not."""
 
     async def intrude(cid: str) -> None:
+        answer = {"allowed": True, "updated_input": {"name": "Mallory"}}
         with pytest.raises(SessionError) as refused:
-            answer = {"allowed": True, "updated_input": {"name": "Mallory"}}
             await rig.desk.approve(_approve(cid, answer, "bob"))
         assert refused.value.code == "unknown_approval"
         await rig.desk.approve(_approve(cid, {"allowed": True}, None))  # an admin
