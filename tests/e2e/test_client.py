@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -174,3 +175,20 @@ async def test_spawn_stream_decide_interrupt_stop(harness: Harness, standin: Sta
         with pytest.raises(SageError) as refused:
             await _turn(sage, "c2", "anyone?")
         assert refused.value.code in ("session_ended", "unknown_session")
+
+
+async def test_the_example_of_docs_client_md_runs(harness: Harness, standin: Standin) -> None:
+    """docs/client.md's example, run as a program against the real CLI, does what it says."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "client.md").read_text()
+    example = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    script = harness.daemon.root / "example.py"
+    script.write_text(example.replace('"my.toml"', repr(str(harness.daemon.config))))
+    standin.push(ToolUse(GREET, {"name": "ada"}), Text("Greeted her."))
+    result = await anyio.run_process(
+        [sys.executable, str(script)], check=False, env=harness.daemon.env
+    )
+    out = result.stdout.decode()
+    assert result.returncode == 0, result.stderr.decode()
+    assert "tool result: [{'type': 'text', 'text': 'Hello, Ada!'}]" in out  # title-cased input
+    assert "Greeted her." in out
+    assert "completed $" in out
