@@ -46,6 +46,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
 GREET = "mcp__sage__greet"
 DEADLINE = 60.0
+DOC = Path(__file__).resolve().parents[2] / "docs" / "client.md"
 
 
 @pytest.fixture
@@ -179,10 +180,10 @@ async def test_spawn_stream_decide_interrupt_stop(harness: Harness, standin: Sta
 
 async def test_the_example_of_docs_client_md_runs(harness: Harness, standin: Standin) -> None:
     """docs/client.md's example, run as a program against the real CLI, does what it says."""
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "client.md").read_text()
+    doc = await anyio.Path(DOC).read_text()
     example = doc.split("```python\n", 1)[1].split("```", 1)[0]
-    script = harness.daemon.root / "example.py"
-    script.write_text(example.replace('"my.toml"', repr(str(harness.daemon.config))))
+    script = anyio.Path(harness.daemon.root) / "example.py"
+    await script.write_text(example.replace('"my.toml"', repr(str(harness.daemon.config))))
     standin.push(ToolUse(GREET, {"name": "ada"}), Text("Greeted her."))
     result = await anyio.run_process(
         [sys.executable, str(script)], check=False, env=harness.daemon.env
