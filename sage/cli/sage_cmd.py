@@ -23,11 +23,11 @@ from bus import BusError
 from sage.cli._commands import summary
 from sage.cli._common import add_common, call_runner, printable
 from sage.cli._connect import config_of, connect, print_json
-from sage.client.routing import NoFleet as _NoFleet
-from sage.client.routing import call_session
-from sage.client.routing import in_fleet as _in_fleet
 from sage.contract.sessions import turn_size, turn_too_large
 from sage.errors import SageError
+from sage.routing import NoFleet as _NoFleet
+from sage.routing import call_session
+from sage.routing import in_fleet as _in_fleet
 
 __all__ = ("call_session", "register")
 

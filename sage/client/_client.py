@@ -33,11 +33,11 @@ from sage.client.messages import (
     TextDelta,
     decode_event,
 )
-from sage.client.routing import NoFleet, call_runner, call_session, in_fleet
 from sage.config import load_config
 from sage.contract.codes import ErrorCode
 from sage.contract.sessions import approver_topic, event_pattern, request_topic
 from sage.errors import SageError
+from sage.routing import NoFleet, call_runner, call_session, in_fleet
 
 __all__ = ("Allow", "CanUseTool", "Deny", "Sage", "Session", "SessionEnded", "connect", "query")
 

@@ -9,15 +9,23 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
-
 from bus import NoResponders
-from sage import replies
-from sage.cli._common import call_runner
 from sage.errors import SageError
-from sage.replies import ReplyError
 
 __all__ = ("NoFleet", "call_runner", "call_session", "in_fleet")
+
+
+async def call_runner(client: Any, topic: str, payload: Any, deadline: float) -> dict[str, Any]:
+    """Ask the session runner; its ``ok`` reply, or a :class:`SageError` with its error."""
+    from sage import replies  # msgspec: not for `astrid --help`
+
+    try:
+        reply = await client.request(topic, payload, deadline=deadline)
+    except NoResponders:
+        raise SageError(
+            "no session runner is running (is `runner` in supervisor.capsules?)"
+        ) from None
+    return replies.parse(reply.payload)  # a failure raises ReplyError: "CODE: MESSAGE"
 
 
 class NoFleet(SageError):
@@ -28,6 +36,8 @@ class NoFleet(SageError):
 
 async def in_fleet(client: Any, verb: str, payload: Any, deadline: float) -> dict[str, Any]:
     """Ask the fleet's router of the local supervisor (``sage.v1.request.fleet.<verb>``)."""
+    from sage import replies  # msgspec: not for `astrid --help`
+
     try:
         reply = await client.request(f"sage.v1.request.fleet.{verb}", payload, deadline=deadline)
     except NoResponders:
@@ -52,6 +62,11 @@ async def call_session(
     sessions, so at most one of them acts.  The runner's answer wins unless it is
     ``unknown_session``; then the router's is awaited (else it is dropped unread).  An approval is asked of every live node by the router: it
     is asked only after the runner did not know it."""
+    import msgspec  # not for `astrid --help`
+
+    from sage import replies
+    from sage.replies import ReplyError
+
     if verb in _ASKED_EVERYWHERE:
         try:
             return await call_runner(client, f"sage.v1.request.{verb}.{sid}", payload, deadline)
