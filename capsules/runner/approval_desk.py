@@ -27,6 +27,7 @@ and the publish, event and audit callables.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 import uuid
 from typing import Any, Protocol
@@ -40,6 +41,7 @@ from capsules.runner.approvals import (
     Decision,
     Pending,
     UnknownApproval,
+    Verdict,
     matches,
     valid_rule,
 )
@@ -128,7 +130,7 @@ class ApprovalDesk:
         self.approvals = approvals if approvals is not None else Approvals()
         self.spoofs = DenialLimiter(burst=AUDIT_BURST, window=AUDIT_WINDOW)
 
-    async def can_use_tool(self, proc: Asker, request: CanUseToolRequest) -> tuple[bool, str]:
+    async def can_use_tool(self, proc: Asker, request: CanUseToolRequest) -> Verdict:
         """Decide a tool call that is not pre-allowed: an allow rule of the principal,
         else the people listening on ``approval.v1.request.*`` (the first decision
         wins, by ``sage.v1.request.approve.<cid>`` or ``approval.v1.response.<cid>``),
@@ -195,6 +197,7 @@ class ApprovalDesk:
                 "source": decision.source,
                 "reason": decision.reason,
                 **({"rule": rule} if rule is not None else {}),
+                **({"input_updated": True} if decision.updated_input is not None else {}),
                 "turn": proc.turn.finished + 1,
             },
             proc.principal_id,
@@ -210,10 +213,15 @@ class ApprovalDesk:
                 "allowed": decision.allowed,
                 "decision_source": _SOURCES.get(decision.source, decision.source),
                 **({"rule": rule} if rule is not None else {}),
+                **(
+                    {"input_updated": True, "updated_input_sha256": _digest(decision.updated_input)}
+                    if decision.updated_input is not None
+                    else {}
+                ),
             },
         )
         why = decision.reason or ("" if decision.allowed else "denied by approver")
-        return decision.allowed, why
+        return Verdict(decision.allowed, why, decision.updated_input)
 
     async def _published_answers(self, answers: Subscription, pending: Pending) -> None:
         """The older way to answer: a publish on ``approval.v1.response.<cid>``."""
@@ -245,6 +253,8 @@ class ApprovalDesk:
         rule = req.rule or None
         if req.always and not req.allowed:
             raise SessionError("bad_request", "always applies to an approval, not a denial")
+        if req.updated_input is not None and not req.allowed:
+            raise SessionError("bad_request", "updated_input applies to an approval, not a denial")
         if rule is not None and not valid_rule(rule):
             raise SessionError("bad_request", f"{rule!r} is not a tool-name pattern")
         try:
@@ -256,7 +266,9 @@ class ApprovalDesk:
                     pending.principal_id, add=[added], remove=[], requester=request.principal
                 )
             self.approvals.decide(
-                cid, request.principal, Decision(req.allowed, req.reason or "", "approver")
+                cid,
+                request.principal,
+                Decision(req.allowed, req.reason or "", "approver", req.updated_input),
             )
         except UnknownApproval as exc:
             raise SessionError("unknown_approval", str(exc)) from None
@@ -267,6 +279,7 @@ class ApprovalDesk:
             "session_id": pending.session_id,
             "tool_name": pending.tool_name,
             **({"rule_added": added} if added is not None else {}),
+            **({"input_updated": True} if req.updated_input is not None else {}),
         }
 
     async def hook_callback(
@@ -303,3 +316,9 @@ class ApprovalDesk:
                 "hook_spoof_attempt",
                 {**spoof_report(rejection, source), "suppressed_before": suppressed},
             )
+
+
+def _digest(value: dict[str, Any] | None) -> str:
+    """What the audit keeps of an approver's input: its digest (the input may hold what
+    an audit row must not), enough to match it with the call the bridge audits."""
+    return hashlib.sha256(msgspec.json.encode(value)).hexdigest()

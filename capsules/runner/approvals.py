@@ -22,7 +22,7 @@ import fnmatch
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import anyio
 
@@ -34,6 +34,7 @@ __all__ = (
     "Decision",
     "Pending",
     "UnknownApproval",
+    "Verdict",
     "matches",
     "rule_reach",
     "self_rule_refusal",
@@ -101,6 +102,18 @@ class Decision:
     allowed: bool
     reason: str
     source: str  # who decided: approver | timeout | no_approver | allow_rule
+    updated_input: dict[str, Any] | None = None
+    """An approver's input for the call instead of Claude's (with ``allowed`` only)."""
+
+
+class Verdict(NamedTuple):
+    """What the CLI is told of a tool call: run it (with ``updated_input`` when an
+    approver changed it: the tool bridge checks it as any call, against the tool's
+    schema and the operator's policy), or not, ``message`` being what Claude reads."""
+
+    allowed: bool
+    message: str
+    updated_input: dict[str, Any] | None = None
 
 
 @dataclass

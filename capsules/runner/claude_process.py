@@ -40,6 +40,7 @@ import anyio.abc
 import msgspec
 import structlog
 
+from capsules.runner.approvals import Verdict
 from capsules.runner.command import Launch
 from capsules.runner.conversation import (
     Conversation,
@@ -108,9 +109,7 @@ class Host(Protocol):
         """The JSON-RPC response for an sdk MCP message (None: a notification, ack it)."""
         ...
 
-    async def can_use_tool(
-        self, proc: ClaudeProcess, request: CanUseToolRequest
-    ) -> tuple[bool, str]: ...
+    async def can_use_tool(self, proc: ClaudeProcess, request: CanUseToolRequest) -> Verdict: ...
 
     async def hook_callback(
         self, proc: ClaudeProcess, request: HookCallbackRequest
@@ -617,11 +616,12 @@ class ClaudeProcess:
                 )
             return encode_mcp_response(rid, response)
         if isinstance(body, CanUseToolRequest):
-            allowed, message = await self.host.can_use_tool(self, body)
+            verdict = await self.host.can_use_tool(self, body)
             self.conversation.approval_answered(body.tool_use_id, time.monotonic())
-            if allowed:
-                return encode_permission_allow(rid, body.input)
-            return encode_permission_deny(rid, message)
+            if verdict.allowed:
+                given = verdict.updated_input
+                return encode_permission_allow(rid, body.input if given is None else given)
+            return encode_permission_deny(rid, verdict.message)
         if isinstance(body, HookCallbackRequest):
             return encode_hook_response(rid, await self.host.hook_callback(self, body))
         name = getattr(body, "name", "") or type(body).__name__

@@ -27,9 +27,11 @@ import msgspec
 
 from sage.claude.protocol import (
     AssistantMessage,
+    ContentBlock,
     Event,
     InvalidLine,
     LineTooLong,
+    RedactedThinkingBlock,
     ResultMessage,
     StreamEvent,
     SystemApiRetry,
@@ -37,6 +39,7 @@ from sage.claude.protocol import (
     SystemInit,
     SystemPermissionDenied,
     TextBlock,
+    ThinkingBlock,
     ToolResultBlock,
     ToolUseBlock,
     UnknownMessage,
@@ -63,6 +66,12 @@ AUTH_ERROR: Final = "authentication_failed"  # an assistant message's ``error`` 
 TOOL_INPUT_SHOWN: Final = (
     4096  # encoded bytes of a tool call's input a tool_use event carries whole
 )
+CONTENT_SHOWN: Final = 64 * 1024
+"""Encoded bytes of a tool's result (``tool_result``), or characters of a text, a thinking
+or the final result (``assistant``, ``done``), an event carries whole."""
+ASSISTANT_SHOWN: Final = 512 * 1024
+"""What one ``assistant`` event carries at most, all its blocks together (the bus's
+payload limit is 1 MiB)."""
 
 
 class ProcessState(enum.Enum):
@@ -287,27 +296,19 @@ class Conversation:
         for block in msg.message.content:
             if isinstance(block, ToolUseBlock):
                 self._tool_started[block.id] = (block.name, now)
-                encoded = msgspec.json.encode(block.input)
-                shown: dict[str, Any] = (
-                    {"input": block.input}
-                    if len(encoded) <= TOOL_INPUT_SHOWN
-                    else {
-                        "input_preview": encoded[:TOOL_INPUT_SHOWN].decode(errors="replace"),
-                        "input_bytes": len(encoded),
-                    }
-                )
                 out.append(
                     Publish(
                         "tool_use",
                         {
                             "tool_use_id": block.id,
                             "name": block.name,
-                            **shown,
+                            **shown("input", block.input, TOOL_INPUT_SHOWN),
                             "parent_tool_use_id": msg.parent_tool_use_id,
                             "turn": self.turn.finished + 1,
                         },
                     )
                 )
+        out.append(Publish("assistant", self._assistant_event(msg)))
         if self._deltas == 0 and msg.parent_tool_use_id is None:
             # not streamed (no partial messages for this one): send the text whole
             for block in msg.message.content:
@@ -317,6 +318,27 @@ class Conversation:
                     )
         self._deltas = 0
         return out
+
+    def _assistant_event(self, msg: AssistantMessage) -> dict[str, Any]:
+        """The whole message for a program (sage.client): its id, its blocks (text,
+        thinking, tool calls), its usage; each block, and all of them, bounded."""
+        body = msg.message
+        budget = ASSISTANT_SHOWN
+        blocks: list[dict[str, Any]] = []
+        for block in body.content:
+            shown_block = _block(block, min(CONTENT_SHOWN, budget))
+            if shown_block is not None:
+                budget = max(0, budget - len(msgspec.json.encode(shown_block)))
+                blocks.append(shown_block)
+        return {
+            "message_id": body.id,
+            "model": body.model,
+            "content": blocks,
+            "stop_reason": body.stop_reason,
+            "usage": msgspec.to_builtins(body.usage) if body.usage else None,
+            "parent_tool_use_id": msg.parent_tool_use_id,
+            "turn": self.turn.finished + 1,
+        }
 
     def approval_answered(self, tool_use_id: str | None, now: float) -> None:
         """The approval of call ``tool_use_id`` was answered at ``now``: the call's
@@ -344,6 +366,11 @@ class Conversation:
                         "duration_ms": (
                             round((now - started) * 1000) if started is not None else None
                         ),
+                        **(
+                            shown("content", block.content, CONTENT_SHOWN)
+                            if block.content is not None
+                            else {}
+                        ),
                         "turn": self.turn.finished + 1,
                     },
                 )
@@ -370,6 +397,7 @@ class Conversation:
                     ],
                     "total_cost_usd": msg.total_cost_usd,
                     "num_turns": msg.num_turns,
+                    "duration_ms": msg.duration_ms,
                     "turn": self.turn.finished,
                     "reason": turn_end(
                         is_error=msg.is_error,
@@ -382,6 +410,7 @@ class Conversation:
                         if msg.is_error and msg.result
                         else {}
                     ),
+                    **({"result": msg.result[:CONTENT_SHOWN]} if msg.result is not None else {}),
                 },
             )
         ]
@@ -393,3 +422,41 @@ class Conversation:
             out.append(Fail(EndReason.AUTH_FAILED, {"status": status}, {"status": status}))
         self._auth_refused = False
         return out
+
+
+def shown(key: str, value: Any, limit: int) -> dict[str, Any]:
+    """``{key: value}`` when ``value`` encodes to at most ``limit`` bytes; else its first
+    ``limit`` bytes as ``<key>_preview`` and its size as ``<key>_bytes``."""
+    encoded = msgspec.json.encode(value)
+    if len(encoded) <= limit:
+        return {key: value}
+    return {
+        f"{key}_preview": encoded[:limit].decode(errors="replace"),
+        f"{key}_bytes": len(encoded),
+    }
+
+
+def _clipped(key: str, text: str, limit: int) -> dict[str, Any]:
+    """``{key: text}``, its first ``limit`` characters and ``truncated`` when longer."""
+    if len(text) <= limit:
+        return {key: text}
+    return {key: text[:limit], "truncated": True}
+
+
+def _block(block: ContentBlock, limit: int) -> dict[str, Any] | None:
+    """One content block of an ``assistant`` event; None for one a program cannot use
+    (an unknown type, a tool result: those come as ``tool_result``)."""
+    if isinstance(block, TextBlock):
+        return {"type": "text", **_clipped("text", block.text, limit)}
+    if isinstance(block, ThinkingBlock):
+        return {"type": "thinking", **_clipped("thinking", block.thinking, limit)}
+    if isinstance(block, RedactedThinkingBlock):
+        return {"type": "redacted_thinking"}
+    if isinstance(block, ToolUseBlock):
+        return {
+            "type": "tool_use",
+            "id": block.id,
+            "name": block.name,
+            **shown("input", block.input, limit),
+        }
+    return None

@@ -96,12 +96,15 @@ class ApprovalResponse(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class ApproveRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """``sage.v1.request.approve.<cid>``: decide one pending approval; ``always`` (with
     ``allowed``) also adds ``rule`` (default: the tool's name) to the principal's allow
-    rules."""
+    rules; ``updated_input`` (with ``allowed``) runs the call with that input instead of
+    Claude's, which the tool bridge checks like any call's (schema, the operator's
+    policy)."""
 
     allowed: bool
     reason: Annotated[str, msgspec.Meta(max_length=1000)] | None = None
     always: bool = False
     rule: str | None = None
+    updated_input: dict[str, Any] | None = None
 
 
 class ApprovalsRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -61,6 +61,7 @@ import structlog
 from bus import BusError, Envelope
 from capsules.runner.admin import Admin
 from capsules.runner.approval_desk import ApprovalDesk
+from capsules.runner.approvals import Verdict
 from capsules.runner.claude_process import ClaudeProcess, Ending, EndReason, SessionError
 from capsules.runner.command import Launch, remove_session_files
 from capsules.runner.hibernation import Hibernation
@@ -1380,9 +1381,7 @@ class Runner:
     async def mcp_message(self, proc: ClaudeProcess, request: McpMessageRequest) -> Any:
         return await self.mcp.handle(proc, request)
 
-    async def can_use_tool(
-        self, proc: ClaudeProcess, request: CanUseToolRequest
-    ) -> tuple[bool, str]:
+    async def can_use_tool(self, proc: ClaudeProcess, request: CanUseToolRequest) -> Verdict:
         return await self.desk.can_use_tool(proc, request)
 
     async def hook_callback(

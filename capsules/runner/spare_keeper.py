@@ -32,6 +32,7 @@ import anyio.abc
 import structlog
 
 from capsules.runner.admin import Admin
+from capsules.runner.approvals import Verdict
 from capsules.runner.claude_process import ClaudeProcess, Ending, EndReason, Host
 from capsules.runner.command import Launch, remove_session_files
 from capsules.runner.errors import SessionError
@@ -73,10 +74,8 @@ class SpareHost:
     async def mcp_message(self, proc: ClaudeProcess, request: McpMessageRequest) -> Any:
         return await self.mcp.handle(proc, request)
 
-    async def can_use_tool(
-        self, proc: ClaudeProcess, request: CanUseToolRequest
-    ) -> tuple[bool, str]:
-        return False, "this session has not been taken by a spawn"
+    async def can_use_tool(self, proc: ClaudeProcess, request: CanUseToolRequest) -> Verdict:
+        return Verdict(False, "this session has not been taken by a spawn")
 
     async def hook_callback(
         self, proc: ClaudeProcess, request: HookCallbackRequest

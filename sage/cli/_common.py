@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import argparse
 import re
-from typing import Any
 
-from bus import NoResponders
-from sage.errors import SageError
+from sage.routing import call_runner
 
-__all__ = ("add_common", "call_runner", "printable")
+__all__ = ("add_common", "call_runner", "printable")  # call_runner: sage.routing's
 
 _CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 _CONTROLS_AND_LINES = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -39,16 +37,3 @@ def add_common(parser: argparse.ArgumentParser, *, json_output: bool = True) -> 
     )
     if json_output:
         parser.add_argument("--json", action="store_true", help="print JSON for programs")
-
-
-async def call_runner(client: Any, topic: str, payload: Any, deadline: float) -> dict[str, Any]:
-    """Ask the session runner; its ``ok`` reply, or a :class:`SageError` with its error."""
-    from sage import replies  # msgspec: not for `astrid --help`
-
-    try:
-        reply = await client.request(topic, payload, deadline=deadline)
-    except NoResponders:
-        raise SageError(
-            "no session runner is running (is `runner` in supervisor.capsules?)"
-        ) from None
-    return replies.parse(reply.payload)  # a failure raises ReplyError: "CODE: MESSAGE"

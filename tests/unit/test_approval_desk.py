@@ -3,6 +3,7 @@ by the older response topic, or by the clock; and the hook relay."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ import pytest
 from bus import Bus, Envelope, Identity
 from capsules.hooks.validate import event_name as capsule_event_name
 from capsules.runner.approval_desk import AUDIT_BURST, ApprovalDesk
+from capsules.runner.approvals import Verdict
 from capsules.runner.claude_process import SessionError
 from capsules.runner.command import Launch
 from capsules.runner.runner import HOOKS
@@ -111,11 +113,9 @@ class Rig:
         (event,) = [payload for _, name, payload in self.events if name == "approval"]
         return event
 
-    async def ask_and_answer(
-        self, answer: Any, proc: Proc | None = None
-    ) -> tuple[tuple[bool, str], Any]:
+    async def ask_and_answer(self, answer: Any, proc: Proc | None = None) -> tuple[Verdict, Any]:
         """Ask with an approver listening; ``answer(cid)`` decides; (the outcome, its result)."""
-        outcome: list[tuple[bool, str]] = []
+        outcome: list[Verdict] = []
         with self.bus.subscribe("approval.v1.request.*", ADMIN) as asks:
 
             async def ask() -> None:
@@ -138,7 +138,7 @@ def _approve(cid: str, payload: dict[str, Any], principal: str | None = None) ->
 async def test_an_allow_rule_decides_without_asking_anyone() -> None:
     rig = Rig()
     rig.rules.rules["alice"] = ["mcp__sage__*"]
-    assert await rig.desk.can_use_tool(Proc(), ASK) == (True, "")
+    assert await rig.desk.can_use_tool(Proc(), ASK) == Verdict(True, "")
     assert rig.published == []  # nobody was asked
     event = rig.approval()
     assert (event["allowed"], event["source"], event["rule"], event["turn"]) == (
@@ -157,7 +157,7 @@ async def test_an_allow_rule_decides_without_asking_anyone() -> None:
 
 async def test_with_nobody_to_ask_the_call_is_denied() -> None:
     rig = Rig()
-    assert await rig.desk.can_use_tool(Proc(), ASK) == (False, "no approver is listening")
+    assert await rig.desk.can_use_tool(Proc(), ASK) == Verdict(False, "no approver is listening")
     assert rig.approval()["source"] == "no_approver"
     (audit,) = rig.audited("tool_call")
     assert (audit["allowed"], audit["decision_source"]) == (False, "no_approver")
@@ -174,8 +174,8 @@ async def test_an_approver_decides_and_always_adds_the_rule_first() -> None:
         assert [row["approval_id"] for row in listing["approvals"]] == [cid]
         return await rig.desk.approve(_approve(cid, {"allowed": True, "always": True}, "alice"))
 
-    (allowed, why), reply = await rig.ask_and_answer(approve)
-    assert (allowed, why) == (True, "")
+    (allowed, why, updated), reply = await rig.ask_and_answer(approve)
+    assert (allowed, why, updated) == (True, "", None)
     assert reply["rule_added"] == "mcp__sage__greet"
     assert (reply["allowed"], reply["session_id"], reply["tool_name"]) == (
         True,
@@ -198,7 +198,7 @@ async def test_a_denial_says_why() -> None:
         return await rig.desk.approve(_approve(cid, {"allowed": False}))
 
     outcome, reply = await rig.ask_and_answer(deny)
-    assert outcome == (False, "denied by approver")
+    assert outcome == Verdict(False, "denied by approver")
     assert reply["allowed"] is False
     assert "rule_added" not in reply
 
@@ -223,7 +223,7 @@ async def test_a_wrong_decision_is_refused_and_the_call_still_waits(
         return info.value.code
 
     outcome, refused = await rig.ask_and_answer(wrong_then_right)
-    assert (outcome, refused) == ((True, ""), code)
+    assert (outcome, refused) == (Verdict(True, ""), code)
     assert rig.rules.rules == {}
 
 
@@ -243,7 +243,7 @@ async def test_the_older_response_topic_decides_and_a_typo_is_audited() -> None:
         rig.bus.publish(ADMIN, topic, {"allowed": True, "reason": "fine"})
 
     outcome, _ = await rig.ask_and_answer(respond)
-    assert outcome == (True, "fine")
+    assert outcome == Verdict(True, "fine")
     (malformed,) = rig.audited("approval_malformed")
     assert malformed["approval_id"] == rig.approval()["approval_id"]
 
@@ -255,7 +255,7 @@ async def test_nobody_answering_in_time_is_a_denial() -> None:
         pass
 
     outcome, _ = await rig.ask_and_answer(wait)
-    assert outcome == (False, "no approver answered")
+    assert outcome == Verdict(False, "no approver answered")
     (audit,) = rig.audited("tool_call")
     assert audit["decision_source"] == "approval_timeout"
 
@@ -397,3 +397,53 @@ async def test_an_in_band_hook_input_never_carries_the_token_nor_too_much() -> N
     assert echoed["payload"]["tool_response"] == "env: ASTRID_HOOK_TOKEN=<redacted>"
     assert large["payload"] is None
     assert large["truncated"] is True
+
+
+async def test_an_approver_may_change_the_input_and_the_change_is_audited() -> None:
+    """``updated_input`` with an approval runs the call with it; event and audit say so."""
+
+    async def approve(cid: str) -> dict[str, Any]:
+        answer = {"allowed": True, "updated_input": {"name": "Bo"}}
+        return await rig.desk.approve(_approve(cid, answer, "alice"))
+
+    rig = Rig()
+    outcome, reply = await rig.ask_and_answer(approve)
+    assert outcome == Verdict(True, "", {"name": "Bo"})
+    assert reply["input_updated"] is True
+    assert rig.approval()["input_updated"] is True
+    (audit,) = rig.audited("tool_call")
+    assert audit["input_updated"] is True
+    assert audit["updated_input_sha256"] == hashlib.sha256(b'{"name":"Bo"}').hexdigest()
+    assert "Bo" not in msgspec.json.encode(audit).decode()  # the input itself is not kept
+
+
+async def test_a_denial_cannot_carry_an_input_and_leaves_the_call_pending() -> None:
+    """``updated_input`` with ``allowed: false`` is refused; the approval is still open."""
+
+    async def deny_with_input(cid: str) -> str:
+        with pytest.raises(SessionError) as refused:
+            await rig.desk.approve(
+                _approve(cid, {"allowed": False, "updated_input": {"name": "Bo"}}, "alice")
+            )
+        await rig.desk.approve(_approve(cid, {"allowed": False}, "alice"))
+        return refused.value.code
+
+    rig = Rig()
+    outcome, code = await rig.ask_and_answer(deny_with_input)
+    assert code == "bad_request"
+    assert outcome == Verdict(False, "denied by approver")
+
+
+async def test_another_principal_cannot_change_the_input() -> None:
+    """Only the session's principal (or an admin) may answer, with an input or not."""
+
+    async def intrude(cid: str) -> None:
+        answer = {"allowed": True, "updated_input": {"name": "Mallory"}}
+        with pytest.raises(SessionError) as refused:
+            await rig.desk.approve(_approve(cid, answer, "bob"))
+        assert refused.value.code == "unknown_approval"
+        await rig.desk.approve(_approve(cid, {"allowed": True}, None))  # an admin
+
+    rig = Rig()
+    outcome, _ = await rig.ask_and_answer(intrude)
+    assert outcome == Verdict(True, "")

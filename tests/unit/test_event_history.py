@@ -31,3 +31,15 @@ def test_only_the_most_recent_ended_sessions_keep_their_rings() -> None:
     history.record("b", 2, "spawned", 0.0, {})  # the id spawned again: live once more
     history.ended("x")  # never recorded: nothing to keep
     assert len(history) == 3
+
+
+def test_what_programs_follow_live_is_not_kept_for_a_replay() -> None:
+    """assistant events are not kept; tool results and final texts lose their content."""
+    history = EventHistory()
+    history.record("s", 1, "assistant", 0.0, {"content": [{"type": "text", "text": "x"}]})
+    history.record("s", 2, "tool_result", 0.0, {"tool_use_id": "t", "content": "big"})
+    history.record("s", 3, "done", 0.0, {"turn": 1, "result": "all of it"})
+    assert [(e["event"], e["data"]) for e in history.last("s", 10)] == [
+        ("tool_result", {"tool_use_id": "t"}),
+        ("done", {"turn": 1}),
+    ]

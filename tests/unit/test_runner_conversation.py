@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from capsules.runner.conversation import (
+    CONTENT_SHOWN,
     PROCESS_TRANSITIONS,
     Conversation,
     EndReason,
@@ -165,6 +166,8 @@ def test_text_only_turn_from_a_recording() -> None:
     assert done["is_error"] is False
     assert done["total_cost_usd"] == result["total_cost_usd"]
     assert done["num_turns"] == result["num_turns"]
+    assert done["result"] == result["result"]
+    assert done["duration_ms"] == result["duration_ms"]
     assert conv.turn.finished == 1
     assert conv.turn.cost_usd == result["total_cost_usd"]
     assert state_of(conv) is ProcessState.READY
@@ -224,9 +227,11 @@ def test_streamed_turns_with_a_tool_call_from_a_recording() -> None:
         "name": use["name"],
         "is_error": bool(answer.get("is_error")),
         "duration_ms": (answered_at - used_at) * 1000,  # the replay's clock: a line a second
+        "content": answer["content"],
         "turn": 1,
     }
     assert [d["turn"] for d in published(outputs, "done")] == [1, 2]
+    assert [d["result"] for d in published(outputs, "done")] == [r["result"] for r in results]
     assert conv.turn.finished == len(results)
     assert conv.turn.cost_usd == max(r["total_cost_usd"] for r in results)
     assert state_of(conv) is ProcessState.READY
@@ -244,8 +249,9 @@ def test_a_large_tool_input_is_shown_as_a_preview() -> None:
             "session_id": "c",
         }
     )
-    [out] = conversation().receive(event, 0.0)
+    [out, _assistant] = conversation().receive(event, 0.0)
     assert isinstance(out, Publish)
+    assert out.name == "tool_use"
     assert "input" not in out.payload
     assert out.payload["input_bytes"] == len(json.dumps(big, separators=(",", ":")))
     assert len(out.payload["input_preview"]) == 4096
@@ -518,3 +524,56 @@ def test_a_tools_duration_leaves_out_the_approval_wait() -> None:
     conv.approval_answered("unknown", 15.1)  # a call it never saw changes nothing
     [tool_result] = published(conv.receive(answered, 15.25), "tool_result")
     assert tool_result["duration_ms"] == 250
+
+
+def test_assistant_events_carry_the_whole_message_from_a_recording() -> None:
+    """Each assistant line is an ``assistant`` event: its message id, model, blocks, usage."""
+    lines = [line for line in recorded("tool_loop_partial.jsonl") if line["type"] == "assistant"]
+    assert lines  # the recording has what this test is about
+    conv = conversation()
+    conv.initialized()
+    conv.sent()
+    events = published(replay(conv, "tool_loop_partial.jsonl"), "assistant")
+    assert [e["message_id"] for e in events] == [line["message"]["id"] for line in lines]
+    assert [e["model"] for e in events] == [line["message"]["model"] for line in lines]
+    blocks = [b for e in events for b in e["content"]]
+    expected = [b for line in lines for b in line["message"]["content"]]
+    assert [b["type"] for b in blocks] == [b["type"] for b in expected]
+    for got, want in zip(blocks, expected, strict=True):
+        if want["type"] == "tool_use":
+            assert (got["id"], got["name"], got["input"]) == (
+                want["id"],
+                want["name"],
+                want["input"],
+            )
+        else:
+            assert got["text"] == want["text"]
+    assert all(e["usage"]["output_tokens"] >= 0 for e in events)
+
+
+def test_thinking_and_large_blocks_are_bounded() -> None:
+    """A thinking block is carried; a text or tool input over the limit is cut and said so."""
+    big = "x" * (CONTENT_SHOWN + 10)
+    line = {
+        "type": "assistant",
+        "message": {
+            "id": "msg_1",
+            "model": "m",
+            "content": [
+                {"type": "thinking", "thinking": "hmm", "signature": "sig"},
+                {"type": "text", "text": big},
+                {"type": "tool_use", "id": "t1", "name": "Write", "input": {"x": big}},
+            ],
+        },
+        "parent_tool_use_id": None,
+    }
+    conv = conversation()
+    conv.initialized()
+    conv.sent()
+    [event] = published(conv.receive(decode(line)[0], 0.0), "assistant")
+    thinking, text, use = event["content"]
+    assert thinking == {"type": "thinking", "thinking": "hmm"}
+    assert text == {"type": "text", "text": big[:CONTENT_SHOWN], "truncated": True}
+    assert "input" not in use
+    assert use["input_bytes"] == len(json.dumps({"x": big}, separators=(",", ":")))
+    assert len(use["input_preview"]) <= CONTENT_SHOWN

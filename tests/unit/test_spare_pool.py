@@ -330,7 +330,7 @@ async def test_an_untaken_spare_tells_nobody_and_may_do_nothing() -> None:
     assert (host.init, ready) == (None, [])
     host.event(proc, "init", {"pid": 7})
     assert (host.init, ready) == ({"pid": 7}, [True])
-    allowed, message = await host.can_use_tool(proc, CanUseToolRequest(tool_name="t"))
+    allowed, message, _ = await host.can_use_tool(proc, CanUseToolRequest(tool_name="t"))
     assert not allowed
     assert "not been taken" in message
     with pytest.raises(SessionError) as caught:
