@@ -51,12 +51,12 @@ from capsules.llm.mapping import (
     offered_models,
     parse_request,
 )
-from capsules.llm.pricing import cost_usd
 from sage import replies
 from sage.capsule.context import CapsuleContext
 from sage.capsule.sdk import follow
 from sage.config import Config
 from sage.errors import SageError
+from sage.usage.pricing import cost_usd
 
 __all__ = ("PROVIDER_ID", "CompletionProvider", "provider_entry", "run")
 
