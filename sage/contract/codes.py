@@ -92,6 +92,11 @@ class ErrorCode(enum.StrEnum):
     HOOK_UNDELIVERED = "hook_undelivered"  # astrid-emit: the bus did not take the hook
     BAD_COMMAND_LINE = "bad_command_line"  # astrid-emit: a command line it cannot read
 
+    # -- budgets: the usage ledger (sage/usage) -----------------------------------------
+    BUDGET_EXCEEDED = "budget_exceeded"  # a spawn, send, wake, generate, REPL or its tool
+    # call while the principal is at or past a budget; the message names spend, budget, reset
+    BUDGET_UNKNOWN = "budget_unknown"  # the usage ledger did not answer: nothing is admitted
+
     # -- principals: settings and installs ---------------------------------------------
     UNKNOWN_PRINCIPAL = "unknown_principal"
     INVALID_PRINCIPAL = "invalid_principal"
