@@ -69,7 +69,8 @@ def _listing_fields(kind: str) -> set[str]:
     ]
     live = re.search(r"live rows \(`([^`]+)`\)", row)
     ended = re.search(r"ended ones kept \(.*?: `state` `ended`, `([^`]+)`\)", row)
-    assert live and ended, "the sessions row names no live or ended fields"
+    assert live, "the sessions row names no live fields"
+    assert ended, "the sessions row names no ended fields"
     chosen = live if kind == "live" else ended
     return {name.strip() for name in chosen.group(1).split(",")} | (
         {"state"} if kind == "ended" else set()
