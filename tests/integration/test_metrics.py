@@ -96,3 +96,22 @@ async def test_a_scrape_has_every_family_with_its_type_and_labels() -> None:
     assert {s.labels["principal"] for s in tokens} == {"alice"}
     (left,) = families["sage_budget_remaining"].samples
     assert left.value < 1000000
+
+
+def test_the_grafana_dashboard_uses_only_metrics_sage_serves() -> None:
+    """Every metric a panel of docs/grafana-dashboard.json queries is one /metrics has."""
+    import json
+    import re
+    from pathlib import Path
+
+    doc = Path(__file__).resolve().parents[2] / "docs" / "grafana-dashboard.json"
+    dashboard = json.loads(doc.read_text())
+    served = set(EXPECTED) | {"sage_bus_delivered"}
+    used = set()
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            used |= set(re.findall(r"\bsage_[a-z_]+", target["expr"]))
+    suffixes = ("_total", "_bucket", "_sum", "_count")
+    names = {next((u.removesuffix(s) for s in suffixes if u.endswith(s)), u) for u in used}
+    assert names <= served, names - served
+    assert {"sage_tokens", "sage_budget_remaining", "sage_turn_duration_seconds"} <= names
