@@ -35,11 +35,13 @@ __all__ = (
     "ForgeConfig",
     "LimitsConfig",
     "LlmConfig",
+    "MetricsConfig",
     "PrincipalConfig",
     "SecretsConfig",
     "SessionsConfig",
     "SocketConfig",
     "SupervisorConfig",
+    "UsageConfig",
     "decode_config",
     "load_config",
 )
@@ -300,6 +302,54 @@ class LlmConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True)
     """Generations running at once; more wait their turn."""
 
 
+class UsageConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The usage ledger and the budgets it enforces (docs/operations.md, "Budgets and
+    metrics")."""
+
+    ledger: bool = True
+    """Record every model call and generation in ``<state_dir>/usage.db``; off: nothing is
+    recorded and no budget can be set (the config refuses a principal's budget then)."""
+
+
+class MetricsConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The Prometheus exporter: ``GET /metrics`` (docs/operations.md, docs/security.md)."""
+
+    listen: str = ""
+    """``HOST:PORT`` to serve ``/metrics`` on (``[::1]:PORT`` for IPv6); empty: off.  The
+    page names principals and what they spent: keep it on loopback unless the network
+    it reaches may read that."""
+
+    def __post_init__(self) -> None:
+        if self.listen:
+            listen_address(self.listen)
+
+
+def listen_address(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` as a host (an IP address or ``localhost``) and a port; ValueError."""
+    import ipaddress
+
+    host, sep, port = value.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"metrics.listen: {value!r} is not HOST:PORT (e.g. 127.0.0.1:9464)")
+    if host != "localhost":
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise ValueError(
+                f"metrics.listen: {host!r} is not an IP address or localhost"
+            ) from None
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (of :func:`listen_address`) is reached from this host only."""
+    import ipaddress
+
+    return host == "localhost" or ipaddress.ip_address(host).is_loopback
+
+
 class ForgeConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     root: str = "forge"
     """Registry, runs, cache and policy of forged tools; relative to state_dir."""
@@ -558,6 +608,13 @@ class PrincipalConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields
     run_as: str | Annotated[int, msgspec.Meta(ge=1, le=2**32 - 2)] = ""
     """Supervisor root only: the user (name or uid) the principal's ``claude`` children
     run as; empty: a uid of sage's own from ``[sessions] uid_base`` (sage/security/runas.py)."""
+    budget_tokens_per_day: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    """Tokens (input, output, cache read and write) its model calls may use a UTC day, on
+    every node of a fleet together; unset: no such budget (sage/usage/budget.py)."""
+    budget_usd_per_day: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    """US dollars (sage's estimate) its model calls may cost a UTC day; unset: none."""
+    budget_usd_per_month: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    """US dollars its model calls may cost a UTC month; unset: none."""
 
     def __post_init__(self) -> None:
         for name in self.allowed_tools:
@@ -605,6 +662,8 @@ class Config(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     llm: LlmConfig = LlmConfig()
     forge: ForgeConfig = ForgeConfig()
     capsules: CapsulesConfig = CapsulesConfig()
+    usage: UsageConfig = UsageConfig()
+    metrics: MetricsConfig = MetricsConfig()
     fleet: FleetConfig | None = None
     """``[fleet]``: this supervisor is a node of a fleet; absent: a single host."""
     principals: list[PrincipalConfig] = []
@@ -626,6 +685,16 @@ class Config(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
             if principal.name in seen:
                 raise ValueError(f"principal {principal.name!r} is declared twice")
             seen.add(principal.name)
+            budgets = (
+                principal.budget_tokens_per_day,
+                principal.budget_usd_per_day,
+                principal.budget_usd_per_month,
+            )
+            if not self.usage.ledger and any(b is not None for b in budgets):
+                raise ValueError(
+                    f"principal {principal.name!r}: a budget needs the usage ledger"
+                    " ([usage] ledger = true)"
+                )
         self._check_run_as()
         if len(os.fsencode(self.socket_path)) > 107:
             raise ValueError(
@@ -718,6 +787,10 @@ class Config(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     @property
     def secrets_path(self) -> Path:
         return self.state_dir / "secrets.db"
+
+    @property
+    def usage_path(self) -> Path:
+        return self.state_dir / "usage.db"
 
     def principal(self, name: str) -> PrincipalConfig | None:
         for principal in self.principals:

@@ -51,12 +51,13 @@ from capsules.llm.mapping import (
     offered_models,
     parse_request,
 )
-from capsules.llm.pricing import cost_usd
 from sage import replies
 from sage.capsule.context import CapsuleContext
 from sage.capsule.sdk import follow
 from sage.config import Config
 from sage.errors import SageError
+from sage.usage.admission import admit
+from sage.usage.pricing import cost_usd
 
 __all__ = ("PROVIDER_ID", "CompletionProvider", "provider_entry", "run")
 
@@ -256,6 +257,10 @@ class CompletionProvider:
         """Run the request; publish its deltas; return the terminal event (not yet sent)."""
         config = self.ctx.config
         llm = config.llm
+        try:  # a principal over a budget generates nothing (sage/usage/admission.py)
+            await admit(self.ctx, gen.principal, "generate")
+        except SageError as exc:
+            return Error(str(exc), str(exc.code))
         try:
             api_key = await anyio.to_thread.run_sync(self._api_key, config, gen.principal)
         except SageError as exc:

@@ -78,7 +78,7 @@ from sage.claude.protocol import (
     encode_user_turn,
 )
 from sage.config import LimitsConfig
-from sage.contract.sessions import turn_too_large
+from sage.contract.sessions import TurnEnd, turn_too_large
 from sage.errors import ProcessError, ProtocolError
 from sage.process import Child, ExitStatus, Ring, stop
 
@@ -345,13 +345,18 @@ class ClaudeProcess:
             tg.start_soon(wait, self._ready)
             tg.start_soon(wait, self._ending)
 
-    async def interrupt(self, within: float = 10.0) -> dict[str, Any]:
-        """Interrupt the running turn; the CLI's answer."""
+    async def interrupt(
+        self, within: float = 10.0, *, because: tuple[TurnEnd, str] | None = None
+    ) -> dict[str, Any]:
+        """Interrupt the running turn; the CLI's answer.  ``because``: why sage does
+        (a budget), which the turn's ``done`` event says."""
         if self.state is ProcessState.STARTING:
             raise SessionError("not_ready", f"session {self.session_id} is still starting")
         if self.conversation.ending:
             raise SessionError("session_ended", f"session {self.session_id} is ending")
         busy = self.state is ProcessState.BUSY
+        if busy and because is not None:
+            self.conversation.interrupt_for = because
         outcome = await self.request("interrupt", encode_interrupt, within=within)
         response: Any = msgspec.json.decode(outcome.response) if outcome.response else {}
         return {"interrupted": busy, "response": response}

@@ -43,9 +43,10 @@ from sage.claude.protocol import (
     ToolResultBlock,
     ToolUseBlock,
     UnknownMessage,
+    Usage,
     UserMessage,
 )
-from sage.contract.sessions import EndReason, turn_end
+from sage.contract.sessions import EndReason, TurnEnd, turn_end
 from sage.errors import IllegalTransition
 
 __all__ = (
@@ -72,6 +73,8 @@ or the final result (``assistant``, ``done``), an event carries whole."""
 ASSISTANT_SHOWN: Final = 512 * 1024
 """What one ``assistant`` event carries at most, all its blocks together (the bus's
 payload limit is 1 MiB)."""
+CALLS_KEPT: Final = 64
+"""Model calls (message ids) whose usage a child remembers, to report only what is new."""
 
 
 class ProcessState(enum.Enum):
@@ -129,9 +132,17 @@ class _Delta(msgspec.Struct, frozen=True):
     text: str = ""
 
 
+class _Started(msgspec.Struct, frozen=True):
+    id: str = ""
+    model: str = ""
+    usage: Usage | None = None
+
+
 class _StreamEventBody(msgspec.Struct, frozen=True):
     type: str = ""
     delta: _Delta | None = None
+    message: _Started | None = None  # message_start
+    usage: Usage | None = None  # message_delta: the call's output so far
 
 
 _decode_stream_event = msgspec.json.Decoder(_StreamEventBody).decode
@@ -153,6 +164,10 @@ class Conversation:
         self._deltas = 0  # text deltas since the last assistant message
         self._auth_refused = False  # the turn's assistant message said authentication_failed
         self._tool_started: dict[str, tuple[str, float]] = {}  # tool_use_id -> (name, when)
+        self._calls: dict[str, tuple[str, Usage]] = {}  # message id -> (model, usage reported)
+        self._streaming = ""  # the message id of the last message_start
+        self.interrupt_for: tuple[TurnEnd, str] | None = None
+        """Why sage interrupts the running turn (a budget), for its ``done`` event."""
 
     # -- state ----------------------------------------------------------------
 
@@ -281,6 +296,12 @@ class Conversation:
             body = _decode_stream_event(msg.event)
         except msgspec.DecodeError:
             return []
+        if body.type == "message_start" and body.message is not None:
+            started = body.message
+            self._streaming = started.id or msg.api_message_id
+            return self._usage(self._streaming, started.model, started.usage)
+        if body.type == "message_delta" and body.usage is not None:
+            return self._usage(msg.api_message_id or self._streaming, "", body.usage)
         delta = body.delta
         if body.type != "content_block_delta" or delta is None:
             return []
@@ -289,8 +310,54 @@ class Conversation:
             return [Publish("text", {"delta": delta.text, "turn": self.turn.finished + 1})]
         return []
 
+    def _usage(self, message_id: str, model: str, usage: Usage | None) -> list[Output]:
+        """A ``usage`` event with what a model call used that was not reported yet: its
+        input and cache tokens when it starts (``first``), its output as it grows.  A
+        call is known by its message id, so the CLI's repeats (an assistant message per
+        content block, the ``message_delta`` after them) are counted once."""
+        if usage is None or not message_id:
+            return []
+        known = self._calls.get(message_id)
+        first = known is None
+        seen_model, before = known if known is not None else (model, Usage())
+        counts = {
+            "input_tokens": max(0, usage.input_tokens - before.input_tokens),
+            "output_tokens": max(0, usage.output_tokens - before.output_tokens),
+            "cache_read_input_tokens": max(
+                0, usage.cache_read_input_tokens - before.cache_read_input_tokens
+            ),
+            "cache_creation_input_tokens": max(
+                0, usage.cache_creation_input_tokens - before.cache_creation_input_tokens
+            ),
+        }
+        if not first and not any(counts.values()):
+            return []
+        if first and len(self._calls) >= CALLS_KEPT:
+            del self._calls[next(iter(self._calls))]
+        self._calls[message_id] = (
+            seen_model or model,
+            Usage(
+                max(usage.input_tokens, before.input_tokens),
+                max(usage.output_tokens, before.output_tokens),
+                max(usage.cache_creation_input_tokens, before.cache_creation_input_tokens),
+                max(usage.cache_read_input_tokens, before.cache_read_input_tokens),
+            ),
+        )
+        return [
+            Publish(
+                "usage",
+                {
+                    "message_id": message_id,
+                    "model": seen_model or model,
+                    **counts,
+                    "first": first,
+                    "turn": self.turn.finished + 1,
+                },
+            )
+        ]
+
     def _assistant(self, msg: AssistantMessage, now: float) -> list[Output]:
-        out: list[Output] = []
+        out: list[Output] = self._usage(msg.message.id, msg.message.model, msg.message.usage)
         if msg.error == AUTH_ERROR:
             self._auth_refused = True
         for block in msg.message.content:
@@ -384,6 +451,16 @@ class Conversation:
         self.turn.last_result = msg
         if self.state is ProcessState.BUSY and self.turn.finished >= self.turn.started:
             self._move(ProcessState.READY)
+        reason = turn_end(
+            is_error=msg.is_error,
+            subtype=msg.subtype,
+            api_error_status=msg.api_error_status,
+            terminal_reason=msg.terminal_reason,
+        )
+        message = (msg.result or "")[:MESSAGE_CHARS] if msg.is_error and msg.result else None
+        if reason is TurnEnd.INTERRUPTED and self.interrupt_for is not None:
+            reason, message = self.interrupt_for  # sage interrupted it, and says why
+        self.interrupt_for = None
         out: list[Output] = [
             Publish(
                 "done",
@@ -399,17 +476,8 @@ class Conversation:
                     "num_turns": msg.num_turns,
                     "duration_ms": msg.duration_ms,
                     "turn": self.turn.finished,
-                    "reason": turn_end(
-                        is_error=msg.is_error,
-                        subtype=msg.subtype,
-                        api_error_status=msg.api_error_status,
-                        terminal_reason=msg.terminal_reason,
-                    ).value,
-                    **(
-                        {"message": (msg.result or "")[:MESSAGE_CHARS]}
-                        if msg.is_error and msg.result
-                        else {}
-                    ),
+                    "reason": reason.value,
+                    **({"message": message} if message is not None else {}),
                     **({"result": msg.result[:CONTENT_SHOWN]} if msg.result is not None else {}),
                 },
             )

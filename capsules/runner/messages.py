@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from sage.contract.sessions import AdoptRequest as AdoptRequest
+from sage.contract.sessions import InterruptRequest as InterruptRequest
 from sage.contract.sessions import YieldRequest as YieldRequest
 
 __all__ = (

@@ -71,6 +71,7 @@ from capsules.runner.mcp import McpServer
 from capsules.runner.messages import (
     AdoptRequest,
     IdentitySaved,
+    InterruptRequest,
     SendRequest,
     SessionRequest,
     SessionsRequest,
@@ -105,8 +106,9 @@ from sage.claude.protocol import (
     McpMessageRequest,
 )
 from sage.config import NAME_PATTERN, Config, PrincipalConfig
-from sage.contract.sessions import CLAIMS_TOPIC, turn_size, turn_too_large
+from sage.contract.sessions import CLAIMS_TOPIC, TurnEnd, Verb, turn_size, turn_too_large
 from sage.errors import SageError
+from sage.usage.admission import admit
 
 __all__ = ("Runner", "SessionRecord", "run")
 
@@ -526,6 +528,10 @@ class Runner:
             model = chosen_model(principal, req.model)
         except SessionError as exc:
             raise self._reject(request, pid_, exc.code, str(exc)) from None
+        try:  # a principal over a budget starts nothing (sage/usage/admission.py)
+            await admit(self.ctx, pid_, Verb.SPAWN, sid)
+        except SageError as exc:
+            raise self._reject(request, pid_, exc.code, str(exc)) from None
         if sid.startswith("repl-") or await self._taken_by_another(sid, pid_):
             # an ended session's id stays its principal's: its record, history and
             # session-scoped tools must not pass to someone else
@@ -721,6 +727,10 @@ class Runner:
             raise SessionError("not_authorized", "only an admin may read the host's slots")
         slots = self.hibernation.slots
         sessions = [self.sessions[sid] for sid in self.sessions]
+        states: dict[str, int] = {}
+        for session in sessions:
+            state = _listed_state(session)
+            states[state] = states.get(state, 0) + 1
         return {
             "ok": True,
             "live": len(slots),
@@ -728,6 +738,7 @@ class Runner:
             "idle": sum(1 for s in sessions if s.idle),
             "hibernated": sum(1 for s in sessions if s.state in ASLEEP),
             "waiting": slots.waiting,
+            "states": states,
         }
 
     async def _adopt_request(self, request: Envelope) -> dict[str, Any]:
@@ -946,6 +957,7 @@ class Runner:
     async def _wake_request(self, request: Envelope) -> dict[str, Any]:
         session = await self._target(request)
         msgspec.json.decode(request.payload or b"{}", type=WakeRequest)
+        await admit(self.ctx, session.record.principal_id, Verb.WAKE, session.id)
         was = session.state
         await self._still_here(session)
         await self.hibernation.awake(session)
@@ -1198,6 +1210,7 @@ class Runner:
                 },
             )
             raise SessionError("payload_too_large", turn_too_large(size, limit))
+        await admit(self.ctx, session.record.principal_id, Verb.SEND, session.id)
         session.sending += 1  # from its wake to its turn written, the session is not idle
         try:
             await self._still_here(session)
@@ -1230,7 +1243,14 @@ class Runner:
 
     async def _interrupt(self, request: Envelope) -> dict[str, Any]:
         session = await self._target(request)
-        result = await self._proc(session).interrupt()
+        try:
+            why = msgspec.json.decode(request.payload or b"{}", type=InterruptRequest)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            why = InterruptRequest()  # a person's interrupt needs no payload
+        because = None
+        if why.why is not None and request.principal is None:  # the usage ledger's
+            because = (TurnEnd(why.why), why.message)
+        result = await self._proc(session).interrupt(because=because)
         return {"ok": True, "session_id": session.id, **result}
 
     def _live_row(self, session: Session) -> dict[str, Any]:
@@ -1245,11 +1265,7 @@ class Runner:
                 "state": "starting",
             }
         )
-        if session.state in ASLEEP or session.state in (
-            SessionState.WAKING,
-            SessionState.RESPAWNING,
-        ):  # between children, the session's state, not the last child's
-            row["state"] = session.state.value
+        row["state"] = _listed_state(session)
         # the turns and cost of the whole session, its earlier children's included
         row["turns"], row["cost_usd"] = session.totals()
         row["started_at"] = session.record.started_at
@@ -1418,6 +1434,17 @@ class Runner:
                 await anyio.sleep(0.05)
         finally:
             session.refresh_due = False
+
+
+def _listed_state(session: Session) -> str:
+    """The state a session's listing row shows: its child's (``ready``, ``busy``, ...),
+    or between children the session's own (``hibernated``, ``waking``, ``respawning``)."""
+    if session.state in ASLEEP or session.state in (
+        SessionState.WAKING,
+        SessionState.RESPAWNING,
+    ):
+        return session.state.value
+    return session.proc.state.value if session.proc is not None else "starting"
 
 
 def _ended_row(record: SessionRecord) -> dict[str, Any]:

@@ -17,7 +17,8 @@ from typing import Any
 
 import msgspec
 
-from bus import BusError
+from bus import BusError, NoResponders
+from sage import replies
 from sage.cli._commands import summary
 from sage.cli._common import add_common, call_runner, printable
 from sage.cli._connect import connect, print_json
@@ -177,8 +178,40 @@ def register(sub: Any) -> None:
         help="the principal's identity (appended to the system prompt) from FILE ('-': stdin;"
         " an empty file: the config's again); its live sessions respawn to take it up",
     )
+    for kind, unit in (
+        ("tokens-per-day", "tokens a UTC day"),
+        ("usd-per-day", "US dollars a UTC day"),
+        ("usd-per-month", "US dollars a UTC month"),
+    ):
+        settings.add_argument(
+            f"--budget-{kind}",
+            metavar="N",
+            help=f"admins: the budget of {unit} (every node together); 'none': no such budget",
+        )
+    settings.add_argument(
+        "--budget-reset", action="store_true", help="admins: the config's budgets again"
+    )
     _common(settings, add_common)
     settings.set_defaults(handler=_settings)
+
+    usage = commands.add_parser(
+        "usage",
+        help="tokens and US dollars spent, and the budgets in force",
+        description=(
+            "What the usage ledger recorded (every model call of a session and every llm"
+            " generation): tokens and USD by day, session, model or principal, and each"
+            " budget with its spend and reset time. A principal sees only its own."
+        ),
+    )
+    usage.add_argument(
+        "--since",
+        metavar="DATE",
+        help="from this UTC day on (YYYY-MM-DD; default: the first of the month)",
+    )
+    usage.add_argument("--by", choices=("day", "session", "model", "principal"), default="day")
+    usage.add_argument("--fleet", action="store_true", help="every node's ledger, summed")
+    _common(usage, add_common)
+    usage.set_defaults(handler=_usage)
 
     approvals = commands.add_parser(
         "approvals",
@@ -468,7 +501,111 @@ def _short(arguments: Any) -> str:
     return text if len(text) <= ARGS_SHOWN else text[: ARGS_SHOWN - 3] + "..."
 
 
+def _budget_change(args: argparse.Namespace) -> dict[str, Any] | None:
+    """``--budget-*`` as a ``sage.v1.request.usage.budget`` payload (None: none given)."""
+    change: dict[str, Any] = {"principal_id": args.principal_id}
+    for kind in ("tokens_per_day", "usd_per_day", "usd_per_month"):
+        value = getattr(args, f"budget_{kind}")
+        if value is None:
+            continue
+        if value.lower() == "none":
+            change[kind] = None
+            continue
+        try:
+            number = int(value) if kind == "tokens_per_day" else float(value)
+        except ValueError:
+            raise SageError(
+                f"--budget-{kind.replace('_', '-')}: {value!r} is not a number or 'none'"
+            ) from None
+        if number < 0:
+            raise SageError(f"--budget-{kind.replace('_', '-')}: a budget is 0 or more")
+        change[kind] = number
+    if args.budget_reset:
+        change["reset"] = True
+    return change if len(change) > 1 else None
+
+
+async def _set_budget(args: argparse.Namespace, change: dict[str, Any]) -> int:
+    async with connect(args) as client:
+        data = await call_usage(client, "sage.v1.request.usage.budget", change)
+    if args.json:
+        print_json(data)
+    else:
+        print(f"budgets of {printable(args.principal_id)}:")
+        for kind, value in data["after"].items():
+            print(f"  {kind:<15} {value}  (was {data['before'].get(kind)})")
+        if not data["after"]:
+            print("  (none)")
+    return 0
+
+
+async def call_usage(client: Any, topic: str, payload: Any) -> dict[str, Any]:
+    """Ask the supervisor's usage ledger; its ``ok`` reply, or a SageError."""
+    try:
+        reply = await client.request(topic, payload, deadline=30.0)
+    except NoResponders:
+        raise SageError("the usage ledger is off ([usage] ledger = false)") from None
+    return replies.parse(reply.payload)
+
+
+async def _usage(args: argparse.Namespace) -> int:
+    request: dict[str, Any] = {"by": args.by, "fleet": args.fleet}
+    if args.principal is not None:
+        request["principal_id"] = args.principal
+    if args.since is not None:
+        request["since"] = args.since
+    async with connect(args) as client:
+        data = await call_usage(client, "sage.v1.request.usage.report", request)
+    if args.json:
+        print_json(data)
+        return 0
+    for line in usage_table(data):
+        print(line)
+    return 0
+
+
+def usage_table(data: dict[str, Any]) -> list[str]:
+    """``astrid sage usage``'s table: the ledger's rows, then the budgets."""
+    key = str(data.get("by", "day")).upper()
+    lines = [
+        f"{key:<24} {'PRINCIPAL':<12} {'CALLS':>6} {'INPUT':>10} {'OUTPUT':>9}"
+        f" {'CACHE_R':>9} {'CACHE_W':>9} {'TOKENS':>10} {'USD':>10} {'CLI_USD':>10}"
+    ]
+    rows = data.get("rows") or []
+    for row in rows:  # other nodes' rows too: their text is shown, never obeyed
+        lines.append(
+            f"{printable(row['key']):<24} {printable(row['principal']):<12}"
+            f" {row['calls']:>6} {row['input_tokens']:>10} {row['output_tokens']:>9}"
+            f" {row['cache_read_tokens']:>9} {row['cache_write_tokens']:>9} {row['tokens']:>10}"
+            f" {row['usd']:>10.4f} {row['cli_usd']:>10.4f}"
+        )
+    if not rows:
+        lines.append(f"(nothing recorded since {printable(data.get('since', ''))})")
+    for budget in data.get("budgets") or []:
+        for kind, limit in (budget.get("limits") or {}).items():
+            spent = (budget.get("spend") or {}).get(_SPEND_OF.get(kind, ""), 0)
+            resets = time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime(budget["resets_at"].get(kind, 0)))
+            lines.append(
+                f"budget {printable(budget['principal_id'])} {kind}: spent {spent:g} of"
+                f" {limit:g}, {budget['remaining'].get(kind, 0):g} left, resets {resets}"
+            )
+    if data.get("warning"):
+        lines.append(f"warning: {printable(data['warning'])}")
+    return lines
+
+
+_SPEND_OF = {"tokens_per_day": "tokens_day", "usd_per_day": "usd_day", "usd_per_month": "usd_month"}
+
+
 async def _settings(args: argparse.Namespace) -> int:
+    change = _budget_change(args)
+    if change is not None:
+        if any(
+            getattr(args, f) is not None
+            for f in ("model", "max_turns", "auth_mode", "interaction_mode", "identity")
+        ) or (args.allow or args.disallow):
+            raise SageError("--budget-* are changed on their own: give no other setting")
+        return await _set_budget(args, change)
     patch: dict[str, Any] = {"principal_id": args.principal_id}
     for field in ("model", "max_turns", "auth_mode", "interaction_mode"):
         value = getattr(args, field)

@@ -402,11 +402,24 @@ def _approval_line(data: dict[str, Any]) -> str:
     return f"[approval] {data.get('tool_name')} {verdict}"
 
 
+def _budget_warning(data: dict[str, Any]) -> str:
+    return (
+        f"astrid: principal {printable(data.get('principal_id', ''))} has used 80% of its"
+        f" budget_{printable(data.get('budget', ''))} ({data.get('spent')} of {data.get('limit')})"
+    )
+
+
+def _budget_exceeded(data: dict[str, Any]) -> str:
+    return f"astrid: {printable(data.get('message', 'over a budget'))}"
+
+
 NOTES: dict[str, Callable[[dict[str, Any]], str]] = {
     "tool_use": _tool_use,
     "tool_result": _tool_result,
     "retry": retry_line,
     "approval": _approval_line,
     "waking": _waking,
+    "budget_warning": _budget_warning,
+    "budget_exceeded": _budget_exceeded,
 }
 """Events send prints on stderr, one line each, beside the reply on stdout."""

@@ -91,6 +91,12 @@ class ErrorCode(enum.StrEnum):
     NOT_TAKEN = "not_taken"  # likewise: a warm spare's hook callback
     HOOK_UNDELIVERED = "hook_undelivered"  # astrid-emit: the bus did not take the hook
     BAD_COMMAND_LINE = "bad_command_line"  # astrid-emit: a command line it cannot read
+    NO_TERMINAL = "no_terminal"  # astrid: approvals --watch asks at a terminal, stdin is not
+
+    # -- budgets: the usage ledger (sage/usage) -----------------------------------------
+    BUDGET_EXCEEDED = "budget_exceeded"  # a spawn, send, wake, generate, REPL or its tool
+    # call while the principal is at or past a budget; the message names spend, budget, reset
+    BUDGET_UNKNOWN = "budget_unknown"  # the usage ledger did not answer: nothing is admitted
 
     # -- principals: settings and installs ---------------------------------------------
     UNKNOWN_PRINCIPAL = "unknown_principal"

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import enum
 import re
-from typing import Annotated, Final
+from typing import Annotated, Final, Literal
 
 import msgspec
 
@@ -58,6 +58,7 @@ __all__ = (
     "ConversationReply",
     "EndReason",
     "EntryState",
+    "InterruptRequest",
     "RecordState",
     "SessionEvent",
     "SessionRow",
@@ -330,6 +331,15 @@ class YieldReply(msgspec.Struct, frozen=True, kw_only=True):
     node: str
 
 
+class InterruptRequest(msgspec.Struct, frozen=True):
+    """``sage.v1.request.interrupt.<sid>``: ``{}`` from a person (Ctrl-C, ``astrid sage
+    interrupt``); the usage ledger (the supervisor, never a principal) names ``why``:
+    the running turn's ``done`` then says ``budget_exceeded`` and ``message``."""
+
+    why: Literal["budget_exceeded"] | None = None
+    message: Annotated[str, msgspec.Meta(max_length=1000)] = ""
+
+
 class ConversationReply(msgspec.Struct, frozen=True, kw_only=True):
     """``sage.v1.request.conversation.<sid>`` (the supervisor only): what a replica of a
     live session's conversation needs."""
@@ -353,6 +363,9 @@ class SlotsReply(msgspec.Struct, frozen=True, kw_only=True):
     idle: int
     hibernated: int
     waiting: int = 0
+    states: dict[str, int] = {}
+    """Sessions by the state their listing row shows (``ready``, ``busy``, ``hibernated``,
+    ...): the metrics' ``sage_sessions`` gauge."""
 
 
 class ClaimsRequest(msgspec.Struct, frozen=True):
@@ -422,6 +435,7 @@ class TurnEnd(enum.StrEnum):
     MAX_TURNS = "max_turns"  # the principal's max_turns was reached
     EXECUTION_ERROR = "execution_error"  # the CLI failed during the turn
     FAILED = "failed"  # an error result of a kind not named above
+    BUDGET_EXCEEDED = "budget_exceeded"  # sage interrupted it: the principal is over a budget
 
 
 _BY_STATUS: Final = {

@@ -64,6 +64,7 @@ from sage.security.denials import DenialLimiter
 from sage.security.runas import SessionUids, access_group, socket_group
 from sage.security.runas import enabled as runs_children_as_principals
 from sage.state import StateStore
+from sage.usage.spending import Spending, spending
 
 __all__ = ("ROLES", "AuditLimiter", "Supervisor")
 
@@ -268,6 +269,7 @@ class Supervisor:
         self.fleet: FleetMember | None = None
         """This node's membership of a fleet (``[fleet]``), once joined; None: a single host."""
         self.fleet_audit: FleetAudit | None = None
+        self.spending: Spending | None = None
         """With a fleet: the audit log streamed to JetStream, and the fleet's verify."""
         self.notifier = Notifier()
         self.reloads = 0
@@ -457,9 +459,18 @@ class Supervisor:
         async with (
             StateStore.open(config.state_db_path) as state,
             AuditLog.open(config.audit_path, key, config.audit) as audit,
+            spending(
+                self.bus,
+                self.identity,
+                lambda: self.config,
+                audit_stats=lambda: {"appended": audit.stats()["head_seq"]},
+                capsules=self.capsules.describe,
+            ) as spent,
         ):
             self.state = state
             self.audit = audit
+            self.spending = spent  # the usage ledger, budgets and /metrics (sage/usage)
+            spent.fleet_nodes = self._fleet_nodes if self.fleet is not None else None
             if self.fleet is not None:
                 self.fleet_audit = FleetAudit(
                     self.fleet, config.audit_path, key.public_key(), max_unsigned_for(config.audit)
@@ -515,6 +526,8 @@ class Supervisor:
                         await tg.start(self._fleet_tools(self.fleet).run)
                     if self.fleet_audit is not None:
                         tg.start_soon(self.fleet_audit.run)
+                    if self.spending is not None:  # admits before the first capsule asks
+                        await self.spending.start(tg)
                     self.capsules.start_all(tg)
                     with anyio.move_on_after(CAPSULE_READY_TIMEOUT):
                         for capsule in self.capsules.runners:
@@ -721,6 +734,18 @@ class Supervisor:
     def _principal_names(self) -> list[str]:
         """The principals the config names now (a fleet heartbeat carries them)."""
         return [principal.name for principal in self.config.principals]
+
+    async def _fleet_nodes(self) -> dict[str, int] | None:
+        """The fleet's nodes by state, for ``/metrics`` (None: the bucket did not answer)."""
+        assert self.fleet is not None
+        try:
+            views = await self.fleet.nodes()
+        except SageError:
+            return None
+        states: dict[str, int] = {}
+        for view in views:
+            states[view.state.value] = states.get(view.state.value, 0) + 1
+        return states
 
     async def _node_load(self) -> NodeLoad | None:
         """The session runner's load, for this node's heartbeat (None: no runner answers)."""

@@ -82,9 +82,11 @@ ANSWERED_IN_PROCESS = (
     "sage.v1.request.capsule.*",
     "sage.v1.request.fleet.status",
     "sage.v1.request.audit.verify_fleet",
+    "sage.v1.request.usage.*",
 )
 """Patterns of the requests the supervisor itself answers (no capsule runs in this test):
-the status, the fleet status, the fleet audit's verify, and every ``capsule.<verb>`` (an
+the status, the fleet status, the fleet audit's verify, the usage ledger's admit, report
+and budget (each answers a caller it refuses with an error reply), and every ``capsule.<verb>`` (an
 unknown verb is answered ``unknown_request``)."""
 PROBE_MODULE = "tests.integration.test_authz_matrix"
 EXTRA_TOPICS = ("demo.v1.audit.x1",)

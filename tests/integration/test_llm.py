@@ -77,6 +77,7 @@ async def llm_sage(
     root: Path | None = None,
     principal_key: str | None = None,
     max_concurrent: int = 8,
+    principal_extra: str = "",
 ) -> AsyncIterator[tuple[Sage, LlmStandin, Stream]]:
     standin = LlmStandin()
     await standin.start()
@@ -84,6 +85,7 @@ async def llm_sage(
         "/bin/false",
         {},
         capsules='["llm"]',
+        principal_extra=principal_extra,
         extra=(
             f'[llm]\nbase_url = "{standin.url}"\nmax_retries = {max_retries}\n'
             f"timeout = {attempt_timeout}\nmax_concurrent = {max_concurrent}\n"
@@ -462,3 +464,31 @@ async def test_llm_generate_uses_the_sessions_gateway_when_llm_names_none() -> N
             assert out.strip()
     finally:
         await standin.stop()
+
+
+async def test_a_principal_over_its_budget_generates_nothing() -> None:
+    """A generation is counted against its principal's budget; once it is spent the next
+    one ends in Error budget_exceeded before the API is called, and the ledger shows it."""
+    async with llm_sage(principal_extra="budget_tokens_per_day = 15\n") as (sage, standin, _):
+        async with BusClient.connect(sage.daemon.socket, principal="alice") as alice:
+            stream = Stream(await alice.subscribe(STREAM))
+            for rid in ("first", "second"):
+                payload = {"request_id": rid, "messages": [{"role": "user", "content": "hi"}]}
+                reply = msgspec.json.decode((await alice.request(GENERATE, payload)).payload)
+                assert reply["ok"], reply
+                events = await stream.until_end(rid)
+                end = terminal(events)
+                if rid == "first":
+                    assert end["type"] == "Done"
+                    (usage,) = [e for e in events if e["type"] == "Usage"]
+                else:
+                    assert end["type"] == "Error", sage.daemon.log()[-3000:]
+                    assert end["code"] == "budget_exceeded"
+                    assert "15 tokens" in end["message"]
+        assert len(standin.messages) == 1
+        code, out, err = await sage.astrid("sage", "usage", "--by", "model", "--json")
+        assert code == 0, err
+        (row,) = msgspec.json.decode(out)["rows"]
+        counts = ("input_tokens", "output_tokens", "cache_read_input_tokens")
+        assert row["tokens"] == sum(usage.get(k, 0) for k in counts) > 15
+        assert (row["principal"], row["calls"]) == ("alice", 1)

@@ -13,8 +13,14 @@ import msgspec
 from bus import Envelope, NoResponders
 from sage.config import Config, FleetConfig, PrincipalConfig, SupervisorConfig
 from sage.contract.sessions import CLAIMS_TOPIC
+from sage.usage.admission import ADMIT_TOPIC
 
-__all__ = ("MemoryState", "RunnerContext")
+__all__ = ("MemoryState", "RunnerContext", "admitted")
+
+
+def admitted() -> Envelope:
+    """The usage ledger's answer to ``sage.v1.request.usage.admit`` when nothing is over."""
+    return Envelope(id=1, topic=ADMIT_TOPIC, payload=b'{"ok":true}', source="supervisor")
 
 
 class MemoryState:
@@ -56,6 +62,8 @@ class RunnerContext:
         return Envelope(id=len(self.published), topic=topic, payload=b"{}", source="runner")
 
     async def request(self, topic: str, payload: Any, *, deadline: float | None = None) -> Any:
+        if topic == ADMIT_TOPIC:  # the usage ledger: no budget here
+            return admitted()
         assert topic == CLAIMS_TOPIC
         self.asked.append(payload)
         if self.claims is None:

@@ -134,7 +134,7 @@ async def test_what_the_runner_answers_is_what_the_fleet_decodes(tmp_path: Path)
     _asleep(runner, "s2")
     slots = await runner._slots(_admin(request_topic(Verb.SLOTS), {}))
     assert _contract_of(slots, SlotsReply) == SlotsReply(
-        live=0, max_live=None, idle=0, hibernated=2, waiting=0
+        live=0, max_live=None, idle=0, hibernated=2, waiting=0, states={"hibernated": 2}
     )
     conversation = await runner._conversation(_admin(request_topic(Verb.CONVERSATION, "s1"), {}))
     assert isinstance(_contract_of(conversation, ConversationReply), ConversationReply)

@@ -32,8 +32,8 @@ from capsules.llm.mapping import (
     offered_models,
     parse_request,
 )
-from capsules.llm.pricing import cost_usd
 from sage.config import LlmConfig
+from sage.usage.pricing import cost_usd
 
 CONFIG = LlmConfig(model="claude-sonnet-4-5", max_tokens=777)
 USER = {"role": "user", "content": "hi"}

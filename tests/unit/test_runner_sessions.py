@@ -31,6 +31,8 @@ from capsules.runner.sessions import (
 )
 from sage.config import Config, PrincipalConfig
 from sage.errors import IllegalTransition, SageError
+from sage.usage.admission import ADMIT_TOPIC
+from tests.support.runner_context import admitted
 
 pytestmark = pytest.mark.anyio
 
@@ -199,6 +201,10 @@ class _Context:
     def publish(self, topic: str, payload: Any, *, on_behalf_of: str | None = None) -> Envelope:
         self.published.append((topic, payload))
         return Envelope(id=len(self.published), topic=topic, payload=b"{}", source="runner")
+
+    async def request(self, topic: str, payload: Any, *, deadline: float | None = None) -> Any:
+        assert topic == ADMIT_TOPIC
+        return admitted()
 
 
 def request(n: int, topic: str, payload: dict[str, Any]) -> Envelope:

@@ -180,6 +180,8 @@ class StreamEvent(_Base, tag_field="type", tag="stream_event", frozen=True):
     session_id: str = ""
     parent_tool_use_id: str | None = None
     uuid: str = ""
+    api_message_id: str = ""
+    """The Messages API message the event belongs to (2.1.328 names it on each event)."""
 
     def event_dict(self) -> dict[str, Any]:
         """The event decoded (left raw on the hot path: most are only forwarded)."""

@@ -1,0 +1,1 @@
+"""Spending: the usage ledger, budgets per principal, and the Prometheus metrics."""
