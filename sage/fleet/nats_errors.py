@@ -48,8 +48,12 @@ def code_of(exc: BaseException) -> str:
 
 
 WRONG_LAST_SEQUENCE = 10071
-"""JetStream's "wrong last sequence": a publish that named the revision it read (of a key,
-or of a subject filter: sage/fleet/claims.py) found another stored since."""
+"""JetStream's "wrong last sequence: N": a publish that named the revision it read (of a
+key, or of a subject filter: sage/fleet/claims.py) found another stored since."""
+WRONG_LAST_SEQUENCE_CONSTANT = 10164
+"""The same refusal as nats-server 2.12 and later words it for a subject-filter CAS
+(``Nats-Expected-Last-Subject-Sequence-Subject``): "wrong last sequence", no number."""
+RACE_LOST_CODES = frozenset({WRONG_LAST_SEQUENCE, WRONG_LAST_SEQUENCE_CONSTANT})
 NO_PEERS_YET = 10005
 """JetStream's "no suitable peers for placement": a cluster whose servers are still
 meeting (a bucket with replicas 3 while one is not yet known)."""
@@ -72,7 +76,7 @@ def translate(exc: BaseException, what: str) -> FleetError | None:
     if isinstance(exc, FleetError):
         return exc
     if isinstance(exc, KeyWrongLastSequenceError) or (
-        isinstance(exc, BadRequestError) and exc.err_code == WRONG_LAST_SEQUENCE
+        isinstance(exc, BadRequestError) and exc.err_code in RACE_LOST_CODES
     ):
         mapped = FleetRaceLost(describe(exc))
     elif isinstance(exc, NotFoundError):

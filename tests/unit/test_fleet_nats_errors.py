@@ -25,7 +25,7 @@ from sage.errors import (
     FleetUnavailable,
     NotVouched,
 )
-from sage.fleet.nats_errors import NO_PEERS_YET, code_of, nats_errors, translate
+from sage.fleet.nats_errors import NO_PEERS_YET, RACE_LOST_CODES, code_of, nats_errors, translate
 
 FLEET = Path(__file__).resolve().parents[2] / "sage" / "fleet"
 
@@ -36,6 +36,9 @@ def test_each_nats_error_becomes_the_fleet_error_another_part_acts_on() -> None:
     race = translate(KeyWrongLastSequenceError(description="wrong last sequence: 7"), "claims")
     assert isinstance(race, FleetRaceLost)
     assert (race.code, race.what) == ("fleet_race_lost", "claims")
+    for code in RACE_LOST_CODES:  # "wrong last sequence: 7", and 2.12's for a filter CAS
+        lost = translate(BadRequestError(err_code=code, description="wrong last sequence"), "c")
+        assert isinstance(lost, FleetRaceLost), code
     missing = KeyNotFoundError(entry=SimpleNamespace(revision=12))
     gone = translate(missing, "claims")
     assert isinstance(gone, FleetNotFound)
