@@ -105,7 +105,9 @@ def raw_request(daemon: Daemon, topic: str, payload: Any, principal: str) -> Any
 
 def relayed_ids(watcher: Daemon, owner: Daemon, sid: str) -> tuple[list[int], list[int]]:
     """On ``watcher``'s socket: follow ``sid`` through the router while a turn is sent on
-    ``owner``'s; the ids of the live envelopes, and of a replay of the last three."""
+    ``owner``'s; the ids of the live envelopes a ring keeps (not a whole ``assistant``
+    message: capsules/runner/history.py), and of a replay of the last three."""
+    from capsules.runner.history import NOT_KEPT
 
     async def main() -> tuple[list[int], list[int]]:
         from bus.client import BusClient
@@ -125,7 +127,8 @@ def relayed_ids(watcher: Daemon, owner: Daemon, sid: str) -> tuple[list[int], li
             ids = []
             with anyio.fail_after(10):
                 async for envelope in events:
-                    ids.append(envelope.id)
+                    if envelope.topic.rsplit(".", 1)[-1] not in NOT_KEPT:
+                        ids.append(envelope.id)
                     if envelope.topic.endswith(".done"):
                         break
             reply = await client.request(topic, {"replay": 3}, deadline=10.0)
