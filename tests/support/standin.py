@@ -219,8 +219,9 @@ class Standin:
 
     # -- lifecycle -------------------------------------------------------------
 
-    async def start(self) -> Standin:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+    async def start(self, port: int = 0) -> Standin:
+        """Listen on 127.0.0.1:``port`` (0: a free one, as tests use)."""
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", port)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
