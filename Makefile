@@ -18,7 +18,7 @@ CLAUDE_BIN := $(TOOLS)/$(NATIVE)
 CLAUDE_OTHERS := $(foreach v,$(sort $(CLAUDE_FLOOR) $(CLAUDE_NEWEST) $(CLAUDE_WITNESS)),$(TOOLS)/$(v)/$(NATIVE))
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run standin test test-matrix check lint typecheck format bench clean system-deps \
+.PHONY: setup run standin fleet-trial test test-matrix check lint typecheck format bench clean system-deps \
 	transcripts claude-versions soak soak-lifecycle
 
 setup: $(STAMP) $(CLAUDE_BIN) $(CLAUDE_OTHERS) system-deps
@@ -75,8 +75,14 @@ run: setup
 # An offline stand-in for the Messages API, to try sessions without a key or a network
 # (README, "Trying it without an API key"): echoes prompts, calls a *greet tool on "greet X".
 STANDIN_PORT ?= 8765
+
 standin: setup
 	$(BIN)/python -m tests.support.echo_model --port $(STANDIN_PORT)
+
+# A fleet to try on one machine: three NATS servers on loopback and the configs of
+# nodes a, b and c (docs/fleet.md), until Ctrl-C.
+fleet-trial: setup
+	$(BIN)/python -m tests.support.fleet_trial
 
 # The whole suite on the pin, then the end-to-end suite on the floor and the newest
 # release of the supported range (docs/operations.md, "Claude Code versions").
