@@ -48,7 +48,13 @@ from sage.claude.homes import INSTALL_MARKER, install_current
 from sage.config import NAME_PATTERN, Config, PrincipalConfig
 from sage.contract.sessions import INSTALL_STATUS_TOPIC
 from sage.errors import SageError
-from sage.security.secrets import API_KEY, SecretError, SecretStore, principal_namespace
+from sage.security.secrets import (
+    API_KEY,
+    SecretError,
+    SecretStore,
+    check_value,
+    principal_namespace,
+)
 
 __all__ = ("INSTALL_DEADLINE", "Admin")
 
@@ -280,6 +286,11 @@ class Admin:
                 raise SessionError("bad_request", str(exc)) from None
             if key and new.auth_mode != "api_key":
                 raise SessionError("bad_request", "an API key is only used with auth_mode api_key")
+            try:  # before the installer writes anything: a refused key changes nothing
+                if key:
+                    check_value(API_KEY, key)
+            except SecretError as exc:
+                raise SessionError("bad_request", str(exc)) from None
             done = await self._installer("sage.v1.install.run", name, new, force=req.force)
             if done is None:
                 raise SessionError(

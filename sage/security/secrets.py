@@ -41,6 +41,7 @@ __all__ = (
     "KEY_FILENAME",
     "SecretError",
     "SecretStore",
+    "check_value",
     "principal_namespace",
 )
 
@@ -123,6 +124,21 @@ def load_key(config: Config, environ: Mapping[str, str] | None = None) -> bytes:
         return _create_key_file(path)
 
 
+def check_value(name: str, value: str) -> None:
+    """SecretError unless ``value`` may be stored as secret ``name``: not empty, at least
+    :data:`MIN_VALUE` characters (shorter ones cannot be redacted from outputs), at most
+    :data:`MAX_VALUE` bytes.  Callers check first when storing comes after other work
+    (an install: a refused key must not follow a written home)."""
+    if not value:
+        raise SecretError(f"secret {name!r}: an empty value is not stored")
+    if len(value) < MIN_VALUE:
+        raise SecretError(
+            f"secret {name!r}: shorter than {MIN_VALUE} characters (too short to redact)"
+        )
+    if len(value.encode()) > MAX_VALUE:
+        raise SecretError(f"secret {name!r}: longer than {MAX_VALUE} bytes")
+
+
 class SecretStore:
     """Sealed values by ``(namespace, name)``; see the module docstring."""
 
@@ -164,15 +180,8 @@ class SecretStore:
     def put(self, namespace: str, name: str, value: str) -> None:
         """Store ``value`` (replacing any); empty values are refused, never stored."""
         _check(namespace, name)
-        if not value:
-            raise SecretError(f"secret {name!r}: an empty value is not stored")
-        if len(value) < MIN_VALUE:
-            raise SecretError(
-                f"secret {name!r}: shorter than {MIN_VALUE} characters (too short to redact)"
-            )
+        check_value(name, value)
         data = value.encode()
-        if len(data) > MAX_VALUE:
-            raise SecretError(f"secret {name!r}: longer than {MAX_VALUE} bytes")
         nonce = _random.token_bytes(12)
         sealed = self._aead.encrypt(nonce, data, f"{namespace}\0{name}".encode())
         with self._db() as db:

@@ -46,6 +46,21 @@ async def _completes(sage: Sage) -> Any:
     return await sage.client.subscribe("sage.v1.install.complete")
 
 
+async def test_a_key_too_short_to_redact_is_refused_before_anything_is_written() -> None:
+    """A 5-character key: one clear line, no installer steps shown, no home written."""
+    root = short_dir()
+    async with running_sage(_config(), root=root) as sage:
+        code, out, err = await sage.astrid(
+            "sage", "install", "alice", "--api-key-stdin", stdin=b"short\n"
+        )
+        assert (code, out) == (1, "")
+        assert err == (
+            "astrid: bad_request: secret 'anthropic_api_key': shorter than 8 characters"
+            " (too short to redact)\n"
+        )
+        assert not (_home(root) / ".claude").exists()
+
+
 async def test_install_writes_the_home_stores_the_key_and_is_idempotent() -> None:
     root = short_dir()
     async with running_sage(_config(), root=root) as sage:
