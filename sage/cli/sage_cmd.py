@@ -32,6 +32,7 @@ from sage.cli.turn import (
     event_line,
 )
 from sage.cli.turn import send as _send
+from sage.contract.usage import BUDGET_TOPIC, REPORT_TOPIC
 from sage.errors import SageError
 from sage.routing import NoFleet as _NoFleet
 from sage.routing import call_session
@@ -527,7 +528,7 @@ def _budget_change(args: argparse.Namespace) -> dict[str, Any] | None:
 
 async def _set_budget(args: argparse.Namespace, change: dict[str, Any]) -> int:
     async with connect(args) as client:
-        data = await call_usage(client, "sage.v1.request.usage.budget", change)
+        data = await call_usage(client, BUDGET_TOPIC, change)
     if args.json:
         print_json(data)
     else:
@@ -555,7 +556,7 @@ async def _usage(args: argparse.Namespace) -> int:
     if args.since is not None:
         request["since"] = args.since
     async with connect(args) as client:
-        data = await call_usage(client, "sage.v1.request.usage.report", request)
+        data = await call_usage(client, REPORT_TOPIC, request)
     if args.json:
         print_json(data)
         return 0

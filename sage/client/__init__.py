@@ -41,6 +41,7 @@ from sage.client.messages import (
     ToolUseBlock,
     UserMessage,
 )
+from sage.contract.usage import BudgetRow, ReportRow, UsageReport
 from sage.errors import SageError
 
 __all__ = (
@@ -49,11 +50,13 @@ __all__ = (
     "ApprovalInfo",
     "ApprovalRequest",
     "AssistantMessage",
+    "BudgetRow",
     "CanUseTool",
     "ContentBlock",
     "Deny",
     "Message",
     "RedactedThinkingBlock",
+    "ReportRow",
     "ResultMessage",
     "Retry",
     "Sage",
@@ -67,6 +70,7 @@ __all__ = (
     "ToolPermissionContext",
     "ToolResultBlock",
     "ToolUseBlock",
+    "UsageReport",
     "UserMessage",
     "connect",
     "query",

@@ -21,9 +21,10 @@ import anyio
 import anyio.abc
 import msgspec
 
-from bus import BusError
+from bus import BusError, NoResponders
 from bus.client import BusClient, RemoteSubscription
 from bus.wire import frame_limit
+from sage import replies
 from sage.client.messages import (
     ApprovalInfo,
     ApprovalRequest,
@@ -36,6 +37,7 @@ from sage.client.messages import (
 from sage.config import load_config
 from sage.contract.codes import ErrorCode
 from sage.contract.sessions import approver_topic, event_pattern, request_topic
+from sage.contract.usage import REPORT_TOPIC, Grouping, ReportRequest, UsageReport
 from sage.errors import SageError
 from sage.routing import NoFleet, call_runner, call_session, in_fleet
 
@@ -180,6 +182,27 @@ class Sage:
         except NoFleet:
             data = await call_runner(self.bus, request_topic("approvals"), {}, REQUEST_TIMEOUT)
         return [msgspec.convert(row, ApprovalInfo) for row in data["approvals"]]
+
+    async def usage(
+        self,
+        *,
+        principal: str | None = None,
+        since: str | None = None,
+        by: Grouping = "day",
+        fleet: bool = False,
+    ) -> UsageReport:
+        """What the usage ledger recorded (as ``astrid sage usage``): rows grouped ``by``
+        day, session, model or principal since the UTC day ``since`` (default: the first
+        of this month), and the budgets with their spend.  A principal's caller sees its
+        own; ``not_authorized`` for another's.  ``SageError`` when the ledger is off."""
+        request = ReportRequest(principal_id=principal, since=since, by=by, fleet=fleet)
+        try:
+            reply = await self.bus.request_raw(
+                REPORT_TOPIC, msgspec.json.encode(request), deadline=REQUEST_TIMEOUT
+            )
+        except NoResponders:
+            raise SageError("the usage ledger is off ([usage] ledger = false)") from None
+        return msgspec.convert(replies.parse(reply.payload), UsageReport)
 
     async def decide(self, approval_id: str, decision: Allow | Deny) -> dict[str, Any]:
         """Answer a pending approval (as ``astrid sage approve`` / ``deny``)."""

@@ -28,13 +28,14 @@ import os
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any
 
 import aiosqlite
 import anyio
 import msgspec
 import structlog
 
+from sage.contract.usage import GROUPINGS, Grouping, ReportRow
 from sage.errors import StateError
 from sage.usage.budget import Period, Spend
 
@@ -42,8 +43,6 @@ __all__ = ("GROUPINGS", "Entry", "Grouping", "Ledger", "ReportRow")
 
 log = structlog.get_logger("sage.usage")
 
-Grouping = Literal["day", "session", "model", "principal"]
-GROUPINGS: Final[tuple[Grouping, ...]] = ("day", "session", "model", "principal")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS usage (
@@ -142,24 +141,6 @@ class Entry:
             self.cli_usd,
             self.usd,
         )
-
-
-class ReportRow(msgspec.Struct, frozen=True):
-    """One line of ``astrid sage usage``: a group's sums (``key`` the day, session, model
-    or principal; a node's name in a fleet's report)."""
-
-    key: str
-    principal: str
-    calls: int
-    input_tokens: int
-    output_tokens: int
-    cache_read_tokens: int
-    cache_write_tokens: int
-    tokens: int
-    est_usd: float
-    cli_usd: float
-    usd: float
-    node: str = ""
 
 
 @dataclass

@@ -47,6 +47,7 @@ from sage import replies
 from sage.config import NAME_PATTERN, Config, PrincipalConfig
 from sage.contract.codes import ErrorCode
 from sage.contract.sessions import InterruptRequest, TurnEnd, Verb, request_topic
+from sage.contract.usage import BUDGET_TOPIC, REPORT_TOPIC, BudgetRow, ReportRequest, ReportRow
 from sage.errors import SageError
 from sage.usage.admission import ADMIT_TOPIC, AdmitRequest
 from sage.usage.budget import (
@@ -62,7 +63,7 @@ from sage.usage.budget import (
     remaining,
     token_total,
 )
-from sage.usage.ledger import GROUPINGS, Entry, Grouping, Ledger, ReportRow
+from sage.usage.ledger import GROUPINGS, Entry, Ledger
 from sage.usage.pricing import cost_usd
 from sage.usage.tap import Tap
 
@@ -76,8 +77,6 @@ __all__ = (
 
 log = structlog.get_logger("sage.usage")
 
-REPORT_TOPIC: Final = "sage.v1.request.usage.report"
-BUDGET_TOPIC: Final = "sage.v1.request.usage.budget"
 USAGE_EVENTS: Final = "sage.v1.event.*.usage"
 DONE_EVENTS: Final = "sage.v1.event.*.done"
 EXITED_EVENTS: Final = "sage.v1.event.*.exited"
@@ -115,16 +114,6 @@ class Generation(msgspec.Struct, frozen=True):
     output_tokens: int = 0
     cache_read_input_tokens: int = 0
     cache_creation_input_tokens: int = 0
-
-
-class ReportRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """``sage.v1.request.usage.report``."""
-
-    principal_id: str | None = None
-    since: str | None = None
-    """A UTC day, ``YYYY-MM-DD``; absent: the first day of the current month."""
-    by: Grouping = "day"
-    fleet: bool = False
 
 
 class BudgetChange(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -352,22 +341,22 @@ class UsageService:
         period = self.period
         return NodeSpend(period.day, period.month, self.clock(), dict(self.spend))
 
-    def budget_row(self, principal: str) -> dict[str, Any]:
+    def budget_row(self, principal: str) -> BudgetRow:
         """A principal's budgets, its spend against them and when each resets."""
         period = self.period
         limits = self.limits(principal)
         total = self.total(principal)
         ages = [self.clock() - r.at for r in self.elsewhere.values() if principal in r.principals]
-        return {
-            "principal_id": principal,
-            "limits": msgspec.to_builtins(limits),
-            "spend": msgspec.to_builtins(total),
-            "remaining": {k.value: round(v, 6) for k, v in remaining(limits, total).items()},
-            "resets_at": {
+        return BudgetRow(
+            principal_id=principal,
+            limits=msgspec.to_builtins(limits),
+            spend=msgspec.to_builtins(total),
+            remaining={k.value: round(v, 6) for k, v in remaining(limits, total).items()},
+            resets_at={
                 k.value: period.resets_at(k) for k in BudgetKind if limits.of(k) is not None
             },
-            "reported_age_s": round(max(ages), 1) if ages else None,
-        }
+            reported_age_s=round(max(ages), 1) if ages else None,
+        )
 
     # -- recording ---------------------------------------------------------------------
 
@@ -594,11 +583,11 @@ class UsageService:
             node=self.node,
             since=since,
             by=req.by,
-            rows=[msgspec.to_builtins(row) for row in rows],
-            budgets=self.budget_rows(principal),
+            rows=msgspec.to_builtins(rows),
+            budgets=msgspec.to_builtins(self.budget_rows(principal)),
         )
 
-    def budget_rows(self, principal: str | None) -> list[dict[str, Any]]:
+    def budget_rows(self, principal: str | None) -> list[BudgetRow]:
         names = [principal] if principal is not None else self.principals()
         return [self.budget_row(name) for name in names]
 
@@ -643,7 +632,7 @@ class UsageService:
             before=msgspec.to_builtins(before),
             after=msgspec.to_builtins(after),
             changed=after != before,
-            budget=self.budget_row(name),
+            budget=msgspec.to_builtins(self.budget_row(name)),
         )
 
     def _publish(self, topic: str, payload: dict[str, Any], principal: str) -> None:

@@ -87,3 +87,29 @@ async def test_a_refused_request_is_a_sage_error_with_its_code(harness: Sage) ->
         assert bad.value.code in ("unknown_principal", "not_authorized")
         assert [s async for s in sage.sessions()] == []
         assert await sage.approvals() == []
+
+
+async def test_usage_reports_the_turns_ledger_rows_typed(harness: Sage) -> None:
+    """sage.usage() reads what the ledger counted of a turn, as `astrid sage usage` does;
+    a malformed day is a SageError with its code."""
+    async with connect(harness.daemon.config) as sage:
+        session = await sage.spawn("alice")
+        with anyio.fail_after(30):
+            messages = [m async for m in session.send("hello")]
+        assert isinstance(messages[-1], ResultMessage)
+        with anyio.fail_after(10):
+            while True:  # the ledger counts the turn's events as they pass
+                report = await sage.usage(by="session")
+                rows = [r for r in report.rows if r.key == session.session_id]
+                if rows and rows[0].calls:
+                    break
+                await anyio.sleep(0.05)
+        (row,) = rows
+        assert (row.principal, report.by) == ("alice", "session")
+        assert row.tokens == row.input_tokens + row.output_tokens + (
+            row.cache_read_tokens + row.cache_write_tokens
+        )
+        assert [b.principal_id for b in report.budgets] == ["alice"]
+        with pytest.raises(SageError) as bad:
+            await sage.usage(since="yesterday")
+        assert bad.value.code == "bad_request"
