@@ -355,8 +355,8 @@ class ClaudeProcess:
         if self.conversation.ending:
             raise SessionError("session_ended", f"session {self.session_id} is ending")
         busy = self.state is ProcessState.BUSY
-        if busy and because is not None:
-            self.conversation.interrupt_for = because
+        if busy:
+            self.conversation.interrupting(because)
         outcome = await self.request("interrupt", encode_interrupt, within=within)
         response: Any = msgspec.json.decode(outcome.response) if outcome.response else {}
         return {"interrupted": busy, "response": response}

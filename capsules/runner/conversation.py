@@ -166,6 +166,8 @@ class Conversation:
         self._tool_started: dict[str, tuple[str, float]] = {}  # tool_use_id -> (name, when)
         self._calls: dict[str, tuple[str, Usage]] = {}  # message id -> (model, usage reported)
         self._streaming = ""  # the message id of the last message_start
+        self.interrupt_sent = False
+        """An interrupt went to the CLI during the running turn (:meth:`interrupting`)."""
         self.interrupt_for: tuple[TurnEnd, str] | None = None
         """Why sage interrupts the running turn (a budget), for its ``done`` event."""
 
@@ -200,6 +202,12 @@ class Conversation:
         if self.state is ProcessState.READY:
             self._move(ProcessState.BUSY)
         return self.turn.started
+
+    def interrupting(self, because: tuple[TurnEnd, str] | None = None) -> None:
+        """An interrupt goes to the CLI while a turn runs: the turn's ``done`` says
+        ``interrupted``, or sage's own reason when ``because`` gives one (a budget)."""
+        self.interrupt_sent = True
+        self.interrupt_for = because
 
     def initialized(self) -> None:
         """``initialize`` was answered in the right mode: the child takes turns."""
@@ -458,9 +466,12 @@ class Conversation:
             terminal_reason=msg.terminal_reason,
         )
         message = (msg.result or "")[:MESSAGE_CHARS] if msg.is_error and msg.result else None
+        if self.interrupt_sent and reason is TurnEnd.EXECUTION_ERROR:
+            # CLIs before terminal_reason (2.1.275) end an interrupted turn this way
+            reason = TurnEnd.INTERRUPTED
         if reason is TurnEnd.INTERRUPTED and self.interrupt_for is not None:
             reason, message = self.interrupt_for  # sage interrupted it, and says why
-        self.interrupt_for = None
+        self.interrupt_sent, self.interrupt_for = False, None
         out: list[Output] = [
             Publish(
                 "done",

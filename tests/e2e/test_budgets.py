@@ -127,7 +127,8 @@ async def test_a_long_turn_is_interrupted_at_the_next_model_call(
         assert "tokens_per_day" in out
         standin.script.clear()
         standin.push(Text("back again"))
-        assert (await sage.send("long", "and now?"))["ok"]
+        again = await sage.send("long", "and now?")
+        assert again["ok"], again
         text, done = await events.text_until_done()
         assert (text, done["is_error"]) == ("back again", False)
         body = await _scrape(port)

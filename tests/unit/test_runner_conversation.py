@@ -24,6 +24,7 @@ from capsules.runner.conversation import (
     Publish,
 )
 from sage.claude.protocol import Event, StreamDecoder
+from sage.contract.sessions import TurnEnd
 from sage.errors import IllegalTransition, SageError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -577,3 +578,39 @@ def test_thinking_and_large_blocks_are_bounded() -> None:
     assert "input" not in use
     assert use["input_bytes"] == len(json.dumps({"x": big}, separators=(",", ":")))
     assert len(use["input_preview"]) <= CONTENT_SHOWN
+
+
+@pytest.mark.parametrize(
+    ("because", "reason", "message"),
+    [
+        (None, "interrupted", "stopped"),
+        ((TurnEnd.BUDGET_EXCEEDED, "alice is over 50 tokens"), "budget_exceeded", None),
+    ],
+)
+def test_an_interrupted_turn_that_an_older_cli_calls_an_execution_error(
+    because: tuple[TurnEnd, str] | None, reason: str, message: str | None
+) -> None:
+    """2.1.275 ends a turn interrupted mid-stream as error_during_execution without a
+    terminal_reason: after an interrupt that is the interrupt, with sage's reason if any."""
+    result = dict(
+        recorded("print_text_only.jsonl")[-1],
+        is_error=True,
+        subtype="error_during_execution",
+        result="stopped",
+    )
+    result.pop("terminal_reason", None)
+    plain = conversation()
+    plain.initialized()
+    plain.sent()
+    (done,) = published(plain.receive(decode(result)[0], 0.0), "done")
+    assert done["reason"] == "execution_error"  # no interrupt: what the CLI said
+    conv = conversation()
+    conv.initialized()
+    conv.sent()
+    conv.interrupting(because)
+    (done,) = published(conv.receive(decode(result)[0], 0.0), "done")
+    assert done["reason"] == reason
+    assert done.get("message") == (because[1] if because else message)
+    conv.sent()
+    (after,) = published(conv.receive(decode(result)[0], 1.0), "done")
+    assert after["reason"] == "execution_error"  # the next turn is not interrupted
