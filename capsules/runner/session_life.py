@@ -273,7 +273,7 @@ class SessionLife:
         assert warm.proc is not None
         session.token_hash = warm.session.token_hash  # the spare's own token, stored now
         async with anyio.create_task_group() as tg:
-            pid: int = await tg.start(self._adopt, session, warm)
+            pid: int = await tg.start(self._spare_child, session, warm)
             await self._spawned(session, warm.launch, pid, first=True, resume=False, spare=True)
             self.host.event(warm.proc, "init", self.spares.hand_over(spare, self.host))
             if initial:
@@ -283,7 +283,7 @@ class SessionLife:
             self.spares.wake()  # the next spare starts now, in the background
         return True
 
-    async def _adopt(
+    async def _spare_child(
         self, session: Session, warm: Warm, *, task_status: anyio.abc.TaskStatus[int]
     ) -> None:
         """The session's side of a spare's child: it runs in the spare's task already."""
