@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import anyio
 import structlog
 
+from capsules.runner.admission import Join, judge
 from capsules.runner.conversation import EndReason
 from capsules.runner.errors import SessionError
 from capsules.runner.history import EventHistory
@@ -176,26 +177,13 @@ class Hibernation:
     def room_soon(self) -> bool:
         """Whether a live slot is free or will be without waiting on a turn: an idle
         session can hibernate for it, or one hibernates already (its slot comes back
-        once its child is reaped: :meth:`room_for` may just have begun it)."""
+        once its child is reaped: an admission may just have begun it)."""
         sessions = self.keeper.sessions
         return (
             self.slots.free
             or sessions.least_recent_idle() is not None
             or any(sessions[sid].state is SessionState.HIBERNATING for sid in sessions)
         )
-
-    def room_for(self, principal: str) -> bool:
-        """Whether ``principal`` may have one more live session: it has fewer than
-        :meth:`live_cap`, or (with hibernation on) one of its idle sessions starts to
-        hibernate now to make room."""
-        sessions = self.keeper.sessions
-        if len(sessions.live_of(principal)) < self.live_cap(principal)[0]:
-            return True
-        victim = sessions.least_recent_idle(principal)
-        if victim is None or not self.enabled:
-            return False
-        self.begin(victim, "principal_limit")
-        return True
 
     async def slot_for(self, session: Session) -> None:
         """A live slot for ``session``'s child: at once, or after an idle session
@@ -278,14 +266,19 @@ class Hibernation:
         # at the principal's cap (or share of max_live), one of its sessions still busy
         # or starting: wait for it to go idle and sleep, as a wake waits for a slot
         deadline = time.monotonic() + self.wake_wait
-        while not self.room_for(principal):
+        while True:
+            admission = judge(
+                Join.WAKE,
+                session.id,
+                principal,
+                sessions=keeper.sessions,
+                room=self,
+                config=keeper.config,
+            )
+            if admission.admitted:
+                break
             if time.monotonic() >= deadline:
-                cap, note = self.live_cap(principal)
-                raise SessionError(
-                    "principal_limit",
-                    f"principal {principal!r} has {cap} live sessions{note}, none idle"
-                    f" within {self.wake_wait:g} s ([sessions] wake_wait)",
-                )
+                raise admission.error()
             await anyio.sleep(ROOM_POLL)
         if session.state is not SessionState.HIBERNATED:
             return  # woken (or stopped) meanwhile: the caller looks again

@@ -29,6 +29,7 @@ that dies while the child stops finds the session hibernated, not running.
 from __future__ import annotations
 
 import enum
+import re
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ from typing import TYPE_CHECKING, Final
 import anyio
 import msgspec
 
-from sage.config import PrincipalConfig
+from sage.config import NAME_PATTERN, PrincipalConfig
 from sage.contract.sessions import EndReason, RecordState, SessionState
 from sage.errors import IllegalTransition, SageError
 
@@ -55,6 +56,7 @@ __all__ = (
     "SessionState",
     "SessionTable",
     "new_session_id",
+    "valid_id",
 )
 
 
@@ -96,6 +98,11 @@ class AfterChild(enum.Enum):
 
 LIVE: Final = frozenset({RecordState.RUNNING, RecordState.INTERRUPTED})
 """Records a supervisor start finds live: resumed or ended (``supervisor_restart``)."""
+
+
+def valid_id(value: str) -> bool:
+    """Whether ``value`` may name a session (or a node): 1-64 of ``[A-Za-z0-9_-]``."""
+    return re.match(NAME_PATTERN, value) is not None
 
 
 def new_session_id() -> str:
@@ -359,20 +366,6 @@ class SessionTable(Mapping[str, Session]):
     def idle_since(self, before: float) -> list[Session]:
         """Idle sessions last active before ``before`` (monotonic): due to hibernate."""
         return [s for s in self._by_id.values() if s.idle and s.last_active < before]
-
-    def refusal(
-        self, sid: str, principal_id: str, cap: int | None, logical_cap: int | None = None
-    ) -> str | None:
-        """Why a new session ``sid`` of ``principal_id`` may not join: ``duplicate_session``,
-        ``principal_limit`` (``cap`` live sessions, or ``logical_cap`` in all, already),
-        or None.  ``cap`` None: it joins asleep, and takes no live place."""
-        if sid in self._by_id:
-            return "duplicate_session"
-        if cap is not None and len(self.live_of(principal_id)) >= cap:
-            return "principal_limit"
-        if logical_cap is not None and len(self.of(principal_id)) >= logical_cap:
-            return "principal_limit"
-        return None
 
     def add(self, session: Session) -> None:
         if session.id in self._by_id:

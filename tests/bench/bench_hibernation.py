@@ -80,7 +80,7 @@ import anyio
 import msgspec
 
 from bus.client import RemoteSubscription
-from capsules.runner.runner import HOOKS
+from capsules.runner.session_life import HOOKS
 from sage.claude.protocol import (
     AssistantMessage,
     OutgoingState,

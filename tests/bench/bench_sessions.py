@@ -41,7 +41,7 @@ import anyio
 from anyio.abc import Process
 
 from capsules.runner.command import Launch, build_launch
-from capsules.runner.runner import HOOKS
+from capsules.runner.session_life import HOOKS
 from sage.claude.protocol import OutgoingState, ResultMessage, encode_initialize, encode_user_turn
 from sage.config import load_config
 from tests.bench.report import Report, percentile

@@ -18,7 +18,7 @@ from capsules.runner.approval_desk import AUDIT_BURST, ApprovalDesk
 from capsules.runner.approvals import Verdict
 from capsules.runner.claude_process import SessionError
 from capsules.runner.command import Launch
-from capsules.runner.runner import HOOKS
+from capsules.runner.session_life import HOOKS
 from sage.capsule.context import CapsuleContext
 from sage.capsule.manifest import load_manifest
 from sage.claude.hooks import IN_BAND_HOOKS, KNOWN_HOOKS, PAYLOAD_LIMIT, mint_token

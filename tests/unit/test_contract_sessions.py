@@ -132,14 +132,16 @@ async def test_what_the_runner_answers_is_what_the_fleet_decodes(tmp_path: Path)
     runner = Runner(ctx)  # type: ignore[arg-type]
     _asleep(runner, "s1")
     _asleep(runner, "s2")
-    slots = await runner._slots(_admin(request_topic(Verb.SLOTS), {}))
+    slots = await runner.fleet.slots(_admin(request_topic(Verb.SLOTS), {}))
     assert _contract_of(slots, SlotsReply) == SlotsReply(
         live=0, max_live=None, idle=0, hibernated=2, waiting=0, states={"hibernated": 2}
     )
-    conversation = await runner._conversation(_admin(request_topic(Verb.CONVERSATION, "s1"), {}))
+    conversation = await runner.fleet.conversation(
+        _admin(request_topic(Verb.CONVERSATION, "s1"), {})
+    )
     assert isinstance(_contract_of(conversation, ConversationReply), ConversationReply)
     body = YieldRequest(node="b")
-    answer = await runner._yield_request(_admin(request_topic(Verb.YIELD, "s2"), body))
+    answer = await runner.fleet.yield_request(_admin(request_topic(Verb.YIELD, "s2"), body))
     assert _contract_of(answer, YieldReply) == YieldReply(session_id="s2", node="b")
 
 

@@ -59,11 +59,13 @@ async def test_yield_is_refused_to_a_principal_and_ends_a_session_failed_over(
     runner = Runner(ctx)  # type: ignore[arg-type]
     session = asleep(runner)
     with pytest.raises(SessionError) as refused:
-        await runner._yield_request(envelope("sage.v1.request.yield.s1", {"node": "b"}, "alice"))
+        await runner.fleet.yield_request(
+            envelope("sage.v1.request.yield.s1", {"node": "b"}, "alice")
+        )
     assert refused.value.code == "not_authorized"
     assert session.state is SessionState.HIBERNATED
 
-    reply = await runner._yield_request(envelope("sage.v1.request.yield.s1", {"node": "b"}))
+    reply = await runner.fleet.yield_request(envelope("sage.v1.request.yield.s1", {"node": "b"}))
     assert reply == {"ok": True, "session_id": "s1", "node": "b"}
     assert state_of(session) is SessionState.ENDED
     assert "s1" not in runner.sessions
@@ -79,7 +81,7 @@ async def test_yield_is_refused_to_a_principal_and_ends_a_session_failed_over(
         }
     ]
     with pytest.raises(SessionError) as gone:
-        await runner._yield_request(envelope("sage.v1.request.yield.s1", {"node": "b"}))
+        await runner.fleet.yield_request(envelope("sage.v1.request.yield.s1", {"node": "b"}))
     assert gone.value.code == "unknown_session"
 
 
@@ -89,16 +91,16 @@ async def test_a_session_the_fleet_could_not_vouch_for_is_asked_about_before_it_
     ctx = RunnerContext(tmp_path)
     runner = Runner(ctx)  # type: ignore[arg-type]
     session = asleep(runner)
-    runner._unsure.add("s1")
+    runner.fleet.unsure.add("s1")
     # the fleet still cannot say: no wake (never a second child), it sleeps on
     with pytest.raises(SessionError) as unknown:
-        await runner._still_here(session)
+        await runner.fleet.still_here(session)
     assert unknown.value.code == "fleet_unavailable"
     assert session.state is SessionState.HIBERNATED
     # another node took it meanwhile: it ends here, and the send goes to that node
     ctx.claims = {"ok": True, "elsewhere": {"s1": "b"}}
     with pytest.raises(SessionError) as moved:
-        await runner._still_here(session)
+        await runner.fleet.still_here(session)
     assert moved.value.code == "unknown_session"
     assert state_of(session) is SessionState.ENDED
     assert [e["reason"] for e in exited(ctx)] == ["failed_over"]
@@ -112,14 +114,14 @@ async def test_a_session_still_this_nodes_wakes_and_is_asked_about_once(tmp_path
     ctx = RunnerContext(tmp_path)
     runner = Runner(ctx)  # type: ignore[arg-type]
     session = asleep(runner)
-    runner._unsure.add("s1")
+    runner.fleet.unsure.add("s1")
     ctx.claims = {"ok": True, "elsewhere": {}}
-    await runner._still_here(session)
-    await runner._still_here(session)
+    await runner.fleet.still_here(session)
+    await runner.fleet.still_here(session)
     assert ctx.asked == [{"session_ids": ["s1"], "principals": {"s1": "alice"}}]
     assert session.state is SessionState.HIBERNATED  # the wake goes on from here
     other = asleep(runner, "s2")  # never in doubt: nothing asked
-    await runner._still_here(other)
+    await runner.fleet.still_here(other)
     assert len(ctx.asked) == 1
 
 
@@ -136,7 +138,7 @@ async def test_a_session_fenced_twice_at_once_is_audited_once(tmp_path: Path) ->
     returned: list[str] = []
 
     async def yield_it(who: str) -> None:
-        await runner.fence(session, "b")
+        await runner.fleet.fence(session, "b")
         returned.append(who)
 
     async with anyio.create_task_group() as tg:

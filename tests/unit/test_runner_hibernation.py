@@ -180,17 +180,6 @@ def test_the_least_recently_used_idle_session_is_chosen() -> None:
     assert [s.id for s in table.live_of("alice")] == ["old", "older", "newer"]
 
 
-def test_the_caps_count_live_sessions_and_all_sessions() -> None:
-    table = SessionTable()
-    table.add(made("a"))
-    table.add(made("b", state=SessionState.HIBERNATED))
-    table.add(made("c", state=SessionState.HIBERNATING))
-    assert table.refusal("d", "alice", 2) is None  # one live: a and not b, c
-    assert table.refusal("d", "alice", 1) == "principal_limit"
-    assert table.refusal("d", "alice", 2, logical_cap=3) == "principal_limit"
-    assert table.refusal("d", "alice", 2, logical_cap=4) is None
-
-
 # -- live slots ----------------------------------------------------------------------------
 
 

@@ -404,18 +404,11 @@ def made(sid: str, principal: str) -> Session:
     return Session(record, PrincipalConfig(name=principal))
 
 
-def test_the_table_refuses_a_duplicate_and_a_principal_past_its_cap() -> None:
+def test_the_table_takes_an_id_once() -> None:
+    """(Its caps are admission's: tests/unit/test_runner_admission.py.)"""
     table = SessionTable()
-    assert table.refusal("s1", "alice", 2) is None
     table.add(made("s1", "alice"))
-    assert table.refusal("s1", "bob", 2) == "duplicate_session"
-    assert table.refusal("s2", "alice", 2) is None
     table.add(made("s2", "alice"))
-    assert table.refusal("s3", "alice", 2) == "principal_limit"
-    assert table.refusal("s3", "bob", 2) is None
-    # a session that joins asleep (an adopted hibernated one) counts in all, not live
-    assert table.refusal("s3", "alice", None) is None
-    assert table.refusal("s3", "alice", None, logical_cap=2) == "principal_limit"
     with pytest.raises(IllegalTransition):
         table.add(made("s1", "bob"))
     assert [s.id for s in table.of("alice")] == ["s1", "s2"]

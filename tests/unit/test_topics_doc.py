@@ -21,6 +21,7 @@ from bus.acl import pattern_covers
 from capsules.runner import messages
 from sage.capsule.manifest import load_manifest
 from sage.contract import sessions as contract
+from sage.contract.codes import ErrorCode
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "topics.md"
@@ -88,12 +89,14 @@ def field_problems(section: str, struct: str) -> list[str]:
 
 
 def error_codes() -> set[str]:
-    """Codes the runner answers with: ``SessionError("x", ...)`` and ``_reject(_, _, "x", ...)``."""
+    """Codes the runner answers with: ``SessionError("x", ...)``, ``_reject(_, _, "x", ...)``
+    and ``ErrorCode.X`` (an admission's refusal, capsules/runner/admission.py)."""
     codes = set()
     for path in RUNNER.glob("*.py"):
         source = path.read_text()
         codes |= set(re.findall(r"SessionError\(\s*\"([a-z_]+)\"", source))
         codes |= set(re.findall(r"_reject\(\s*(?:\w+,\s*)+\"([a-z_]+)\"", source))
+        codes |= {ErrorCode[name].value for name in re.findall(r"ErrorCode\.([A-Z_]+)", source)}
     return codes
 
 
