@@ -54,6 +54,7 @@ from sage.errors import (
     SageError,
 )
 from sage.files import read_private
+from sage.fleet.auth import AuthMethod, auth_method, tls_on
 from sage.fleet.claims import Claims
 from sage.fleet.creds import UserCreds, parse_creds
 from sage.fleet.fencing import may_have_been_lost
@@ -80,8 +81,11 @@ if TYPE_CHECKING:
 
 __all__ = (
     "FleetMember",
+    "is_auth_refusal",
     "join",
+    "refused_who",
     "runner_load",
+    "sign_in_options",
     "status_reply",
 )
 
@@ -98,7 +102,8 @@ LOAD_WAIT = 1.0
 """Seconds a heartbeat waits for the node's load (at most half its interval)."""
 
 
-def _is_auth_refusal(exc: BaseException) -> bool:
+def is_auth_refusal(exc: BaseException) -> bool:
+    """Whether nats-py's ``exc`` is a server's refusal of the credentials."""
     text = str(exc).lower()
     return "authorization violation" in text or "authentication" in text
 
@@ -173,8 +178,7 @@ def _creds_options(creds: UserCreds) -> dict[str, Any]:
 
 
 def _tls_context(config: FleetConfig, path_of: Callable[[str], Path]) -> ssl.SSLContext | None:
-    wants = bool(config.ca or config.cert) or any(u.startswith("tls://") for u in config.urls)
-    if not wants:
+    if not tls_on(config):
         return None
     try:
         context = ssl.create_default_context(cafile=str(path_of(config.ca)) if config.ca else None)
@@ -458,17 +462,49 @@ async def runner_load(bus: Bus, identity: Identity, deadline: float) -> NodeLoad
         return None
 
 
+def sign_in_options(config: FleetConfig, path_of: Callable[[str], Path]) -> dict[str, Any]:
+    """nats-py's ``connect`` options that sign the node in (its user and password, its
+    NKey seed or its JWT; its TLS context; its inbox prefix, the only one its permissions
+    allow), each secret read and checked from its file: a FleetError naming the file if
+    one cannot be used, :class:`~sage.errors.FleetNoAuth` if none is named (and
+    ``insecure_no_auth`` is not set).  Shared by the supervisor and ``astrid doctor``."""
+    method = auth_method(config)
+    options: dict[str, Any] = {
+        "name": f"sage:{config.node}",
+        "inbox_prefix": inbox_prefix(config.node),
+    }
+    if method is AuthMethod.PASSWORD:
+        options["user"] = config.user_name
+        options["password"] = _read_secret(path_of(config.password_file), "password file")
+    elif method is AuthMethod.NKEY:
+        options["nkeys_seed_str"] = _nkey_seed(path_of(config.nkey_seed))
+    elif method is AuthMethod.CREDS:
+        options.update(_creds_options(_user_creds(path_of(config.creds))))
+    tls = _tls_context(config, path_of)
+    if tls is not None:
+        options["tls"] = tls
+    return options
+
+
+def refused_who(config: FleetConfig) -> str:
+    """Whom the servers refused, and the likely why, for :class:`FleetAuthFailed`."""
+    method = auth_method(config)
+    if method is AuthMethod.CREDS:
+        return (
+            f"the user JWT of {config.creds}: a user its operator and accounts"
+            " do not trust (or one revoked or without permission to connect)"
+        )
+    if method is AuthMethod.NKEY:
+        return f"the NKey of {config.nkey_seed}: a key its servers do not know"
+    if method is AuthMethod.NONE:
+        return "a client without credentials (insecure_no_auth): the servers want a user"
+    return f"user {config.user_name!r}: wrong user or password"
+
+
 async def _connect(config: FleetConfig, path_of: Callable[[str], Path]) -> Nats:
     from nats.aio.client import Client
 
-    password = (
-        _read_secret(path_of(config.password_file), "password file")
-        if config.password_file
-        else None
-    )
-    seed = _nkey_seed(path_of(config.nkey_seed)) if config.nkey_seed else None
-    creds = _user_creds(path_of(config.creds)) if config.creds else None
-    tls = _tls_context(config, path_of)
+    sign_in = sign_in_options(config, path_of)
     urls = ", ".join(config.urls)
     connecting = True
     refused: list[BaseException] = []
@@ -482,7 +518,7 @@ async def _connect(config: FleetConfig, path_of: Callable[[str], Path]) -> Nats:
             last[:] = [exc]
             if isinstance(exc, ssl.SSLError):
                 tls_failed[:] = [exc]
-            if _is_auth_refusal(exc):
+            if is_auth_refusal(exc):
                 refused.append(exc)
                 auth_refused.set()
             return
@@ -504,11 +540,8 @@ async def _connect(config: FleetConfig, path_of: Callable[[str], Path]) -> Nats:
 
     nc = Client()
     options: dict[str, Any] = {
+        **sign_in,
         "servers": config.urls,
-        "name": f"sage:{config.node}",
-        "user": config.user_name if password is not None else None,
-        "password": password,
-        "inbox_prefix": inbox_prefix(config.node),
         "error_cb": on_error,
         "disconnected_cb": on_disconnected,
         "reconnected_cb": on_reconnected,
@@ -517,12 +550,6 @@ async def _connect(config: FleetConfig, path_of: Callable[[str], Path]) -> Nats:
         "reconnect_time_wait": 0.5,
         "connect_timeout": max(1, min(5, int(config.connect_timeout))),
     }
-    if seed is not None:
-        options["nkeys_seed_str"] = seed
-    if creds is not None:
-        options.update(_creds_options(creds))
-    if tls is not None:
-        options["tls"] = tls
     async with anyio.create_task_group() as tg:
 
         async def stop_on_refusal() -> None:
@@ -544,15 +571,7 @@ async def _connect(config: FleetConfig, path_of: Callable[[str], Path]) -> Nats:
     ):
         await nc.close()
     if refused:
-        if creds is not None:
-            who = (
-                f"the user JWT of {config.creds}: a user its operator and accounts"
-                " do not trust (or one revoked or without permission to connect)"
-            )
-        elif seed is not None:
-            who = f"the NKey of {config.nkey_seed}: a key its servers do not know"
-        else:
-            who = f"user {config.user_name!r}: wrong user or password"
+        who = refused_who(config)
         raise FleetAuthFailed(f"fleet: NATS at {urls} refused {who} ({describe(refused[0])})")
     # a server that wants a client certificate may close the link after the handshake:
     # a later attempt then sees a broken pipe, but the TLS failure is the cause
@@ -678,7 +697,17 @@ async def join(
     """Be a node of the fleet for the ``async with`` block (raises a FleetError if not).
 
     ``principals``: the names of the principals the node authenticates, as its config
-    says now (each heartbeat record declares them)."""
+    says now (each heartbeat record declares them).  A ``[fleet]`` without credentials is
+    refused before any connection (:class:`~sage.errors.FleetNoAuth`), unless it says
+    ``insecure_no_auth = true``: then this start logs ``fleet.insecure_no_auth``."""
+    if auth_method(config) is AuthMethod.NONE:
+        log.warning(
+            "fleet.insecure_no_auth",
+            node=config.node,
+            hint="[fleet] insecure_no_auth = true: this node signs in to NATS with no"
+            " credentials, so any client of the servers may act as any node; give it"
+            " password_file, nkey_seed or creds and remove insecure_no_auth",
+        )
     nc = await _connect(config, path_of)
     try:
         _check_server(nc)
