@@ -43,7 +43,8 @@ def test_a_fleet_without_credentials_is_refused_naming_the_settings_and_the_fix(
     ],
 )
 def test_each_kind_of_credentials_is_accepted(field: str, method: AuthMethod) -> None:
-    config = FleetConfig(url=URL, node="a", **{field: "/etc/sage/secret"})
+    config = decode_config(fleet_toml(f'{field} = "/etc/sage/secret"')).fleet
+    assert config is not None
     assert auth_method(config) is method
 
 
