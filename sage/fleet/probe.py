@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from sage.config import FleetConfig
-from sage.errors import FleetError
+from sage.errors import FleetError, FleetUnavailable
 from sage.fleet.clock import Skew, measure, parse_server_time
 from sage.fleet.member import MIN_SERVER, is_auth_refusal, refused_who, sign_in_options
-from sage.fleet.nats_errors import describe
+from sage.fleet.nats_errors import describe, nats_errors
 from sage.fleet.streams import STREAMS, Unsafe, describe_unsafe, unsafe
 
 if TYPE_CHECKING:
@@ -126,9 +126,9 @@ async def _sign_in(
         errors.append(exc)
 
     nc = Client()
-    failure: BaseException | None = None
+    failure: FleetError | None = None
     try:
-        with anyio.fail_after(wait + 1.0):
+        with nats_errors(f"a sign-in at {url}"), anyio.fail_after(wait + 1.0):
             await nc.connect(
                 **sign_in,
                 servers=[url],
@@ -138,9 +138,7 @@ async def _sign_in(
                 reconnect_time_wait=RETRY_WAIT,
                 connect_timeout=max(1, round(wait)),
             )
-    except TimeoutError as exc:
-        failure = exc
-    except Exception as exc:  # nats-py raises its own, OSError's and ssl's: all a failure
+    except FleetError as exc:  # nats-py's own, the socket's and ssl's, a deadline: mapped
         failure = exc
     if failure is None and nc.is_connected:
         version = nc.connected_server_version
@@ -156,7 +154,8 @@ async def _sign_in(
         return nc, ServerProbe(url=url, version=said)
     with anyio.move_on_after(1.0, shield=True):
         await nc.close()
-    causes = [*errors, *([failure] if failure is not None else [])]
+    causes = [*errors, *([failure.__cause__ or failure] if failure is not None else [])]
+    timed_out = isinstance(failure, FleetUnavailable) and failure.timed_out
     refusal = next((exc for exc in causes if is_auth_refusal(exc)), None)
     if refusal is not None:
         return None, ServerProbe(
@@ -165,7 +164,7 @@ async def _sign_in(
     tls = next((exc for exc in causes if isinstance(exc, ssl.SSLError)), None)
     if tls is not None:
         return None, ServerProbe(url=url, error=f"TLS failed: {describe(tls)}")
-    if isinstance(failure, TimeoutError) or not causes:
+    if timed_out or not causes:
         return None, ServerProbe(url=url, error=f"no answer within {wait:g} s")
     return None, ServerProbe(url=url, error=f"unreachable: {describe(causes[0])}")
 
@@ -181,13 +180,14 @@ async def _streams(
     for spec in STREAMS:
         sent = time.time()
         try:
-            answer = await nc.request(f"$JS.API.STREAM.INFO.{spec.name}", b"", timeout=wait)
+            with nats_errors(f"the {spec.name} stream's info"):
+                answer = await nc.request(f"$JS.API.STREAM.INFO.{spec.name}", b"", timeout=wait)
             received = time.time()
             data = json.loads(answer.data)
             if not isinstance(data, dict):
                 raise ValueError("not an object")
-        except Exception as exc:  # a timeout, no responders, a denied request, bad JSON
-            why = describe(exc) or type(exc).__name__
+        except (FleetError, ValueError) as exc:  # no answer, no responders, bad JSON
+            why = describe(exc)
             out.append(StreamProbe(spec.name, found=False, error=f"no info: {why}"))
             continue
         if skew is None and isinstance(data.get("ts"), str):
