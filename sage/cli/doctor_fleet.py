@@ -148,17 +148,18 @@ def _server_rows(found: FleetProbe) -> list[Check]:
     for server in found.servers:
         facts: dict[str, Any] = {"url": server.url, "version": server.version}
         if server.error:
-            hint = (
-                "fix the credentials or the server's user entry"
-                if server.refused
-                else "is it running, and reachable from here?"
-            )
+            if server.refused:
+                hint = "fix the credentials or the server's user entry"
+            elif server.tls_failed:
+                hint = "check [fleet] ca, cert and key against the server's tls block"
+            else:
+                hint = "is it running, and reachable from here?"
             rows.append(
                 Check(
                     name="fleet-server",
                     status="fail",
                     detail=f"{server.url}: {server.error}; {hint}",
-                    facts={**facts, "refused": server.refused},
+                    facts={**facts, "refused": server.refused, "tls_failed": server.tls_failed},
                 )
             )
         else:

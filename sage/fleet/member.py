@@ -83,6 +83,7 @@ __all__ = (
     "FleetMember",
     "is_auth_refusal",
     "join",
+    "new_client",
     "refused_who",
     "runner_load",
     "sign_in_options",
@@ -486,6 +487,44 @@ def sign_in_options(config: FleetConfig, path_of: Callable[[str], Path]) -> dict
     return options
 
 
+class PlainTextRefused(ssl.SSLError):
+    """The server answered without TLS where the node wants it: nothing was sent."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "no TLS"
+
+
+def new_client(config: FleetConfig) -> Nats:
+    """A nats-py client for ``config``'s node that, when it wants TLS (:func:`tls_on`),
+    sends its CONNECT (the password, the JWT) only over TLS.
+
+    nats-py upgrades a connection to TLS only when the server's INFO says
+    ``tls_required``, whatever ``tls=`` or a ``tls://`` URL says: a server (or a
+    man in the middle) that does not ask for TLS would get the credentials in clear.
+    This client checks the transport right before the CONNECT is written, and refuses
+    a plain one (an ``ssl.SSLError``: a TLS failure, ``fleet_tls_failed``).  It reads
+    nats-py's private transport: a nats-py that changes it makes every TLS connection
+    fail, never one succeed in clear (tests/integration/test_fleet_tls.py)."""
+    from nats.aio.client import Client
+
+    if not tls_on(config):
+        return Client()
+
+    class TlsOnlyClient(Client):
+        def _connect_command(self) -> bytes:
+            writer = getattr(self._transport, "_io_writer", None)
+            ssl_object = writer.get_extra_info("ssl_object") if writer is not None else None
+            if ssl_object is None:
+                raise PlainTextRefused(
+                    "the server answered without TLS, which [fleet] wants: the credentials"
+                    " were not sent (does the server have a tls block?)"
+                )
+            command: bytes = super()._connect_command()
+            return command
+
+    return TlsOnlyClient()
+
+
 def refused_who(config: FleetConfig) -> str:
     """Whom the servers refused, and the likely why, for :class:`FleetAuthFailed`."""
     method = auth_method(config)
@@ -502,8 +541,6 @@ def refused_who(config: FleetConfig) -> str:
 
 
 async def _connect(config: FleetConfig, path_of: Callable[[str], Path]) -> Nats:
-    from nats.aio.client import Client
-
     sign_in = sign_in_options(config, path_of)
     urls = ", ".join(config.urls)
     connecting = True
@@ -538,7 +575,7 @@ async def _connect(config: FleetConfig, path_of: Callable[[str], Path]) -> Nats:
         where = nc.connected_url
         log.info("fleet.reconnected", node=config.node, server=where.netloc if where else "")
 
-    nc = Client()
+    nc = new_client(config)
     options: dict[str, Any] = {
         **sign_in,
         "servers": config.urls,

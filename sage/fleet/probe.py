@@ -28,7 +28,13 @@ import anyio
 from sage.config import FleetConfig
 from sage.errors import FleetError, FleetUnavailable
 from sage.fleet.clock import Skew, measure, parse_server_time
-from sage.fleet.member import MIN_SERVER, is_auth_refusal, refused_who, sign_in_options
+from sage.fleet.member import (
+    MIN_SERVER,
+    is_auth_refusal,
+    new_client,
+    refused_who,
+    sign_in_options,
+)
 from sage.fleet.nats_errors import describe, nats_errors
 from sage.fleet.streams import STREAMS, Unsafe, describe_unsafe, unsafe
 
@@ -53,6 +59,8 @@ class ServerProbe:
     """Why the node could not use it; empty: it answered and signed the node in."""
     refused: bool = False
     """The server answered and refused the node's credentials."""
+    tls_failed: bool = False
+    """TLS could not be set up (a certificate, a CA, a server without TLS)."""
     version: str = ""
 
 
@@ -118,14 +126,12 @@ async def probe_fleet(
 async def _sign_in(
     config: FleetConfig, sign_in: dict[str, Any], url: str, wait: float
 ) -> tuple[Nats | None, ServerProbe]:
-    from nats.aio.client import Client
-
     errors: list[BaseException] = []
 
     async def on_error(exc: Exception) -> None:
         errors.append(exc)
 
-    nc = Client()
+    nc = new_client(config)
     failure: FleetError | None = None
     try:
         with nats_errors(f"a sign-in at {url}"), anyio.fail_after(wait + 1.0):
@@ -163,7 +169,7 @@ async def _sign_in(
         )
     tls = next((exc for exc in causes if isinstance(exc, ssl.SSLError)), None)
     if tls is not None:
-        return None, ServerProbe(url=url, error=f"TLS failed: {describe(tls)}")
+        return None, ServerProbe(url=url, tls_failed=True, error=f"TLS failed: {describe(tls)}")
     if timed_out or not causes:
         return None, ServerProbe(url=url, error=f"no answer within {wait:g} s")
     return None, ServerProbe(url=url, error=f"unreachable: {describe(causes[0])}")

@@ -112,3 +112,26 @@ def test_doctor_signs_in_to_each_server_over_tls(
     if which == "other_ca":
         assert "CERTIFICATE_VERIFY_FAILED" in servers[0]["detail"]
         assert result.returncode == 1
+
+
+def test_a_server_without_tls_gets_no_credentials_when_the_node_wants_tls(
+    tls_cluster: tuple[NatsCluster, TlsFiles],
+) -> None:
+    """nats-py would go on in clear with a server that does not ask for TLS (or a man in
+    the middle that says so): with [fleet] ca set the node refuses before its CONNECT,
+    so the password never crosses in clear; the start and doctor both say why."""
+    _, files = tls_cluster
+    with NatsCluster(["a"], size=1) as plain:
+        fleet = plain.fleet_section("a", heartbeat=None, lost_after=None, replicas=1)
+        daemon = Daemon(short_dir(), f'capsules = ["echo"]\n{fleet}ca = "{files.ca}"\n')
+        result = daemon.run_refused()
+        assert result.returncode == 1
+        last = result.stderr.strip().splitlines()[-1]
+        assert last.startswith("astrid: fleet: TLS with NATS at nats://127.0.0.1:"), last
+        assert "the server answered without TLS" in last
+        assert plain.passwords["a"] not in result.stderr
+        report = daemon.astrid("doctor", "--json", timeout=60)
+        assert report.returncode == 1
+        (server,) = [r for r in json.loads(report.stdout)["checks"] if r["name"] == "fleet-server"]
+        assert server["status"] == "fail"
+        assert "TLS failed: the server answered without TLS" in server["detail"]
