@@ -7,7 +7,10 @@ config text or argv), opens the ``sage_nodes``
 key-value bucket (creating it when it is not there) and writes the node's first
 heartbeat; failing any of these, the supervisor does not start: NATS unreachable
 within ``connect_timeout`` is :class:`FleetUnreachable` naming the URLs, a
-refused user, password, key or JWT is :class:`FleetAuthFailed`.  After that a lost
+refused user, password, key or JWT is :class:`FleetAuthFailed`; a ``[fleet]`` naming no
+credentials is refused before any connection (:class:`~sage.errors.FleetNoAuth`, unless
+``insecure_no_auth``: sage/fleet/auth.py), and with TLS configured no CONNECT is ever
+written over a connection that is not TLS (:func:`new_client`).  After that a lost
 connection is retried for ever by nats-py while the node goes on serving its
 local sessions; heartbeats that fail meanwhile are logged once, and again when
 they resume.  On leaving, the node writes a last record saying it stopped.
@@ -18,8 +21,8 @@ and the principals its config names: what placement by load reads
 (sage/fleet/placement.py).  A runner that does not answer within
 :data:`LOAD_WAIT` seconds leaves the load out of that heartbeat, never the beat.
 
-nats-py is imported only here, and only when ``[fleet]`` is set: a single host
-runs without it.
+nats-py is imported only here (and by ``astrid doctor``'s sage/fleet/probe.py), and
+only when ``[fleet]`` is set: a single host runs without it.
 """
 
 from __future__ import annotations
