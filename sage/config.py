@@ -460,8 +460,8 @@ class FleetConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     user: str = ""
     """The node's NATS user; empty: the node name."""
     password_file: str = ""
-    """File holding the node user's password (0600, ours; one line). Empty: connect
-    without a password (a server without authorization: for trying only)."""
+    """File holding the node user's password (0600, ours; one line). One of
+    ``password_file``, ``nkey_seed``, ``creds`` is required, unless ``insecure_no_auth``."""
     nkey_seed: str = ""
     """Instead of a password: file holding the node's NKey seed (``SU...``, 0600, ours);
     the server's entry names its public key (``astrid fleet permissions --nkey``)."""
@@ -469,6 +469,12 @@ class FleetConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     """Instead of a password or a seed: the node's NATS user credentials file (``.creds``,
     0600, ours: the user JWT and its NKey seed), for servers in operator mode
     (decentralized JWT auth; the JWT carries the user's permissions)."""
+    insecure_no_auth: bool = False
+    """Join with no credentials at all, on a NATS server without authorization (any of
+    its clients may then act as any node): for trying a fleet on one machine only.
+    Without it, a ``[fleet]`` that names no credentials does not start
+    (``fleet_no_credentials``, sage/fleet/auth.py); with it, every start logs
+    ``fleet.insecure_no_auth`` and ``astrid doctor`` fails. Not with credentials."""
     ca: str = ""
     """CA bundle that signs the servers' TLS certificates; set: TLS is required."""
     cert: str = ""
@@ -518,6 +524,13 @@ class FleetConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
         if len(secrets) > 1:
             raise ValueError(
                 f"fleet: {' and '.join(secrets)}: give one of password_file, nkey_seed, creds"
+            )
+        if self.insecure_no_auth and secrets:
+            # a leftover flag would make a later edit that drops the credentials start
+            # without any, with no refusal: the two are refused together instead
+            raise ValueError(
+                f"fleet.insecure_no_auth: set together with {secrets[0]}, which the node"
+                " signs in with; remove insecure_no_auth = true from [fleet]"
             )
         if self.nkey_seed and self.user:
             raise ValueError("fleet.nkey_seed: an NKey names the node by its key; drop user")

@@ -16,7 +16,7 @@ name the part that failed:
 - :class:`ForgeError` and :class:`SandboxError`: the forge;
 - :class:`FleetError`: the fleet (sage/fleet/), with a class for each reason
   another part acts on: the fleet could not be joined (:class:`FleetUnreachable`,
-  :class:`FleetAuthFailed`), cannot be asked now (:class:`FleetUnavailable`), a
+  :class:`FleetAuthFailed`, :class:`FleetNoAuth`), cannot be asked now (:class:`FleetUnavailable`), a
   race in a bucket was lost (:class:`FleetRaceLost`), a key is not there
   (:class:`FleetNotFound`), a peer floods (:class:`FleetBusy`), two nodes claim a
   session (:class:`SessionConflict`), a node may not act for a principal
@@ -48,6 +48,7 @@ __all__ = (
     "FleetAuthFailed",
     "FleetBusy",
     "FleetError",
+    "FleetNoAuth",
     "FleetNotFound",
     "FleetRaceLost",
     "FleetRecordError",
@@ -181,6 +182,14 @@ class FleetAuthFailed(FleetError):
     """The NATS servers refused the node's user or password."""
 
     code = "fleet_auth_failed"
+
+
+class FleetNoAuth(FleetError):
+    """``[fleet]`` names no credentials (no ``password_file``, ``nkey_seed`` or ``creds``)
+    and does not say ``insecure_no_auth = true``: the supervisor does not start, since on
+    a server without authorization any client may act as any node (sage/fleet/auth.py)."""
+
+    code = "fleet_no_credentials"
 
 
 class NotInFleet(FleetError):

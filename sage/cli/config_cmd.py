@@ -24,7 +24,7 @@ from sage.cli._commands import summary
 from sage.cli._connect import print_json
 from sage.config import Config, load_config
 from sage.daemon.capsule_host import capsule_folder, missing_capsule
-from sage.errors import ConfigError
+from sage.errors import ConfigError, FleetNoAuth
 
 #: Claude Code's own tools: kept in step with the installer's deny list.
 _BUILT_IN_TOOLS_MODULE = "capsules.installer.files"
@@ -100,6 +100,17 @@ def problems(config: Config) -> tuple[list[str], list[str]]:
                 f"principals[{principal.name}].allowed_tools: {name!r} names no tool a"
                 f" configured capsule, the forge or Claude Code offers{hint}"
             )
+    if config.fleet is not None:
+        from sage.fleet.auth import AuthMethod, auth_method  # sans-IO: no nats-py
+
+        try:
+            if auth_method(config.fleet) is AuthMethod.NONE:
+                warnings.append(
+                    "fleet.insecure_no_auth: the node signs in to NATS with no credentials"
+                    " (any client of the servers may act as any node): for a trial only"
+                )
+        except FleetNoAuth as exc:
+            errors.append(str(exc))
     live, cap = config.sessions.max_live, config.limits.max_sessions_per_principal
     if live and live <= cap and len(config.principals) > 1:
         warnings.append(

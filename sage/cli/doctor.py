@@ -4,7 +4,8 @@ Each check is one :class:`Check` row, ``ok``, ``warn`` or ``fail`` with a
 one-line detail: the config's source, the ``claude`` binary and its version,
 a real bubblewrap sandbox, the permissions of the state folder, its keys and
 the control socket, and, when the socket exists, whether the supervisor
-answers a status request.  The file checks only look (``lstat``), they never
+answers a status request; with a ``[fleet]``, its credentials, TLS, each NATS
+server, the fleet's streams and the clock (sage/cli/doctor_fleet.py).  The file checks only look (``lstat``), they never
 create or chmod anything.  Nothing from ``[claude] env`` is printed: its
 values may be credentials.  The exit status is 1 when any check fails.
 """
@@ -74,6 +75,18 @@ checks:
   supervisor  (when the socket exists) the supervisor answers a status request;
               warn: it does not (a stale socket left by a killed supervisor?)
 
+with a [fleet] table (docs/fleet.md):
+  fleet-auth  the node's password_file, nkey_seed or creds exists, is yours, 0600,
+              and holds what it must; fail: none named, or insecure_no_auth = true
+              (any client of the servers may act as any node)
+  fleet-tls   fail: a server URL off loopback without TLS (set ca, or tls:// URLs)
+  fleet-server  one row per URL: that server alone answers within 2 s and signs the
+              node in (fail: unreachable, or it refused the credentials)
+  fleet-streams  every stream of the fleet there is as safe as the supervisor's
+              start-up check wants (fail: fleet_stream_unsafe's settings and fix)
+  fleet-clock the server's time (a JetStream answer's) against this host's clock,
+              within half of lost_after - heartbeat; warn: no stream yet to ask
+
 exit status: 0 when no check fails (warnings allowed), 1 otherwise.
 """
 
@@ -135,6 +148,10 @@ async def run_checks(config_file: str | None) -> list[Check]:
     checks.append(socket_check)
     if listening:
         checks.append(await _check_supervisor(config))
+    if config.fleet is not None:
+        from sage.cli.doctor_fleet import fleet_checks  # nats-py: only with a [fleet]
+
+        checks += await fleet_checks(config)
     return checks
 
 

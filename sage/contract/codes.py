@@ -115,6 +115,7 @@ class ErrorCode(enum.StrEnum):
     FLEET_UNREACHABLE = "fleet_unreachable"
     FLEET_AUTH_FAILED = "fleet_auth_failed"
     FLEET_CREDENTIALS_INVALID = "fleet_credentials_invalid"
+    FLEET_NO_CREDENTIALS = "fleet_no_credentials"  # [fleet] without credentials nor the flag
     FLEET_TLS_INVALID = "fleet_tls_invalid"
     FLEET_TLS_FAILED = "fleet_tls_failed"
     FLEET_BUCKET_FAILED = "fleet_bucket_failed"

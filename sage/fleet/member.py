@@ -7,7 +7,10 @@ config text or argv), opens the ``sage_nodes``
 key-value bucket (creating it when it is not there) and writes the node's first
 heartbeat; failing any of these, the supervisor does not start: NATS unreachable
 within ``connect_timeout`` is :class:`FleetUnreachable` naming the URLs, a
-refused user, password, key or JWT is :class:`FleetAuthFailed`.  After that a lost
+refused user, password, key or JWT is :class:`FleetAuthFailed`; a ``[fleet]`` naming no
+credentials is refused before any connection (:class:`~sage.errors.FleetNoAuth`, unless
+``insecure_no_auth``: sage/fleet/auth.py), and with TLS configured no CONNECT is ever
+written over a connection that is not TLS (:func:`new_client`).  After that a lost
 connection is retried for ever by nats-py while the node goes on serving its
 local sessions; heartbeats that fail meanwhile are logged once, and again when
 they resume.  On leaving, the node writes a last record saying it stopped.
@@ -18,8 +21,8 @@ and the principals its config names: what placement by load reads
 (sage/fleet/placement.py).  A runner that does not answer within
 :data:`LOAD_WAIT` seconds leaves the load out of that heartbeat, never the beat.
 
-nats-py is imported only here, and only when ``[fleet]`` is set: a single host
-runs without it.
+nats-py is imported only here (and by ``astrid doctor``'s sage/fleet/probe.py), and
+only when ``[fleet]`` is set: a single host runs without it.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from sage.errors import (
     SageError,
 )
 from sage.files import read_private
+from sage.fleet.auth import AuthMethod, auth_method, tls_on
 from sage.fleet.claims import Claims
 from sage.fleet.creds import UserCreds, parse_creds
 from sage.fleet.fencing import may_have_been_lost
@@ -80,8 +84,12 @@ if TYPE_CHECKING:
 
 __all__ = (
     "FleetMember",
+    "is_auth_refusal",
     "join",
+    "new_client",
+    "refused_who",
     "runner_load",
+    "sign_in_options",
     "status_reply",
 )
 
@@ -98,7 +106,8 @@ LOAD_WAIT = 1.0
 """Seconds a heartbeat waits for the node's load (at most half its interval)."""
 
 
-def _is_auth_refusal(exc: BaseException) -> bool:
+def is_auth_refusal(exc: BaseException) -> bool:
+    """Whether nats-py's ``exc`` is a server's refusal of the credentials."""
     text = str(exc).lower()
     return "authorization violation" in text or "authentication" in text
 
@@ -173,8 +182,7 @@ def _creds_options(creds: UserCreds) -> dict[str, Any]:
 
 
 def _tls_context(config: FleetConfig, path_of: Callable[[str], Path]) -> ssl.SSLContext | None:
-    wants = bool(config.ca or config.cert) or any(u.startswith("tls://") for u in config.urls)
-    if not wants:
+    if not tls_on(config):
         return None
     try:
         context = ssl.create_default_context(cafile=str(path_of(config.ca)) if config.ca else None)
@@ -458,17 +466,85 @@ async def runner_load(bus: Bus, identity: Identity, deadline: float) -> NodeLoad
         return None
 
 
-async def _connect(config: FleetConfig, path_of: Callable[[str], Path]) -> Nats:
+def sign_in_options(config: FleetConfig, path_of: Callable[[str], Path]) -> dict[str, Any]:
+    """nats-py's ``connect`` options that sign the node in (its user and password, its
+    NKey seed or its JWT; its TLS context; its inbox prefix, the only one its permissions
+    allow), each secret read and checked from its file: a FleetError naming the file if
+    one cannot be used, :class:`~sage.errors.FleetNoAuth` if none is named (and
+    ``insecure_no_auth`` is not set).  Shared by the supervisor and ``astrid doctor``."""
+    method = auth_method(config)
+    options: dict[str, Any] = {
+        "name": f"sage:{config.node}",
+        "inbox_prefix": inbox_prefix(config.node),
+    }
+    if method is AuthMethod.PASSWORD:
+        options["user"] = config.user_name
+        options["password"] = _read_secret(path_of(config.password_file), "password file")
+    elif method is AuthMethod.NKEY:
+        options["nkeys_seed_str"] = _nkey_seed(path_of(config.nkey_seed))
+    elif method is AuthMethod.CREDS:
+        options.update(_creds_options(_user_creds(path_of(config.creds))))
+    tls = _tls_context(config, path_of)
+    if tls is not None:
+        options["tls"] = tls
+    return options
+
+
+class PlainTextRefused(ssl.SSLError):
+    """The server answered without TLS where the node wants it: nothing was sent."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "no TLS"
+
+
+def new_client(config: FleetConfig) -> Nats:
+    """A nats-py client for ``config``'s node that, when it wants TLS (:func:`tls_on`),
+    sends its CONNECT (the password, the JWT) only over TLS.
+
+    nats-py upgrades a connection to TLS only when the server's INFO says
+    ``tls_required``, whatever ``tls=`` or a ``tls://`` URL says: a server (or a
+    man in the middle) that does not ask for TLS would get the credentials in clear.
+    This client checks the transport right before the CONNECT is written, and refuses
+    a plain one (an ``ssl.SSLError``: a TLS failure, ``fleet_tls_failed``).  It reads
+    nats-py's private transport: a nats-py that changes it makes every TLS connection
+    fail, never one succeed in clear (tests/integration/test_fleet_tls.py)."""
     from nats.aio.client import Client
 
-    password = (
-        _read_secret(path_of(config.password_file), "password file")
-        if config.password_file
-        else None
-    )
-    seed = _nkey_seed(path_of(config.nkey_seed)) if config.nkey_seed else None
-    creds = _user_creds(path_of(config.creds)) if config.creds else None
-    tls = _tls_context(config, path_of)
+    if not tls_on(config):
+        return Client()
+
+    class TlsOnlyClient(Client):
+        def _connect_command(self) -> bytes:
+            writer = getattr(self._transport, "_io_writer", None)
+            ssl_object = writer.get_extra_info("ssl_object") if writer is not None else None
+            if ssl_object is None:
+                raise PlainTextRefused(
+                    "the server answered without TLS, which [fleet] wants: the credentials"
+                    " were not sent (does the server have a tls block?)"
+                )
+            command: bytes = super()._connect_command()
+            return command
+
+    return TlsOnlyClient()
+
+
+def refused_who(config: FleetConfig) -> str:
+    """Whom the servers refused, and the likely why, for :class:`FleetAuthFailed`."""
+    method = auth_method(config)
+    if method is AuthMethod.CREDS:
+        return (
+            f"the user JWT of {config.creds}: a user its operator and accounts"
+            " do not trust (or one revoked or without permission to connect)"
+        )
+    if method is AuthMethod.NKEY:
+        return f"the NKey of {config.nkey_seed}: a key its servers do not know"
+    if method is AuthMethod.NONE:
+        return "a client without credentials (insecure_no_auth): the servers want a user"
+    return f"user {config.user_name!r}: wrong user or password"
+
+
+async def _connect(config: FleetConfig, path_of: Callable[[str], Path]) -> Nats:
+    sign_in = sign_in_options(config, path_of)
     urls = ", ".join(config.urls)
     connecting = True
     refused: list[BaseException] = []
@@ -482,7 +558,7 @@ async def _connect(config: FleetConfig, path_of: Callable[[str], Path]) -> Nats:
             last[:] = [exc]
             if isinstance(exc, ssl.SSLError):
                 tls_failed[:] = [exc]
-            if _is_auth_refusal(exc):
+            if is_auth_refusal(exc):
                 refused.append(exc)
                 auth_refused.set()
             return
@@ -502,13 +578,10 @@ async def _connect(config: FleetConfig, path_of: Callable[[str], Path]) -> Nats:
         where = nc.connected_url
         log.info("fleet.reconnected", node=config.node, server=where.netloc if where else "")
 
-    nc = Client()
+    nc = new_client(config)
     options: dict[str, Any] = {
+        **sign_in,
         "servers": config.urls,
-        "name": f"sage:{config.node}",
-        "user": config.user_name if password is not None else None,
-        "password": password,
-        "inbox_prefix": inbox_prefix(config.node),
         "error_cb": on_error,
         "disconnected_cb": on_disconnected,
         "reconnected_cb": on_reconnected,
@@ -517,12 +590,6 @@ async def _connect(config: FleetConfig, path_of: Callable[[str], Path]) -> Nats:
         "reconnect_time_wait": 0.5,
         "connect_timeout": max(1, min(5, int(config.connect_timeout))),
     }
-    if seed is not None:
-        options["nkeys_seed_str"] = seed
-    if creds is not None:
-        options.update(_creds_options(creds))
-    if tls is not None:
-        options["tls"] = tls
     async with anyio.create_task_group() as tg:
 
         async def stop_on_refusal() -> None:
@@ -544,15 +611,7 @@ async def _connect(config: FleetConfig, path_of: Callable[[str], Path]) -> Nats:
     ):
         await nc.close()
     if refused:
-        if creds is not None:
-            who = (
-                f"the user JWT of {config.creds}: a user its operator and accounts"
-                " do not trust (or one revoked or without permission to connect)"
-            )
-        elif seed is not None:
-            who = f"the NKey of {config.nkey_seed}: a key its servers do not know"
-        else:
-            who = f"user {config.user_name!r}: wrong user or password"
+        who = refused_who(config)
         raise FleetAuthFailed(f"fleet: NATS at {urls} refused {who} ({describe(refused[0])})")
     # a server that wants a client certificate may close the link after the handshake:
     # a later attempt then sees a broken pipe, but the TLS failure is the cause
@@ -678,7 +737,17 @@ async def join(
     """Be a node of the fleet for the ``async with`` block (raises a FleetError if not).
 
     ``principals``: the names of the principals the node authenticates, as its config
-    says now (each heartbeat record declares them)."""
+    says now (each heartbeat record declares them).  A ``[fleet]`` without credentials is
+    refused before any connection (:class:`~sage.errors.FleetNoAuth`), unless it says
+    ``insecure_no_auth = true``: then this start logs ``fleet.insecure_no_auth``."""
+    if auth_method(config) is AuthMethod.NONE:
+        log.warning(
+            "fleet.insecure_no_auth",
+            node=config.node,
+            hint="[fleet] insecure_no_auth = true: this node signs in to NATS with no"
+            " credentials, so any client of the servers may act as any node; give it"
+            " password_file, nkey_seed or creds and remove insecure_no_auth",
+        )
     nc = await _connect(config, path_of)
     try:
         _check_server(nc)

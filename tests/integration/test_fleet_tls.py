@@ -80,3 +80,58 @@ def test_a_key_file_open_to_others_is_refused(tls_cluster: tuple[NatsCluster, Tl
     ).run_refused()
     assert result.returncode == 1
     assert "TLS key file is accessible by group or other" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("which", "status", "words"),
+    [
+        ("good", "ok", "signs the node in"),
+        ("other_ca", "fail", "TLS failed: "),
+    ],
+)
+def test_doctor_signs_in_to_each_server_over_tls(
+    tls_cluster: tuple[NatsCluster, TlsFiles], which: str, status: str, words: str
+) -> None:
+    """astrid doctor asks each server alone with the node's own TLS files: all three sign
+    the node in, or none does when the CA is not the servers'."""
+    cluster, files = tls_cluster
+    ca = files.ca if which == "good" else files.other_ca
+    daemon = Daemon(
+        short_dir(), section(cluster, ca=ca, cert=files.client_cert, key=files.client_key)
+    )
+    result = daemon.astrid("doctor", "--json", timeout=60)
+    rows = [r for r in json.loads(result.stdout)["checks"] if r["name"].startswith("fleet-")]
+    assert [(r["name"], r["status"]) for r in rows if r["name"] == "fleet-tls"] == [
+        ("fleet-tls", "ok")
+    ]
+    servers = [r for r in rows if r["name"] == "fleet-server"]
+    assert [r["url"] for r in servers] == cluster.urls
+    for server in servers:
+        assert server["status"] == status, server
+        assert words in server["detail"], server
+    if which == "other_ca":
+        assert "CERTIFICATE_VERIFY_FAILED" in servers[0]["detail"]
+        assert result.returncode == 1
+
+
+def test_a_server_without_tls_gets_no_credentials_when_the_node_wants_tls(
+    tls_cluster: tuple[NatsCluster, TlsFiles],
+) -> None:
+    """nats-py would go on in clear with a server that does not ask for TLS (or a man in
+    the middle that says so): with [fleet] ca set the node refuses before its CONNECT,
+    so the password never crosses in clear; the start and doctor both say why."""
+    _, files = tls_cluster
+    with NatsCluster(["a"], size=1) as plain:
+        fleet = plain.fleet_section("a", heartbeat=None, lost_after=None, replicas=1)
+        daemon = Daemon(short_dir(), f'capsules = ["echo"]\n{fleet}ca = "{files.ca}"\n')
+        result = daemon.run_refused()
+        assert result.returncode == 1
+        last = result.stderr.strip().splitlines()[-1]
+        assert last.startswith("astrid: fleet: TLS with NATS at nats://127.0.0.1:"), last
+        assert "the server answered without TLS" in last
+        assert plain.passwords["a"] not in result.stderr
+        report = daemon.astrid("doctor", "--json", timeout=60)
+        assert report.returncode == 1
+        (server,) = [r for r in json.loads(report.stdout)["checks"] if r["name"] == "fleet-server"]
+        assert server["status"] == "fail"
+        assert "TLS failed: the server answered without TLS" in server["detail"]

@@ -113,7 +113,11 @@ class NatsCluster:
         tls: TlsFiles | None = None,
         peers: dict[str, list[str]] | None = None,
         operator: Operator | None = None,
+        open_to_all: bool = False,
     ) -> None:
+        self.open_to_all = open_to_all
+        """No authorization at all (any client may do anything): what ``[fleet]
+        insecure_no_auth = true`` is for."""
         self.operator = operator
         """Operator mode: the servers trust this operator's accounts, and only JWT users."""
         self.peers = peers or {}
@@ -174,7 +178,8 @@ class NatsCluster:
         secret: str | None = None,
     ) -> str:
         """The ``[fleet]`` table of a supervisor config for ``node`` of this cluster: every
-        URL, the node's password file (or ``secret``, a whole line such as ``creds = ...``),
+        URL, the node's password file (or ``secret``, a whole line such as ``creds = ...``;
+        ``insecure_no_auth = true`` on a cluster ``open_to_all``),
         fast beats unless ``heartbeat``/``lost_after`` are None (the defaults then), and
         ``connect_timeout`` 5 s (the bucket waits a multiple of it for JetStream).
         A node is judged lost after 10 s by default: a suite that means to lose one
@@ -186,7 +191,12 @@ class NatsCluster:
             "[fleet]",
             f"url = [{urls}]",
             f'node = "{node}"',
-            secret or f'password_file = "{self.password_file(node)}"',
+            secret
+            or (
+                "insecure_no_auth = true"
+                if self.open_to_all
+                else f'password_file = "{self.password_file(node)}"'
+            ),
             f"connect_timeout = {connect_timeout}",
             f"replicas = {replicas}",
         ]
@@ -212,7 +222,9 @@ class NatsCluster:
                 errors.append(str(exc))
 
         auth: dict[str, Any] = {} if user == ADMIN else {"inbox_prefix": inbox_prefix(user)}
-        if self.operator is not None:  # operator mode: JWT users only
+        if self.open_to_all:  # no users at all
+            pass
+        elif self.operator is not None:  # operator mode: JWT users only
             auth["user_credentials"] = str(self.creds_file(user))
         elif user == ADMIN:
             auth.update(user=ADMIN, password=self.admin_password)
@@ -253,6 +265,8 @@ class NatsCluster:
         anyio.run(main)
 
     def _auth(self) -> dict[str, object]:
+        if self.open_to_all:
+            return {}
         if self.operator is not None:
             return self.operator.server_config()
         users: list[dict[str, object]] = [{"user": ADMIN, "password": self.admin_password}]
@@ -289,12 +303,18 @@ class NatsCluster:
                     "max_memory_store": 64 * 1024 * 1024,
                     "max_file_store": 256 * 1024 * 1024,
                 },
-                "cluster": {
-                    "name": "sage-test",
-                    "host": "127.0.0.1",
-                    "port": self.route_ports[index],
-                    "routes": routes,
-                },
+                **(
+                    {
+                        "cluster": {
+                            "name": "sage-test",
+                            "host": "127.0.0.1",
+                            "port": self.route_ports[index],
+                            "routes": routes,
+                        }
+                    }
+                    if self.size > 1
+                    else {}  # one server alone: JetStream without a cluster
+                ),
                 **self._auth(),
                 **({"tls": self._tls_block()} if self.tls is not None else {}),
             },
@@ -352,6 +372,8 @@ class NatsCluster:
         """Wait until every running server names the same JetStream meta leader."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if self.size == 1 and self.running() and self.jsz(0) is not None:
+                return "n0"  # a single server is its own JetStream
             leaders = {self.meta_leader(i) for i in self.running()}
             if len(leaders) == 1 and "" not in leaders:
                 return leaders.pop()

@@ -51,6 +51,23 @@ def test_unknown_capsules_fail_the_check_as_they_would_fail_the_start(
     assert len(report["errors"]) == 2
 
 
+def test_a_fleet_without_credentials_fails_the_check_and_insecure_no_auth_warns(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As the start would: no credentials is an error, the insecure flag a warning."""
+    fleet = '[fleet]\nurl = "nats://127.0.0.1:4222"\nnode = "a"\n'
+    assert main(["config", "check", "--json", _file(tmp_path, fleet)]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is False
+    (error,) = report["errors"]
+    assert error.startswith("fleet: no credentials:"), error
+    insecure = fleet + "insecure_no_auth = true\n"
+    assert main(["config", "check", "--json", _file(tmp_path, insecure)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["errors"] == []
+    assert [w for w in report["warnings"] if w.startswith("fleet.insecure_no_auth:")]
+
+
 def test_allowed_tools_naming_no_tool_is_a_warning(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
