@@ -47,7 +47,14 @@ from sage import replies
 from sage.config import NAME_PATTERN, Config, PrincipalConfig
 from sage.contract.codes import ErrorCode
 from sage.contract.sessions import InterruptRequest, TurnEnd, Verb, request_topic
-from sage.contract.usage import BUDGET_TOPIC, REPORT_TOPIC, BudgetRow, ReportRequest, ReportRow
+from sage.contract.usage import (
+    BUDGET_TOPIC,
+    DAY_PATTERN,
+    REPORT_TOPIC,
+    BudgetRow,
+    ReportRequest,
+    ReportRow,
+)
 from sage.errors import SageError
 from sage.usage.admission import ADMIT_TOPIC, AdmitRequest
 from sage.usage.budget import (
@@ -84,7 +91,7 @@ GENERATIONS: Final = "llm.v1.audit.generate"
 RUNNER: Final = "capsule:runner"
 LLM: Final = "capsule:llm"
 INTERRUPT_DEADLINE: Final = 10.0
-_DAY = re.compile(r"^\d{4}-\d{2}-\d{2}\Z")
+_DAY = re.compile(DAY_PATTERN)
 _NAME = re.compile(NAME_PATTERN)
 
 
