@@ -58,7 +58,8 @@ GROUPINGS: Final[tuple[Grouping, ...]] = ("day", "session", "model", "principal"
 class ReportRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """``sage.v1.request.usage.report``: ``principal_id`` (a principal's caller: only its
     own), ``since`` a UTC day ``YYYY-MM-DD`` (absent: the first day of the current
-    month), ``by`` the grouping, ``fleet`` every node's ledger summed."""
+    month), ``by`` the grouping, ``fleet`` every live node's ledger (its rows per node,
+    and their ``totals``: :class:`UsageReport`)."""
 
     principal_id: str | None = None
     since: str | None = None

@@ -12,7 +12,9 @@
   ``fleet_principal_rejected``), at most :data:`~sage.fleet.inflight.MAX_IN_FLIGHT`
   of one peer at once (``fleet_busy``).  It becomes the runner's own local request
   (listings with this node's name on each row, an approver presence a stand-in on
-  this bus), and who vouched for whom is audited ``fleet_request``.
+  this bus, ``usage`` this node's ledger rows for a fleet's usage report,
+  sage/fleet/usage.py), and who vouched for whom is audited ``fleet_request`` (not for
+  the reads: listings and usage).
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ shell around the ledger (sage/usage/ledger.py) and the budget policy
   ``budget_refused``.
 - **Reporting.** ``sage.v1.request.usage.report``: the ledger grouped by day,
   session, model or principal, and the budgets in force (a principal: its own only);
-  ``fleet`` adds every node's (sage/usage/fleet.py).
+  ``fleet`` adds every live node's rows (:attr:`UsageService.fleet_report`, set by the
+  fleet's router: sage/fleet/usage.py), each node answering with :meth:`local_rows`.
 - **Changing.** ``sage.v1.request.usage.budget`` (admins): a principal's budgets at
   runtime, kept in the ledger, audited ``budget_changed`` with before and after.
 
@@ -208,7 +209,8 @@ class UsageService:
     listeners: list[Callable[[Entry], None]] = field(default_factory=list)
     """Told of every entry recorded (the metrics)."""
     fleet_report: Callable[[ReportRequest, str | None], Awaitable[dict[str, Any]]] | None = None
-    """Every node's report (sage/usage/fleet.py), when in a fleet."""
+    """Every live node's report (sage/fleet/usage.py, set by the fleet's router), when in a
+    fleet; None: ``fleet`` is ``not_in_fleet``."""
     interrupts: int = 0
     refusals: int = 0
     _period: Period | None = None
