@@ -129,6 +129,25 @@ def test_a_fleet_report_lists_each_nodes_rows_and_sums_them(fleet: Fleet) -> Non
     assert [line.split()[2] for line in lines] == ["a", "b", "(fleet)"], table.stdout
 
 
+def test_the_client_reads_a_fleet_report_typed(fleet: Fleet) -> None:
+    """``sage.client``'s ``usage(fleet=True)``: the same rows and totals, typed."""
+    from sage.client import UsageReport, connect
+
+    _, daemons = fleet
+
+    async def main() -> UsageReport:
+        async with connect(daemons["a"].config, principal="alice") as sage:
+            return await sage.usage(fleet=True, by="principal")
+
+    report = anyio.run(main)
+    assert isinstance(report, UsageReport)
+    assert [(r.key, r.node) for r in report.rows] == [("alice", "a"), ("alice", "b")]
+    (total,) = report.totals
+    assert (total.key, total.node) == ("alice", "")
+    assert total.tokens == sum(r.tokens for r in report.rows)
+    assert report.warning is None
+
+
 def rogue_answers(cluster: Fleet, answer: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
     """As the NATS user d: beat as a live node declaring alice and bob, answer every ask
     on d's own request prefix with ``answer``, and ask a for alice's fleet report
