@@ -136,9 +136,15 @@ class FleetUsage:
             asked = msgspec.json.decode(payload, type=NodeRowsRequest)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return replies.error(ErrorCode.BAD_REQUEST, f"a usage rows request: {exc}")
-        rows = await self.usage.local_rows(
-            ReportRequest(principal_id=principal, since=asked.since, by=asked.by)
-        )
+        try:
+            rows = await self.usage.local_rows(
+                ReportRequest(principal_id=principal, since=asked.since, by=asked.by)
+            )
+        except Exception as exc:  # the ledger failed: answered, logged; the router goes on
+            log.exception("fleet.usage_rows_failed")
+            return replies.error(
+                ErrorCode.INTERNAL_ERROR, f"the usage ledger failed ({type(exc).__name__})"
+            )
         if len(rows) > MAX_NODE_ROWS:
             return replies.error(
                 ErrorCode.PAYLOAD_TOO_LARGE,

@@ -22,7 +22,7 @@ from sage.contract.usage import (
     ReportRow,
     UsageReport,
 )
-from sage.errors import SageError
+from sage.errors import SageError, StateError
 from sage.fleet.member import FleetMember
 from sage.fleet.nodes import NodeState, NodeView
 from sage.fleet.routes import request_subject
@@ -241,9 +241,12 @@ class StandInLedger:
     def __init__(self, rows: list[ReportRow]) -> None:
         self.rows = rows
         self.asked: list[ReportRequest] = []
+        self.fails = False
 
     async def local_rows(self, req: ReportRequest) -> list[ReportRow]:
         self.asked.append(req)
+        if self.fails:
+            raise StateError("usage ledger: disk I/O error")
         return [r for r in self.rows if req.principal_id in (None, r.principal)]
 
     def budget_rows(self, principal: str | None) -> list[BudgetRow]:
@@ -353,6 +356,10 @@ async def test_answering_another_node_scopes_to_the_forwarded_principal_and_boun
     assert ledger.asked[-1] == ReportRequest(principal_id="alice", since=SINCE, by="day")
     refused = await usage.answer(b'{"since": "2026-12-01", "principal_id": "bob"}', "alice")
     assert refused["error"] == ErrorCode.BAD_REQUEST
+    ledger.fails = True  # the ledger fails: answered, not raised into the router
+    failed = await usage.answer(b'{"since": "2026-12-01"}', None)
+    assert failed["error"] == ErrorCode.INTERNAL_ERROR
+    ledger.fails = False
     ledger.rows = [row(f"s{i}") for i in range(MAX_NODE_ROWS + 1)]
     big = await usage.answer(b'{"since": "2026-12-01", "by": "session"}', "alice")
     assert big["error"] == ErrorCode.PAYLOAD_TOO_LARGE
