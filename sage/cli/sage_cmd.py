@@ -210,7 +210,12 @@ def register(sub: Any) -> None:
         help="from this UTC day on (YYYY-MM-DD; default: the first of the month)",
     )
     usage.add_argument("--by", choices=("day", "session", "model", "principal"), default="day")
-    usage.add_argument("--fleet", action="store_true", help="every node's ledger, summed")
+    usage.add_argument(
+        "--fleet",
+        action="store_true",
+        help="every live node's ledger: each node's rows, then their sums (a node that"
+        " cannot or will not answer is named in a warning)",
+    )
     _common(usage, add_common)
     usage.set_defaults(handler=_usage)
 
@@ -566,17 +571,26 @@ async def _usage(args: argparse.Namespace) -> int:
 
 
 def usage_table(data: dict[str, Any]) -> list[str]:
-    """``astrid sage usage``'s table: the ledger's rows, then the budgets."""
+    """``astrid sage usage``'s table: the ledger's rows, then the budgets.  A fleet's
+    report (``--fleet``) has a NODE column: each node's rows, then the fleet's totals
+    (the rows added up across the nodes, NODE ``(fleet)``)."""
     key = str(data.get("by", "day")).upper()
+    rows = data.get("rows") or []
+    totals = data.get("totals") or []
+    fleet = bool(totals) or any(row.get("node") for row in rows)
+    node = f"{'NODE':<10} " if fleet else ""
     lines = [
-        f"{key:<24} {'PRINCIPAL':<12} {'CALLS':>6} {'INPUT':>10} {'OUTPUT':>9}"
+        f"{key:<24} {'PRINCIPAL':<12} {node}{'CALLS':>6} {'INPUT':>10} {'OUTPUT':>9}"
         f" {'CACHE_R':>9} {'CACHE_W':>9} {'TOKENS':>10} {'USD':>10} {'CLI_USD':>10}"
     ]
-    rows = data.get("rows") or []
-    for row in rows:  # other nodes' rows too: their text is shown, never obeyed
+    shown = [(row, printable(row.get("node") or "")) for row in rows]
+    if fleet:
+        shown += [(row, "(fleet)") for row in totals]
+    for row, where in shown:  # other nodes' rows too: their text is shown, never obeyed
         lines.append(
             f"{printable(row['key']):<24} {printable(row['principal']):<12}"
-            f" {row['calls']:>6} {row['input_tokens']:>10} {row['output_tokens']:>9}"
+            + (f" {where:<10}" if fleet else "")
+            + f" {row['calls']:>6} {row['input_tokens']:>10} {row['output_tokens']:>9}"
             f" {row['cache_read_tokens']:>9} {row['cache_write_tokens']:>9} {row['tokens']:>10}"
             f" {row['usd']:>10.4f} {row['cli_usd']:>10.4f}"
         )

@@ -521,7 +521,9 @@ class Supervisor:
                         self.fleet.load_source = self._node_load  # each heartbeat carries it
                         tg.start_soon(self.fleet.beat_every)
                         # sessions anywhere: the registry, forwarded requests, relayed events
-                        await tg.start(Router(self.bus, self.fleet, lambda: self.config).run)
+                        usage = self.spending.usage if self.spending is not None else None
+                        router = Router(self.bus, self.fleet, lambda: self.config, usage=usage)
+                        await tg.start(router.run)
                         # tools anywhere: the catalogues, forwarded tool calls
                         await tg.start(self._fleet_tools(self.fleet).run)
                     if self.fleet_audit is not None:

@@ -12,7 +12,9 @@
   ``fleet_principal_rejected``), at most :data:`~sage.fleet.inflight.MAX_IN_FLIGHT`
   of one peer at once (``fleet_busy``).  It becomes the runner's own local request
   (listings with this node's name on each row, an approver presence a stand-in on
-  this bus), and who vouched for whom is audited ``fleet_request``.
+  this bus, ``usage`` this node's ledger rows for a fleet's usage report,
+  sage/fleet/usage.py), and who vouched for whom is audited ``fleet_request`` (not for
+  the reads: listings and usage).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from bus import Bus, BusError, Envelope, Identity
 from sage import replies
 from sage.contract.codes import ErrorCode
 from sage.contract.sessions import Verb, audit_topic
+from sage.contract.usage import USAGE_VERB
 from sage.errors import BadRoute, FleetBusy, FleetError, FleetUnavailable, NotVouched
 from sage.fleet.inflight import MAX_IN_FLIGHT, InFlight
 from sage.fleet.member import FleetMember
@@ -53,9 +56,12 @@ log = structlog.get_logger("sage.fleet.router")
 LISTING_DEADLINE = 3.0
 """Seconds a read of the buckets (a vouching check, a listing's) may take."""
 LISTINGS = frozenset({Verb.SESSIONS, Verb.APPROVALS})
+READS = LISTINGS | {USAGE_VERB}
+"""Forwarded requests that only read: logged, not audited (as a local listing is not)."""
 
 LocalListing = Callable[[bytes, "str | None", Identity, str], Awaitable[dict[str, Any]]]
 StandIn = Callable[[str, "str | None", bytes], Awaitable[dict[str, Any]]]
+UsageRows = Callable[[bytes, "str | None"], Awaitable[dict[str, Any]]]
 
 
 def unavailable(message: str) -> dict[str, Any]:
@@ -92,6 +98,9 @@ class Forwarding:
             member.record_of, member.config.peers, ttl=member.config.heartbeat
         )
         """Whether a sending node may act for the principal it names (its record, our pins)."""
+        self.usage_rows: UsageRows = _no_ledger
+        """This node's ledger rows for another node's fleet report (sage/fleet/usage.py,
+        set by the router when the supervisor keeps a usage ledger)."""
 
     # -- out --------------------------------------------------------------------------
 
@@ -107,15 +116,34 @@ class Forwarding:
     ) -> dict[str, Any]:
         """Ask ``node``'s router; the reply as its runner gave it, or fleet_unavailable.
         ``acting_for``: the principal the request is for (default: the caller's)."""
+        return await self.ask(
+            node,
+            verb,
+            sid,
+            # the bus's, from the caller's connection (an admin's spawn: the one it names)
+            acting_for if acting_for is not None else request.principal,
+            request.payload if payload is None else payload,
+        )
+
+    async def ask(
+        self,
+        node: str,
+        verb: str,
+        sid: str | None,
+        principal: str | None,
+        payload: bytes,
+        *,
+        deadline: float | None = None,
+    ) -> dict[str, Any]:
+        """Ask ``node``'s router for ``principal`` (one this node's bus established:
+        never a name a caller wrote); its reply dict, or fleet_unavailable when it does
+        not answer within ``deadline`` (default: the verb's and the network's)."""
         if not self.member.connected:
             return unavailable(f"cannot reach node {node!r}: NATS is not connected")
         subject = request_subject(node, self.node, verb, sid)
-        forwarded = Forwarded(
-            # the bus's, from the caller's connection (an admin's spawn: the one it names)
-            principal=acting_for if acting_for is not None else request.principal,
-            payload=msgspec.Raw(request.payload if payload is None else payload),
-        )
-        deadline = deadline_of(verb) + NETWORK_SLACK
+        forwarded = Forwarded(principal=principal, payload=msgspec.Raw(payload))
+        if deadline is None:
+            deadline = deadline_of(verb) + NETWORK_SLACK
         try:
             with nats_errors(f"a request to node {node!r}"):
                 msg = await self.member.nc.request(subject, forwarded.encode(), timeout=deadline)
@@ -203,6 +231,8 @@ class Forwarding:
         payload = bytes(forwarded.payload)
         if verb in LISTINGS:
             reply = await self.local_listing(payload, forwarded.principal, identity, verb)
+        elif verb == USAGE_VERB:
+            reply = await self.usage_rows(payload, forwarded.principal)
         elif verb == "approver":
             assert sid is not None
             reply = await self.stand_in(sid, forwarded.principal, payload)
@@ -222,10 +252,16 @@ class Forwarding:
             "ok": reply.get("ok"),
         }
         log.info("fleet.forwarded_in", **what)
-        if verb not in LISTINGS:  # who vouched for whom, in this node's chain
+        if verb not in READS:  # who vouched for whom, in this node's chain
             with contextlib.suppress(BusError):
                 self.bus.publish(self.identity, audit_topic("fleet_request"), what)
         await respond(msg, reply)
+
+
+async def _no_ledger(payload: bytes, principal: str | None) -> dict[str, Any]:
+    return replies.error(
+        ErrorCode.UNKNOWN_REQUEST, "this node keeps no usage ledger ([usage] ledger = false)"
+    )
 
 
 async def respond(msg: Msg, reply: dict[str, Any]) -> None:

@@ -14,6 +14,8 @@ runner, which knows nothing of it.  Each concern is a module of its own, wired h
   other nodes' requests answered by the runner here, if their node may vouch for
   the principal.
 - **Listing** (sage/fleet/listing.py): the fleet-wide sessions and approvals.
+- **Usage** (sage/fleet/usage.py): a fleet's usage report, every live node's ledger
+  (when the supervisor keeps one).
 - **Failover** (sage/fleet/failover.py): replicas and adoptions.
 
 What stays here is the routing of the local requests the CLI makes of the fleet
@@ -77,6 +79,8 @@ from sage.fleet.routes import (
     visible,
 )
 from sage.fleet.runner_link import RunnerLink, deadline_of
+from sage.fleet.usage import FleetUsage
+from sage.usage.service import UsageService
 
 if TYPE_CHECKING:
     from nats.aio.subscription import Subscription as NatsSubscription
@@ -100,7 +104,12 @@ class Router:
     """This node's side of sessions anywhere (see the module docstring)."""
 
     def __init__(
-        self, bus: Bus, member: FleetMember, config_of: Callable[[], Config] | None = None
+        self,
+        bus: Bus,
+        member: FleetMember,
+        config_of: Callable[[], Config] | None = None,
+        *,
+        usage: UsageService | None = None,
     ) -> None:
         self.bus = bus
         self.member = member
@@ -131,6 +140,11 @@ class Router:
             stand_in=self._stand_in,
         )
         self.listing.forward = self.forwarding.forward
+        self.usage = None if usage is None else FleetUsage(member, usage, self.forwarding.ask)
+        """The fleet's usage report (None: this supervisor keeps no ledger)."""
+        if usage is not None and self.usage is not None:
+            usage.fleet_report = self.usage.report  # ``fleet``: no longer not_in_fleet
+            self.forwarding.usage_rows = self.usage.answer
         self.relays = Relays(bus, member, self.identity, self.runner, self.forwarding.forward)
 
     async def _stand_in(self, sid: str, principal: str | None, payload: bytes) -> dict[str, Any]:

@@ -42,6 +42,7 @@ import msgspec
 
 from sage.config import NAME_PATTERN
 from sage.contract.sessions import EntryState, SessionRow
+from sage.contract.usage import USAGE_VERB
 from sage.errors import BadRoute, SessionConflict
 
 __all__ = (
@@ -99,8 +100,9 @@ PRESENCE_VERBS = frozenset({"approver"})
 """``approver.<sid>`` ``{seconds}``: someone on the sending node answers this session's
 approvals for that long (its router stands in for them on the owner's bus)."""
 KEYED_VERBS = SESSION_VERBS | APPROVAL_VERBS | PRESENCE_VERBS
-NODE_VERBS = frozenset({"spawn", "sessions", "approvals"})
-"""Requests to a node, about none of its sessions in particular."""
+NODE_VERBS = frozenset({"spawn", "sessions", "approvals", USAGE_VERB})
+"""Requests to a node, about none of its sessions in particular (``usage``: its ledger's
+rows for a fleet's usage report, sage/fleet/usage.py)."""
 
 _NAME = re.compile(NAME_PATTERN)
 

@@ -21,7 +21,8 @@ shell around the ledger (sage/usage/ledger.py) and the budget policy
   ``budget_refused``.
 - **Reporting.** ``sage.v1.request.usage.report``: the ledger grouped by day,
   session, model or principal, and the budgets in force (a principal: its own only);
-  ``fleet`` adds every node's (sage/usage/fleet.py).
+  ``fleet`` adds every live node's rows (:attr:`UsageService.fleet_report`, set by the
+  fleet's router: sage/fleet/usage.py), each node answering with :meth:`local_rows`.
 - **Changing.** ``sage.v1.request.usage.budget`` (admins): a principal's budgets at
   runtime, kept in the ledger, audited ``budget_changed`` with before and after.
 
@@ -47,7 +48,14 @@ from sage import replies
 from sage.config import NAME_PATTERN, Config, PrincipalConfig
 from sage.contract.codes import ErrorCode
 from sage.contract.sessions import InterruptRequest, TurnEnd, Verb, request_topic
-from sage.contract.usage import BUDGET_TOPIC, REPORT_TOPIC, BudgetRow, ReportRequest, ReportRow
+from sage.contract.usage import (
+    BUDGET_TOPIC,
+    DAY_PATTERN,
+    REPORT_TOPIC,
+    BudgetRow,
+    ReportRequest,
+    ReportRow,
+)
 from sage.errors import SageError
 from sage.usage.admission import ADMIT_TOPIC, AdmitRequest
 from sage.usage.budget import (
@@ -84,7 +92,7 @@ GENERATIONS: Final = "llm.v1.audit.generate"
 RUNNER: Final = "capsule:runner"
 LLM: Final = "capsule:llm"
 INTERRUPT_DEADLINE: Final = 10.0
-_DAY = re.compile(r"^\d{4}-\d{2}-\d{2}\Z")
+_DAY = re.compile(DAY_PATTERN)
 _NAME = re.compile(NAME_PATTERN)
 
 
@@ -201,7 +209,8 @@ class UsageService:
     listeners: list[Callable[[Entry], None]] = field(default_factory=list)
     """Told of every entry recorded (the metrics)."""
     fleet_report: Callable[[ReportRequest, str | None], Awaitable[dict[str, Any]]] | None = None
-    """Every node's report (sage/usage/fleet.py), when in a fleet."""
+    """Every live node's report (sage/fleet/usage.py, set by the fleet's router), when in a
+    fleet; None: ``fleet`` is ``not_in_fleet``."""
     interrupts: int = 0
     refusals: int = 0
     _period: Period | None = None
