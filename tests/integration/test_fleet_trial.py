@@ -33,7 +33,7 @@ def test_the_trial_fleet_starts_and_its_nodes_see_each_other() -> None:
             lines.append(line.rstrip("\n"))
             if line.strip() == READY:
                 break
-        assert lines and lines[-1] == READY, (lines, trial.stderr.read() if trial.stderr else "")
+        assert lines[-1:] == [READY], (lines, trial.stderr.read() if trial.stderr else "")
         configs = [where / node / "supervisor.toml" for node in ("a", "b")]
         for node, config in zip(("a", "b"), configs, strict=True):
             assert f"node {node}: " in "\n".join(lines)
