@@ -53,6 +53,7 @@ __all__ = (
     "FleetRaceLost",
     "FleetRecordError",
     "FleetStreamUnsafe",
+    "FleetTlsFailed",
     "FleetUnavailable",
     "FleetUnreachable",
     "ForgeError",
@@ -182,6 +183,13 @@ class FleetAuthFailed(FleetError):
     """The NATS servers refused the node's user or password."""
 
     code = "fleet_auth_failed"
+
+
+class FleetTlsFailed(FleetError):
+    """TLS with the NATS servers failed, or a server answered without TLS where
+    ``[fleet]`` wants it (nothing secret was sent)."""
+
+    code = "fleet_tls_failed"
 
 
 class FleetNoAuth(FleetError):

@@ -18,7 +18,7 @@ import stat
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 import msgspec
@@ -36,12 +36,11 @@ from sage.claude.hooks import hooks_known_by
 from sage.cli._commands import summary
 from sage.cli._common import add_common
 from sage.cli._connect import print_json
+from sage.cli.doctor_checks import Check, Status, owner_and_mode
 from sage.config import Config, load_config
 from sage.errors import ConfigError, ProcessError
 from sage.security.bwrap import probe_bwrap
 from sage.security.runas import access_group
-
-Status = Literal["ok", "warn", "fail"]
 
 _STATUS_TOPIC = "sage.v1.request.status"
 _ASK_TIMEOUT = 3.0
@@ -89,17 +88,6 @@ with a [fleet] table (docs/fleet.md):
 
 exit status: 0 when no check fails (warnings allowed), 1 otherwise.
 """
-
-
-class Check(msgspec.Struct, frozen=True, kw_only=True):
-    """One row of the report."""
-
-    name: str
-    status: Status
-    detail: str
-    """One line for a human."""
-    facts: dict[str, Any] = {}
-    """Machine-readable extras, merged into the row in ``--json`` output."""
 
 
 def register(sub: Any) -> None:
@@ -392,7 +380,7 @@ def _check_keys(config: Config) -> Check:
                 problems.append(f"{file} is not a regular file")
             else:
                 allowed = 0o644 if name == PUBLIC_KEY_FILENAME else 0o600
-                problems += _owner_and_mode(file, file_info, allowed, need=0o400)
+                problems += owner_and_mode(file, file_info, allowed, need=0o400)
                 files.append(f"{name} {stat.S_IMODE(file_info.st_mode):04o}")
     check = _verdict("keys", path, info, problems, extra=", ".join(files))
     if check.status == "ok" and not (path / KEY_FILENAME).exists():
@@ -436,7 +424,7 @@ def _check_socket(config: Config) -> tuple[Check, bool]:
         problems.append(f"{path} is not a socket (the supervisor refuses to replace it)")
         return Check(name="socket", status="fail", detail="; ".join(problems), facts=facts), False
     grouped = _grouped(config, info)
-    problems += _owner_and_mode(path, info, 0o660 if grouped else 0o600, need=0o600)
+    problems += owner_and_mode(path, info, 0o660 if grouped else 0o600, need=0o600)
     return _verdict("socket", path, info, problems), True
 
 
@@ -492,28 +480,7 @@ def _dir_problems(path: Path, info: os.stat_result, allowed: int) -> list[str]:
         return [f"{path} is a symlink; the supervisor wants a real directory"]
     if not stat.S_ISDIR(info.st_mode):
         return [f"{path} is not a directory"]
-    return _owner_and_mode(path, info, allowed, need=0o700)
-
-
-def _owner_and_mode(path: Path, info: os.stat_result, allowed: int, *, need: int) -> list[str]:
-    """What is wrong with who owns ``path`` and who may use it (empty: nothing)."""
-    problems = []
-    me = os.getuid()
-    if info.st_uid != me:
-        problems.append(
-            f"{path} belongs to uid {info.st_uid}, not to uid {me} (you); chown it to the"
-            " supervisor's user, and run astrid doctor as that user"
-        )
-    mode = stat.S_IMODE(info.st_mode)
-    if mode & ~allowed:
-        can = "write to" if mode & 0o022 & ~allowed else "read"
-        who = f"group or others can {can} it"
-        problems.append(
-            f"{path} has mode {mode:04o}, {who} (want {allowed:04o}); run `chmod {allowed:o} {path}`"
-        )
-    elif mode & need != need:
-        problems.append(f"{path} has mode {mode:04o}, the owner lacks {need:04o}")
-    return problems
+    return owner_and_mode(path, info, allowed, need=0o700)
 
 
 def _verdict(

@@ -26,7 +26,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from sage.cli.doctor import Check, _owner_and_mode
+from sage.cli.doctor_checks import Check, owner_and_mode
 from sage.config import Config, FleetConfig
 from sage.errors import FleetError, FleetNoAuth
 from sage.fleet.auth import AuthMethod, auth_method, plaintext_urls, tls_on
@@ -124,7 +124,7 @@ def _file_problems(path: Path) -> list[str]:
         return [f"cannot look at {path}: {exc.strerror}"]
     if not stat.S_ISREG(info.st_mode):
         return [f"{path} is not a regular file"]
-    return _owner_and_mode(path, info, 0o600, need=0o400)
+    return owner_and_mode(path, info, 0o600, need=0o400)
 
 
 def _check_tls(fleet: FleetConfig) -> Check:

@@ -51,6 +51,7 @@ from sage.errors import (
     FleetNotFound,
     FleetRecordError,
     FleetStreamUnsafe,
+    FleetTlsFailed,
     FleetUnavailable,
     FleetUnreachable,
     NotInFleet,
@@ -490,8 +491,9 @@ def sign_in_options(config: FleetConfig, path_of: Callable[[str], Path]) -> dict
     return options
 
 
-class PlainTextRefused(ssl.SSLError):
-    """The server answered without TLS where the node wants it: nothing was sent."""
+class PlainTextRefused(FleetTlsFailed, ssl.SSLError):
+    """The server answered without TLS where the node wants it: nothing was sent.  An
+    ``ssl.SSLError`` too, so nats-py and the connect loop count it as a TLS failure."""
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else "no TLS"
@@ -616,10 +618,7 @@ async def _connect(config: FleetConfig, path_of: Callable[[str], Path]) -> Nats:
     # a server that wants a client certificate may close the link after the handshake:
     # a later attempt then sees a broken pipe, but the TLS failure is the cause
     if tls_failed:
-        raise FleetError(
-            f"fleet: TLS with NATS at {urls} failed: {describe(tls_failed[0])}",
-            code="fleet_tls_failed",
-        )
+        raise FleetTlsFailed(f"fleet: TLS with NATS at {urls} failed: {describe(tls_failed[0])}")
     why = f": {describe(last[0])}" if last else ""
     raise FleetUnreachable(
         f"fleet: cannot reach NATS at {urls} within {config.connect_timeout:g} s{why}"

@@ -41,7 +41,7 @@ from sage.contract.usage import (
 from sage.errors import FleetError
 from sage.fleet.forwarding import LISTING_DEADLINE
 from sage.fleet.member import FleetMember
-from sage.fleet.nats_errors import describe, nats_errors
+from sage.fleet.nats_errors import code_of, describe, nats_errors
 from sage.fleet.nodes import NodeState
 from sage.usage.fleet_report import fleet_report, taken
 from sage.usage.service import UsageService
@@ -141,7 +141,7 @@ class FleetUsage:
                 ReportRequest(principal_id=principal, since=asked.since, by=asked.by)
             )
         except Exception as exc:  # the ledger failed: answered, logged; the router goes on
-            log.exception("fleet.usage_rows_failed")
+            log.exception("fleet.usage_rows_failed", code=code_of(exc))
             return replies.error(
                 ErrorCode.INTERNAL_ERROR, f"the usage ledger failed ({type(exc).__name__})"
             )
