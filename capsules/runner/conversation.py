@@ -168,6 +168,8 @@ class Conversation:
         self._streaming = ""  # the message id of the last message_start
         self.interrupt_sent = False
         """An interrupt went to the CLI during the running turn (:meth:`interrupting`)."""
+        self.last_turn_interrupted = False
+        """The last turn that ended was interrupted, and no turn was sent since."""
         self.interrupt_for: tuple[TurnEnd, str] | None = None
         """Why sage interrupts the running turn (a budget), for its ``done`` event."""
 
@@ -199,6 +201,7 @@ class Conversation:
     def sent(self) -> int:
         """A user turn was written; its number."""
         self.turn.started += 1
+        self.last_turn_interrupted = False
         if self.state is ProcessState.READY:
             self._move(ProcessState.BUSY)
         return self.turn.started
@@ -224,6 +227,19 @@ class Conversation:
         if self.reason is not None:
             return self.reason
         return EndReason.EXITED if exit_code == 0 else EndReason.CRASHED
+
+    def resumable(self, exit_code: int | None, signal: int | None) -> bool:
+        """Whether a child that ended so, on its own, is to be resumed rather than the
+        session ended: it exited with an error status (no signal, no reason of sage's)
+        after an interrupted turn and before another was sent.  The floor of the
+        supported range (2.1.275) exits 1 when a turn is interrupted between a tool's
+        result and the next model call; the conversation is intact on disk."""
+        return (
+            self.reason is None
+            and self.last_turn_interrupted
+            and signal is None
+            and exit_code not in (None, 0)
+        )
 
     def check_mode(self, mode: str | None, where: str) -> Fail | None:
         """None when the CLI runs in the permission mode sage asked for; else the
@@ -471,6 +487,7 @@ class Conversation:
             reason = TurnEnd.INTERRUPTED
         if reason is TurnEnd.INTERRUPTED and self.interrupt_for is not None:
             reason, message = self.interrupt_for  # sage interrupted it, and says why
+        self.last_turn_interrupted = self.interrupt_sent
         self.interrupt_sent, self.interrupt_for = False, None
         out: list[Output] = [
             Publish(

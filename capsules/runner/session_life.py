@@ -24,7 +24,7 @@ import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Final
 
 import anyio
 import anyio.abc
@@ -57,6 +57,12 @@ from sage.errors import SageError
 __all__ = ("HOOKS", "SessionLife", "quietly")
 
 log = structlog.get_logger("sage.runner")
+
+INTERRUPTED_EXIT: Final = "interrupted_exit"
+"""The ``reason`` of a respawn after a child exited with an error just after an
+interrupted turn (Conversation.resumable): it resumes the conversation."""
+IDENTITY_REFRESH: Final = "identity_refresh"
+"""The ``reason`` of a respawn for a principal's new identity."""
 
 HOOKS = {name: [HookMatcher(None, [callback_id(name)])] for name in IN_BAND_HOOKS}
 """Registered at every child's ``initialize``: every hook event sage hooks arrives
@@ -191,6 +197,14 @@ class SessionLife:
                         ending = session.ending
                         assert ending is not None
                         session.count(proc)
+                        status = ending.status
+                        if proc.conversation.resumable(status.exit_code, status.signal):
+                            log.warning(
+                                "session.resumed_after_interrupt",
+                                session_id=session.id,
+                                exit_code=status.exit_code,
+                            )
+                            session.respawn(INTERRUPTED_EXIT)
                 first = False
                 waking = session.state is SessionState.WAKING
                 step = session.after_child(
@@ -459,7 +473,7 @@ class SessionLife:
             while session.state not in ASLEEP and not session.done.is_set():
                 proc = session.proc
                 if session.idle and proc is not None:
-                    if session.respawn("identity_refresh"):
+                    if session.respawn(IDENTITY_REFRESH):
                         await proc.stop(EndReason.RESPAWN)
                     return
                 await anyio.sleep(0.05)

@@ -972,3 +972,45 @@ async def test_interrupt_says_whether_a_turn_was_running(sage: Sage) -> None:
             await anyio.sleep(0.05)
     code, out, err = await sage.astrid("sage", "interrupt", "quiet")
     assert (code, out) == (0, "interrupt: quiet\n"), err
+
+
+async def test_a_child_that_exits_after_an_interrupted_turn_is_resumed() -> None:
+    """As 2.1.275 does, the child exits 1 right after the interrupted turn's result: the
+    session stays, a new child resumes the conversation (event `respawned`, reason
+    `interrupted_exit`), and the next turn sees the earlier ones.  A crash with no
+    interrupt before it still ends the session."""
+    async with running_sage(_config("exit_after_interrupt"), env=ENV) as sage:
+        events = await sage.ready("floor")
+        assert (await sage.send("floor", "first"))["ok"]
+        await events.text_until_done()
+        assert (await sage.send("floor", "/fault hang"))["ok"]
+        with anyio.fail_after(10):
+            while (await sage.request("sage.v1.request.session.floor", {}))["session"][
+                "state"
+            ] != "busy":
+                await anyio.sleep(0.05)
+        code, out, err = await sage.astrid("sage", "interrupt", "floor")
+        assert (code, out) == (0, "interrupt: floor\n"), err
+        _, done = await events.text_until_done()
+        assert done["reason"] == "interrupted"
+        (_, respawned), *_ = [e for e in await events.until("respawned", 15) if e[0] == "respawned"]
+        assert respawned["reason"] == "interrupted_exit"
+        with anyio.fail_after(15):
+            while True:
+                row = (await sage.request("sage.v1.request.session.floor", {}))["session"]
+                if row["state"] in ("ready", "ended"):
+                    break
+                await anyio.sleep(0.05)
+        assert row["state"] == "ready", row
+        code, out, err = await sage.astrid("sage", "send", "floor", "/fault history")
+        assert code == 0, err
+        assert out == "history: 2: first | /fault hang\n", out  # the earlier turns, resumed
+        # no interrupt before it: a crash ends the session as before
+        assert (await sage.send("floor", "/fault crash 1"))["ok"]
+        with anyio.fail_after(15):
+            while True:
+                row = (await sage.request("sage.v1.request.session.floor", {}))["session"]
+                if row["state"] == "ended":
+                    break
+                await anyio.sleep(0.05)
+        assert row["reason"] == "crashed"

@@ -143,6 +143,9 @@ Start-up modes: env ``FAKE_CLAUDE_MODE``, comma-separated
 - ``no_init``: never answer ``initialize``; read and ignore all of stdin,
   exit 0 at EOF.
 - ``ignore_sigterm``: SIGTERM is ignored (SIG_IGN); only SIGKILL ends it.
+- ``exit_after_interrupt``: an interrupted turn's result has no
+  ``terminal_reason``, and the double exits 1 right after it (as 2.1.275 does
+  when a turn is interrupted between a tool's result and the next call).
 - ``grandchild``: at start spawn ``sleep`` (env
   ``FAKE_CLAUDE_GRANDCHILD_SECONDS``, default 3600) in the same process
   group, stdin from /dev/null, inheriting stdout and stderr, so the pipes
@@ -214,6 +217,7 @@ MODES = (
     "permission_mode",
     "init_permission_mode",
     "resume_fails",
+    "exit_after_interrupt",
 )
 
 BUILTIN_TOOLS = [
@@ -1009,7 +1013,9 @@ class Turn:
 
     # -- endings ------------------------------------------------------------------------------
 
-    def result(self, subtype: str, text: str | None, terminal: str, stop: str | None) -> None:
+    def result(
+        self, subtype: str, text: str | None, terminal: str | None, stop: str | None
+    ) -> None:
         s = self.s
         error = subtype != "success"
         usage = {
@@ -1072,6 +1078,9 @@ class Turn:
         s.user([{"type": "text", "text": INTERRUPTED}])
         if self.block_open:
             self.close_call(None)
+        if "exit_after_interrupt" in s.modes:  # as 2.1.275 between a tool and a call
+            self.result("error_during_execution", None, None, None)
+            os._exit(1)
         self.result("error_during_execution", None, "aborted_streaming", None)
 
     # -- tool plumbing -------------------------------------------------------------------------

@@ -614,3 +614,30 @@ def test_an_interrupted_turn_that_an_older_cli_calls_an_execution_error(
     conv.sent()
     (after,) = published(conv.receive(decode(result)[0], 1.0), "done")
     assert after["reason"] == "execution_error"  # the next turn is not interrupted
+
+
+def test_only_an_error_exit_right_after_an_interrupted_turn_is_resumable() -> None:
+    """Exit 1 after an interrupted turn: resume; a signal, exit 0, a reason of sage's,
+    or a turn sent since: the session ends as before."""
+    result = dict(
+        recorded("print_text_only.jsonl")[-1], is_error=True, subtype="error_during_execution"
+    )
+    result.pop("terminal_reason", None)
+    conv = conversation()
+    conv.initialized()
+    conv.sent()
+    assert not conv.resumable(1, None)  # no interrupt
+    conv.interrupting()
+    conv.receive(decode(result)[0], 0.0)
+    assert conv.resumable(1, None)
+    assert not conv.resumable(None, 9)  # killed
+    assert not conv.resumable(0, None)  # a clean exit
+    conv.sent()
+    assert not conv.resumable(1, None)  # a new turn went out since
+    other = conversation()
+    other.initialized()
+    other.sent()
+    other.interrupting()
+    other.receive(decode(result)[0], 0.0)
+    other.end(EndReason.STOPPED)
+    assert not other.resumable(1, None)  # sage ended it
