@@ -325,59 +325,74 @@ class Runner:
     async def _spawn(self, request: Envelope) -> dict[str, Any]:
         req = msgspec.json.decode(request.payload, type=SpawnRequest)
         config = self.config
-        pid_ = req.principal_id
-        if request.principal is not None and request.principal != pid_:
+        principal_id = req.principal_id
+        if request.principal is not None and request.principal != principal_id:
             raise self._reject(
-                request, pid_, "not_authorized", f"you may not act for principal {pid_!r}"
+                request,
+                principal_id,
+                "not_authorized",
+                f"you may not act for principal {principal_id!r}",
             )
         try:
-            principal = self.principal(pid_)
+            principal = self.principal(principal_id)
         except SettingsError as exc:
-            raise self._reject(request, pid_, exc.code, str(exc)) from None
+            raise self._reject(request, principal_id, exc.code, str(exc)) from None
         if principal is None:
             raise self._reject(
-                request, pid_, "unknown_principal", f"no principal {pid_!r} is configured"
+                request,
+                principal_id,
+                "unknown_principal",
+                f"no principal {principal_id!r} is configured",
             )
         sid = new_session_id() if req.session_id is None else req.session_id
         if not valid_id(sid):
             raise self._reject(
-                request, pid_, "invalid_session_id", "session ids are 1-64 of [A-Za-z0-9_-]"
+                request, principal_id, "invalid_session_id", "session ids are 1-64 of [A-Za-z0-9_-]"
             )
         if principal.interaction_mode == "repl":
             raise self._reject(
                 request,
-                pid_,
+                principal_id,
                 "interaction_mode_is_repl",
-                f"principal {pid_!r} uses a terminal (repl): run `astrid sage repl {pid_}`"
+                f"principal {principal_id!r} uses a terminal (repl): run `astrid sage repl {principal_id}`"
                 " instead, or switch it with `astrid sage settings"
-                f" {pid_} --interaction-mode headless`",
+                f" {principal_id} --interaction-mode headless`",
             )
         try:
             cwd = work_folder(principal, config.home_of(principal), req.cwd)
             model = chosen_model(principal, req.model)
         except SessionError as exc:
-            raise self._reject(request, pid_, exc.code, str(exc)) from None
+            raise self._reject(request, principal_id, exc.code, str(exc)) from None
         try:  # a principal over a budget starts nothing (sage/usage/admission.py)
-            await admit(self.ctx, pid_, Verb.SPAWN, sid)
+            await admit(self.ctx, principal_id, Verb.SPAWN, sid)
         except SageError as exc:
-            raise self._reject(request, pid_, exc.code, str(exc)) from None
-        if sid.startswith("repl-") or await taken_by_another(self.ctx.state, sid, pid_):
+            raise self._reject(request, principal_id, exc.code, str(exc)) from None
+        if sid.startswith("repl-") or await taken_by_another(self.ctx.state, sid, principal_id):
             # an ended session's id stays its principal's: its record, history and
             # session-scoped tools must not pass to someone else
             raise self._reject(
-                request, pid_, "duplicate_session", f"session {sid!r} exists", session_id=sid
+                request,
+                principal_id,
+                "duplicate_session",
+                f"session {sid!r} exists",
+                session_id=sid,
             )
         admission = judge(
-            Join.SPAWN, sid, pid_, sessions=self.sessions, room=self.hibernation, config=config
+            Join.SPAWN,
+            sid,
+            principal_id,
+            sessions=self.sessions,
+            room=self.hibernation,
+            config=config,
         )
         if not admission.admitted:
             refused = admission.error()
             extra = {"session_id": sid} if refused.code == "duplicate_session" else {}
-            raise self._reject(request, pid_, refused.code, str(refused), **extra)
+            raise self._reject(request, principal_id, refused.code, str(refused), **extra)
         # a spawn that names no session id may take a spare (its ids are chosen already)
         # (not while the host is full: the spare would wait, uncounted, for a slot)
         spare = (
-            self.spares.claim(pid_, cwd, model)
+            self.spares.claim(principal_id, cwd, model)
             if req.session_id is None and self.hibernation.slots.free
             else None
         )
@@ -386,7 +401,7 @@ class Runner:
             spare = None
         record = SessionRecord(
             session_id=sid if spare is None else spare.session_id,
-            principal_id=pid_,
+            principal_id=principal_id,
             claude_session=str(uuid.uuid4()) if spare is None else spare.claude_session,
             started_at=time.time(),
             cwd=cwd,
@@ -403,7 +418,7 @@ class Runner:
             self.sessions.remove(session)
             self._publish(
                 "sage.v1.event.session_rejected",
-                {"principal_id": pid_, "reason": exc.code, "message": str(exc)},
+                {"principal_id": principal_id, "reason": exc.code, "message": str(exc)},
             )
             raise
         return {"ok": True, "session_id": sid, "pid": pid}
