@@ -123,21 +123,19 @@ class FleetSide:
                 "not_authorized", "only the supervisor adopts another node's session"
             )
         req = msgspec.json.decode(request.payload, type=AdoptRequest)
-        sid, principal_id = req.session_id, req.principal_id
+        sid, who = req.session_id, req.principal_id
         if not (valid_id(sid) and valid_id(req.from_node)) or sid.startswith("repl-"):
             raise SessionError("invalid_session_id", "session ids are 1-64 of [A-Za-z0-9_-]")
         if not _UUID.match(req.claude_session):
             raise SessionError("bad_request", "claude_session is not a uuid")
-        principal = self.principal(principal_id)
+        principal = self.principal(who)
         if principal is None:
-            raise SessionError("unknown_principal", f"no principal {principal_id!r} is configured")
+            raise SessionError("unknown_principal", f"no principal {who!r} is configured")
         if principal.interaction_mode == "repl":
-            raise SessionError(
-                "interaction_mode_is_repl", f"principal {principal_id!r} uses a terminal"
-            )
+            raise SessionError("interaction_mode_is_repl", f"principal {who!r} uses a terminal")
         cwd = work_folder(principal, self.config.home_of(principal), req.cwd or None)
         model = chosen_model(principal, req.model or None)
-        if await taken_by_another(self.ctx.state, sid, principal_id):
+        if await taken_by_another(self.ctx.state, sid, who):
             raise SessionError("duplicate_session", f"session {sid!r} exists")
         holder = next(
             (
@@ -156,7 +154,7 @@ class FleetSide:
         admission = judge(
             Join.ADOPT_ASLEEP if req.asleep else Join.ADOPT,
             sid,
-            principal_id,
+            who,
             sessions=self.sessions,
             room=self.hibernation,
             config=self.config,
@@ -166,7 +164,7 @@ class FleetSide:
         node = self.config.fleet.node if self.config.fleet is not None else ""
         record = SessionRecord(
             session_id=sid,
-            principal_id=principal_id,
+            principal_id=who,
             claude_session=req.claude_session,
             started_at=min(req.started_at, time.time()) or time.time(),  # its age goes on
             cwd=cwd,
@@ -189,7 +187,7 @@ class FleetSide:
                 sid,
                 "hibernated",
                 {
-                    "principal_id": principal_id,
+                    "principal_id": who,
                     "session_id": sid,
                     "turns": req.turns,
                     "hibernated_at": record.hibernated_at,
@@ -219,7 +217,7 @@ class FleetSide:
         self.session_event(
             sid,
             "resumed",
-            {"principal_id": principal_id, "reason": "failover", "from_node": req.from_node},
+            {"principal_id": who, "reason": "failover", "from_node": req.from_node},
         )
         self._failed_over(req, node, pid)
         return {"ok": True, "session_id": sid, "pid": pid}

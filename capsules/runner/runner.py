@@ -325,74 +325,59 @@ class Runner:
     async def _spawn(self, request: Envelope) -> dict[str, Any]:
         req = msgspec.json.decode(request.payload, type=SpawnRequest)
         config = self.config
-        principal_id = req.principal_id
-        if request.principal is not None and request.principal != principal_id:
+        who = req.principal_id
+        if request.principal is not None and request.principal != who:
             raise self._reject(
-                request,
-                principal_id,
-                "not_authorized",
-                f"you may not act for principal {principal_id!r}",
+                request, who, "not_authorized", f"you may not act for principal {who!r}"
             )
         try:
-            principal = self.principal(principal_id)
+            principal = self.principal(who)
         except SettingsError as exc:
-            raise self._reject(request, principal_id, exc.code, str(exc)) from None
+            raise self._reject(request, who, exc.code, str(exc)) from None
         if principal is None:
             raise self._reject(
-                request,
-                principal_id,
-                "unknown_principal",
-                f"no principal {principal_id!r} is configured",
+                request, who, "unknown_principal", f"no principal {who!r} is configured"
             )
         sid = new_session_id() if req.session_id is None else req.session_id
         if not valid_id(sid):
             raise self._reject(
-                request, principal_id, "invalid_session_id", "session ids are 1-64 of [A-Za-z0-9_-]"
+                request, who, "invalid_session_id", "session ids are 1-64 of [A-Za-z0-9_-]"
             )
         if principal.interaction_mode == "repl":
             raise self._reject(
                 request,
-                principal_id,
+                who,
                 "interaction_mode_is_repl",
-                f"principal {principal_id!r} uses a terminal (repl): run `astrid sage repl {principal_id}`"
+                f"principal {who!r} uses a terminal (repl): run `astrid sage repl {who}`"
                 " instead, or switch it with `astrid sage settings"
-                f" {principal_id} --interaction-mode headless`",
+                f" {who} --interaction-mode headless`",
             )
         try:
             cwd = work_folder(principal, config.home_of(principal), req.cwd)
             model = chosen_model(principal, req.model)
         except SessionError as exc:
-            raise self._reject(request, principal_id, exc.code, str(exc)) from None
+            raise self._reject(request, who, exc.code, str(exc)) from None
         try:  # a principal over a budget starts nothing (sage/usage/admission.py)
-            await admit(self.ctx, principal_id, Verb.SPAWN, sid)
+            await admit(self.ctx, who, Verb.SPAWN, sid)
         except SageError as exc:
-            raise self._reject(request, principal_id, exc.code, str(exc)) from None
-        if sid.startswith("repl-") or await taken_by_another(self.ctx.state, sid, principal_id):
+            raise self._reject(request, who, exc.code, str(exc)) from None
+        if sid.startswith("repl-") or await taken_by_another(self.ctx.state, sid, who):
             # an ended session's id stays its principal's: its record, history and
             # session-scoped tools must not pass to someone else
             raise self._reject(
-                request,
-                principal_id,
-                "duplicate_session",
-                f"session {sid!r} exists",
-                session_id=sid,
+                request, who, "duplicate_session", f"session {sid!r} exists", session_id=sid
             )
         admission = judge(
-            Join.SPAWN,
-            sid,
-            principal_id,
-            sessions=self.sessions,
-            room=self.hibernation,
-            config=config,
+            Join.SPAWN, sid, who, sessions=self.sessions, room=self.hibernation, config=config
         )
         if not admission.admitted:
             refused = admission.error()
             extra = {"session_id": sid} if refused.code == "duplicate_session" else {}
-            raise self._reject(request, principal_id, refused.code, str(refused), **extra)
+            raise self._reject(request, who, refused.code, str(refused), **extra)
         # a spawn that names no session id may take a spare (its ids are chosen already)
         # (not while the host is full: the spare would wait, uncounted, for a slot)
         spare = (
-            self.spares.claim(principal_id, cwd, model)
+            self.spares.claim(who, cwd, model)
             if req.session_id is None and self.hibernation.slots.free
             else None
         )
@@ -401,7 +386,7 @@ class Runner:
             spare = None
         record = SessionRecord(
             session_id=sid if spare is None else spare.session_id,
-            principal_id=principal_id,
+            principal_id=who,
             claude_session=str(uuid.uuid4()) if spare is None else spare.claude_session,
             started_at=time.time(),
             cwd=cwd,
@@ -418,7 +403,7 @@ class Runner:
             self.sessions.remove(session)
             self._publish(
                 "sage.v1.event.session_rejected",
-                {"principal_id": principal_id, "reason": exc.code, "message": str(exc)},
+                {"principal_id": who, "reason": exc.code, "message": str(exc)},
             )
             raise
         return {"ok": True, "session_id": sid, "pid": pid}
