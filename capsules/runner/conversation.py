@@ -62,6 +62,9 @@ __all__ = (
 
 AUTH_STATUSES: Final = frozenset({401, 403})
 MESSAGE_CHARS: Final = 1000
+INTERRUPTED_EXIT_WITHIN: Final = 10.0
+"""Seconds after an interrupted turn's result within which a child's error exit is the
+interrupt's (Conversation.resumable), not a crash of its own."""
 """Of a failed turn's result text, what its ``done`` event carries as ``message``."""
 AUTH_ERROR: Final = "authentication_failed"  # an assistant message's ``error`` for a 401/403
 TOOL_INPUT_SHOWN: Final = (
@@ -168,8 +171,9 @@ class Conversation:
         self._streaming = ""  # the message id of the last message_start
         self.interrupt_sent = False
         """An interrupt went to the CLI during the running turn (:meth:`interrupting`)."""
-        self.last_turn_interrupted = False
-        """The last turn that ended was interrupted, and no turn was sent since."""
+        self.last_turn_interrupted_at: float | None = None
+        """When the last turn that ended was interrupted with no other in flight (None:
+        it was not, or a turn was sent since)."""
         self.interrupt_for: tuple[TurnEnd, str] | None = None
         """Why sage interrupts the running turn (a budget), for its ``done`` event."""
 
@@ -201,7 +205,7 @@ class Conversation:
     def sent(self) -> int:
         """A user turn was written; its number."""
         self.turn.started += 1
-        self.last_turn_interrupted = False
+        self.last_turn_interrupted_at = None
         if self.state is ProcessState.READY:
             self._move(ProcessState.BUSY)
         return self.turn.started
@@ -210,7 +214,8 @@ class Conversation:
         """An interrupt goes to the CLI while a turn runs: the turn's ``done`` says
         ``interrupted``, or sage's own reason when ``because`` gives one (a budget)."""
         self.interrupt_sent = True
-        self.interrupt_for = because
+        if because is not None:  # a person's interrupt after the ledger's keeps its why
+            self.interrupt_for = because
 
     def initialized(self) -> None:
         """``initialize`` was answered in the right mode: the child takes turns."""
@@ -228,15 +233,18 @@ class Conversation:
             return self.reason
         return EndReason.EXITED if exit_code == 0 else EndReason.CRASHED
 
-    def resumable(self, exit_code: int | None, signal: int | None) -> bool:
-        """Whether a child that ended so, on its own, is to be resumed rather than the
-        session ended: it exited with an error status (no signal, no reason of sage's)
-        after an interrupted turn and before another was sent.  The floor of the
-        supported range (2.1.275) exits 1 when a turn is interrupted between a tool's
-        result and the next model call; the conversation is intact on disk."""
+    def resumable(self, exit_code: int | None, signal: int | None, now: float) -> bool:
+        """Whether a child that ended so, on its own, at ``now`` is to be resumed rather
+        than the session ended: it exited with an error status (no signal, no reason of
+        sage's) within :data:`INTERRUPTED_EXIT_WITHIN` seconds of an interrupted turn's
+        result, with no turn sent since.  The floor of the supported range (2.1.275)
+        exits 1 when a turn is interrupted between a tool's result and the next model
+        call; the conversation is intact on disk."""
+        at = self.last_turn_interrupted_at
         return (
             self.reason is None
-            and self.last_turn_interrupted
+            and at is not None
+            and now - at <= INTERRUPTED_EXIT_WITHIN
             and signal is None
             and exit_code not in (None, 0)
         )
@@ -260,7 +268,7 @@ class Conversation:
         if isinstance(event, AssistantMessage):
             return self._assistant(event, now)
         if isinstance(event, ResultMessage):
-            return self._result(event)
+            return self._result(event, now)
         if isinstance(event, UserMessage):
             return self._tool_results(event, now)
         if isinstance(event, SystemApiRetry):
@@ -468,7 +476,7 @@ class Conversation:
             )
         return out
 
-    def _result(self, msg: ResultMessage) -> list[Output]:
+    def _result(self, msg: ResultMessage, now: float) -> list[Output]:
         self._tool_started.clear()  # a call the CLI never echoed ends with its turn
         self.turn.finished += 1
         self.turn.cost_usd = max(self.turn.cost_usd, msg.total_cost_usd)
@@ -487,7 +495,12 @@ class Conversation:
             reason = TurnEnd.INTERRUPTED
         if reason is TurnEnd.INTERRUPTED and self.interrupt_for is not None:
             reason, message = self.interrupt_for  # sage interrupted it, and says why
-        self.last_turn_interrupted = self.interrupt_sent
+        # resumable only with nothing else in flight: a turn written after the interrupted
+        # one went to the child that exits, and a resumed child would never answer it
+        if self.interrupt_sent and self.turn.finished >= self.turn.started:
+            self.last_turn_interrupted_at = now
+        else:
+            self.last_turn_interrupted_at = None
         self.interrupt_sent, self.interrupt_for = False, None
         out: list[Output] = [
             Publish(

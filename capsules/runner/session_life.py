@@ -177,6 +177,8 @@ class SessionLife:
                     ending = session.ending
                     if session.proc is not None:
                         session.count(session.proc)
+                        if ending is not None:
+                            self._resume_if_interrupted(session, session.proc, ending)
                 else:
                     try:
                         launch = await self.launcher.prepare(session, resume=resume)
@@ -197,14 +199,7 @@ class SessionLife:
                         ending = session.ending
                         assert ending is not None
                         session.count(proc)
-                        status = ending.status
-                        if proc.conversation.resumable(status.exit_code, status.signal):
-                            log.warning(
-                                "session.resumed_after_interrupt",
-                                session_id=session.id,
-                                exit_code=status.exit_code,
-                            )
-                            session.respawn(INTERRUPTED_EXIT)
+                        self._resume_if_interrupted(session, proc, ending)
                 first = False
                 waking = session.state is SessionState.WAKING
                 step = session.after_child(
@@ -252,6 +247,16 @@ class SessionLife:
             raise  # the first start failed: the spawn request says why
         reason = ending.reason if ending is not None else EndReason.EXITED
         await self.ended(session, ending, session.end_reason or reason)
+
+    def _resume_if_interrupted(self, session: Session, proc: ClaudeProcess, ending: Ending) -> None:
+        """A child that exited with an error right after an interrupted turn (the floor
+        CLI does: Conversation.resumable) is followed by one that resumes it."""
+        status = ending.status
+        if proc.conversation.resumable(status.exit_code, status.signal, time.monotonic()):
+            log.warning(
+                "session.resumed_after_interrupt", session_id=session.id, exit_code=status.exit_code
+            )
+            session.respawn(INTERRUPTED_EXIT)
 
     async def _abandon(self, session: Session, ending: Ending | None) -> None:
         self.audit(

@@ -15,6 +15,7 @@ import pytest
 
 from capsules.runner.conversation import (
     CONTENT_SHOWN,
+    INTERRUPTED_EXIT_WITHIN,
     PROCESS_TRANSITIONS,
     Conversation,
     EndReason,
@@ -617,8 +618,9 @@ def test_an_interrupted_turn_that_an_older_cli_calls_an_execution_error(
 
 
 def test_only_an_error_exit_right_after_an_interrupted_turn_is_resumable() -> None:
-    """Exit 1 after an interrupted turn: resume; a signal, exit 0, a reason of sage's,
-    or a turn sent since: the session ends as before."""
+    """Exit 1 soon after an interrupted turn: resume; a signal, exit 0, a reason of
+    sage's, a turn sent since (or still queued), or an exit long after: the session
+    ends as before."""
     result = dict(
         recorded("print_text_only.jsonl")[-1], is_error=True, subtype="error_during_execution"
     )
@@ -626,18 +628,39 @@ def test_only_an_error_exit_right_after_an_interrupted_turn_is_resumable() -> No
     conv = conversation()
     conv.initialized()
     conv.sent()
-    assert not conv.resumable(1, None)  # no interrupt
+    assert not conv.resumable(1, None, 0.0)  # no interrupt
     conv.interrupting()
-    conv.receive(decode(result)[0], 0.0)
-    assert conv.resumable(1, None)
-    assert not conv.resumable(None, 9)  # killed
-    assert not conv.resumable(0, None)  # a clean exit
+    conv.receive(decode(result)[0], 100.0)
+    assert conv.resumable(1, None, 101.0)
+    assert not conv.resumable(1, None, 100.0 + INTERRUPTED_EXIT_WITHIN + 1)  # long after
+    assert not conv.resumable(None, 9, 101.0)  # killed
+    assert not conv.resumable(0, None, 101.0)  # a clean exit
     conv.sent()
-    assert not conv.resumable(1, None)  # a new turn went out since
+    assert not conv.resumable(1, None, 101.0)  # a new turn went out since
+    queued = conversation()
+    queued.initialized()
+    queued.sent()
+    queued.sent()  # a second turn waits behind the first
+    queued.interrupting()
+    queued.receive(decode(result)[0], 100.0)
+    assert not queued.resumable(1, None, 101.0)  # the resumed child would never answer it
     other = conversation()
     other.initialized()
     other.sent()
     other.interrupting()
-    other.receive(decode(result)[0], 0.0)
+    other.receive(decode(result)[0], 100.0)
     other.end(EndReason.STOPPED)
-    assert not other.resumable(1, None)  # sage ended it
+    assert not other.resumable(1, None, 101.0)  # sage ended it
+
+
+def test_a_persons_interrupt_after_the_ledgers_keeps_the_budget_reason() -> None:
+    result = dict(
+        recorded("print_text_only.jsonl")[-1], is_error=True, subtype="error_during_execution"
+    )
+    conv = conversation()
+    conv.initialized()
+    conv.sent()
+    conv.interrupting((TurnEnd.BUDGET_EXCEEDED, "over"))
+    conv.interrupting()
+    (done,) = published(conv.receive(decode(result)[0], 0.0), "done")
+    assert (done["reason"], done["message"]) == ("budget_exceeded", "over")
