@@ -522,7 +522,7 @@ def new_client(config: FleetConfig) -> Nats:
             if ssl_object is None:
                 raise PlainTextRefused(
                     "the server answered without TLS, which [fleet] wants: the credentials"
-                    " were not sent (does the server have a tls block?)"
+                    " were not sent (does the server have a tls block, without allow_non_tls?)"
                 )
             command: bytes = super()._connect_command()
             return command
