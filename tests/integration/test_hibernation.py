@@ -12,6 +12,7 @@ import os
 import signal
 import sqlite3
 import time
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -483,3 +484,34 @@ async def test_a_wake_at_the_principals_cap_waits_for_its_busy_session() -> None
         assert answers == ["echo: back"]
         rows = await _rows(sage)
         assert rows["two"]["state"] in ("hibernating", "hibernated")
+
+
+async def test_a_woken_child_killed_before_it_answers_initialize_ends_resume_failed(
+    tmp_path: Path,
+) -> None:
+    """The lifecycle soak's find (seed 1023927600, under load): a wake request returns once
+    the child runs, so a SIGKILL may land before that child answers ``initialize``; the
+    session then ends ``resume_failed: crashed`` (with the signal), not ``crashed``, and
+    says so in the listing and to a send."""
+    slow = tmp_path / "claude"  # a --resume child that takes 3 s to start
+    slow.write_text(
+        f'#!/bin/sh\ncase " $* " in *" --resume "*) sleep 3;; esac\nexec {FAKE_CLAUDE} "$@"\n'
+    )
+    slow.chmod(0o755)
+    config = _config("hibernate_after = 0.3\n").replace(str(FAKE_CLAUDE), str(slow))
+    async with running_sage(config, env=ENV) as sage:
+        events = await sage.ready("w")
+        assert await _turn(sage, events, "w", "hello") == "echo: hello"
+        await events.until("hibernated", within=10)
+        assert (await sage.request("sage.v1.request.wake.w", {}))["ok"]
+        row = (await _rows(sage))["w"]
+        assert row["state"] == "waking", row
+        os.kill(row["pid"], signal.SIGKILL)
+        _, exited = (await events.until("exited", within=10))[-1]
+        assert (exited["reason"], exited["signal"]) == ("resume_failed: crashed", 9), exited
+        ended = (await sage.request("sage.v1.request.sessions", {"all": True}))["sessions"]
+        assert [(r["state"], r["reason"]) for r in ended if r["session_id"] == "w"] == [
+            ("ended", "resume_failed: crashed")
+        ]
+        reply = await sage.send("w", "still there?")
+        assert (reply["ok"], reply["error"]) == (False, "session_ended"), reply
