@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from dataclasses import dataclass, field
 
 import hypothesis.strategies as st
@@ -111,10 +112,15 @@ class Lifecycle(RuleBasedStateMachine):
 
     def _check(self, condition: object, what: object) -> None:
         """An assertion whose message carries the steps so far, as commands: a failure
-        that a replay cannot reproduce (timing) is still told in full."""
+        that a replay cannot reproduce (timing) is still told in full.  It is printed
+        the moment it is seen too: a replay that draws differently (a precondition on
+        the supervisor's answers) ends in hypothesis' FlakyStrategyDefinition, which
+        hides the first failure (seed 2449514422 did)."""
         if not condition:
             steps = "\n  ".join(self.rig.commands)
-            raise AssertionError(f"{what}\nthe steps, as commands:\n  {steps}")
+            message = f"{what}\nthe steps, as commands:\n  {steps}"
+            print(f"lifecycle: invariant broken: {message}", file=sys.stderr, flush=True)
+            raise AssertionError(message)
 
     def _say(self, *commands: str) -> None:
         for command in commands:
