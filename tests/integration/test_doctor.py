@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import shutil
 import socket
 import subprocess
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +18,7 @@ from sage.claude.binary import FLOOR, NEWEST_TESTED
 from sage.cli import main
 from sage.security.bwrap import probe_bwrap, sandbox_argv
 from tests.support.daemon import ASTRID, Daemon, short_dir
+from tests.support.refusing_api import refusing_api
 
 SECRET = "sk-ant-do-not-print-me"
 _PRINCIPAL = '\n[[principals]]\nname = "alice"\nuids = [4242]\n'
@@ -32,28 +31,10 @@ def _fake_claude(folder: Path, version: str) -> Path:
     return path
 
 
-class _Api(http.server.BaseHTTPRequestHandler):
-    """A Messages API that answers every request 401, as the real one does without a key."""
-
-    def do_GET(self) -> None:
-        self.send_response(401)
-        self.send_header("content-length", "0")
-        self.end_headers()
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
 def api_url() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Api)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with refusing_api() as url:
+        yield url
 
 
 _API_URL = ""

@@ -8,10 +8,8 @@ which makes the fleet's streams), ``astrid doctor --json`` as a command.
 
 from __future__ import annotations
 
-import http.server
 import json
 import subprocess
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,30 +20,13 @@ import pytest
 from sage.fleet.streams import STREAMS
 from tests.support.daemon import ASTRID, Daemon, short_dir
 from tests.support.nats_cluster import JS_TIMEOUT, NatsCluster, free_port
-
-
-class _Api(http.server.BaseHTTPRequestHandler):
-    """A Messages API that answers 401, as the real one does without a key."""
-
-    def do_GET(self) -> None:
-        self.send_response(401)
-        self.send_header("content-length", "0")
-        self.end_headers()
-
-    def log_message(self, *args: Any) -> None:
-        pass
+from tests.support.refusing_api import refusing_api
 
 
 @pytest.fixture(scope="module")
 def api_url() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Api)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with refusing_api() as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
