@@ -1,8 +1,9 @@
 """The contract of the usage ledger's report (``sage.v1.request.usage.report``): what the
 supervisor's usage service answers and what ``sage.client`` and ``astrid sage usage``
-read (docs/topics.md, "Usage ledger"); and what one node asks another for a fleet's
+read (docs/topics.md, "Usage ledger"); what one node asks another for a fleet's
 report (``sage.fleet.<node>.request.<origin>.usage``: :class:`NodeRowsRequest`, answered
-:class:`NodeRows`).  Sans-IO.
+:class:`NodeRows`); and the spend a node tells the others in each heartbeat record, for
+budgets that hold across the fleet (:class:`SpendReport`).  Sans-IO.
 
 A row's fields are bounded (:class:`ReportRow`): another node's answer is decoded with
 these bounds, so a node cannot hand the asker a negative, infinite or giant figure or
@@ -14,11 +15,15 @@ from typing import Annotated, Final, Literal
 
 import msgspec
 
+from sage.config import NAME_PATTERN
+
 __all__ = (
     "BUDGET_TOPIC",
     "DAY_PATTERN",
     "GROUPINGS",
     "MAX_NODE_ROWS",
+    "MAX_SPEND_PRINCIPALS",
+    "MONTH_PATTERN",
     "REPORT_TOPIC",
     "USAGE_VERB",
     "BudgetRow",
@@ -27,6 +32,8 @@ __all__ = (
     "NodeRowsRequest",
     "ReportRequest",
     "ReportRow",
+    "ReportedSpend",
+    "SpendReport",
     "UsageReport",
 )
 
@@ -41,6 +48,10 @@ NATS's default 1 MiB payload): a node with more says so, and an answer with more
 taken."""
 DAY_PATTERN: Final = r"^\d{4}-\d{2}-\d{2}\Z"
 """A UTC day, ``YYYY-MM-DD``."""
+MONTH_PATTERN: Final = r"^\d{4}-\d{2}\Z"
+"""A UTC month, ``YYYY-MM``."""
+MAX_SPEND_PRINCIPALS: Final = 10_000
+"""The most principals one heartbeat's :class:`SpendReport` names (as its ``principals``)."""
 
 _Count = Annotated[int, msgspec.Meta(ge=0, le=10**15)]
 """Tokens or calls: never negative; 10^15 is more than any ledger holds (and a float's
@@ -138,3 +149,33 @@ class NodeRows(msgspec.Struct, frozen=True, kw_only=True):
 
     ok: bool = True
     rows: Annotated[list[ReportRow], msgspec.Meta(max_length=MAX_NODE_ROWS)]
+
+
+class ReportedSpend(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """One principal's spend on one node in a :class:`SpendReport`'s day and month."""
+
+    tokens_day: _Count = 0
+    usd_day: _Usd = 0.0
+    usd_month: _Usd = 0.0
+
+    def __post_init__(self) -> None:
+        if self.usd_day > self.usd_month * (1 + 1e-9) + 1e-9:
+            raise ValueError(f"usd_day {self.usd_day} is more than usd_month {self.usd_month}")
+
+
+class SpendReport(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """What a node has spent this UTC ``day`` and ``month``, by principal: carried in its
+    heartbeat record (sage/fleet/nodes.py, ``NodeRecord.spend``) so that every node counts
+    a principal's spend across the fleet against its budgets (sage/fleet/spend.py).
+    Decoded with these bounds: a record that breaks them is read without its spend."""
+
+    day: Annotated[str, msgspec.Meta(pattern=DAY_PATTERN)]
+    month: Annotated[str, msgspec.Meta(pattern=MONTH_PATTERN)]
+    principals: Annotated[
+        dict[Annotated[str, msgspec.Meta(pattern=NAME_PATTERN)], ReportedSpend],
+        msgspec.Meta(max_length=MAX_SPEND_PRINCIPALS),
+    ]
+
+    def __post_init__(self) -> None:
+        if not self.day.startswith(self.month):
+            raise ValueError(f"day {self.day} is not of month {self.month}")

@@ -19,7 +19,9 @@ Each heartbeat carries the node's load, which the supervisor's ``load_source``
 reads from the session runner (:func:`runner_load`, ``sage.v1.request.slots``),
 and the principals its config names: what placement by load reads
 (sage/fleet/placement.py).  A runner that does not answer within
-:data:`LOAD_WAIT` seconds leaves the load out of that heartbeat, never the beat.
+:data:`LOAD_WAIT` seconds leaves the load out of that heartbeat, never the beat.  And
+it carries what the node spent this period, by principal (``spend_source``), which
+the other nodes count against budgets (sage/fleet/spend.py).
 
 nats-py is imported only here (and by ``astrid doctor``'s sage/fleet/probe.py), and
 only when ``[fleet]`` is set: a single host runs without it.
@@ -45,6 +47,7 @@ from sage import replies
 from sage.config import FleetConfig
 from sage.contract.codes import ErrorCode
 from sage.contract.sessions import FLEET_STATUS_TOPIC, SlotsReply, Verb, request_topic
+from sage.contract.usage import SpendReport
 from sage.errors import (
     FleetAuthFailed,
     FleetError,
@@ -245,6 +248,9 @@ class FleetMember:
         """What the node's load is now (set by the supervisor); None: not said."""
         self.principals: Callable[[], list[str]] | None = None
         """The principals the node's config names now; None: not said."""
+        self.spend_source: Callable[[], SpendReport] | None = None
+        """What the node spent this period (set by the fleet's router from the usage
+        service: sage/fleet/spend.py); None: not said (no ledger)."""
 
     @property
     def nats(self) -> Nats:
@@ -271,6 +277,7 @@ class FleetMember:
             stopped=stopped,
             load=load,
             principals=None if self.principals is None else self.principals(),
+            spend=None if self.spend_source is None else self.spend_source(),
         )
 
     async def load(self) -> NodeLoad | None:

@@ -18,6 +18,13 @@ that is out of bounds (negative, past :data:`MOST`, more idle than live) or a
 principal that is not a name leaves the node's liveness as it is and its load
 and principals unknown (named in ``NodeTable.unknown_load``): placement
 (sage/fleet/placement.py) never trusts what it cannot check.
+
+And it says what the node spent this UTC day and month, by principal
+(:class:`~sage.contract.usage.SpendReport`), which the other nodes count against
+budgets (sage/fleet/spend.py).  A spend out of its bounds leaves it unknown
+(named in ``NodeTable.unknown_load`` too), and the load and principals as they are.
+``astrid fleet status`` never shows it (:meth:`NodeView.to_builtins`): spend is
+``astrid sage usage``'s, which shows a principal only its own.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from typing import Annotated, Any
 import msgspec
 
 from sage.config import NAME_PATTERN
+from sage.contract.usage import SpendReport
 from sage.errors import FleetRecordError
 
 __all__ = (
@@ -93,6 +101,9 @@ class NodeRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """Its sessions; None: unknown (an older node, or its runner did not answer)."""
     principals: Annotated[list[_Principal], msgspec.Meta(max_length=10_000)] | None = None
     """The principals its config names; None: unknown (an older node)."""
+    spend: SpendReport | None = None
+    """What it spent this UTC day and month, by principal; None: unknown (an older node,
+    a node that keeps no ledger, or a report out of bounds)."""
 
     def encode(self) -> bytes:
         return msgspec.json.encode(self)
@@ -110,7 +121,15 @@ class _Liveness(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     stopped: bool = False
 
 
+class _Placed(_Liveness, frozen=True, kw_only=True, forbid_unknown_fields=False):
+    """A record read without its spend (when that cannot be used)."""
+
+    load: NodeLoad | None = None
+    principals: Annotated[list[_Principal], msgspec.Meta(max_length=10_000)] | None = None
+
+
 _decoder = msgspec.json.Decoder(NodeRecord)
+_placed_decoder = msgspec.json.Decoder(_Placed)
 _liveness_decoder = msgspec.json.Decoder(_Liveness)
 
 
@@ -135,13 +154,18 @@ def _decode(data: bytes) -> NodeRecord:
     try:
         return _decoder.decode(data)
     except msgspec.ValidationError:
+        pass
+    try:
+        placed = _placed_decoder.decode(data)  # a spend out of bounds: left out
+        return NodeRecord(**msgspec.structs.asdict(placed))
+    except msgspec.ValidationError:
         liveness = _liveness_decoder.decode(data)  # raises when the liveness is bad too
     return NodeRecord(**msgspec.structs.asdict(liveness))
 
 
 def load_problem(data: bytes) -> str | None:
-    """Why the load or principals of a record are left unknown; None: they are usable
-    (or absent).  Only for a record :func:`decode_record` took."""
+    """Why the load, principals or spend of a record are left unknown; None: they are
+    usable (or absent).  Only for a record :func:`decode_record` took."""
     try:
         _decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -168,9 +192,13 @@ class NodeView(msgspec.Struct, frozen=True, kw_only=True):
     """Seconds since the node's last heartbeat (negative: its clock is ahead of ours)."""
     load: NodeLoad | None = None
     principals: list[str] | None = None
+    spend: SpendReport | None = None
+    """What the node spent (for budgets); never in :meth:`to_builtins`."""
 
     def to_builtins(self) -> dict[str, Any]:
+        """The view as ``astrid fleet status`` shows it: without the spend."""
         out: dict[str, Any] = msgspec.to_builtins(self)
+        out.pop("spend", None)
         return out
 
 
@@ -185,7 +213,7 @@ class NodeTable:
         self.ignored: dict[str, str] = {}
         """key -> why its record was left out."""
         self.unknown_load: dict[str, str] = {}
-        """key -> why its record's load and principals were left unknown."""
+        """key -> why its record's load, principals or spend were left unknown."""
 
     def observe(self, key: str, data: bytes) -> NodeRecord | None:
         """Take the record stored under ``key``; None (and noted) when it is unusable."""
@@ -197,7 +225,8 @@ class NodeTable:
             self.ignored[key] = str(exc)
             return None
         self.ignored.pop(key, None)
-        problem = load_problem(data) if record.load is None or record.principals is None else None
+        unknown = record.load is None or record.principals is None or record.spend is None
+        problem = load_problem(data) if unknown else None
         if problem is None:
             self.unknown_load.pop(key, None)
         else:
@@ -231,6 +260,7 @@ class NodeTable:
                 age_s=round(now - record.heartbeat_at, 3),
                 load=record.load,
                 principals=record.principals,
+                spend=record.spend,
             )
             for _, record in sorted(self._records.items())
         ]

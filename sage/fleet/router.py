@@ -145,6 +145,7 @@ class Router:
         if usage is not None and self.usage is not None:
             usage.fleet_report = self.usage.report  # ``fleet``: no longer not_in_fleet
             self.forwarding.usage_rows = self.usage.answer
+            member.spend_source = usage.spend_report  # each heartbeat says what it spent
         self.relays = Relays(bus, member, self.identity, self.runner, self.forwarding.forward)
 
     async def _stand_in(self, sid: str, principal: str | None, payload: bytes) -> dict[str, Any]:
@@ -185,6 +186,8 @@ class Router:
                 tg.start_soon(self.relays.prune)
                 tg.start_soon(self.keeper.keep)
                 tg.start_soon(self.fencer.keep)
+                if self.usage is not None:  # budgets count the other nodes' spend
+                    tg.start_soon(self.usage.keep_counting)
                 if self.failover is not None:
                     await self.failover.run(tg)
                 if self.member.registry is not None:

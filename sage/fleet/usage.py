@@ -1,5 +1,6 @@
-"""A fleet's usage report: every live node's ledger, asked at once (``astrid sage usage
---fleet``, ``sage.client.Sage.usage(fleet=True)``).
+"""A fleet's usage: every live node's ledger, asked at once (``astrid sage usage
+--fleet``, ``sage.client.Sage.usage(fleet=True)``), and every node's spend counted
+against budgets here.
 
 The thin shell around sage/usage/fleet_report.py, wired by the router:
 
@@ -17,11 +18,15 @@ The thin shell around sage/usage/fleet_report.py, wired by the router:
   this node's rows for the principal the forwarded request carries (vouched before it
   gets here), at most :data:`~sage.contract.usage.MAX_NODE_ROWS` (more:
   ``payload_too_large``, and the asker names this node).
+- **Counting** (:meth:`FleetUsage.keep_counting`): at every heartbeat, the other nodes'
+  spend as their heartbeat records report it, taken as sage/fleet/spend.py
+  decides, becomes the usage service's ``elsewhere``.  The node table unreadable: the
+  last count stays (logged once, and once when it reads again).
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable
 from typing import Any, Final, Protocol
 
 import anyio
@@ -43,6 +48,7 @@ from sage.fleet.forwarding import LISTING_DEADLINE
 from sage.fleet.member import FleetMember
 from sage.fleet.nats_errors import code_of, describe, nats_errors
 from sage.fleet.nodes import NodeState
+from sage.fleet.spend import Reported, counted
 from sage.usage.fleet_report import fleet_report, taken
 from sage.usage.service import UsageService
 
@@ -77,6 +83,39 @@ class FleetUsage:
         self.node = member.node
         self.usage = usage
         self.ask = ask
+        self._left_out: dict[str, str] = {}
+
+    async def keep_counting(self) -> None:
+        """Count the other nodes' spend at every heartbeat, for ever (see the module
+        docstring)."""
+        failing = False
+        while True:
+            try:
+                with nats_errors("the node table"), anyio.fail_after(LISTING_DEADLINE):
+                    views = await self.member.nodes()
+            except FleetError as exc:
+                if not failing:
+                    log.warning("fleet.spend_unread", node=self.node, error=describe(exc))
+                failing = True
+            else:
+                if failing:
+                    log.info("fleet.spend_read", node=self.node)
+                failing = False
+                self.count(
+                    Reported(v.node, v.principals, v.heartbeat_at, v.spend) for v in views
+                )
+            await anyio.sleep(self.member.config.heartbeat)
+
+    def count(self, reports: Iterable[Reported]) -> None:
+        """The other nodes' ``reports`` become the usage service's ``elsewhere``; a node
+        whose report is left out in part is logged when that changes."""
+        fleet = self.usage.config.fleet
+        found = counted(self.node, reports, fleet.peers if fleet is not None else {})
+        self.usage.elsewhere = found.elsewhere
+        for node, why in found.left_out.items():
+            if self._left_out.get(node) != why:
+                log.warning("fleet.spend_left_out", node=node, reason=why)
+        self._left_out = found.left_out
 
     async def report(self, req: ReportRequest, principal: str | None) -> dict[str, Any]:
         """Every live node's rows of ``req`` for ``principal`` (None: an admin's, all),

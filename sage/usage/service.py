@@ -27,7 +27,8 @@ shell around the ledger (sage/usage/ledger.py) and the budget policy
   runtime, kept in the ledger, audited ``budget_changed`` with before and after.
 
 In a fleet the spend that counts is this node's plus what the other nodes last
-reported (:attr:`UsageService.elsewhere`, kept by sage/usage/fleet.py).
+reported in their heartbeat records (:attr:`UsageService.elsewhere`: sage/fleet/
+spend.py decides what counts, sage/fleet/usage.py keeps it).
 """
 
 from __future__ import annotations
@@ -51,10 +52,13 @@ from sage.contract.sessions import InterruptRequest, TurnEnd, Verb, request_topi
 from sage.contract.usage import (
     BUDGET_TOPIC,
     DAY_PATTERN,
+    MAX_SPEND_PRINCIPALS,
     REPORT_TOPIC,
     BudgetRow,
+    ReportedSpend,
     ReportRequest,
     ReportRow,
+    SpendReport,
 )
 from sage.errors import SageError
 from sage.usage.admission import ADMIT_TOPIC, AdmitRequest
@@ -171,7 +175,7 @@ def overlaid(limits: Limits, changes: dict[str, float | None]) -> Limits:
 @dataclass
 class NodeSpend:
     """What another node of the fleet last reported: its day and month, and each
-    principal's spend in them (sage/usage/fleet.py)."""
+    principal's spend in them (sage/fleet/spend.py)."""
 
     day: str
     month: str
@@ -203,7 +207,7 @@ class UsageService:
     spend: dict[str, Spend] = field(default_factory=dict)
     """This node's spend in :attr:`period`, by principal."""
     elsewhere: dict[str, NodeSpend] = field(default_factory=dict)
-    """Other nodes' last reports, by node (sage/usage/fleet.py keeps it)."""
+    """Other nodes' last reports, by node (sage/fleet/usage.py keeps it)."""
     runtime: dict[str, dict[str, float | None]] = field(default_factory=dict)
     """Budgets an admin set at runtime, by principal: kind -> value (None: no budget)."""
     listeners: list[Callable[[Entry], None]] = field(default_factory=list)
@@ -345,10 +349,23 @@ class UsageService:
         names = {p.name for p in self.config.principals} | set(self.spend)
         return sorted(names)
 
-    def own_report(self) -> NodeSpend:
-        """This node's spend this period, for the other nodes."""
+    def spend_report(self) -> SpendReport:
+        """This node's spend this period, for the other nodes (each heartbeat carries it:
+        sage/fleet/spend.py).  At most :data:`MAX_SPEND_PRINCIPALS` principals,
+        the largest spenders this month first (more: a warning, the rest unreported)."""
         period = self.period
-        return NodeSpend(period.day, period.month, self.clock(), dict(self.spend))
+        spent = self.spend
+        if len(spent) > MAX_SPEND_PRINCIPALS:
+            log.warning(
+                "usage.spend_report_truncated", principals=len(spent), most=MAX_SPEND_PRINCIPALS
+            )
+            biggest = sorted(spent, key=lambda p: (-spent[p].usd_month, p))
+            spent = {p: spent[p] for p in biggest[:MAX_SPEND_PRINCIPALS]}
+        return SpendReport(
+            period.day,
+            period.month,
+            {p: ReportedSpend(s.tokens_day, s.usd_day, s.usd_month) for p, s in spent.items()},
+        )
 
     def budget_row(self, principal: str) -> BudgetRow:
         """A principal's budgets, its spend against them and when each resets."""

@@ -5,6 +5,8 @@ Turns on a and b; ``astrid sage usage --fleet`` on a shows both nodes' rows (a p
 only its own, an admin every principal's where the node takes a's admins), a node that
 refuses or is killed is named in the warning, and a node that answers what it was not
 asked (another principal's rows, too many rows) is named and none of its rows count.
+A budget on one node counts what the principal spent on the others (their heartbeat
+records), and a node's report of a principal it does not serve is not counted.
 """
 
 from __future__ import annotations
@@ -13,13 +15,13 @@ import json
 import signal
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import msgspec
 import pytest
 
-from sage.contract.usage import MAX_NODE_ROWS, USAGE_VERB
+from sage.contract.usage import MAX_NODE_ROWS, USAGE_VERB, ReportedSpend, SpendReport
 from sage.fleet.nodes import NodeRecord
 from sage.fleet.permissions import BUCKET
 from sage.fleet.routes import decode_forwarded
@@ -239,6 +241,93 @@ def test_a_node_answering_too_many_rows_is_named_and_not_counted(fleet: Fleet) -
     assert {row["node"] for row in report["rows"]} == {"a", "b"}
     assert f"node 'd' answered {MAX_NODE_ROWS + 1} rows, more than the" in report["warning"]
     assert max(row["tokens"] for row in report["totals"]) < 1_000_000
+
+
+def budget_row(daemon: Daemon, principal: str) -> dict[str, Any]:
+    (row,) = ok_json(daemon, "sage", "usage", principal=principal)["budgets"]
+    assert row["principal_id"] == principal
+    return cast(dict[str, Any], row)
+
+
+def fleet_tokens(daemon: Daemon, principal: str) -> int:
+    """What ``principal`` spent this month on every node, as its fleet report sums it."""
+    report = ok_json(daemon, "sage", "usage", "--fleet", "--by", "principal", principal=principal)
+    return sum(row["tokens"] for row in report["totals"])
+
+
+def plant_spend(cluster: NatsCluster, spend: SpendReport, principals: list[str]) -> None:
+    """As the NATS user d (no supervisor): d's last record, stopped, declaring
+    ``principals`` and reporting ``spend``."""
+
+    async def main() -> None:
+        async with cluster.client("d") as d:
+            kv = await d.jetstream(timeout=JS_TIMEOUT).key_value(BUCKET)
+            now = time.time()
+            record = NodeRecord(
+                node="d",
+                host="rogue",
+                pid=4242,
+                started_at=now - 60,
+                heartbeat_at=now,
+                heartbeat=0.5,
+                stopped=True,
+                principals=principals,
+                spend=spend,
+            )
+            await kv.put("d", record.encode())
+
+    anyio.run(main)
+
+
+def test_a_budget_counts_the_spend_of_every_node(fleet: Fleet) -> None:
+    """alice spends on a; b counts it against her budget within a few heartbeats, and an
+    admin's daily token budget on b above her spend on b but under her spend across the
+    fleet refuses her next spawn there budget_exceeded, naming the fleet's figure.  d,
+    which declares only bob, reporting a billion tokens of alice's, moves neither: its
+    report of bob's spend is counted, of alice's not."""
+    cluster, daemons = fleet
+    a, b = daemons["a"], daemons["b"]
+    turn(a, "budget-a", "alice")
+    spent = fleet_tokens(b, "alice")
+    row = wait_for(
+        lambda: (r := budget_row(b, "alice"))["spend"]["tokens_day"] == spent and r,
+        10.0,
+        "b counting alice's spend on a",
+    )
+    assert row["reported_age_s"] is not None
+    assert row["reported_age_s"] < 5.0
+    own = sum(r["tokens"] for r in ok_json(b, "sage", "usage", "--by", "principal")["rows"])
+    assert 0 < own < spent  # b spent some of it, a the rest
+
+    set_budget = run(
+        b, "sage", "settings", "alice", "--budget-tokens-per-day", str(own + 1), principal=None
+    )
+    assert set_budget.returncode == 0, set_budget.stderr
+    try:
+        refused = run(b, "sage", "spawn", "alice", "--session", "budget-b")
+        assert refused.returncode != 0
+        assert "budget_exceeded" in refused.stderr, refused.stderr
+        assert f"{spent:,} tokens" in refused.stderr, refused.stderr
+
+        bob = budget_row(b, "bob")["spend"]["tokens_day"]
+        day = time.strftime("%Y-%m-%d", time.gmtime())
+        planted = SpendReport(
+            day,
+            day[:7],
+            {"alice": ReportedSpend(10**9, 0.0, 0.0), "bob": ReportedSpend(1, 0.0, 0.0)},
+        )
+        plant_spend(cluster, planted, ["bob"])
+        wait_for(
+            lambda: budget_row(b, "bob")["spend"]["tokens_day"] == bob + 1,
+            10.0,
+            "b counting d's report of bob's spend",
+        )
+        assert budget_row(b, "alice")["spend"]["tokens_day"] == spent
+    finally:
+        reset = run(b, "sage", "settings", "alice", "--budget-reset", principal=None)
+        assert reset.returncode == 0, reset.stderr
+    sent = run(b, "sage", "spawn", "alice", "--session", "budget-b")
+    assert sent.returncode == 0, sent.stderr  # the config's budgets (none) again
 
 
 def test_a_killed_node_is_named_and_the_others_rows_stay(fleet: Fleet) -> None:
