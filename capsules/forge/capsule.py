@@ -52,6 +52,7 @@ from sage.capsule.context import CapsuleContext
 from sage.capsule.sessions import foreign_session, session_owner
 from sage.errors import ForgeError, SageError
 from sage.forge.service import Caller, Forge, mcp_result
+from sage.usage.admission import REPL_FORGE_CALL, admit
 
 __all__ = ("ForgeCapsule", "run")
 
@@ -197,6 +198,11 @@ class ForgeCapsule:
             return mcp_result(
                 replies.error("unknown_session", refusal.removeprefix("unknown_session: "))
             )
+        if op == "call":  # over a budget, no tool runs: a REPL's model calls never pass
+            try:  # through sage, its tool calls do (sage/usage/admission.py)
+                await admit(self.ctx, envelope.principal, REPL_FORGE_CALL, sid)
+            except SageError as exc:
+                return mcp_result(replies.from_error(exc))
         return await self.list_or_call(op, Caller(envelope.principal, sid), data)
 
     async def list_or_call(self, op: str, caller: Caller, data: dict[str, Any]) -> dict[str, Any]:

@@ -72,6 +72,7 @@ from sage.capsule.context import CapsuleContext
 from sage.claude.hooks import NOTIFICATION_TOPIC, SPOOF_TOPIC, hash_token, mint_token
 from sage.errors import SageError
 from sage.security.denials import DenialLimiter
+from sage.usage.admission import REPL_OPEN, admit
 
 __all__ = ("AUDIT_BURST", "HookGate", "run")
 
@@ -208,6 +209,10 @@ class HookGate:
                 return replies.error("unknown_principal", f"no principal {name!r}")
             if request.principal not in (None, name):
                 return replies.error("not_authorized", f"you may not act for {name!r}")
+            try:  # a principal at or past a budget starts no REPL (sage/usage/admission.py)
+                await admit(self.ctx, name, REPL_OPEN)
+            except SageError as exc:
+                return replies.from_error(exc)
             live = await self._live_repl_tokens(name)
             cap = self.ctx.config.limits.max_repl_tokens_per_principal
             if live >= cap:

@@ -69,6 +69,7 @@ from sage.capsule.context import CapsuleContext
 from sage.capsule.sdk import follow
 from sage.capsule.sessions import foreign_session
 from sage.errors import SageError
+from sage.usage.admission import REPL_TOOL_CALL, admit
 
 __all__ = ("DOWN_STATES", "EXECUTE_DEADLINE", "POLICY_FILE", "ToolBridge", "run")
 
@@ -258,7 +259,8 @@ class ToolBridge:
         (``astrid mcp serve`` for REPL sessions).  The principal is the requester's;
         only a caller without one (an admin) may name ``principal_id``.  A
         ``session_id`` must name a session of that principal, else the call is
-        refused (``unknown_session``) and audited without it."""
+        refused (``unknown_session``) and audited without it.  A principal at or past a
+        budget is refused ``budget_exceeded`` (audited, ``decision_source`` the code)."""
         cid = f"r{secrets.token_hex(15)}"
         try:
             call = msgspec.json.decode(envelope.payload, type=ToolCall)
@@ -266,30 +268,50 @@ class ToolBridge:
             result = error_result(f"bad tool call: {exc}")
         else:
             principal = envelope.principal if envelope.principal is not None else call.principal_id
-            refusal = await self._foreign_session(call, principal)
-            if refusal is None:
-                result = await self._decide_and_run(cid, call, principal)
+            foreign = await self._foreign_session(call, principal)
+            over = None if foreign is not None else await self._over_budget(principal, call)
+            if foreign is not None:  # audited without the session id: it is not theirs
+                self._refused(cid, call, principal, None, "foreign_session")
+                result = error_result(foreign)
+            elif over is not None:
+                self._refused(cid, call, principal, call.session_id, over.code)
+                result = error_result(f"{over.code}: {over}")
             else:
-                # audited without the session id the caller named: it is not theirs
-                self._audit(
-                    "tool_call",
-                    {
-                        "principal_id": principal,
-                        "session_id": None,
-                        "call_id": cid,
-                        "tool_use_id": call.tool_use_id,
-                        "tool_name": call.tool_name.removeprefix(PREFIX),
-                        "allowed": False,
-                        "decision_source": "foreign_session",
-                    },
-                    principal,
-                )
-                result = error_result(refusal)
+                result = await self._decide_and_run(cid, call, principal)
         if envelope.reply_to is not None:
             try:
                 self.ctx.reply(envelope, result)
             except BusError as exc:
                 self.log.warning("tools.reply_failed", call_id=cid, error=str(exc))
+
+    async def _over_budget(self, principal: str | None, call: ToolCall) -> SageError | None:
+        """Why a direct call (a REPL's, through ``astrid mcp serve``) may not run: its
+        principal is at or past a budget, or the ledger cannot say (sage/usage/
+        admission.py); None: it may.  A REPL's model calls never pass through sage, so
+        its tool calls are where sage holds it to a budget."""
+        try:
+            await admit(self.ctx, principal, REPL_TOOL_CALL, call.session_id)
+        except SageError as exc:
+            return exc
+        return None
+
+    def _refused(
+        self, cid: str, call: ToolCall, principal: str | None, sid: str | None, source: str
+    ) -> None:
+        """Audit a direct call refused before its policy was asked (``decision_source``)."""
+        self._audit(
+            "tool_call",
+            {
+                "principal_id": principal,
+                "session_id": sid,
+                "call_id": cid,
+                "tool_use_id": call.tool_use_id,
+                "tool_name": call.tool_name.removeprefix(PREFIX),
+                "allowed": False,
+                "decision_source": source,
+            },
+            principal,
+        )
 
     async def _foreign_session(self, call: ToolCall, principal: str | None) -> str | None:
         """Why the session a direct call names is not the caller's, else None.

@@ -101,9 +101,7 @@ class FleetUsage:
                 if failing:
                     log.info("fleet.spend_read", node=self.node)
                 failing = False
-                self.count(
-                    Reported(v.node, v.principals, v.heartbeat_at, v.spend) for v in views
-                )
+                self.count(Reported(v.node, v.principals, v.heartbeat_at, v.spend) for v in views)
             await anyio.sleep(self.member.config.heartbeat)
 
     def count(self, reports: Iterable[Reported]) -> None:

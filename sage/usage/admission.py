@@ -24,10 +24,28 @@ from sage.config import Config
 from sage.contract.codes import ErrorCode
 from sage.errors import SageError
 
-__all__ = ("ADMIT_TOPIC", "AdmitRequest", "Asker", "BudgetRefused", "admit")
+__all__ = (
+    "ADMIT_TOPIC",
+    "REPL_FORGE_CALL",
+    "REPL_OPEN",
+    "REPL_TOOL_CALL",
+    "AdmitRequest",
+    "Asker",
+    "BudgetRefused",
+    "admit",
+)
 
 ADMIT_TOPIC: Final = "sage.v1.request.usage.admit"
 ADMIT_DEADLINE: Final = 5.0
+
+# The verbs of a REPL's admissions (a headless session's are the runner's Verb values;
+# ``generate`` is the completion provider's): what the audit's budget_refused names.
+REPL_OPEN: Final = "repl.open"
+"""The hooks capsule's ``repl.open``: a REPL started for the principal."""
+REPL_TOOL_CALL: Final = "repl.tool_call"
+"""The tool bridge's direct call (``astrid mcp serve``)."""
+REPL_FORGE_CALL: Final = "repl.forge_call"
+"""The forge's call from ``astrid mcp serve --server forge``."""
 
 
 class BudgetRefused(SageError):

@@ -14,6 +14,7 @@ import anyio.streams.text
 import pytest
 
 from tests.support import FAKE_CLAUDE
+from tests.support.failover_fleet import audit_rows
 from tests.support.sage_harness import running_sage, sage_config
 
 pytestmark = pytest.mark.anyio
@@ -266,3 +267,56 @@ async def test_a_repl_session_outlives_a_restart_of_the_runner() -> None:
         assert (await sage.request("sage.v1.request.sessions", {}))["ok"]
         (answer,) = await _session([_call(1, "forge_list", {})], env, "--server", "forge")
         assert answer["result"]["isError"] is False, answer
+
+
+async def test_a_repl_over_its_budget_opens_no_repl_and_runs_no_tool() -> None:
+    """sage never sees a REPL's model calls (its ``claude`` talks to the API), so it holds
+    a REPL to its principal's budget where it can: ``repl.open`` and every tool call
+    through ``astrid mcp serve``, sage's and the forge's.  Each refusal names the budget
+    and is audited; once the budget is raised the same REPL runs tools again."""
+    config = sage_config(FAKE, {}, capsules='["tools", "greeter", "hooks", "forge"]')
+    async with running_sage(config) as sage:
+        with anyio.fail_after(20):
+            while not (await sage.request("sage.v1.request.tools", {}))["tools"]:  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+        opened = await sage.request("sage.v1.request.repl.open", {"principal_id": "alice"})
+        assert opened["ok"], opened
+        env = {"ASTRID_SOCKET": str(sage.daemon.socket), "ASTRID_SESSION_ID": opened["session_id"]}
+        greet = _call(1, "greet", {"name": "Ada"})
+        forged = _call(1, "mcp__forge__nothing", {})
+
+        code, _, err = await sage.astrid(
+            "sage", "settings", "alice", "--budget-tokens-per-day", "0"
+        )
+        assert code == 0, err
+        (tool,) = await _session([greet], env)
+        assert tool["result"]["isError"] is True
+        text = tool["result"]["content"][0]["text"]
+        assert text.startswith("budget_exceeded: "), text
+        assert "0 tokens" in text
+        (forge,) = await _session([forged], env, "--server", "forge")
+        assert forge["result"]["isError"] is True
+        assert "budget_exceeded" in json.dumps(forge["result"]), forge
+        refused = await sage.request("sage.v1.request.repl.open", {"principal_id": "alice"})
+        assert refused["ok"] is False
+        assert refused["error"] == "budget_exceeded", refused
+
+        with anyio.fail_after(10):  # the audit sink writes in batches
+            while len(audit_rows(sage.daemon, "sage.v1.audit.budget_refused")) < 3:  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+        refusals = audit_rows(sage.daemon, "sage.v1.audit.budget_refused")
+        verbs = sorted(row["verb"] for row in refusals)
+        assert verbs == ["repl.forge_call", "repl.open", "repl.tool_call"], verbs
+        (decision,) = [
+            row
+            for row in audit_rows(sage.daemon, "sage.v1.audit.tool_call")
+            if row["decision_source"] == "budget_exceeded"
+        ]
+        assert (decision["session_id"], decision["allowed"]) == (opened["session_id"], False)
+
+        code, _, err = await sage.astrid("sage", "settings", "alice", "--budget-reset")
+        assert code == 0, err
+        (tool,) = await _session([greet], env)
+        assert tool["result"]["isError"] is False, tool
+        (forge,) = await _session([forged], env, "--server", "forge")
+        assert "budget_exceeded" not in json.dumps(forge["result"]), forge
