@@ -321,8 +321,9 @@ def fleet_report_text(data: dict[str, Any]) -> str:
             lines.append(f"  {name:<20} ok      {counts}; {where}")
             continue
         what = f" ({printable(failure['entry_kind'])})" if failure.get("entry_kind") else ""
+        at = f"at seq {failure['seq']}{what}: " if failure["seq"] else ""  # 0: the whole history
         lines.append(
-            f"  {name:<20} BROKEN  at seq {failure['seq']}{what}: {printable(failure['kind'])}"
+            f"  {name:<20} BROKEN  {at}{printable(failure['kind'])}"
             f" in the {failure.get('where', 'stream')} log: {printable(failure['reason'])}"
             f" [{counts}]"
         )

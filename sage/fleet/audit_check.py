@@ -47,6 +47,7 @@ __all__ = (
     "StreamedKey",
     "compare_local",
     "first_failure",
+    "history_gone",
     "subject_of",
     "verify_subject",
 )
@@ -148,6 +149,22 @@ class FleetFailure(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
     entry_kind: str = ""
     where: Where = "stream"
+
+
+def history_gone(name: str, state: str) -> FleetFailure:
+    """The failure of a node the fleet knows (its record in the node table, ``state``
+    ``lost`` or ``stopped``) of which the stream holds nothing: its streamed history is
+    gone (a purge or rollup by a user with the rights, a stream deleted and made again),
+    and no live node can show its local log instead.  ``astrid audit verify --fleet``
+    lists it, never leaves it out."""
+    return FleetFailure(
+        kind="missing",
+        seq=0,
+        reason=(
+            f"node {name!r} is {state} and the stream holds none of its history: it was"
+            " erased (purged, rolled up, or the stream made again)"
+        ),
+    )
 
 
 def first_failure(*failures: FleetFailure | None) -> FleetFailure | None:

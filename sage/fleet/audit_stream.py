@@ -55,6 +55,7 @@ from sage.fleet.audit_check import (
     StreamedKey,
     compare_local,
     first_failure,
+    history_gone,
     subject_of,
     verify_subject,
 )
@@ -231,6 +232,7 @@ class AuditStreamer:
                     continue
             except Exception as exc:  # the publisher outlives any error: it catches up later
                 self.behind = True
+                self._stream_ready = False  # the stream may be gone: made again (checked)
                 self._queue.clear()
                 if not self._failing:
                     log.warning(
@@ -503,6 +505,11 @@ async def _verify_fleet(member: FleetMember | None) -> dict[str, Any]:
             f"cannot read the {AUDIT_STREAM} stream now: {describe(exc)}",
         )
     live = sorted(view.node for view in views if view.state is NodeState.LIVE)
+    gone = {
+        view.node: history_gone(view.node, view.state.value)
+        for view in views
+        if view.state is not NodeState.LIVE and view.node not in book.nodes
+    }
     answers: dict[str, Comparison | str] = {}
 
     async def ask(node: str) -> None:
@@ -512,11 +519,11 @@ async def _verify_fleet(member: FleetMember | None) -> dict[str, Any]:
         for node in live:
             tg.start_soon(ask, node)
     nodes = []
-    for name in sorted(set(book.nodes) | set(live)):
+    for name in sorted(set(book.nodes) | set(live) | set(gone)):
         verdict = book.verdict(name)
         answer = answers.get(name)
         local = answer if isinstance(answer, Comparison) else None
-        failure = first_failure(verdict.failure, local.failure if local else None)
+        failure = first_failure(gone.get(name), verdict.failure, local.failure if local else None)
         nodes.append(
             {
                 "node": name,

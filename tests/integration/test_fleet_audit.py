@@ -23,7 +23,7 @@ import pytest
 from sage.audit.chain import entry_hash
 from sage.fleet.audit_check import StreamedEntry, subject_of
 from tests.support.daemon import Daemon, short_dir
-from tests.support.nats_cluster import JS_TIMEOUT, NatsCluster
+from tests.support.nats_cluster import JS_TIMEOUT, NatsCluster, wait_for
 
 NODES = ["a", "b", "c"]
 
@@ -280,6 +280,57 @@ def test_a_nats_outage_then_catch_up_loses_no_entry(
     assert stream["catch_ups"] >= 2
     assert stream["sent_seq"] >= head - 1
     assert stream["behind"] is False
+
+
+def test_a_node_whose_streamed_history_is_gone_is_listed_missing(
+    fleet: tuple[NatsCluster, dict[str, Daemon]],
+) -> None:
+    """c stops (its record says so), then the stream is deleted (as a user with the
+    rights: the node users have none, and no one may purge it).  a and b make it again
+    and stream their logs anew; verify --fleet still lists c, broken ``missing``, and
+    says the fleet's audit is not intact; a and b are ok."""
+    cluster, daemons = fleet
+    wait_streamed(daemons)
+    assert daemons["c"].stop() == 0
+
+    async def delete() -> None:
+        async with cluster.client() as admin:
+            js = admin.jetstream(timeout=JS_TIMEOUT)
+            await js.delete_stream("sage_audit")
+
+    anyio.run(delete)
+    emit(daemons["a"], 1, "after")  # a notices the stream is gone and makes it again
+    emit(daemons["b"], 1, "after")
+
+    def streamed_again() -> tuple[int, dict[str, Any], Any] | None:
+        code, data, result = verify(daemons["a"])
+        nodes = by_node(data) if data.get("ok") else {}
+        again = all(
+            nodes.get(n, {}).get("local") is not None
+            and nodes[n]["local"]["unstreamed"] == 0
+            and nodes[n]["stream"]["head_seq"] == local_head(daemons[n])
+            for n in ("a", "b")
+        )
+        return (code, data, result) if again else None
+
+    found = wait_for(streamed_again, 30.0, "a and b streaming their whole logs again")
+    code, data, result = found
+    assert code == 2, result.stdout + result.stderr
+    assert data["intact"] is False
+    nodes = by_node(data)
+    assert set(nodes) == {"a", "b", "c"}, sorted(nodes)
+    assert nodes["a"]["ok"], nodes["a"]
+    assert nodes["b"]["ok"], nodes["b"]
+    gone = nodes["c"]
+    assert (gone["live"], gone["ok"], gone["stream"]["entries"]) == (False, False, 0)
+    assert gone["failure"]["kind"] == "missing"
+    assert (
+        "node 'c' is stopped and the stream holds none of its history"
+        in (gone["failure"]["reason"])
+    )
+    text = daemons["a"].astrid("audit", "verify", "--fleet", timeout=60.0)
+    assert text.returncode == 2
+    assert "BROKEN  missing in the stream log: node 'c' is stopped" in text.stdout, text.stdout
 
 
 def test_verify_fleet_without_a_fleet_says_so() -> None:
