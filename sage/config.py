@@ -23,6 +23,7 @@ import msgspec
 from bus.errors import BusError
 from bus.topics import split_pattern
 from sage.errors import ConfigError
+from sage.lease import FENCE_TIME, lease_term
 
 __all__ = (
     "AuditConfig",
@@ -485,6 +486,11 @@ class FleetConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     """Seconds between two heartbeats of this node (its record in the ``sage_nodes`` bucket)."""
     lost_after: Annotated[float, msgspec.Meta(gt=0, le=86_400)] = 6.0
     """A node whose last heartbeat is older than this many seconds is shown ``lost``."""
+    max_clock_skew: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 1.0
+    """The most two nodes' clocks may differ, in seconds: a node's lease lasts
+    ``lost_after - max_clock_skew - 0.25`` after each acknowledged heartbeat
+    (sage/lease.py), so its children are gone before another node may judge it lost.
+    ``astrid doctor`` checks each host's clock against it."""
     connect_timeout: Annotated[float, msgspec.Meta(gt=0, le=600)] = 5.0
     """Seconds the supervisor tries to reach NATS at start; then it refuses to start."""
     replicas: Annotated[int, msgspec.Meta(ge=1, le=5)] = 1
@@ -545,6 +551,20 @@ class FleetConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
                 f"fleet.lost_after: {self.lost_after} s is not longer than fleet.heartbeat"
                 f" ({self.heartbeat} s): every node would be shown lost between two beats"
             )
+        term = self.lease
+        if term < self.heartbeat:
+            raise ValueError(
+                f"fleet.lost_after: {self.lost_after} s leaves a lease of {term:g} s once"
+                f" max_clock_skew ({self.max_clock_skew} s) and the {FENCE_TIME} s to fence"
+                f" are taken off: less than one heartbeat ({self.heartbeat} s); raise"
+                " lost_after, or lower heartbeat or max_clock_skew"
+            )
+
+    @property
+    def lease(self) -> float:
+        """Seconds one acknowledged heartbeat lets the node run its children
+        (sage/lease.py, :func:`~sage.lease.lease_term`)."""
+        return lease_term(self.lost_after, self.max_clock_skew)
 
 
 def _check_nats_url(url: str) -> None:

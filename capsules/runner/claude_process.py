@@ -30,6 +30,7 @@ written for it.
 from __future__ import annotations
 
 import contextlib
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -310,6 +311,14 @@ class ClaudeProcess:
         self.conversation.end(reason)
         self._ending.set()
 
+    def fence(self) -> None:
+        """The node lost its fleet lease (sage/lease.py): the child is killed now
+        (SIGKILL to its group, no grace, whatever stop is under way)."""
+        self.end(EndReason.FENCED)
+        child = self.child
+        if child is not None and child.running:
+            child.signal_group(signal.SIGKILL)
+
     async def send(self, text: str) -> int:
         """Write one user turn; returns the turn's number.
 
@@ -477,6 +486,10 @@ class ClaudeProcess:
         """The one place that runs the stop sequence, once a reason to end appears."""
         await self._ending.wait()
         if not child.running:
+            return
+        if self.reason is EndReason.FENCED:  # fenced before the child ran: no grace
+            child.signal_group(signal.SIGKILL)
+            await child.wait()
             return
         if self.reason is None or not self.reason.gentle:
             # a fail-fast ending has no turn worth finishing: stop at once

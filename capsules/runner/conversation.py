@@ -194,7 +194,9 @@ class Conversation:
     def end(self, reason: EndReason) -> None:
         """Record a reason to end (the first is kept, but ``stopped`` overrides a planned
         ``respawn`` or ``hibernate``)."""
-        if self.reason is None or (self.reason.planned and reason is EndReason.STOPPED):
+        if self.reason is None or (
+            self.reason.planned and reason in (EndReason.STOPPED, EndReason.FENCED)
+        ):
             self.reason = reason
         if not self.ending:
             self.busy_at_end = (

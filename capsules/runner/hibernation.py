@@ -115,6 +115,41 @@ class Hibernation:
         log.info("session.hibernating", session_id=session.id, why=why)
         self.keeper.soon(self._put_to_sleep, session, proc, why)
 
+    def fence(self, session: Session) -> None:
+        """The node lost its fleet lease (capsules/runner/fleet_lease.py): kill the
+        session's child now, whatever it was doing; the session sleeps once it is
+        reaped, as a hibernation, and a send wakes it once the lease is back.  A
+        stopping session's child is killed too, and the session ends as its stop says."""
+        proc = session.proc
+        assert proc is not None
+        self.fenced(session)
+        proc.fence()
+
+    def fenced(self, session: Session) -> None:
+        """``session``'s child is killed, or ended, while the node holds no lease (the
+        fence process may have been first: sage/fence.py): it hibernates, never ends."""
+        session.fenced = True
+        if session.state is not SessionState.STOPPING:
+            if session.state is not SessionState.HIBERNATING:
+                session.hibernate()
+            session.record.state = RecordState.HIBERNATED
+            session.record.hibernated_at = session.record.hibernated_at or time.time()
+        log.warning("session.fenced", session_id=session.id)
+        if session.state is SessionState.HIBERNATING:
+            self.keeper.soon(self._fenced, session)
+
+    async def _fenced(self, session: Session) -> None:
+        await self.keeper.save(session.record)
+        self.keeper.session_event(
+            session.id,
+            "hibernating",
+            {
+                "principal_id": session.record.principal_id,
+                "session_id": session.id,
+                "why": "fenced",
+            },
+        )
+
     async def _put_to_sleep(self, session: Session, proc: ClaudeProcess, why: str) -> None:
         # the record first: a supervisor that dies now finds the session hibernated
         await self.keeper.save(session.record)

@@ -11,6 +11,7 @@ writes argv and environment.  A refusal is a :class:`SessionError`.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import anyio
@@ -55,6 +56,9 @@ class Launcher:
         self.version = ""
         self.verdict: Verdict | None = None  # None: the version could not be read
         self._version_checked = anyio.Event()
+        self.lease: Callable[[str], Awaitable[None]] | None = None
+        """The fleet lease's gate (capsules/runner/fleet_lease.py): every child's start
+        asks it first."""
 
     @property
     def config(self) -> Config:
@@ -113,6 +117,8 @@ class Launcher:
         or audited: a refusal is only raised.  ``files=False`` decides without writing
         (the check of a spare against a spawn: its identity file stays as it is)."""
         config = self.config
+        if self.lease is not None:
+            await self.lease("start a claude child")
         if self.binary is None:
             raise SessionError("claude_missing", "no usable claude binary (see `astrid doctor`)")
         await self._version_checked.wait()

@@ -18,6 +18,7 @@ result, so Claude always gets an answer.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from typing import Any, Final, Protocol
 
 import msgspec
@@ -57,9 +58,12 @@ class Tools(Protocol):
     async def call(self, proc: ClaudeProcess, call: NeedCall) -> dict[str, Any]: ...
 
 
-async def answer(tools: Tools, proc: ClaudeProcess, message: bytes) -> dict[str, Any] | None:
+async def answer(
+    tools: Tools, proc: ClaudeProcess, message: bytes, refusal: str | None = None
+) -> dict[str, Any] | None:
     """The JSON-RPC response to one message for ``tools`` (None: a notification,
-    which the session acknowledges); SessionError for a message that is no request."""
+    which the session acknowledges); SessionError for a message that is no request.
+    ``refusal``: why no tool may run now (an isError result for every ``tools/call``)."""
     outcome = handle_line(message, tools.server)
     if isinstance(outcome, Unreadable):
         raise SessionError("bad_message", f"not a JSON-RPC message: {outcome.text}")
@@ -69,6 +73,8 @@ async def answer(tools: Tools, proc: ClaudeProcess, message: bytes) -> dict[str,
         return None
     if isinstance(outcome, NeedList):
         return result(outcome.id, {"tools": await tools.list(proc)})
+    if refusal is not None:
+        return result(outcome.id, _text_error(refusal))
     return result(outcome.id, await tools.call(proc, outcome))
 
 
@@ -86,6 +92,8 @@ class McpServer:
         self.ctx = ctx
         self.tools: list[dict[str, Any]] = []
         self.forge = ForgeMcpServer(ctx)
+        self.refusal: Callable[[], str | None] = lambda: None
+        """Why no tool call may run now (the fleet lease: capsules/runner/fleet_lease.py)."""
 
     async def follow(self, envelopes: Any) -> None:
         """Keep the catalogue the tool bridge publishes."""
@@ -107,7 +115,7 @@ class McpServer:
             tools = self.forge
         else:
             raise SessionError("unknown_server", f"no sdk MCP server {request.server_name!r}")
-        return await answer(tools, proc, bytes(request.message))
+        return await answer(tools, proc, bytes(request.message), self.refusal())
 
     async def list(self, proc: ClaudeProcess) -> list[dict[str, Any]]:
         """The catalogue the tool bridge last published (bare names)."""

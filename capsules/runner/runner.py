@@ -60,6 +60,7 @@ from capsules.runner.admission import Join, judge, taken_by_another
 from capsules.runner.approval_desk import ApprovalDesk
 from capsules.runner.approvals import Verdict
 from capsules.runner.claude_process import ClaudeProcess, Ending, EndReason, SessionError
+from capsules.runner.fleet_lease import FleetLease
 from capsules.runner.fleet_side import FleetSide
 from capsules.runner.hibernation import Hibernation
 from capsules.runner.history import EventHistory
@@ -94,7 +95,7 @@ from sage import replies
 from sage.capsule.context import CapsuleContext
 from sage.claude.protocol import CanUseToolRequest, HookCallbackRequest, McpMessageRequest
 from sage.config import Config, PrincipalConfig
-from sage.contract.sessions import TurnEnd, Verb, turn_size, turn_too_large
+from sage.contract.sessions import LEASE_TOPIC, TurnEnd, Verb, turn_size, turn_too_large
 from sage.errors import SageError
 from sage.usage.admission import admit
 
@@ -142,6 +143,12 @@ class Runner:
             session_event=self.session_event,
             tasks=lambda: self._tg,
         )
+        self.lease = FleetLease(
+            lambda: ctx.config, self.sessions, self.hibernation.fence, self.audit
+        )
+        self.launcher.lease = self.lease.require  # no child starts without the lease
+        self.mcp.refusal = self.lease.refusal  # nor runs a tool call
+        self.life.lease_held = self.lease.held  # a child gone without it was fenced
         self.fleet = FleetSide(
             ctx,
             self.sessions,
@@ -200,12 +207,15 @@ class Runner:
         changed = ctx.subscribe("sage.v1.tools.changed")
         catalogue = ctx.subscribe("sage.v1.tools.list")
         identities = ctx.subscribe("tool.v1.execute.save_identity.result")
+        grants = ctx.subscribe(LEASE_TOPIC)
         # the bridge publishes its list when it changes: ask for it, now that we listen
         self._publish("sage.v1.tools.describe", {})
         async with anyio.create_task_group() as tg:
             self._tg = tg
             tg.start_soon(self.mcp.follow, catalogue)
             tg.start_soon(self.launcher.check_version)  # spawns (reconcile's too) wait
+            tg.start_soon(self.lease.follow, grants)  # and, in a fleet, for the lease
+            tg.start_soon(self.lease.watch)
             await self.startup.reconcile()
             self.startup.sweep_folders()
             for pattern, handler in subscriptions.items():
@@ -468,6 +478,7 @@ class Runner:
             await self.fleet.still_here(session)
             await self.hibernation.awake(session)
             proc = self._proc(session)
+            await self.lease.require("write a turn")
             return await self._write_turn(session, proc, req.text)
         finally:
             session.sending -= 1

@@ -14,7 +14,9 @@ it is respawned (an identity refresh), and it ends once.  Its state
 - ``INTERRUPTED``: the supervisor stopped under it; the record says so and the
   next supervisor resumes or ends it;
 - ``HIBERNATING``: idle, its child is being stopped to free the host
-  (``[sessions] hibernate_after``, ``max_live``); an operator's stop still wins;
+  (``[sessions] hibernate_after``, ``max_live``); an operator's stop still wins.  Or,
+  from any state with a child, ``fenced``: the node lost its fleet lease and the
+  child is killed at once (sage/lease.py);
 - ``HIBERNATED``: no child; the session keeps its id and conversation, and the
   next send wakes it;
 - ``WAKING``: a new child with ``--resume`` was asked for and has not yet
@@ -63,13 +65,22 @@ __all__ = (
 _OVER = frozenset({SessionState.ENDED, SessionState.INTERRUPTED})
 
 SESSION_TRANSITIONS: Final[dict[SessionState, frozenset[SessionState]]] = {
+    # HIBERNATING from STARTING, RESPAWNING and WAKING: fenced (the node lost its lease)
     SessionState.STARTING: frozenset(
-        {SessionState.RUNNING, SessionState.RESPAWNING, SessionState.STOPPING} | _OVER
+        {
+            SessionState.RUNNING,
+            SessionState.RESPAWNING,
+            SessionState.STOPPING,
+            SessionState.HIBERNATING,
+        }
+        | _OVER
     ),
     SessionState.RUNNING: frozenset(
         {SessionState.RESPAWNING, SessionState.STOPPING, SessionState.HIBERNATING} | _OVER
     ),
-    SessionState.RESPAWNING: frozenset({SessionState.RUNNING, SessionState.STOPPING} | _OVER),
+    SessionState.RESPAWNING: frozenset(
+        {SessionState.RUNNING, SessionState.STOPPING, SessionState.HIBERNATING} | _OVER
+    ),
     SessionState.STOPPING: _OVER,
     SessionState.ENDED: frozenset(),
     SessionState.INTERRUPTED: frozenset(),
@@ -78,7 +89,13 @@ SESSION_TRANSITIONS: Final[dict[SessionState, frozenset[SessionState]]] = {
     SessionState.HIBERNATED: frozenset({SessionState.WAKING, SessionState.ENDED}),
     # back to HIBERNATED: no live slot came (host_full), nothing was started
     SessionState.WAKING: frozenset(
-        {SessionState.RUNNING, SessionState.STOPPING, SessionState.HIBERNATED} | _OVER
+        {
+            SessionState.RUNNING,
+            SessionState.STOPPING,
+            SessionState.HIBERNATED,
+            SessionState.HIBERNATING,
+        }
+        | _OVER
     ),
 }
 
@@ -159,6 +176,7 @@ class Session:
     settled: anyio.Event | None = None  # set when a hibernation or a wake is over
     wake_error: SageError | None = None  # why the last wake put it back to sleep
     sending: int = 0  # sends between their wake and their turn written: not idle
+    fenced: bool = False  # its child was killed for a lost fleet lease: it hibernates
     end_reason: str | None = None  # why it ends whatever its child says (a fleet's fence)
     counted: ClaudeProcess | None = None  # the last child whose turns are in ``turns``
     replaced: ClaudeProcess | None = None  # the child a respawn stops (it takes no turn)
@@ -254,6 +272,7 @@ class Session:
         """The child is gone: the session sleeps until a send wakes it."""
         self.move(SessionState.HIBERNATED)
         self.proc = None
+        self.fenced = False
         self._settle()
 
     def wake(self) -> None:

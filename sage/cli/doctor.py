@@ -84,7 +84,7 @@ with a [fleet] table (docs/fleet.md):
   fleet-streams  every stream of the fleet there is as safe as the supervisor's
               start-up check wants (fail: fleet_stream_unsafe's settings and fix)
   fleet-clock the server's time (a JetStream answer's) against this host's clock,
-              within half of lost_after - heartbeat; warn: no stream yet to ask
+              within half of [fleet] max_clock_skew; warn: no stream yet to ask
 
 exit status: 0 when no check fails (warnings allowed), 1 otherwise.
 """

@@ -15,7 +15,7 @@ row is a :class:`~sage.cli.doctor.Check`, ok, warn or fail with the fix in its d
   start-up check wants (``fleet_stream_unsafe``); one not made yet is fine;
 - ``fleet-clock``: this host's clock against the server's (the ``ts`` of a JetStream
   stream info answer, against the local time around the request) within half of
-  ``lost_after - heartbeat`` (sage/fleet/clock.py).
+  ``[fleet] max_clock_skew`` (sage/fleet/clock.py).
 
 Nothing is created or written, on disk or on the servers.
 """
@@ -196,7 +196,7 @@ def _streams_row(found: FleetProbe) -> Check:
 
 
 def _clock_row(fleet: FleetConfig, found: FleetProbe) -> Check:
-    budget = skew_budget(fleet.lost_after, fleet.heartbeat)
+    budget = skew_budget(fleet.max_clock_skew)
     skew = found.skew
     if skew is None:
         why = (
@@ -221,8 +221,9 @@ def _clock_row(fleet: FleetConfig, found: FleetProbe) -> Check:
             name="fleet-clock",
             status="fail",
             detail=f"this host's clock is {abs(skew.offset):.3f} s {way} NATS ({how}); more"
-            f" than {budget:g} s (half of lost_after - heartbeat) lets nodes judge a live"
-            " node lost or a dead one live - sync the clock (chrony, systemd-timesyncd)",
+            f" than {budget:g} s (half of [fleet] max_clock_skew) lets nodes judge a live"
+            " node lost or a dead one live, and two run one conversation - sync the clock"
+            " (chrony, systemd-timesyncd)",
             facts=facts,
         )
     return Check(

@@ -122,6 +122,7 @@ class ErrorCode(enum.StrEnum):
     FLEET_HEARTBEAT_FAILED = "fleet_heartbeat_failed"
     FLEET_RECORD_INVALID = "fleet_record_invalid"
     FLEET_UNAVAILABLE = "fleet_unavailable"  # NATS down, no answer in time, no responders
+    FLEET_LEASE_LOST = "fleet_lease_lost"  # the node holds no fleet lease: it starts nothing
     FLEET_RACE_LOST = "fleet_race_lost"  # a key changed since the revision a write named
     FLEET_NOT_FOUND = "fleet_not_found"  # a key, bucket or object is not there
     FLEET_BUSY = "fleet_busy"

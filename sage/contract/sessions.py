@@ -50,6 +50,7 @@ __all__ = (
     "FLEET_STATUS_TOPIC",
     "INSTALL_STATUS_TOPIC",
     "KEYED_VERBS",
+    "LEASE_TOPIC",
     "SESSION_REJECTED_TOPIC",
     "AdoptReply",
     "AdoptRequest",
@@ -59,6 +60,7 @@ __all__ = (
     "EndReason",
     "EntryState",
     "InterruptRequest",
+    "LeaseGrant",
     "RecordState",
     "SessionEvent",
     "SessionRow",
@@ -168,6 +170,9 @@ FLEET_APPROVALS_TOPIC: Final = fleet_topic(Verb.APPROVALS)
 FLEET_STATUS_TOPIC: Final = fleet_topic("status")
 CLAIMS_TOPIC: Final = fleet_topic("claims")
 """The runner asks at start which of its sessions another node took (:class:`ClaimsRequest`)."""
+LEASE_TOPIC: Final = "sage.v1.fleet.lease"
+"""The supervisor grants its runner the node's lease at each acknowledged heartbeat
+(:class:`LeaseGrant`; sage/lease.py).  The runner takes it only from the supervisor."""
 
 
 class SessionEvent(enum.StrEnum):
@@ -272,6 +277,7 @@ class EndReason(enum.StrEnum):
     RESUME_FAILED = "resume_failed"  # a prefix: "resume_failed: <message>"
     RESPAWN_ABANDONED = "respawn_abandoned"
     FAILED_OVER = "failed_over"  # another node of the fleet took it while this one was lost
+    FENCED = "fenced"  # killed at once: the node lost its fleet lease; never a session's end
 
     @property
     def gentle(self) -> bool:
@@ -282,10 +288,19 @@ class EndReason(enum.StrEnum):
     def planned(self) -> bool:
         """A stop the runner asked for to go on with the session (an operator's stop
         overrides it)."""
-        return self in (EndReason.RESPAWN, EndReason.HIBERNATE)
+        return self in (EndReason.RESPAWN, EndReason.HIBERNATE, EndReason.FENCED)
 
 
 # -- payloads -------------------------------------------------------------------------
+
+
+class LeaseGrant(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``sage.v1.fleet.lease``: the node may run its children until ``until`` (seconds
+    of the host's monotonic clock, which the supervisor and the runner share); ``term``
+    the lease's length (sage/lease.py, ``lease_term``)."""
+
+    until: float
+    term: Annotated[float, msgspec.Meta(gt=0)]
 
 
 class AdoptRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

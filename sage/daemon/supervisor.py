@@ -45,6 +45,7 @@ from sage.audit import AuditLog, AuditReceipt, load_signing_key, max_unsigned_fo
 from sage.capsule.manifest import load_manifest
 from sage.capsule.privileges import check_granted
 from sage.config import Config, load_config
+from sage.contract.sessions import LEASE_TOPIC, LeaseGrant
 from sage.daemon.capsule_host import CapsuleRunner, capsule_folder, missing_capsule
 from sage.daemon.capsule_set import CAPSULE_REQUESTS, CapsuleSet, Source
 from sage.daemon.install import installed_folders, worker_manifest
@@ -55,6 +56,7 @@ from sage.errors import AuditError, ConfigError, SageError
 from sage.fleet import STATUS_TOPIC as FLEET_STATUS_TOPIC
 from sage.fleet import FleetMember, join, status_reply
 from sage.fleet.audit_stream import VERIFY_FLEET_TOPIC, FleetAudit, verify_fleet_reply
+from sage.fleet.fence_keeper import FenceKeeper
 from sage.fleet.member import LOAD_WAIT, runner_load
 from sage.fleet.nodes import NodeLoad
 from sage.fleet.router import Router
@@ -270,6 +272,8 @@ class Supervisor:
         """This node's membership of a fleet (``[fleet]``), once joined; None: a single host."""
         self.fleet_audit: FleetAudit | None = None
         self.spending: Spending | None = None
+        self.fence = FenceKeeper()
+        """The fence process of a fleet node (sage/fence.py), started once joined."""
         """With a fleet: the audit log streamed to JetStream, and the fleet's verify."""
         self.notifier = Notifier()
         self.reloads = 0
@@ -519,6 +523,10 @@ class Supervisor:
                     tg.start_soon(self._answer_verify_fleet, verify_fleet)
                     if self.fleet is not None:
                         self.fleet.load_source = self._node_load  # each heartbeat carries it
+                        # and renews the lease: the runner's, and the fence's, which a
+                        # frozen supervisor does not freeze (sage/lease.py)
+                        await tg.start(self.fence.run)
+                        self.fleet.renewed.append(self._grant_lease)
                         tg.start_soon(self.fleet.beat_every)
                         # sessions anywhere: the registry, forwarded requests, relayed events
                         usage = self.spending.usage if self.spending is not None else None
@@ -748,6 +756,20 @@ class Supervisor:
         for view in views:
             states[view.state.value] = states.get(view.state.value, 0) + 1
         return states
+
+    def _grant_lease(self, began: float) -> None:
+        """An acknowledged heartbeat that began at ``began`` (monotonic): the runner may
+        run its children until ``began`` plus the lease's term (sage/lease.py)."""
+        fleet = self.config.fleet
+        if fleet is None:
+            return
+        term = fleet.lease
+        grant = LeaseGrant(until=began + term, term=term)
+        self.fence.grant(grant.until)
+        try:
+            self.bus.publish(self.identity, LEASE_TOPIC, msgspec.to_builtins(grant))
+        except BusError as exc:
+            log.warning("fleet.lease_grant_failed", error=str(exc))
 
     async def _node_load(self) -> NodeLoad | None:
         """The session runner's load, for this node's heartbeat (None: no runner answers)."""

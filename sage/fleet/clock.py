@@ -8,9 +8,10 @@ Why it matters: a node writes ``heartbeat_at`` from its own clock, and every oth
 judges it by its own (sage/fleet/nodes.py): the age it computes is the real age plus the
 difference of the two clocks.  A node is lost past ``lost_after``, and a live node's
 record is at most ``heartbeat`` old, so two clocks more than ``lost_after - heartbeat``
-apart make a live node lost (its sessions adopted elsewhere) or keep a dead one live.
-Each host measured against the same servers, each within half of that, keeps every
-pair within it: :func:`skew_budget`.
+apart make a live node lost (its sessions adopted elsewhere) or keep a dead one live;
+and a node's lease (sage/lease.py) holds only while no two clocks are more than
+``[fleet] max_clock_skew`` apart.  Each host measured against the same servers, each
+within half of the smaller, keeps every pair within it: :func:`skew_budget`.
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ def measure(sent: float, received: float, server: float) -> Skew:
     return Skew(offset=server - (sent + received) / 2, uncertainty=max(0.0, received - sent) / 2)
 
 
-def skew_budget(lost_after: float, heartbeat: float) -> float:
-    """How far one host's clock may be from the servers': half of ``lost_after -
-    heartbeat``, so that any two hosts within it are within what a heartbeat allows."""
-    return max(0.0, lost_after - heartbeat) / 2
+def skew_budget(max_clock_skew: float) -> float:
+    """How far one host's clock may be from the servers': half of ``[fleet]
+    max_clock_skew``, what two nodes may differ by for the lease to hold (sage/lease.py).
+    It is always within ``lost_after - heartbeat`` too: the config refuses a lease
+    shorter than a heartbeat."""
+    return max_clock_skew / 2

@@ -80,6 +80,7 @@ from sage.fleet.states import MEMBERSHIP_TRANSITIONS, Machine, MembershipState
 from sage.fleet.streams import STREAMS, StreamSpec, describe_unsafe, stream_config, unsafe
 from sage.fleet.transcript_store import TranscriptStore
 from sage.fleet.transcripts import TRANSCRIPTS
+from sage.lease import beat_interval
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as Nats
@@ -248,6 +249,9 @@ class FleetMember:
         """What the node's load is now (set by the supervisor); None: not said."""
         self.principals: Callable[[], list[str]] | None = None
         """The principals the node's config names now; None: not said."""
+        self.renewed: list[Callable[[float], None]] = []
+        """Told of each acknowledged heartbeat, with the monotonic time its write began
+        (the supervisor grants its runner the lease: sage/lease.py)."""
         self.spend_source: Callable[[], SpendReport] | None = None
         """What the node spent this period (set by the fleet's router from the usage
         service: sage/fleet/spend.py); None: not said (no ledger)."""
@@ -293,11 +297,17 @@ class FleetMember:
             return None
 
     async def beat(self) -> None:
-        """Write this node's record once (a FleetError when it could not be)."""
-        record = self.record(load=await self.load()).encode()
+        """Write this node's record once (a FleetError when it could not be); once NATS
+        acknowledged it, tell :attr:`renewed` when the write began (the lease runs from
+        there: sage/lease.py)."""
+        load = await self.load()
+        began = time.monotonic()  # before the record's heartbeat_at: the lease ends early
+        record = self.record(load=load).encode()
         with nats_errors(f"the {BUCKET} bucket"):
             await self._kv.put(self.node, record)
         self.beats += 1
+        for renewed in self.renewed:
+            renewed(began)
 
     async def first_beat(self, within: float) -> None:
         """The first heartbeat, retried for ``within`` seconds: a bucket just created
@@ -321,8 +331,9 @@ class FleetMember:
         """Heartbeat for ever; a failure is logged once, and its end once.  A beat after a
         gap or after failures sets :attr:`returned`."""
         self._last_beat = time.monotonic()
+        every = beat_interval(self.config.heartbeat, self.config.lease)
         while True:
-            await anyio.sleep(self.config.heartbeat)
+            await anyio.sleep(every)
             try:
                 with nats_errors("a heartbeat"), anyio.fail_after(max(self.config.heartbeat, 1.0)):
                     await self.beat()

@@ -1,7 +1,8 @@
 """Fencing: a node judged lost while it still ran (frozen by SIGSTOP past ``lost_after``)
-gives up, once back, each session another node adopted meanwhile: its copy ends
-``failed_over`` (audited ``session_fenced``), so exactly one ``claude`` child runs the
-conversation fleet-wide, and a send from any node reaches the adopter.
+kills its own children first, when its lease ends (sage/lease.py), and gives up, once
+back, each session another node adopted meanwhile: its copy ends ``failed_over``
+(audited ``session_fenced``), so at most one ``claude`` child runs the conversation
+fleet-wide at any moment, and a send from any node reaches the adopter.
 
 Three real supervisors (the CLI double, ``[sessions] resume = true``) over a real
 3-server NATS cluster, with test_fleet_failover's configuration.
@@ -10,6 +11,7 @@ Three real supervisors (the CLI double, ``[sessions] resume = true``) over a rea
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from collections.abc import Iterator
 
@@ -50,9 +52,49 @@ def children_on(daemon: Daemon, claude_session: str) -> list[int]:
     ]
 
 
-def test_a_frozen_node_back_ends_its_copy_of_a_session_another_node_adopted(
+class Sampler:
+    """Every 20 ms, in a thread: how many ``claude`` children of ``claude_session`` run
+    on each node; the most at once, fleet-wide, and which nodes had them then."""
+
+    def __init__(self, daemons: dict[str, Daemon], claude_session: str) -> None:
+        self.daemons = daemons
+        self.claude_session = claude_session
+        self.most = 0
+        self.worst: dict[str, int] = {}
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            counts = {
+                name: len(children_on(daemon, self.claude_session))
+                for name, daemon in self.daemons.items()
+                if daemon.proc is not None
+            }
+            self.samples += 1
+            if sum(counts.values()) > self.most:
+                self.most, self.worst = sum(counts.values()), counts
+            time.sleep(0.02)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def test_a_frozen_node_fences_its_own_children_before_another_node_adopts(
     fleet: tuple[NatsCluster, dict[str, Daemon]],
 ) -> None:
+    """a's supervisor is frozen (SIGSTOP): no heartbeat renews its lease, and z1's child
+    is killed once the lease ends, before b or c may judge a lost; one of
+    them adopts z1.  Never two children on the conversation at any 20 ms sample.  Back
+    (SIGCONT), a ends its copy (asleep: no child to stop) ``failed_over``.  The child is
+    killed by the fence process (sage/fence.py): the runner is frozen with its
+    supervisor."""
     cluster, daemons = fleet
     a, c = daemons["a"], daemons["c"]
     ok = a.astrid("sage", "spawn", "alice", "--session", "z1", "--json")
@@ -62,31 +104,42 @@ def test_a_frozen_node_back_ends_its_copy_of_a_session_another_node_adopted(
     assert sent.returncode == 0, sent.stderr
     wait_for(lambda: stored(cluster, "z1"), 10.0, "z1 replicated after its turn")
 
-    a.signal(signal.SIGSTOP)  # alive, but silent: the others judge it lost
-    try:
-        adopter_name = wait_for(
-            lambda: next((n for n in ("b", "c") if running(daemons[n], "z1")), None),
-            LOST_AFTER + 15.0,
-            "z1 adopted by b or c",
-        )
-    finally:
-        a.signal(signal.SIGCONT)
-    adopter = daemons[adopter_name]
-    wait_for(lambda: children_on(adopter, claude_session), 10.0, "the adopter's child")
+    with Sampler(daemons, claude_session) as sampler:
+        a.signal(signal.SIGSTOP)  # alive, but silent: the others judge it lost
+        try:
+            frozen = time.monotonic()
+            wait_for(lambda: not children_on(a, claude_session), LOST_AFTER, "a's fence")
+            fenced_after = time.monotonic() - frozen
+            adopter_name = wait_for(
+                lambda: next((n for n in ("b", "c") if running(daemons[n], "z1")), None),
+                LOST_AFTER + 15.0,
+                "z1 adopted by b or c",
+            )
+            adopter = daemons[adopter_name]
+            wait_for(lambda: children_on(adopter, claude_session), 10.0, "the adopter's child")
+        finally:
+            a.signal(signal.SIGCONT)
+    assert sampler.samples > 20
+    assert sampler.most == 1, (sampler.most, sampler.worst)
+    assert fenced_after < LOST_AFTER, fenced_after
+    assert "sage.fence: lease lost, killed group" in a.log()  # the fence, not frozen
+    # thawed, the runner sees the child gone without its lease: fenced, not crashed
+    wait_for(lambda: a.log_events("fleet.lease_lost"), 8.0, "the runner's lease lost")
+    wait_for(lambda: a.log_events("session.fenced"), 8.0, "z1 fenced by the runner")
 
-    # back, a notices it may have been lost and ends its copy within a few seconds
-    began = time.monotonic()
-    wait_for(lambda: not children_on(a, claude_session), 8.0, "a's child of z1 stopped")
-    fenced_in = time.monotonic() - began
+    # back, a notices it may have been lost and ends its (sleeping) copy
+    wait_for(
+        lambda: local_rows(a)["z1"]["state"] == "ended", 8.0, "a's copy of z1 ended failed_over"
+    )
     local = local_rows(a)["z1"]
     assert (local["state"], local["reason"]) == ("ended", "failed_over"), local
     (fenced,) = [
         r for r in audit_rows(a, "sage.v1.audit.session_fenced") if r["session_id"] == "z1"
     ]
     assert (fenced["principal_id"], fenced["node"]) == ("alice", adopter_name)
-    assert isinstance(fenced["pid"], int)
-    assert "fleet.fenced" in a.log()
+    assert fenced["pid"] is None  # the lease had killed its child: it slept
     assert "fleet.may_have_been_lost" in a.log()  # looked at once, not at the next sweep
+    wait_for(lambda: a.log_events("fleet.lease_regained"), 8.0, "a's lease regained")
 
     # exactly one child on the conversation, fleet-wide; the adopter's claims stay
     assert len(children_on(adopter, claude_session)) == 1
@@ -115,7 +168,6 @@ def test_a_frozen_node_back_ends_its_copy_of_a_session_another_node_adopted(
     assert value(cluster, REGISTRY, "a.z1") is None
     assert claim(cluster, "z1") == taken
     assert not children_on(a, claude_session)
-    assert fenced_in < 8.0
     stop = c.astrid("sage", "stop", "z1", "--principal", "alice", "--json")
     assert stop.returncode == 0, stop.stderr
 

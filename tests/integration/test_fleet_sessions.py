@@ -677,11 +677,14 @@ def test_a_killed_node_shows_its_sessions_lost(
     ok_json(b, "sage", "stop", "s4")
 
 
-def test_with_nats_gone_local_sessions_go_on_and_remote_ones_say_so(
+def test_with_nats_gone_a_node_loses_its_lease_and_takes_its_sessions_back_after(
     fleet: tuple[NatsCluster, dict[str, Daemon]],
 ) -> None:
-    """Every NATS server killed: a's own session takes a turn as before, a request for
-    b's session answers fleet_unavailable, the listing shows a's sessions with a warning."""
+    """Every NATS server killed: no heartbeat renews a's lease, so a fences its own
+    session (its child killed, the session hibernated: another node could adopt it
+    meanwhile) and starts no child, a request for b's session answers
+    fleet_unavailable, the listing shows a's sessions with a warning.  NATS back: the
+    lease is back, the session wakes on a send, a spawn starts, b reaches it."""
     cluster, daemons = fleet
     a, b = daemons["a"], daemons["b"]
     ok_json(a, "sage", "spawn", "alice", "--session", "s5")
@@ -689,9 +692,11 @@ def test_with_nats_gone_local_sessions_go_on_and_remote_ones_say_so(
     wait_for(lambda: "s6" in rows(a), 15.0, "s6 listed on a")
     cluster.kill_all()
     wait_for(lambda: '"fleet.disconnected"' in a.log(), 10.0, "a sees NATS gone")
+    wait_for(lambda: a.log_events("fleet.lease_lost"), 20.0, "a's lease lost")
+    wait_for(lambda: rows(a).get("s5", {}).get("state") == "hibernated", 10.0, "s5 fenced")
     sent = astrid(a, "sage", "send", "s5", "still here", "--timeout", "20")
-    assert sent.returncode == 0, sent.stderr
-    assert "echo: still here" in sent.stdout
+    assert sent.returncode == 1
+    assert "fleet_lease_lost" in sent.stderr, sent.stderr
     remote = astrid(a, "sage", "send", "s6", "hello")
     assert remote.returncode == 1
     assert "fleet_unavailable" in remote.stderr, remote.stderr
@@ -701,13 +706,18 @@ def test_with_nats_gone_local_sessions_go_on_and_remote_ones_say_so(
     assert "s5" in listing.stdout
     assert "s6" not in listing.stdout
     assert "this node's sessions only: NATS is not connected" in listing.stderr
-    ok_json(a, "sage", "stop", "s5")
-    # spawned while NATS is away: its registry write is made again once it is back
-    ok_json(a, "sage", "spawn", "alice", "--session", "s7")
+    refused = astrid(a, "sage", "spawn", "alice", "--session", "s7")
+    assert refused.returncode == 1
+    assert "fleet_lease_lost" in refused.stderr, refused.stderr
     for index in range(cluster.size):
         cluster.launch(index)
     cluster.wait_meta_leader()
-    wait_for(lambda: '"fleet.registry_resynced"' in a.log(), 20.0, "a resyncs the registry")
+    wait_for(lambda: a.log_events("fleet.lease_regained"), 30.0, "a's lease back")
+    sent = astrid(a, "sage", "send", "s5", "back", "--timeout", "20")
+    assert sent.returncode == 0, sent.stderr
+    assert "echo: back" in sent.stdout  # woken with --resume: its conversation goes on
+    ok_json(a, "sage", "stop", "s5")
+    ok_json(a, "sage", "spawn", "alice", "--session", "s7")
 
     def sent_from_b() -> bool:
         result = astrid(b, "sage", "send", "s7", "back again", "--timeout", "10")

@@ -204,6 +204,8 @@ class NatsCluster:
             lines.append(f"heartbeat = {heartbeat}")
         if lost_after is not None:
             lines.append(f"lost_after = {lost_after}")
+            # every node on this one host: one clock (a short lost_after leaves a lease)
+            lines.append("max_clock_skew = 0.05")
         return "\n".join(lines) + "\n"
 
     @contextlib.asynccontextmanager

@@ -1,4 +1,4 @@
-"""astrid doctor's fleet rows from what the servers said: the clock against lost_after
+"""astrid doctor's fleet rows from what the servers said: the clock against max_clock_skew
 (a skewed server clock cannot be had from a real server here), and the rows' order."""
 
 from __future__ import annotations
@@ -9,7 +9,9 @@ from sage.fleet.clock import Skew
 from sage.fleet.probe import FleetProbe, ServerProbe, StreamProbe
 
 URL = "nats://127.0.0.1:4222"
-CONFIG = FleetConfig(url=URL, node="a", password_file="/p", heartbeat=2.0, lost_after=6.0)
+CONFIG = FleetConfig(
+    url=URL, node="a", password_file="/p", heartbeat=2.0, lost_after=6.0, max_clock_skew=1.5
+)
 
 
 def probe(offset: float | None) -> FleetProbe:
@@ -21,23 +23,24 @@ def probe(offset: float | None) -> FleetProbe:
     )
 
 
-def test_a_clock_off_by_more_than_half_of_lost_after_minus_heartbeat_fails() -> None:
-    row = _clock_row(CONFIG, probe(2.5))  # budget (6 - 2) / 2 = 2 s
+def test_a_clock_off_by_more_than_half_of_max_clock_skew_fails() -> None:
+    row = _clock_row(CONFIG, probe(0.8))  # budget 1.5 / 2 = 0.75 s
     assert row.status == "fail"
-    assert row.detail.startswith("this host's clock is 2.500 s behind NATS"), row.detail
+    assert row.detail.startswith("this host's clock is 0.800 s behind NATS"), row.detail
+    assert "half of [fleet] max_clock_skew" in row.detail
     assert "sync the clock" in row.detail
-    assert row.facts["budget_s"] == 2.0
-    ahead = _clock_row(CONFIG, probe(-2.5))
+    assert row.facts["budget_s"] == 0.75
+    ahead = _clock_row(CONFIG, probe(-0.8))
     assert ahead.status == "fail"
-    assert "2.500 s ahead of NATS" in ahead.detail
+    assert "0.800 s ahead of NATS" in ahead.detail
 
 
 def test_a_clock_within_the_budget_is_ok_and_says_how_it_was_measured() -> None:
-    row = _clock_row(CONFIG, probe(-1.5))
+    row = _clock_row(CONFIG, probe(-0.5))
     assert row.status == "ok"
     assert row.detail == (
-        f"1.500 s ahead of NATS (the server's time in a JetStream stream info answer from"
-        f" {URL}, ±0.001 s); allowed 2 s"
+        f"0.500 s ahead of NATS (the server's time in a JetStream stream info answer from"
+        f" {URL}, ±0.001 s); allowed 0.75 s"
     )
 
 

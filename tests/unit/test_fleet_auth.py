@@ -138,6 +138,6 @@ def test_skew_is_the_server_time_against_the_middle_of_the_round_trip() -> None:
     assert measure(sent=100.0, received=100.0, server=99.5).offset == pytest.approx(-0.5)
 
 
-def test_skew_budget_is_half_what_a_heartbeat_allows() -> None:
-    assert skew_budget(lost_after=6.0, heartbeat=2.0) == 2.0
-    assert skew_budget(lost_after=10.0, heartbeat=0.5) == 4.75
+def test_skew_budget_is_half_what_the_lease_allows_two_nodes() -> None:
+    assert skew_budget(1.0) == 0.5
+    assert skew_budget(0.05) == 0.025

@@ -298,6 +298,7 @@ def test_end_reasons_are_the_documented_strings() -> None:
     assert {r.value for r in EndReason} - {
         "respawn",
         "hibernate",
+        "fenced",  # a fenced child's session hibernates: no exited event
         "supervisor_shutdown",
     } == documented_reasons()
     assert EndReason.RESUME_FAILED.value == "resume_failed"
@@ -311,7 +312,25 @@ def test_only_a_stop_a_respawn_or_a_hibernation_is_gentle() -> None:
         EndReason.RESPAWN,
         EndReason.HIBERNATE,
     }
-    assert {r for r in EndReason if r.planned} == {EndReason.RESPAWN, EndReason.HIBERNATE}
+    assert {r for r in EndReason if r.planned} == {
+        EndReason.RESPAWN,
+        EndReason.HIBERNATE,
+        EndReason.FENCED,
+    }
+
+
+def test_a_fence_overrides_a_planned_end_and_a_stop_overrides_a_fence() -> None:
+    conv = conversation()
+    reasons = []
+    for reason in (EndReason.HIBERNATE, EndReason.FENCED, EndReason.STOPPED, EndReason.FENCED):
+        conv.end(reason)
+        reasons.append(conv.reason)
+    assert reasons == [
+        EndReason.HIBERNATE,
+        EndReason.FENCED,
+        EndReason.STOPPED,
+        EndReason.STOPPED,
+    ]
 
 
 def test_the_first_reason_to_end_wins() -> None:

@@ -141,12 +141,19 @@ def test_only_a_hibernated_session_may_wake_and_it_may_end_at_once() -> None:
     s.move(SessionState.ENDED)  # a stop of a sleeping session: no child to wait for
 
 
-def test_only_a_running_session_may_hibernate() -> None:
+def test_a_session_with_a_child_may_hibernate() -> None:
+    """A running session when idle (the hibernator picks only idle ones), any session
+    with a child when the node lost its fleet lease (fenced); never one asleep or over."""
+    with_child = (
+        SessionState.STARTING,
+        SessionState.RUNNING,
+        SessionState.RESPAWNING,
+        SessionState.WAKING,
+        SessionState.HIBERNATING,
+    )
     for state in SessionState:
         s = made(state=state)
-        assert s.may(SessionState.HIBERNATING) is (
-            state in (SessionState.RUNNING, SessionState.HIBERNATING)
-        )
+        assert s.may(SessionState.HIBERNATING) is (state in with_child), state
 
 
 # -- the table: who is live, who is idle ------------------------------------------------
