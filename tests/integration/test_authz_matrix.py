@@ -126,6 +126,7 @@ RULES: dict[str, Rule] = {
     "sage.v1.tools": Rule(False, False, "the catalogue between bridge and runner"),
     "sage.v1.settings": Rule(False, False, "settings changes, runner to capsules"),
     "sage.v1.install": Rule(False, False, "runner and installer"),
+    "sage.v1.fleet": Rule(False, False, "the node's lease, the supervisor to its runner"),
     "approval.v1.request": Rule(False, False, "approval prompts go to approvers (admins)"),
     "approval.v1.response": Rule(False, False, "answers come from approvers (admins)"),
     "forge.v1.request": Rule(False, False, "the runner's forge calls and admins' requests"),
