@@ -71,10 +71,18 @@ class Lease:
         self.until: float | None = None
         self.grants = 0
         self.losses = 0
+        self.lapsed_at: float | None = None
+        """When the lease last ran out (monotonic), once noted."""
         self._lost = False
 
     def grant(self, until: float) -> bool:
-        """Take a grant; True when it ends a loss (the lease is held again)."""
+        """Take a grant; True when it ends a loss (the lease is held again).  A grant
+        that comes after the lease ran out, before anyone noted it (a frozen process
+        thawed: the grant and the fence's kill arrive together), is a lapse too."""
+        if self.until is not None and not self._lost and self.clock() >= self.until:
+            self._lost = True
+            self.losses += 1
+            self.lapsed_at = self.clock()
         self.until = until if self.until is None else max(self.until, until)
         self.grants += 1
         if self._lost and self.held():
@@ -100,7 +108,17 @@ class Lease:
             return False
         self._lost = True
         self.losses += 1
+        self.lapsed_at = self.clock()
         return True
+
+    def lapsed_within(self, seconds: float) -> bool:
+        """Whether the lease is not held now (once held), or ran out in the last
+        ``seconds``: a child that died then was the fence's."""
+        if self.pending:
+            return False
+        if self._lost or not self.held():
+            return True
+        return self.lapsed_at is not None and self.clock() - self.lapsed_at <= seconds
 
     @property
     def lost(self) -> bool:

@@ -42,6 +42,8 @@ log = structlog.get_logger("sage.runner")
 
 SUPERVISOR: Final = "supervisor"
 LEASE_LOST: Final = ErrorCode.FLEET_LEASE_LOST
+LAPSE_WINDOW: Final = 5.0
+"""Seconds after a lapse of the lease in which a child's end is taken as its fence."""
 FIRST_GRANT_WAIT: Final = 2.0
 """A start before the first grant waits at most this many times ``lost_after``."""
 FENCED_STATES: Final = frozenset(
@@ -84,6 +86,12 @@ class FleetLease:
 
     def held(self) -> bool:
         return not self.active or self.lease.held()
+
+    def lapsed(self) -> bool:
+        """Whether a child that ends now may have been killed for a lost lease: the
+        lease is not held, or ran out in the last :data:`LAPSE_WINDOW` seconds (the
+        fence may kill before the runner, frozen with its supervisor, notes it)."""
+        return self.active and self.lease.lapsed_within(LAPSE_WINDOW)
 
     def refusal(self) -> str | None:
         """Why a child's tool call may not run now (None: it may)."""

@@ -171,8 +171,8 @@ class Hibernation:
         with anyio.CancelScope(shield=True):
             await keeper.save(record)
             await keeper.scrub(session)  # the child's hook token is no use to anyone now
-        if session.state is not SessionState.HIBERNATING:  # a stop came meanwhile
-            await keeper.ended(session, session.ending, EndReason.STOPPED)
+        if session.state is not SessionState.HIBERNATING:  # a stop (or a yield) came
+            await keeper.ended(session, session.ending, session.end_reason or EndReason.STOPPED)
             return
         session.hibernated()
         keeper.session_event(

@@ -148,7 +148,7 @@ class Runner:
         )
         self.launcher.lease = self.lease.require  # no child starts without the lease
         self.mcp.refusal = self.lease.refusal  # nor runs a tool call
-        self.life.lease_held = self.lease.held  # a child gone without it was fenced
+        self.life.lease_lapsed = self.lease.lapsed  # a child gone then was fenced
         self.fleet = FleetSide(
             ctx,
             self.sessions,

@@ -101,9 +101,9 @@ class SessionLife:
         self.session_event = session_event
         self._tasks = tasks
         """The runner's task group (the sessions'), once it runs."""
-        self.lease_held: Callable[[], bool] = lambda: True
-        """Whether the node holds its fleet lease (capsules/runner/fleet_lease.py): a
-        child that ends without it was fenced, and its session hibernates."""
+        self.lease_lapsed: Callable[[], bool] = lambda: False
+        """Whether the node's fleet lease is lost or just ran out (capsules/runner/
+        fleet_lease.py): a child that ends then was fenced, and its session hibernates."""
 
     @property
     def config(self) -> Config:
@@ -204,7 +204,7 @@ class SessionLife:
                         session.count(proc)
                         self._resume_if_interrupted(session, proc, ending)
                 first = False
-                if not session.fenced and not self.lease_held():  # the fence killed it
+                if not session.fenced and self.lease_lapsed():  # the fence killed it
                     self.hibernation.fenced(session)
                 waking = session.state is SessionState.WAKING
                 step = session.after_child(

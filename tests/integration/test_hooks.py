@@ -32,7 +32,7 @@ from capsules.hooks.validate import PAYLOAD_LIMIT
 from capsules.runner.command import hash_token, mint_token
 from sage.capsule.context import CapsuleContext
 from sage.capsule.manifest import load_manifest
-from sage.config import Config, LimitsConfig, PrincipalConfig
+from sage.config import Config, LimitsConfig, PrincipalConfig, UsageConfig
 from sage.daemon.capsule_host import capsule_folder
 from sage.state import StateStore
 from tests.support import FAKE_CLAUDE
@@ -314,6 +314,9 @@ async def test_repl_tokens_are_capped_per_principal_freed_by_close_and_expiry(
             PrincipalConfig(name="bob", uids=[1001]),
         ],
         limits=LimitsConfig(max_repl_tokens_per_principal=2),
+        # the rig runs no usage ledger, which a repl.open asks first (tested with a
+        # supervisor: test_mcp_serve.py, a REPL over its budget)
+        usage=UsageConfig(ledger=False),
     )
     async with _rig(tmp_path, config) as rig:
         first = await _repl(rig, "open", principal_id="alice")

@@ -222,3 +222,24 @@ async def test_a_lost_lease_fences_every_session_with_a_child_once() -> None:
     assert rig.lease.lease.lost
     await feed(rig, grant(rig.clock.now + 5))
     assert rig.audits[-1] == ("fleet_lease_regained", {"losses": 1})
+
+
+def test_a_grant_after_the_lease_ran_out_unnoticed_is_a_lapse() -> None:
+    """A frozen supervisor thawed: the next grant may come before the watch noted the
+    loss, while the fence had killed the children; a child's end then is the fence's."""
+    clock = Clock()
+    lease = Lease(clock)
+    assert not lease.lapsed_within(5.0)  # never held
+    lease.grant(clock.now + 1.0)
+    assert not lease.lapsed_within(5.0)
+    clock.now += 3.0  # frozen past the lease
+    assert lease.lapsed_within(5.0)  # not held: a child ending now was fenced
+    assert lease.grant(clock.now + 1.0) is True  # the thaw's grant: a lapse, ended
+    assert lease.losses == 1
+    assert lease.held()
+    assert lease.lapsed_within(5.0)  # held again, but it ran out just now
+    for _ in range(6):  # held on, beat after beat: the lapse ages out
+        clock.now += 0.9
+        lease.grant(clock.now + 1.0)
+    assert lease.held()
+    assert not lease.lapsed_within(5.0)
