@@ -33,14 +33,13 @@ from capsules.runner.errors import SessionError
 from capsules.runner.sessions import Session, SessionState, SessionTable
 from sage.config import Config, FleetConfig
 from sage.contract.codes import ErrorCode
-from sage.contract.sessions import LeaseGrant
+from sage.contract.sessions import SUPERVISOR_SOURCE, LeaseGrant
 from sage.lease import FENCE_POLL, Lease
 
 __all__ = ("FIRST_GRANT_WAIT", "LEASE_LOST", "FleetLease")
 
 log = structlog.get_logger("sage.runner")
 
-SUPERVISOR: Final = "supervisor"
 LEASE_LOST: Final = ErrorCode.FLEET_LEASE_LOST
 LAPSE_WINDOW: Final = 5.0
 """Seconds after a lapse of the lease in which a child's end is taken as its fence."""
@@ -53,10 +52,11 @@ FENCED_STATES: Final = frozenset(
         SessionState.RESPAWNING,
         SessionState.WAKING,
         SessionState.HIBERNATING,
+        SessionState.STOPPING,
     }
 )
-"""States whose child a lost lease kills (a stopping session's child goes too, and the
-session ends as its stop says)."""
+"""States whose child a lost lease kills (a stopping session's goes too, and the session
+ends as its stop says)."""
 
 
 class FleetLease:
@@ -120,7 +120,7 @@ class FleetLease:
     async def follow(self, grants: AsyncIterable[Envelope]) -> None:
         """Take the supervisor's grants for ever."""
         async for envelope in grants:
-            if envelope.source != SUPERVISOR or envelope.principal is not None:
+            if envelope.source != SUPERVISOR_SOURCE or envelope.principal is not None:
                 log.warning("fleet.lease_grant_ignored", source=envelope.source)
                 continue
             try:
@@ -177,7 +177,7 @@ class FleetLease:
                 or (proc.child is not None and not proc.child.running)
             ):
                 continue
-            if session.state in FENCED_STATES or session.state is SessionState.STOPPING:
+            if session.state in FENCED_STATES:
                 self._fence(session)
                 killed += 1
         self.fenced += killed

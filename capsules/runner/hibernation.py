@@ -136,21 +136,11 @@ class Hibernation:
             session.record.hibernated_at = session.record.hibernated_at or time.time()
         log.warning("session.fenced", session_id=session.id)
         if session.state is SessionState.HIBERNATING:
-            self.keeper.soon(self._fenced, session)
+            self.keeper.soon(self._put_to_sleep, session, None, "fenced")
 
-    async def _fenced(self, session: Session) -> None:
-        await self.keeper.save(session.record)
-        self.keeper.session_event(
-            session.id,
-            "hibernating",
-            {
-                "principal_id": session.record.principal_id,
-                "session_id": session.id,
-                "why": "fenced",
-            },
-        )
-
-    async def _put_to_sleep(self, session: Session, proc: ClaudeProcess, why: str) -> None:
+    async def _put_to_sleep(self, session: Session, proc: ClaudeProcess | None, why: str) -> None:
+        """Save the record, announce ``hibernating``, stop ``proc`` (None: its child is
+        killed already, a fence)."""
         # the record first: a supervisor that dies now finds the session hibernated
         await self.keeper.save(session.record)
         if session.state is not SessionState.HIBERNATING:
@@ -160,7 +150,8 @@ class Hibernation:
             "hibernating",
             {"principal_id": session.record.principal_id, "session_id": session.id, "why": why},
         )
-        await proc.stop(EndReason.HIBERNATE)
+        if proc is not None:
+            await proc.stop(EndReason.HIBERNATE)
 
     async def hibernated(self, session: Session) -> None:
         """The child of a hibernating session is reaped: it sleeps, keeping its id."""

@@ -68,6 +68,7 @@ from sage import replies
 from sage.capsule.context import CapsuleContext
 from sage.capsule.sdk import follow
 from sage.capsule.sessions import foreign_session
+from sage.contract.sessions import SUPERVISOR_SOURCE
 from sage.errors import SageError
 from sage.usage.admission import REPL_TOOL_CALL, admit
 
@@ -81,7 +82,7 @@ REMOTE_CALL = "sage.v1.tool.remote"
 """Another node's call, brought in by the supervisor."""
 FORWARD_SLACK = 5.0
 """Seconds a forwarded call may take past the execute deadline (NATS, two bridges)."""
-SUPERVISOR = "supervisor"
+SUPERVISOR = SUPERVISOR_SOURCE
 """The supervisor's source on the bus: the only one the fleet topics are taken from."""
 
 EXECUTE_DEADLINE = 50.0

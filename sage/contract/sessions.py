@@ -52,6 +52,7 @@ __all__ = (
     "KEYED_VERBS",
     "LEASE_TOPIC",
     "SESSION_REJECTED_TOPIC",
+    "SUPERVISOR_SOURCE",
     "AdoptReply",
     "AdoptRequest",
     "ClaimsReply",
@@ -170,6 +171,9 @@ FLEET_APPROVALS_TOPIC: Final = fleet_topic(Verb.APPROVALS)
 FLEET_STATUS_TOPIC: Final = fleet_topic("status")
 CLAIMS_TOPIC: Final = fleet_topic("claims")
 """The runner asks at start which of its sessions another node took (:class:`ClaimsRequest`)."""
+SUPERVISOR_SOURCE: Final = "supervisor"
+"""The bus source of the supervisor's own envelopes (its :class:`~bus.Identity`): what a
+capsule checks before it takes what only the supervisor may say."""
 LEASE_TOPIC: Final = "sage.v1.fleet.lease"
 """The supervisor grants its runner the node's lease at each acknowledged heartbeat
 (:class:`LeaseGrant`; sage/lease.py).  The runner takes it only from the supervisor."""

@@ -45,7 +45,7 @@ from sage.audit import AuditLog, AuditReceipt, load_signing_key, max_unsigned_fo
 from sage.capsule.manifest import load_manifest
 from sage.capsule.privileges import check_granted
 from sage.config import Config, load_config
-from sage.contract.sessions import LEASE_TOPIC, LeaseGrant
+from sage.contract.sessions import LEASE_TOPIC, SUPERVISOR_SOURCE, LeaseGrant
 from sage.daemon.capsule_host import CapsuleRunner, capsule_folder, missing_capsule
 from sage.daemon.capsule_set import CAPSULE_REQUESTS, CapsuleSet, Source
 from sage.daemon.install import installed_folders, worker_manifest
@@ -254,7 +254,7 @@ class Supervisor:
     def __init__(self, config: Config, config_path: str | None = None) -> None:
         self.config = config
         self.config_path = config_path
-        self.identity = Identity("supervisor")
+        self.identity = Identity(SUPERVISOR_SOURCE)
         self.bus = Bus(
             max_payload=config.bus.max_payload,
             queue_size=config.bus.queue_size,
